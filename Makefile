@@ -1,0 +1,34 @@
+# Two commands do everything on a fresh machine:
+#   make demo   set up .venv and run the main job on recipes/demo.yaml
+#   make test   set up .venv and run the linter and the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.tether-installed
+
+.PHONY: demo test lint unit bench docs clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tether plan recipes/demo.yaml
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(PY) -m pytest -q
+
+unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+bench: $(STAMP)
+	$(PY) benchmarks/loop_overhead.py
+
+docs: $(STAMP)
+	$(VENV)/bin/tether config reference > docs/reference.md
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,40 @@
+"""The ``tether`` command: one entry point, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from tether import __version__
+from tether.cli import config_cmd, plan
+from tether.errors import TetherError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tether",
+        description="Asynchronous RL post-training with a staleness budget in rollout batches.",
+    )
+    parser.add_argument("--version", action="version", version=f"tether {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    plan.add_parser(sub)
+    config_cmd.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if not getattr(ns, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return ns.func(ns)
+    except TetherError as exc:
+        print(f"tether {ns.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

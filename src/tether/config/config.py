@@ -1,0 +1,153 @@
+"""The whole configuration: recipe YAML plus dotted overrides, validated once, strictly."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tether.config.fields import build_section, closest, section_fields
+from tether.config.schema import (
+    SECTIONS,
+    AsyncSection,
+    CheckpointSection,
+    EvalSection,
+    PlanSection,
+    RolloutSection,
+    RunSection,
+    TrainSection,
+)
+from tether.control import BudgetSettings
+from tether.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Config:
+    """A validated recipe. Build it with ``load_config`` or ``Config.from_dict``."""
+
+    run: RunSection = dataclasses.field(default_factory=RunSection)
+    async_: AsyncSection = dataclasses.field(default_factory=AsyncSection)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    plan: PlanSection = dataclasses.field(default_factory=PlanSection)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> Config:
+        data = {} if data is None else data
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a recipe must be a mapping of sections, got {type(data).__name__}")
+        home = _key_homes()
+        built: dict[str, Any] = {}
+        for name, value in data.items():
+            if name not in SECTIONS:
+                hint = closest(str(name), SECTIONS)
+                if hint:
+                    raise ConfigError(f"unknown section {name!r}; did you mean {hint!r}?")
+                if name in home:
+                    raise ConfigError(
+                        f"unknown section {name!r}; {name} is a key of section {home[name]!r} "
+                        f"({home[name]}.{name})"
+                    )
+                raise ConfigError(
+                    f"unknown section {name!r}; valid sections are: {', '.join(SECTIONS)}"
+                )
+            built[_attr(name)] = build_section(SECTIONS[name], value or {}, name, home)
+        return cls(**built)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Every key, defaults included, in recipe form."""
+        return {
+            name: {k: (list(v) if isinstance(v, tuple) else v)
+                   for k, v in dataclasses.asdict(getattr(self, _attr(name))).items()}
+            for name in SECTIONS
+        }
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def budget(self) -> BudgetSettings:
+        """The control plane's settings from this recipe."""
+        return BudgetSettings(
+            max_staleness=self.async_.max_staleness,
+            updates_per_batch=self.train.updates_per_batch,
+            max_inflight=self.async_.max_inflight,
+            total_batches=self.train.num_batches,
+            eval_interval=self.eval.interval,
+            save_interval=self.checkpoint.interval,
+            on_stale=self.async_.on_stale,
+        )
+
+
+def _attr(section: str) -> str:
+    return "async_" if section == "async" else section
+
+
+def _key_homes() -> dict[str, str]:
+    """Key name → its section, for keys whose name is unique across sections."""
+    seen: dict[str, list[str]] = {}
+    for section, cls in SECTIONS.items():
+        for key in section_fields(cls):
+            seen.setdefault(key, []).append(section)
+    return {k: v[0] for k, v in seen.items() if len(v) == 1}
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``'async.max_staleness=3'`` → ``(['async', 'max_staleness'], 3)`` (value parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    path, _, raw = text.partition("=")
+    parts = path.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(
+            f"override {text!r}: the key must be section.key (e.g. async.max_staleness=3)"
+        )
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: cannot parse value {raw!r}: {exc}") from exc
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Set each ``section.key=value`` into a copy of ``data``."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+    for text in overrides:
+        (section, key), value = parse_override(text)
+        current = out.setdefault(section, {})
+        if not isinstance(current, dict):
+            raise ConfigError(f"override {text!r}: section {section!r} in the recipe is not a mapping")
+        current[key] = value
+    return out
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """Read a YAML recipe into a plain mapping, with errors that name the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"recipe {str(p)!r} does not exist (give a path to a YAML file)")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"recipe {str(p)!r} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {str(p)!r} must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Recipe (optional) + overrides → a validated ``Config``."""
+    data = read_recipe(path) if path is not None else {}
+    return Config.from_dict(apply_overrides(data, overrides))
+
+
+__all__ = ["AsyncSection", "CheckpointSection", "Config", "EvalSection", "PlanSection",
+           "RolloutSection", "RunSection", "TrainSection", "apply_overrides", "load_config",
+           "parse_override", "read_recipe"]

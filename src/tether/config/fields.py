@@ -1,0 +1,163 @@
+"""Typed, documented config fields and the strict checks every section shares.
+
+A section is a frozen dataclass whose fields are declared with ``knob(...)``: a default, one
+sentence of help, and the allowed range or choices. ``build_section`` turns a plain mapping into
+a section, refusing unknown keys (naming the closest valid one) and values of the wrong type or
+range (saying what is allowed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+from tether.errors import ConfigError
+
+_MISSING = dataclasses.MISSING
+
+
+def knob(default: Any, help: str, *, min: float | None = None, max: float | None = None,
+         choices: Iterable[str] | None = None) -> Any:
+    """Declare a config field with its default, help text and allowed values."""
+    meta = {"help": help, "min": min, "max": max, "choices": tuple(choices) if choices else None}
+    if isinstance(default, list | dict):
+        return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def closest(name: str, options: Iterable[str]) -> str | None:
+    """The closest valid spelling of ``name`` among ``options``, if any is close."""
+    matches = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def describe_type(tp: Any) -> str:
+    """A short human name for a field's type."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        return f"list of {describe_type(typing.get_args(tp)[0])}s"
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return f"{describe_type(args[0])} or null"
+    return {int: "integer", float: "number", str: "string", bool: "true/false"}.get(tp, str(tp))
+
+
+def coerce(key: str, tp: Any, value: Any) -> Any:
+    """Check ``value`` against ``tp``; return it in canonical form or raise ``ConfigError``."""
+    origin = typing.get_origin(tp)
+    wrong = ConfigError(f"{key} must be {_a(describe_type(tp))}, got {value!r} ({type(value).__name__})")
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return coerce(key, inner, value)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            hint = closest(str(value), [str(a) for a in allowed])
+            extra = f" (did you mean {hint!r}?)" if hint else ""
+            raise ConfigError(
+                f"{key} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}{extra}"
+            )
+        return value
+    if origin in (list, tuple):
+        (inner,) = typing.get_args(tp)[:1]
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+            value = [coerce(f"{key}[{i}]", inner, _scalar(v)) for i, v in enumerate(value)]
+        elif isinstance(value, list | tuple):
+            value = [coerce(f"{key}[{i}]", inner, v) for i, v in enumerate(value)]
+        else:
+            raise wrong
+        return tuple(value) if origin is tuple else list(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise wrong
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise wrong
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise wrong
+        return value
+    raise TypeError(f"unsupported config type {tp!r} for {key}")
+
+
+def _a(noun: str) -> str:
+    """'integer' → 'an integer'; leaves choices and compound names alone."""
+    if noun in ("integer",):
+        return "an integer"
+    if noun in ("number", "string"):
+        return f"a {noun}"
+    return noun
+
+
+def _scalar(text: str) -> Any:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def check_range(key: str, value: Any, meta: Mapping[str, Any]) -> None:
+    lo, hi, choices = meta.get("min"), meta.get("max"), meta.get("choices")
+    values = value if isinstance(value, list | tuple) else [value]
+    for v in values:
+        if v is None:
+            continue
+        if lo is not None and v < lo:
+            raise ConfigError(f"{key} must be >= {lo:g}, got {v!r}")
+        if hi is not None and v > hi:
+            raise ConfigError(f"{key} must be <= {hi:g}, got {v!r}")
+        if choices is not None and v not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {v!r}")
+
+
+def section_fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def build_section(cls: type, data: Mapping[str, Any], prefix: str,
+                  elsewhere: Mapping[str, str] | None = None) -> Any:
+    """Build section ``cls`` from ``data``, strictly.
+
+    ``elsewhere`` maps key names to the section they live in, so a key put in the wrong section
+    is answered with its right place.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix} must be a mapping of keys to values, got {data!r}")
+    fields = section_fields(cls)
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}"
+        if name not in fields:
+            raise ConfigError(unknown_key_message(key, str(name), fields, prefix, elsewhere))
+        value = coerce(key, hints[name], value)
+        check_range(key, value, fields[name].metadata)
+        values[name] = value
+    return cls(**values)
+
+
+def unknown_key_message(key: str, name: str, fields: Iterable[str], prefix: str,
+                        elsewhere: Mapping[str, str] | None) -> str:
+    if elsewhere and name in elsewhere:
+        home = elsewhere[name]
+        return f"unknown key {key!r}; {name} belongs in section {home!r} ({home}.{name})"
+    hint = closest(name, fields)
+    if hint:
+        return f"unknown key {key!r}; did you mean {prefix}.{hint}?"
+    valid = ", ".join(sorted(fields))
+    return f"unknown key {key!r}; valid keys in {prefix!r} are: {valid}"

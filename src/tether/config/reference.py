@@ -1,0 +1,58 @@
+"""Generate the reference of every recipe key (``docs/reference.md``) from the schema."""
+
+from __future__ import annotations
+
+import typing
+
+from tether.config.fields import describe_type, section_fields
+from tether.config.schema import SECTIONS
+
+
+def _default(field) -> str:
+    import dataclasses
+
+    if field.default is not dataclasses.MISSING:
+        value = field.default
+    else:
+        value = field.default_factory()
+    return "`" + (repr(value) if not isinstance(value, str) else f'"{value}"') + "`"
+
+
+def _allowed(field, tp) -> str:
+    meta = field.metadata
+    parts = []
+    if meta.get("min") is not None:
+        parts.append(f"≥ {meta['min']:g}")
+    if meta.get("max") is not None:
+        parts.append(f"≤ {meta['max']:g}")
+    if meta.get("choices"):
+        parts.append(" | ".join(meta["choices"]))
+    return ", ".join(parts)
+
+
+def reference_markdown() -> str:
+    """The whole reference as Markdown."""
+    lines = [
+        "# Recipe reference",
+        "",
+        "Every key a recipe may set, with its default and meaning. Generated from",
+        "`src/tether/config/schema.py` by `tether config reference`; do not edit by hand.",
+        "",
+        "Set keys in a YAML recipe (`section:` then `key: value`) or on the command line as",
+        "`section.key=value`. An unknown or misspelled key is an error naming the closest valid",
+        "one; a value of the wrong type or range says what is allowed.",
+        "",
+    ]
+    for name, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        lines += [f"## `{name}`", "", (cls.__doc__ or "").strip(), "",
+                  "| key | type | default | allowed | meaning |",
+                  "|---|---|---|---|---|"]
+        for key, field in section_fields(cls).items():
+            help_text = field.metadata["help"].replace("|", "\\|")
+            lines.append(
+                f"| `{name}.{key}` | {describe_type(hints[key]).replace('|', '/')} | "
+                f"{_default(field)} | {_allowed(field, hints[key])} | {help_text} |"
+            )
+        lines.append("")
+    return "\n".join(lines)

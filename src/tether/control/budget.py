@@ -1,0 +1,109 @@
+"""The staleness budget: static settings and the rules derived from them alone.
+
+Vocabulary (DESIGN §1): ``S = max_staleness`` is stated in whole rollout batches, ``U =
+updates_per_batch`` optimizer updates are made from each batch, so the budget in updates is
+``staleness_budget = S·U`` and ``admission_depth = S + 1`` batches may be outstanding against one
+published snapshot. A *hard boundary* is the next eval, checkpoint or final batch count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from tether.errors import ConfigError
+
+OnStale = Literal["error", "drop"]
+ON_STALE_CHOICES: tuple[str, ...] = ("error", "drop")
+
+
+def _require_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class BudgetSettings:
+    """Everything the control rules need that does not change during a run."""
+
+    max_staleness: int = 1
+    """S: how many rollout batches old the data may be when it trains."""
+    updates_per_batch: int = 1
+    """U: optimizer updates (mini-batches) made from one rollout batch."""
+    max_inflight: int = 2
+    """Generations that may run concurrently."""
+    total_batches: int = 1
+    """Rollout batches to train in the whole run (the final hard boundary)."""
+    eval_interval: int = 0
+    """Evaluate every this many trained batches (0 = off)."""
+    save_interval: int = 0
+    """Checkpoint every this many trained batches (0 = off)."""
+    on_stale: OnStale = "error"
+    """What to do with a batch above budget at consumption: fail closed, or drop and count it."""
+
+    def __post_init__(self) -> None:
+        _require_int("async.max_staleness", self.max_staleness, 0)
+        _require_int("train.updates_per_batch", self.updates_per_batch, 1)
+        _require_int("async.max_inflight", self.max_inflight, 1)
+        _require_int("train.num_batches", self.total_batches, 1)
+        _require_int("eval.interval", self.eval_interval, 0)
+        _require_int("checkpoint.interval", self.save_interval, 0)
+        if self.on_stale not in ON_STALE_CHOICES:
+            raise ConfigError(
+                f"async.on_stale must be one of {', '.join(ON_STALE_CHOICES)}, got {self.on_stale!r}"
+            )
+
+    # -- derived quantities -------------------------------------------------------------------
+
+    @property
+    def staleness_budget(self) -> int:
+        """The budget in optimizer updates: ``S · U``."""
+        return self.max_staleness * self.updates_per_batch
+
+    @property
+    def admission_depth(self) -> int:
+        """Rollout batches that may be outstanding against one published snapshot: ``S + 1``."""
+        return self.max_staleness + 1
+
+    @property
+    def sync_period_batches(self) -> int:
+        """Batches between publications once every limit applies.
+
+        ``min(admission_depth, eval_interval, save_interval)`` over the non-zero intervals.
+        """
+        limits = [self.admission_depth]
+        limits += [i for i in (self.eval_interval, self.save_interval) if i > 0]
+        return min(limits)
+
+    @property
+    def effective_max_staleness(self) -> int:
+        """The deepest staleness, in batches, data can actually reach in this run.
+
+        The budget caps it at S, a boundary interval at ``interval − 1``, a short run at
+        ``total_batches − 1``.
+        """
+        return min(self.max_staleness, self.sync_period_batches - 1, self.total_batches - 1)
+
+    # -- hard boundaries ----------------------------------------------------------------------
+
+    def next_hard_boundary(self, trained_batches: int) -> int:
+        """The nearest eval, checkpoint or final batch count strictly above ``trained_batches``."""
+        if not 0 <= trained_batches < self.total_batches:
+            raise ValueError(
+                f"trained_batches={trained_batches} outside [0, {self.total_batches})"
+            )
+        boundary = self.total_batches
+        for interval in (self.eval_interval, self.save_interval):
+            if interval > 0:
+                boundary = min(boundary, (trained_batches // interval + 1) * interval)
+        return boundary
+
+    def eval_due(self, step: int) -> bool:
+        """Evaluate after ``step`` trained batches: at every interval and at the end."""
+        return self.eval_interval > 0 and (step % self.eval_interval == 0 or step == self.total_batches)
+
+    def save_due(self, step: int) -> bool:
+        """Checkpoint after ``step`` trained batches: at every interval and at the end."""
+        return self.save_interval > 0 and (step % self.save_interval == 0 or step == self.total_batches)

@@ -1,0 +1,172 @@
+"""The mutable half of the control plane: versions, staleness, admission, and the sync rule.
+
+``train_version`` counts *committed* optimizer updates; ``rollout_version`` is the version last
+published to the rollout engines. Their difference is ``publish_lag`` (weight-sync debt). A
+batch's staleness is ``train_version − behavior_version`` when it starts training.
+
+Launch rule (DESIGN §2), evaluated each time the driver looks for a batch:
+
+    no launch while publish_lag > staleness_budget
+    freshness = (staleness_budget − publish_lag) // U + 1
+    allowed   = min(freshness, total − trained, hard_boundary − trained)
+    slots     = max(0, min(max_inflight − inflight, allowed − inflight − ready))
+
+Every outstanding batch was launched against the current published version (a sync drains all
+of them), and each batch consumed before it adds at most U updates, so the j-th outstanding batch
+(j = 0, 1, …) trains at staleness ≤ publish_lag + j·U. ``freshness`` is the number of j that keep
+this within the budget; the floor means a partially committed step never admits a generation
+the budget cannot cover.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tether.control.budget import BudgetSettings
+from tether.errors import ControlError, StaleBatchError
+
+
+@dataclass(frozen=True)
+class Staleness:
+    """How old a batch's behavior policy is when the batch starts training."""
+
+    updates: int
+    batches: float
+    within_budget: bool
+
+
+@dataclass(frozen=True)
+class SyncDecision:
+    """Why weights must be published after a step (empty reasons = no sync)."""
+
+    reasons: tuple[str, ...]
+
+    @property
+    def due(self) -> bool:
+        return bool(self.reasons)
+
+
+class AsyncControl:
+    """Versions plus the budget rules. Pure Python; the driver loop is its only writer."""
+
+    def __init__(self, settings: BudgetSettings, *, train_version: int = 0) -> None:
+        self.settings = settings
+        self._train_version = 0
+        self._rollout_version = 0
+        self.publish_required = False
+        if train_version:
+            self.restore(train_version)
+
+    # -- versions -----------------------------------------------------------------------------
+
+    @property
+    def train_version(self) -> int:
+        return self._train_version
+
+    @property
+    def rollout_version(self) -> int:
+        return self._rollout_version
+
+    @property
+    def publish_lag(self) -> int:
+        return self._train_version - self._rollout_version
+
+    def commit(self, updates: int) -> None:
+        """Advance the clock by the updates a step actually committed (0 ≤ updates ≤ U)."""
+        u = self.settings.updates_per_batch
+        if isinstance(updates, bool) or not isinstance(updates, int) or not 0 <= updates <= u:
+            raise ControlError(f"a step commits between 0 and U={u} updates, got {updates!r}")
+        self._train_version += updates
+
+    def mark_published(self, version: int | None = None) -> int:
+        """Record that the engines now hold ``version`` (default: the current train version)."""
+        version = self._train_version if version is None else version
+        if version > self._train_version:
+            raise ControlError(
+                f"published version {version} is ahead of train version {self._train_version}"
+            )
+        if version < self._rollout_version:
+            raise ControlError(
+                f"published version would go backwards: {self._rollout_version} -> {version}"
+            )
+        self._rollout_version = version
+        self.publish_required = False
+        return version
+
+    def restore(self, train_version: int) -> None:
+        """Resume: the train version comes from the restored optimizer state.
+
+        The engines start from the base weights, so the published version is unknown: it is reset
+        to 0 and a publish is forced before anything is launched.
+        """
+        if isinstance(train_version, bool) or not isinstance(train_version, int) or train_version < 0:
+            raise ControlError(f"restored train version must be an integer >= 0, got {train_version!r}")
+        self._train_version = train_version
+        self._rollout_version = 0
+        self.publish_required = train_version > 0
+
+    # -- staleness ----------------------------------------------------------------------------
+
+    def staleness(self, behavior_version: int) -> Staleness:
+        """Staleness of a batch generated under ``behavior_version``, were it to train now."""
+        if behavior_version > self._train_version:
+            raise ControlError(
+                f"batch behavior version {behavior_version} is in the future "
+                f"(train version {self._train_version})"
+            )
+        if behavior_version < 0:
+            raise ControlError(f"batch behavior version must be >= 0, got {behavior_version}")
+        updates = self._train_version - behavior_version
+        return Staleness(
+            updates=updates,
+            batches=updates / self.settings.updates_per_batch,
+            within_budget=updates <= self.settings.staleness_budget,
+        )
+
+    def check_consumable(self, behavior_version: int, batch_index: int) -> Staleness:
+        """Staleness of the batch at the head of the queue; fail closed above budget.
+
+        With ``on_stale=drop`` the verdict is returned and the caller drops and counts the batch.
+        """
+        s = self.staleness(behavior_version)
+        if not s.within_budget and self.settings.on_stale == "error":
+            raise StaleBatchError(
+                f"rollout batch {batch_index} is {s.updates} updates stale "
+                f"(behavior version {behavior_version}, train version {self._train_version}), "
+                f"above the budget of {self.settings.staleness_budget} updates "
+                f"(async.max_staleness={self.settings.max_staleness} × "
+                f"train.updates_per_batch={self.settings.updates_per_batch}). Admission should "
+                "never let this happen; set async.on_stale=drop to drop such batches instead."
+            )
+        return s
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def freshness(self) -> int:
+        """Batches that may be outstanding against the current published version."""
+        budget = self.settings.staleness_budget
+        lag = self.publish_lag
+        if self.publish_required or lag > budget:
+            return 0
+        return (budget - lag) // self.settings.updates_per_batch + 1
+
+    def launch_slots(self, *, inflight: int, ready: int, trained_batches: int) -> int:
+        """How many generations to launch now (DESIGN §2 rule 2)."""
+        s = self.settings
+        boundary = s.next_hard_boundary(trained_batches)
+        allowed = min(self.freshness(), s.total_batches - trained_batches, boundary - trained_batches)
+        return max(0, min(s.max_inflight - inflight, allowed - inflight - ready))
+
+    # -- sync rule ----------------------------------------------------------------------------
+
+    def sync_decision(self, step: int) -> SyncDecision:
+        """After ``step`` trained batches: publish for an eval, a save, or an exhausted budget."""
+        s = self.settings
+        reasons = []
+        if s.eval_due(step):
+            reasons.append("eval")
+        if s.save_due(step):
+            reasons.append("save")
+        if step < s.total_batches and self.publish_lag > s.staleness_budget:
+            reasons.append("budget")
+        return SyncDecision(tuple(reasons))

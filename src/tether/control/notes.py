@@ -1,0 +1,83 @@
+"""Admission notes: settings whose number does not buy what its name implies.
+
+Logged once at start. Each note states the number that actually takes effect, so a recipe that
+asks for a deep budget but clamps it with an eval interval says so instead of running silently
+shallower (DESIGN §2, last paragraph).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tether.control.budget import BudgetSettings
+
+
+@dataclass(frozen=True)
+class AdmissionNote:
+    """One note: a stable ``code`` for tests and tooling, and a sentence for people."""
+
+    code: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}"
+
+
+def admission_notes(s: BudgetSettings) -> list[AdmissionNote]:
+    """The notes for these settings, in a fixed order (possibly none)."""
+    notes: list[AdmissionNote] = []
+    depth = s.admission_depth
+    period = s.sync_period_batches
+    if s.max_staleness == 0:
+        notes.append(
+            AdmissionNote(
+                "no_overlap",
+                "async.max_staleness=0: every batch trains on exactly the published policy, so "
+                "generation of the next batch cannot start until the current one has trained and "
+                "been published; generation and training do not overlap (synchronous mode).",
+            )
+        )
+    if s.max_inflight > depth:
+        notes.append(
+            AdmissionNote(
+                "inflight_surplus",
+                f"async.max_inflight={s.max_inflight} exceeds admission_depth={depth} "
+                f"(max_staleness + 1): at most {depth} generations are ever outstanding, so "
+                f"{s.max_inflight - depth} slot(s) are never used.",
+            )
+        )
+    if depth > s.max_inflight + 1:
+        notes.append(
+            AdmissionNote(
+                "depth_surplus",
+                f"admission_depth={depth} exceeds async.max_inflight + 1 = {s.max_inflight + 1}: "
+                "the extra depth adds no concurrent generation; it lengthens the weight-sync "
+                f"period, which is {period} batch(es).",
+            )
+        )
+    clamps = [
+        (key, interval)
+        for key, interval in (("eval.interval", s.eval_interval), ("checkpoint.interval", s.save_interval))
+        if 0 < interval < depth
+    ]
+    if clamps:
+        which = " and ".join(f"{key}={interval}" for key, interval in clamps)
+        notes.append(
+            AdmissionNote(
+                "boundary_clamp",
+                f"{which} is below admission_depth={depth}: weights are published every {period} "
+                f"batch(es) and data is never more than {period - 1} batch(es) stale, not the "
+                f"{s.max_staleness} that async.max_staleness allows; the rest of the budget is "
+                "never spent.",
+            )
+        )
+    if s.total_batches < period:
+        notes.append(
+            AdmissionNote(
+                "short_run",
+                f"train.num_batches={s.total_batches} is shorter than one sync period "
+                f"({period} batches): data is never more than {s.total_batches - 1} batch(es) "
+                "stale in this run.",
+            )
+        )
+    return notes

@@ -1,0 +1,73 @@
+"""Tether's exceptions, one small tree.
+
+    TetherError                   every error Tether raises on purpose
+    ├── ConfigError               a recipe, override or flag is wrong; the message says what to change
+    ├── ControlError              the control plane's rules were broken
+    │   ├── StaleBatchError       a batch is staler than the budget (``async.on_stale=error``)
+    │   └── AdmissionStallError   nothing in flight or ready and no launch allowed (a bug, never a hang)
+    ├── QueueClosedError          a rollout-batch queue was closed while someone used it
+    ├── QueueTimeoutError         a blocking queue call ran past its timeout
+    └── RolloutError              generation or scoring failed; carries the worker, batch and cause
+
+User mistakes raise ``ConfigError``; internal invariants use ``assert``.
+"""
+
+from __future__ import annotations
+
+
+class TetherError(Exception):
+    """Base of every error Tether raises on purpose."""
+
+
+class ConfigError(TetherError, ValueError):
+    """A recipe key, value, override or flag is wrong. The message names the fix."""
+
+
+class ControlError(TetherError):
+    """A control-plane rule was violated (versions, budget, admission)."""
+
+
+class StaleBatchError(ControlError):
+    """A rollout batch is staler than the staleness budget when it is about to train."""
+
+
+class AdmissionStallError(ControlError):
+    """Nothing is in flight or ready and admission opens no slot: the loop would hang."""
+
+
+class QueueClosedError(TetherError):
+    """The rollout-batch queue was closed."""
+
+
+class QueueTimeoutError(TetherError, TimeoutError):
+    """A blocking get or put on the rollout-batch queue did not finish in time."""
+
+
+class RolloutError(TetherError):
+    """Generating or scoring a rollout batch failed.
+
+    ``worker`` and ``batch_index`` say where; ``remote_traceback`` holds the original traceback
+    text when the failure happened in another thread or process.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker: str | None = None,
+        batch_index: int | None = None,
+        remote_traceback: str | None = None,
+    ) -> None:
+        self.worker = worker
+        self.batch_index = batch_index
+        self.remote_traceback = remote_traceback
+        where = []
+        if worker is not None:
+            where.append(f"worker {worker}")
+        if batch_index is not None:
+            where.append(f"batch {batch_index}")
+        text = f"{', '.join(where)}: {message}" if where else message
+        if remote_traceback:
+            text = f"{text}\n\nOriginal traceback:\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+        self.message = message

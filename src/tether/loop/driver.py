@@ -1,0 +1,299 @@
+"""The driver loop (DESIGN §2): reap → launch → consume → train → sync → eval/save.
+
+Single-threaded; the pool's workers run concurrently with it. The same loop runs for real, in
+virtual time (``tether plan``) and in tests, against the ``RolloutPool`` and ``Learner`` seams.
+
+Waiting: when nothing is ready the loop blocks until the *next* in-flight batch completes, not
+specifically the oldest. Every outstanding batch was launched against the same published version
+(each sync drains them all), so the order of consumption cannot change any batch's staleness
+bound, and taking whichever finishes first keeps the trainer from idling behind a slow one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+
+from tether.control import AsyncControl, Staleness, admission_notes
+from tether.errors import AdmissionStallError, ControlError
+from tether.loop.observe import BatchRecord, LoopEvent, LoopObserver
+from tether.loop.protocols import (
+    BoundaryHooks,
+    GenerationRequest,
+    Learner,
+    LoopState,
+    RolloutBatch,
+    RolloutPool,
+)
+
+log = logging.getLogger("tether.loop")
+
+
+class NoHooks:
+    """Boundary hooks that do nothing (eval returns no metrics)."""
+
+    def evaluate(self, step: int, version: int) -> Mapping[str, float]:
+        return {}
+
+    def save(self, step: int, state: LoopState) -> None:
+        return None
+
+
+class Driver:
+    """Runs one training run's batches through the control rules."""
+
+    def __init__(
+        self,
+        control: AsyncControl,
+        pool: RolloutPool,
+        learner: Learner,
+        *,
+        hooks: BoundaryHooks | None = None,
+        observer: LoopObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wait_timeout_s: float | None = None,
+        drain_timeout_s: float | None = 60.0,
+    ) -> None:
+        self.control = control
+        self.settings = control.settings
+        self.pool = pool
+        self.learner = learner
+        self.hooks = hooks or NoHooks()
+        self.observer = observer or LoopObserver()
+        self.clock = clock
+        self.wait_timeout_s = wait_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        self.ready: deque[RolloutBatch] = deque()
+        self.trained = 0
+        self.launched = 0
+        self.dropped = 0
+        self.drained = 0
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self, resume: LoopState | None = None) -> LoopState:
+        """Train until ``settings.total_batches`` batches have trained; return the final state."""
+        self._begin(resume)
+        try:
+            while self.trained < self.settings.total_batches:
+                t_step = self.clock()
+                batch, staleness, waited = self._next_batch()
+                train_metrics, t_train = self._train(batch)
+                sync_s, eval_s, save_s = self._boundaries()
+                self._report(batch, staleness, train_metrics, t_step, waited, t_train, sync_s, eval_s, save_s)
+        except BaseException as primary:
+            self._teardown(primary)
+            raise
+        self._teardown(None)
+        return self.state()
+
+    def state(self) -> LoopState:
+        return LoopState(
+            trained_batches=self.trained,
+            launched_batches=self.launched,
+            dropped_batches=self.dropped,
+            train_version=self.control.train_version,
+        )
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def _begin(self, resume: LoopState | None) -> None:
+        """Notes once; on resume, restore counters and publish first; baseline eval when fresh."""
+        for note in admission_notes(self.settings):
+            log.info("admission note %s", note)
+            self.observer.on_note(note.code, note.message)
+        if resume is not None:
+            if resume.trained_batches >= self.settings.total_batches:
+                raise ControlError(
+                    f"nothing to resume: {resume.trained_batches} batches already trained "
+                    f"of train.num_batches={self.settings.total_batches}"
+                )
+            self.trained = resume.trained_batches
+            self.launched = resume.launched_batches
+            self.dropped = resume.dropped_batches
+            self.control.restore(resume.train_version)
+        if self.control.publish_required:
+            self._publish(("resume",))
+        if self.trained == 0 and self.settings.eval_interval > 0:
+            self._evaluate(0)
+
+    def _next_batch(self) -> tuple[RolloutBatch, Staleness, float]:
+        """Reap, launch, and take the head of the ready FIFO; returns the seconds spent waiting."""
+        waited = 0.0
+        while True:
+            self._reap(self.pool.reap())
+            self._launch()
+            if not self.ready:
+                if self.pool.inflight == 0:
+                    raise AdmissionStallError(
+                        "nothing is in flight or ready and the staleness budget admits no new "
+                        f"generation (train_version={self.control.train_version}, "
+                        f"rollout_version={self.control.rollout_version}, trained={self.trained}); "
+                        "this is a bug in the control plane, please report it"
+                    )
+                t0 = self.clock()
+                self._reap(self.pool.wait(self.wait_timeout_s))
+                waited += self.clock() - t0
+                continue
+            batch = self.ready.popleft()
+            staleness = self.control.check_consumable(batch.behavior_version, batch.index)
+            if staleness.within_budget:
+                self._emit("consume", batch=batch.index, version=batch.behavior_version,
+                           detail={"staleness_updates": staleness.updates})
+                return batch, staleness, waited
+            self._drop(batch, staleness)
+
+    def _train(self, batch: RolloutBatch) -> tuple[Mapping[str, float], float]:
+        t0 = self.clock()
+        result = self.learner.train(batch, train_version=self.control.train_version)
+        self.control.commit(result.committed_updates)
+        self.trained += 1
+        t1 = self.clock()
+        self._emit("train", t=t0, end=t1, batch=batch.index, version=self.control.train_version,
+                   detail={"committed": result.committed_updates, "attempted": result.attempted_updates})
+        metrics = dict(result.metrics)
+        metrics["async/optimizer_updates"] = result.committed_updates
+        return metrics, t1 - t0
+
+    def _boundaries(self) -> tuple[float, float, float]:
+        """Sync if due, then evaluate and save if due; returns their durations."""
+        step = self.trained
+        decision = self.control.sync_decision(step)
+        sync_s = eval_s = save_s = 0.0
+        if decision.due:
+            sync_s = self._publish(decision.reasons)
+        if self.settings.eval_due(step):
+            eval_s = self._evaluate(step)
+        if self.settings.save_due(step):
+            t0 = self.clock()
+            self.hooks.save(step, self.state())
+            save_s = self.clock() - t0
+            self._emit("save", t=t0, end=t0 + save_s, version=self.control.train_version,
+                       detail={"step": step})
+        return sync_s, eval_s, save_s
+
+    # -- pieces -------------------------------------------------------------------------------
+
+    def _reap(self, batches: list[RolloutBatch]) -> None:
+        for batch in batches:
+            self.ready.append(batch)
+            self._emit("ready", batch=batch.index, version=batch.behavior_version)
+
+    def _launch(self) -> None:
+        slots = self.control.launch_slots(
+            inflight=self.pool.inflight, ready=len(self.ready), trained_batches=self.trained
+        )
+        for _ in range(slots):
+            request = GenerationRequest(index=self.launched, version=self.control.rollout_version)
+            self.pool.launch(request)
+            self.launched += 1
+            self._emit("launch", batch=request.index, version=request.version)
+
+    def _drop(self, batch: RolloutBatch, staleness: Staleness) -> None:
+        self.dropped += 1
+        log.warning(
+            "dropped rollout batch %d: %d updates stale, budget %d (async.on_stale=drop); "
+            "%d dropped so far",
+            batch.index, staleness.updates, self.settings.staleness_budget, self.dropped,
+        )
+        self._emit("drop", batch=batch.index, version=batch.behavior_version,
+                   detail={"staleness_updates": staleness.updates})
+
+    def _publish(self, reasons: tuple[str, ...]) -> float:
+        """Quiesce, check nothing was outstanding, publish if there is anything new."""
+        t0 = self.clock()
+        outstanding = self.pool.inflight + len(self.ready)
+        self._reap(self.pool.quiesce(self.drain_timeout_s))
+        if self.ready:
+            raise ControlError(
+                f"{len(self.ready)} rollout batch(es) outstanding at a weight sync after "
+                f"{self.trained} batches (reasons: {', '.join(reasons)}); admission must leave "
+                "the queue empty at every sync"
+            )
+        published = False
+        if self.control.publish_lag > 0 or self.control.publish_required:
+            self.pool.publish(self.learner.export_weights(), self.control.train_version)
+            self.control.mark_published()
+            published = True
+        t1 = self.clock()
+        self._emit("sync", t=t0, end=t1, version=self.control.rollout_version,
+                   detail={"step": self.trained, "reasons": reasons, "published": published,
+                           "outstanding": outstanding})
+        return t1 - t0
+
+    def _evaluate(self, step: int) -> float:
+        t0 = self.clock()
+        metrics = self.hooks.evaluate(step, self.control.rollout_version)
+        t1 = self.clock()
+        self._emit("eval", t=t0, end=t1, version=self.control.rollout_version, detail={"step": step})
+        self.observer.on_eval(step, metrics)
+        return t1 - t0
+
+    def _report(self, batch: RolloutBatch, staleness: Staleness, train_metrics: Mapping[str, float],
+                t_step: float, waited: float, train_s: float, sync_s: float, eval_s: float,
+                save_s: float) -> None:
+        step_s = self.clock() - t_step
+        c = self.control
+        metrics: dict[str, float] = {**batch.metrics, **train_metrics}
+        metrics.update({
+            "async/train_version": c.train_version,
+            "async/rollout_version": c.rollout_version,
+            "async/publish_lag": c.publish_lag,
+            "async/behavior_version": batch.behavior_version,
+            "async/sync_period_batches": self.settings.sync_period_batches,
+            "async/dropped_batches": self.dropped,
+            "async/inflight": self.pool.inflight,
+            "async/ready": len(self.ready),
+            "staleness/updates": staleness.updates,
+            "staleness/batches": staleness.batches,
+            "time/generate_wait": waited,
+            "time/train": train_s,
+            "time/sync": sync_s,
+            "time/eval": eval_s,
+            "time/save": save_s,
+            "time/step": step_s,
+            "throughput/samples_per_s": batch.num_samples / step_s if step_s > 0 else 0.0,
+        })
+        if batch.newest_version is not None:
+            metrics["staleness/span_updates"] = batch.newest_version - batch.behavior_version
+        self.observer.on_batch(BatchRecord(
+            step=self.trained, batch_index=batch.index, behavior_version=batch.behavior_version,
+            staleness_updates=staleness.updates, staleness_batches=staleness.batches,
+            metrics=metrics,
+        ))
+
+    def _teardown(self, primary: BaseException | None) -> None:
+        """Drain whatever is still outstanding; never mask a primary error."""
+        if self.pool.inflight == 0 and not self.ready:
+            return
+        try:
+            self._reap(self.pool.quiesce(self.drain_timeout_s))
+        except BaseException as exc:
+            if primary is None:
+                raise
+            log.error("draining rollout work after %r failed too: %r", primary, exc)
+            return
+        self.drained += len(self.ready)
+        self._emit("drain", detail={"batches": [b.index for b in self.ready]})
+        if primary is None:
+            raise ControlError(
+                f"{len(self.ready)} rollout batch(es) were outstanding after the final batch; "
+                "the final hard boundary must leave nothing in flight"
+            )
+        self.ready.clear()
+
+    def _emit(self, kind: str, *, t: float | None = None, end: float | None = None,
+              batch: int | None = None, version: int | None = None,
+              detail: Mapping[str, object] | None = None) -> None:
+        self.observer.on_event(LoopEvent(
+            kind=kind, t=self.clock() if t is None else t, end=end, batch=batch, version=version,
+            detail=detail or {},
+        ))
+
+
+def run_loop(control: AsyncControl, pool: RolloutPool, learner: Learner, **kwargs) -> LoopState:
+    """Convenience: build a ``Driver`` and run it from the start (or ``resume=``)."""
+    resume = kwargs.pop("resume", None)
+    return Driver(control, pool, learner, **kwargs).run(resume)

@@ -1,0 +1,99 @@
+"""What the driver loop tells the outside world: timestamped events and per-batch records."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+EVENT_KINDS = ("launch", "ready", "consume", "drop", "train", "sync", "eval", "save", "drain")
+
+
+@dataclass(frozen=True)
+class LoopEvent:
+    """One thing that happened. Spans (train, sync, eval, save) have an ``end``."""
+
+    kind: str
+    t: float
+    end: float | None = None
+    batch: int | None = None
+    version: int | None = None
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """One consumed-and-trained rollout batch, with every metric of that step."""
+
+    step: int
+    """Trained batches after this one (1-based)."""
+    batch_index: int
+    """The batch's launch index (its position in the prompt stream)."""
+    behavior_version: int
+    staleness_updates: int
+    staleness_batches: float
+    metrics: Mapping[str, float]
+
+
+class LoopObserver:
+    """Receives the loop's output. Subclass and override what you need; all default to no-ops."""
+
+    def on_note(self, code: str, message: str) -> None:
+        """An admission note, once at start."""
+
+    def on_event(self, event: LoopEvent) -> None:
+        """A timestamped event (launch, ready, consume, drop, train, sync, eval, save, drain)."""
+
+    def on_batch(self, record: BatchRecord) -> None:
+        """A trained batch, after its sync, eval and save."""
+
+    def on_eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Evaluation results after ``step`` trained batches (0 = before training)."""
+
+
+class Observers(LoopObserver):
+    """Fan one loop's output out to several observers, in order."""
+
+    def __init__(self, *observers: LoopObserver) -> None:
+        self.observers = [o for o in observers if o is not None]
+
+    def on_note(self, code: str, message: str) -> None:
+        for o in self.observers:
+            o.on_note(code, message)
+
+    def on_event(self, event: LoopEvent) -> None:
+        for o in self.observers:
+            o.on_event(event)
+
+    def on_batch(self, record: BatchRecord) -> None:
+        for o in self.observers:
+            o.on_batch(record)
+
+    def on_eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        for o in self.observers:
+            o.on_eval(step, metrics)
+
+
+class TraceRecorder(LoopObserver):
+    """Keeps everything in memory: the event trace, the records, evals and notes."""
+
+    def __init__(self) -> None:
+        self.events: list[LoopEvent] = []
+        self.records: list[BatchRecord] = []
+        self.evals: list[tuple[int, Mapping[str, float]]] = []
+        self.notes: list[tuple[str, str]] = []
+
+    def on_note(self, code: str, message: str) -> None:
+        self.notes.append((code, message))
+
+    def on_event(self, event: LoopEvent) -> None:
+        self.events.append(event)
+
+    def on_batch(self, record: BatchRecord) -> None:
+        self.records.append(record)
+
+    def on_eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.evals.append((step, dict(metrics)))
+
+    def of_kind(self, kind: str) -> list[LoopEvent]:
+        return [e for e in self.events if e.kind == kind]

@@ -1,0 +1,286 @@
+"""Virtual time: the real driver loop run against a simulated pool and learner.
+
+Nothing sleeps. Each generation's completion time is known when it is launched (it starts when
+one of ``workers`` engines is free and takes ``gen_time`` seconds, optionally jittered), each
+training step advances the shared clock by ``U × train_time``, each publish by ``sync_time``.
+Because the loop is the real one, the trace it produces is the exact publication schedule and
+staleness distribution a real run with those timings would have.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tether.control import AsyncControl, BudgetSettings
+from tether.errors import ControlError
+from tether.loop.driver import Driver
+from tether.loop.observe import LoopObserver, Observers, TraceRecorder
+from tether.loop.protocols import GenerationRequest, LoopState, RolloutBatch, TrainResult
+
+
+class VirtualClock:
+    """Seconds of simulated time; the simulated pool and learner move it forward."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance_to(self, t: float) -> None:
+        self.now = max(self.now, t)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """How long things take in the virtual world, in seconds."""
+
+    gen_time: float = 1.0
+    """Mean time to generate and score one rollout batch on one engine."""
+    gen_jitter: float = 0.0
+    """Coefficient of variation of generation time (lognormal, long-tailed); 0 = constant."""
+    train_time: float = 1.0
+    """Time per optimizer update (a step costs U × train_time, committed or not)."""
+    sync_time: float = 0.0
+    """Time to publish weights to the engines."""
+    eval_time: float = 0.0
+    save_time: float = 0.0
+    workers: int = 1
+    """Engines generating concurrently."""
+    commits: tuple[int, ...] = ()
+    """Committed updates per consumed batch, cycled; empty = always U."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("gen_time", "gen_jitter", "train_time", "sync_time", "eval_time", "save_time"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+
+
+@dataclass(order=True)
+class _Generation:
+    complete: float
+    seq: int
+    request: GenerationRequest = field(compare=False)
+    start: float = field(compare=False, default=0.0)
+
+
+class SimPool:
+    """A pool of ``workers`` simulated engines that stamp their version into the data."""
+
+    def __init__(self, clock: VirtualClock, timings: Timings, *, num_groups: int = 1,
+                 group_size: int = 1) -> None:
+        self.clock = clock
+        self.t = timings
+        self.num_groups = num_groups
+        self.group_size = group_size
+        self.rng = random.Random(timings.seed)
+        self.version = 0
+        self.engine_free = [0.0] * timings.workers
+        self.busy_s = 0.0
+        self.launched: list[GenerationRequest] = []
+        self.spans: list[tuple[int, float, float, int]] = []
+        """(engine, start, end, batch index) of every generation."""
+        self.publishes: list[tuple[float, int]] = []
+        self._heap: list[_Generation] = []
+        self._seq = 0
+
+    def _draw_gen_time(self) -> float:
+        mean, cv = self.t.gen_time, self.t.gen_jitter
+        if cv <= 0 or mean <= 0:
+            return mean
+        sigma2 = math.log1p(cv * cv)
+        return self.rng.lognormvariate(math.log(mean) - sigma2 / 2, math.sqrt(sigma2))
+
+    @property
+    def inflight(self) -> int:
+        return len(self._heap)
+
+    def launch(self, request: GenerationRequest) -> None:
+        if request.version != self.version:
+            raise ControlError(f"launch stamped version {request.version}, engines hold {self.version}")
+        engine = min(range(len(self.engine_free)), key=self.engine_free.__getitem__)
+        start = max(self.clock.now, self.engine_free[engine])
+        duration = self._draw_gen_time()
+        self.engine_free[engine] = start + duration
+        self.busy_s += duration
+        heapq.heappush(self._heap, _Generation(start + duration, self._seq, request, start))
+        self.spans.append((engine, start, start + duration, request.index))
+        self._seq += 1
+        self.launched.append(request)
+
+    def _batch(self, g: _Generation) -> RolloutBatch:
+        n = self.num_groups * self.group_size
+        payload = {"versions": [g.request.version] * n, "start": g.start, "complete": g.complete}
+        return RolloutBatch(index=g.request.index, behavior_version=g.request.version,
+                            num_groups=self.num_groups, group_size=self.group_size,
+                            payload=payload, newest_version=g.request.version)
+
+    def reap(self) -> list[RolloutBatch]:
+        out = []
+        while self._heap and self._heap[0].complete <= self.clock.now:
+            out.append(self._batch(heapq.heappop(self._heap)))
+        return out
+
+    def wait(self, timeout: float | None) -> list[RolloutBatch]:
+        if not self._heap:
+            raise ControlError("wait() with nothing in flight")
+        self.clock.advance_to(self._heap[0].complete)
+        return self.reap()
+
+    def quiesce(self, timeout: float | None) -> list[RolloutBatch]:
+        if self._heap:
+            self.clock.advance_to(max(g.complete for g in self._heap))
+        return self.reap()
+
+    def publish(self, weights: Any, version: int) -> Mapping[str, float]:
+        if self._heap:
+            raise ControlError("publish while generations are in flight")
+        self.clock.now += self.t.sync_time
+        self.version = version
+        self.publishes.append((self.clock.now, version))
+        return {}
+
+
+class SimLearner:
+    """Advances the clock by ``U × train_time`` per batch and commits per ``commits``."""
+
+    def __init__(self, clock: VirtualClock, timings: Timings, updates_per_batch: int) -> None:
+        self.clock = clock
+        self.t = timings
+        self.u = updates_per_batch
+        self.version = 0
+        self.busy_s = 0.0
+        self.trained: list[tuple[int, int, int]] = []
+
+    def train(self, batch: RolloutBatch, *, train_version: int) -> TrainResult:
+        duration = self.u * self.t.train_time
+        self.clock.now += duration
+        self.busy_s += duration
+        self.trained.append((batch.index, train_version, min(batch.payload["versions"])))
+        n = len(self.trained) - 1
+        committed = self.t.commits[n % len(self.t.commits)] if self.t.commits else self.u
+        self.version = train_version + committed
+        return TrainResult(committed, self.u, {})
+
+    def export_weights(self) -> dict[str, int]:
+        return {"version": self.version}
+
+
+class SimHooks:
+    """Eval and save cost ``eval_time`` and ``save_time`` of virtual time."""
+
+    def __init__(self, clock: VirtualClock, timings: Timings) -> None:
+        self.clock = clock
+        self.t = timings
+
+    def evaluate(self, step: int, version: int) -> Mapping[str, float]:
+        self.clock.now += self.t.eval_time
+        return {}
+
+    def save(self, step: int, state: LoopState) -> None:
+        self.clock.now += self.t.save_time
+
+
+@dataclass
+class Simulation:
+    """A finished virtual run: its trace and the simulated parts, for inspection."""
+
+    settings: BudgetSettings
+    timings: Timings
+    trace: TraceRecorder
+    pool: SimPool
+    learner: SimLearner
+    state: LoopState
+    makespan: float
+
+
+def simulate(settings: BudgetSettings, timings: Timings, *, observer: LoopObserver | None = None,
+             num_groups: int = 1, group_size: int = 1) -> Simulation:
+    """Run the real driver loop in virtual time."""
+    clock = VirtualClock()
+    pool = SimPool(clock, timings, num_groups=num_groups, group_size=group_size)
+    learner = SimLearner(clock, timings, settings.updates_per_batch)
+    trace = TraceRecorder()
+    driver = Driver(AsyncControl(settings), pool, learner, hooks=SimHooks(clock, timings),
+                    observer=Observers(trace, observer) if observer else trace, clock=clock)
+    state = driver.run()
+    return Simulation(settings, timings, trace, pool, learner, state, clock.now)
+
+
+def summarize(sim: Simulation) -> dict[str, Any]:
+    """The publication schedule, the staleness distribution, and where time went."""
+    s = sim.settings
+    syncs = [e for e in sim.trace.of_kind("sync") if e.detail.get("published")]
+    staleness = [r.staleness_batches for r in sim.trace.records]
+    hist: dict[str, int] = {}
+    for value in staleness:
+        key = f"{value:g}"
+        hist[key] = hist.get(key, 0) + 1
+    makespan = sim.makespan
+    trained = len(sim.trace.records)
+    return {
+        "staleness_budget": s.staleness_budget,
+        "admission_depth": s.admission_depth,
+        "sync_period_batches": s.sync_period_batches,
+        "effective_max_staleness_batches": s.effective_max_staleness,
+        "syncs_after": [int(e.detail["step"]) for e in syncs],
+        "sync_reasons": [list(e.detail["reasons"]) for e in syncs],
+        "staleness_histogram_batches": dict(sorted(hist.items(), key=lambda kv: float(kv[0]))),
+        "mean_staleness_batches": sum(staleness) / trained if trained else 0.0,
+        "max_staleness_batches": max(staleness, default=0.0),
+        "makespan_s": makespan,
+        "mean_step_time_s": makespan / trained if trained else 0.0,
+        "trainer_idle_fraction": 1 - sim.learner.busy_s / makespan if makespan > 0 else 0.0,
+        "generator_idle_fraction": (
+            1 - sim.pool.busy_s / (makespan * sim.timings.workers) if makespan > 0 else 0.0
+        ),
+    }
+
+
+def plan_document(sim: Simulation) -> dict[str, Any]:
+    """The machine-readable plan: settings, every consumed batch, notes and summary."""
+    summary = summarize(sim)
+    return {
+        "settings": {
+            "max_staleness": sim.settings.max_staleness,
+            "updates_per_batch": sim.settings.updates_per_batch,
+            "max_inflight": sim.settings.max_inflight,
+            "num_batches": sim.settings.total_batches,
+            "eval_interval": sim.settings.eval_interval,
+            "save_interval": sim.settings.save_interval,
+            "timings": {k: (list(v) if isinstance(v, tuple) else v)
+                        for k, v in sim.timings.__dict__.items()},
+        },
+        "staleness_budget": summary.pop("staleness_budget"),
+        "admission_depth": summary.pop("admission_depth"),
+        "sync_period_batches": summary.pop("sync_period_batches"),
+        "syncs_after": summary.pop("syncs_after"),
+        "batches": [
+            {
+                "index": r.batch_index,
+                "step": r.step,
+                "behavior_version": r.behavior_version,
+                "train_version": r.behavior_version + r.staleness_updates,
+                "staleness_updates": r.staleness_updates,
+                "staleness_batches": r.staleness_batches,
+                "committed_updates": int(r.metrics["async/optimizer_updates"]),
+            }
+            for r in sim.trace.records
+        ],
+        "notes": [{"code": c, "message": m} for c, m in sim.trace.notes],
+        "summary": summary,
+    }
+
+
+def timings_from(commits: Sequence[int] | None = None, **kwargs: Any) -> Timings:
+    """Build ``Timings`` from loose keyword values (used by the CLI)."""
+    return Timings(commits=tuple(commits or ()), **kwargs)
