@@ -81,6 +81,7 @@ class Config:
             eval_interval=self.eval.interval,
             save_interval=self.checkpoint.interval,
             on_stale=self.async_.on_stale,
+            max_consecutive_drops=self.async_.max_consecutive_drops,
         )
 
 

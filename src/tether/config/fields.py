@@ -74,6 +74,8 @@ def coerce(key: str, tp: Any, value: Any) -> Any:
             value = [coerce(f"{key}[{i}]", inner, _scalar(v)) for i, v in enumerate(value)]
         elif isinstance(value, list | tuple):
             value = [coerce(f"{key}[{i}]", inner, v) for i, v in enumerate(value)]
+        elif value is not None and not isinstance(value, dict):
+            value = [coerce(f"{key}[0]", inner, value)]  # a single value is a one-element list
         else:
             raise wrong
         return tuple(value) if origin is tuple else list(value)

@@ -11,10 +11,7 @@ from tether.config.schema import SECTIONS
 def _default(field) -> str:
     import dataclasses
 
-    if field.default is not dataclasses.MISSING:
-        value = field.default
-    else:
-        value = field.default_factory()
+    value = field.default if field.default is not dataclasses.MISSING else field.default_factory()
     return "`" + (repr(value) if not isinstance(value, str) else f'"{value}"') + "`"
 
 

@@ -41,6 +41,12 @@ class AsyncSection:
         "What to do with a batch above the staleness budget when it reaches the trainer: 'error' "
         "fails closed; 'drop' drops it, counts it (async/dropped_batches) and logs it.",
     )
+    max_consecutive_drops: int = knob(
+        16,
+        "With on_stale=drop: fail the run after this many stale batches in a row instead of "
+        "dropping forever (admission makes stale batches impossible unless something is broken).",
+        min=1,
+    )
     wait_timeout_s: float = knob(
         600.0,
         "Seconds the trainer waits for a rollout batch before failing the run with an error that "

@@ -42,6 +42,8 @@ class BudgetSettings:
     """Checkpoint every this many trained batches (0 = off)."""
     on_stale: OnStale = "error"
     """What to do with a batch above budget at consumption: fail closed, or drop and count it."""
+    max_consecutive_drops: int = 16
+    """With ``on_stale=drop``: fail after this many stale batches in a row (a stuck engine)."""
 
     def __post_init__(self) -> None:
         _require_int("async.max_staleness", self.max_staleness, 0)
@@ -50,6 +52,7 @@ class BudgetSettings:
         _require_int("train.num_batches", self.total_batches, 1)
         _require_int("eval.interval", self.eval_interval, 0)
         _require_int("checkpoint.interval", self.save_interval, 0)
+        _require_int("async.max_consecutive_drops", self.max_consecutive_drops, 1)
         if self.on_stale not in ON_STALE_CHOICES:
             raise ConfigError(
                 f"async.on_stale must be one of {', '.join(ON_STALE_CHOICES)}, got {self.on_stale!r}"

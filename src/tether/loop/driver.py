@@ -70,6 +70,7 @@ class Driver:
         self.launched = 0
         self.dropped = 0
         self.drained = 0
+        self.consecutive_drops = 0
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -142,6 +143,7 @@ class Driver:
             if staleness.within_budget:
                 self._emit("consume", batch=batch.index, version=batch.behavior_version,
                            detail={"staleness_updates": staleness.updates})
+                self.consecutive_drops = 0
                 return batch, staleness, waited
             self._drop(batch, staleness)
 
@@ -193,6 +195,7 @@ class Driver:
 
     def _drop(self, batch: RolloutBatch, staleness: Staleness) -> None:
         self.dropped += 1
+        self.consecutive_drops += 1
         log.warning(
             "dropped rollout batch %d: %d updates stale, budget %d (async.on_stale=drop); "
             "%d dropped so far",
@@ -200,6 +203,14 @@ class Driver:
         )
         self._emit("drop", batch=batch.index, version=batch.behavior_version,
                    detail={"staleness_updates": staleness.updates})
+        limit = self.settings.max_consecutive_drops
+        if self.consecutive_drops >= limit:
+            raise ControlError(
+                f"{self.consecutive_drops} rollout batches in a row were above the staleness "
+                f"budget and dropped (async.max_consecutive_drops={limit}); the engines seem to "
+                "generate with weights older than the version they were launched with. Check the "
+                "weight sync, or raise async.max_consecutive_drops if the drops are expected."
+            )
 
     def _publish(self, reasons: tuple[str, ...]) -> float:
         """Quiesce, check nothing was outstanding, publish if there is anything new."""

@@ -30,12 +30,14 @@ class FakePool:
         gen_time: float | Callable[[int], float] = 0.0,
         fail_at: Sequence[int] = (),
         stamp_lag: int = 0,
+        stale_at: Sequence[int] | None = None,
     ) -> None:
         self.num_groups = num_groups
         self.group_size = group_size
         self.gen_time = gen_time if callable(gen_time) else (lambda _i, t=gen_time: t)
         self.fail_at = set(fail_at)
         self.stamp_lag = stamp_lag
+        self.stale_at = None if stale_at is None else set(stale_at)
         self.version = 0
         self.launched: list[GenerationRequest] = []
         self.published: list[int] = []
@@ -67,7 +69,8 @@ class FakePool:
             time.sleep(self.gen_time(request.index))
             if request.index in self.fail_at:
                 raise RuntimeError(f"injected generation failure in batch {request.index}")
-            stamped = max(0, engine_version - self.stamp_lag)
+            lag = self.stamp_lag if self.stale_at is None or request.index in self.stale_at else 0
+            stamped = max(0, engine_version - lag)
             n = self.num_groups * self.group_size
             payload = {"index": request.index, "versions": [stamped] * n}
             self._done.put(RolloutBatch(

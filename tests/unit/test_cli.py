@@ -1,0 +1,81 @@
+"""`tether plan`, `tether config` and `tether --version`, called in-process."""
+
+import json
+
+import pytest
+
+from tether import __version__
+from tether.cli.main import main
+
+
+def plan_json(capsys, *args):
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert __version__ in capsys.readouterr().out
+
+
+def test_plan_json_has_schedule_and_batches(capsys):
+    doc = plan_json(capsys, "--max-staleness", "3", "--updates-per-batch", "2",
+                    "--num-batches", "12", "--max-inflight", "4")
+    assert doc["staleness_budget"] == 6
+    assert doc["admission_depth"] == 4
+    assert doc["sync_period_batches"] == 4
+    assert doc["syncs_after"] == [4, 8]
+    assert [b["staleness_batches"] for b in doc["batches"]] == [0, 1, 2, 3] * 3
+    assert [b["index"] for b in doc["batches"]] == list(range(12))
+
+
+def test_flags_win_over_recipe_and_overrides(capsys, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("async:\n  max_staleness: 5\ntrain:\n  num_batches: 6\n")
+    doc = plan_json(capsys, str(recipe), "async.max_staleness=4", "--max-staleness", "1")
+    assert doc["settings"]["max_staleness"] == 1
+    doc = plan_json(capsys, str(recipe), "async.max_staleness=2")
+    assert doc["settings"]["max_staleness"] == 2
+    assert doc["settings"]["num_batches"] == 6
+
+
+def test_commits_flag_models_partial_steps(capsys):
+    doc = plan_json(capsys, "--max-staleness", "1", "--updates-per-batch", "2",
+                    "--num-batches", "6", "--commits", "1")
+    assert doc["syncs_after"] == [3]
+    assert all(b["committed_updates"] == 1 for b in doc["batches"])
+
+
+def test_eval_clamp_is_reported(capsys):
+    doc = plan_json(capsys, "--max-staleness", "11", "--max-inflight", "12", "--eval-interval", "10",
+                    "--num-batches", "30")
+    assert doc["syncs_after"] == [10, 20, 30]
+    assert doc["summary"]["max_staleness_batches"] == 9
+    assert [n["code"] for n in doc["notes"]] == ["boundary_clamp"]
+
+
+def test_text_output_shows_table_timeline_and_notes(capsys):
+    assert main(["plan", "--max-staleness", "0", "--num-batches", "3", "--sync-time", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "[no_overlap]" in out
+    assert "publish v1 (budget)" in out
+    assert "timeline" in out and "train |" in out and "gen0" in out
+
+
+def test_bad_input_exits_2_with_the_fix(capsys):
+    assert main(["plan", "async.max_stalness=2"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean async.max_staleness" in err
+    assert main(["plan", "--max-staleness", "-1"]) == 2
+    assert "async.max_staleness must be >= 0" in capsys.readouterr().err
+    assert main(["plan", "nope.yaml"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_config_show_and_reference(capsys):
+    assert main(["config", "show", "async.max_staleness=3"]) == 0
+    assert "max_staleness: 3" in capsys.readouterr().out
+    assert main(["config", "reference"]) == 0
+    assert "`async.max_staleness`" in capsys.readouterr().out

@@ -1,0 +1,100 @@
+"""Strict typed config: recipes, dotted overrides, and errors that say what to change."""
+
+from pathlib import Path
+
+import pytest
+
+from tether.config import Config, load_config, reference_markdown
+from tether.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_match_the_documented_ones():
+    c = Config()
+    assert (c.async_.max_staleness, c.async_.max_inflight, c.async_.on_stale) == (1, 2, "error")
+    assert c.train.updates_per_batch == 1
+    assert (c.eval.interval, c.checkpoint.interval) == (0, 0)
+
+
+def test_recipe_plus_overrides(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("async:\n  max_staleness: 2\ntrain:\n  num_batches: 30\n")
+    c = load_config(recipe, ["async.max_staleness=3", "train.updates_per_batch=4",
+                             "plan.commits=[4, 2]", "async.on_stale=drop"])
+    assert c.async_.max_staleness == 3  # the override wins over the recipe
+    assert c.train.num_batches == 30
+    assert c.plan.commits == [4, 2]
+    b = c.budget()
+    assert (b.staleness_budget, b.admission_depth, b.on_stale) == (12, 4, "drop")
+
+
+def test_int_given_for_a_float_key_is_accepted_and_comma_lists_parse():
+    c = load_config(None, ["plan.gen_time=2", "plan.commits=1,2,0"])
+    assert c.plan.gen_time == 2.0 and isinstance(c.plan.gen_time, float)
+    assert c.plan.commits == [1, 2, 0]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("async.max_stalness=3", "unknown key 'async.max_stalness'; did you mean async.max_staleness?"),
+        ("asynk.max_staleness=3", "unknown section 'asynk'; did you mean 'async'?"),
+        ("train.max_staleness=3", "max_staleness belongs in section 'async' (async.max_staleness)"),
+        ("train.batch_size=3", "batch_size belongs in section 'rollout' (rollout.batch_size)"),
+        ("async.max_staleness=-1", "async.max_staleness must be >= 0, got -1"),
+        ("async.max_staleness=two", "async.max_staleness must be an integer, got 'two'"),
+        ("async.max_staleness=1.5", "async.max_staleness must be an integer, got 1.5"),
+        ("async.max_staleness=true", "must be an integer, got True"),
+        ("async.on_stale=dorp", "must be one of 'error', 'drop', got 'dorp' (did you mean 'drop'?)"),
+        ("plan.gen_time=-0.5", "plan.gen_time must be >= 0"),
+        ("plan.commits=1,x", "plan.commits[1] must be an integer"),
+        ("async.zzz=1", "valid keys in 'async' are: max_consecutive_drops, max_inflight"),
+        ("max_staleness=3", "must be section.key"),
+        ("async", "must look like section.key=value"),
+    ],
+)
+def test_bad_overrides_name_the_key_and_the_fix(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert message in str(info.value)
+
+
+def test_bad_recipe_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("async: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must be a mapping of sections"):
+        load_config(listy)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("async: 3\n")
+    with pytest.raises(ConfigError, match="async must be a mapping"):
+        load_config(wrong)
+
+
+def test_round_trip_through_yaml(tmp_path):
+    c = load_config(None, ["async.max_staleness=4", "plan.commits=[1]"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(c.to_yaml())
+    assert load_config(path) == c
+
+
+def test_every_shipped_recipe_loads():
+    recipes = sorted((ROOT / "recipes").glob("*.yaml"))
+    assert recipes, "recipes/ is empty"
+    for recipe in recipes:
+        load_config(recipe)
+
+
+def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
+    committed = (ROOT / "docs" / "reference.md").read_text()
+    assert committed.strip() == reference_markdown().strip(), (
+        "docs/reference.md is stale: run `make docs` (tether config reference > docs/reference.md)"
+    )
+    for key in Config().to_dict()["async"]:
+        assert f"`async.{key}`" in committed

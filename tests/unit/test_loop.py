@@ -1,0 +1,177 @@
+"""The driver loop against the threaded fakes; staleness is measured from the data stamps."""
+
+import pytest
+
+from tether.control import AsyncControl, BudgetSettings
+from tether.errors import ControlError, RolloutError, StaleBatchError
+from tether.loop import Driver, LoopState, TraceRecorder
+from tether.loop.fakes import FakeLearner, RecordingHooks
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def run(make_pool, *, pool_kw=None, learner_kw=None, resume=None, **settings):
+    settings.setdefault("total_batches", 12)
+    s = BudgetSettings(**settings)
+    pool = make_pool(**(pool_kw or {}))
+    learner = FakeLearner(updates_per_batch=s.updates_per_batch, **(learner_kw or {}))
+    if resume is not None:
+        learner.version = resume.train_version
+        pool.version = 0
+    hooks = RecordingHooks(pool)
+    trace = TraceRecorder()
+    state = Driver(AsyncControl(s), pool, learner, hooks=hooks, observer=trace,
+                   wait_timeout_s=10).run(resume)
+    return state, pool, learner, hooks, trace
+
+
+def test_synchronous_mode_trains_every_batch_at_staleness_zero(make_pool):
+    state, pool, learner, _hooks, trace = run(make_pool, max_staleness=0, max_inflight=1,
+                                              updates_per_batch=2)
+    assert learner.measured_staleness() == [0] * 12
+    assert pool.published == [2 * k for k in range(1, 12)]  # every batch but the last
+    assert state == LoopState(trained_batches=12, launched_batches=12, dropped_batches=0,
+                              train_version=24)
+    assert [n for n, _ in trace.notes] == ["no_overlap"]
+
+
+@pytest.mark.parametrize(("s", "u"), [(1, 1), (1, 3), (2, 2), (3, 1)])
+def test_async_staleness_from_the_data_cycles_up_to_s_batches(make_pool, s, u):
+    _state, _pool, learner, _hooks, trace = run(
+        make_pool, max_staleness=s, updates_per_batch=u, max_inflight=s + 1,
+        total_batches=4 * (s + 1), pool_kw={"workers": 2, "gen_time": 0.002},
+    )
+    measured = learner.measured_staleness()
+    assert max(measured) == s * u
+    assert all(m <= s * u for m in measured)
+    # the loop's own records agree with the data
+    assert [r.staleness_updates for r in trace.records] == measured
+
+
+def test_eval_and_save_happen_after_drain_and_publish(make_pool):
+    _state, _pool, learner, hooks, trace = run(
+        make_pool, max_staleness=3, max_inflight=4, eval_interval=3, save_interval=5,
+        total_batches=10, pool_kw={"workers": 2},
+    )
+    # baseline eval at 0, then 3, 6, 9, and the end; each sees the train version published
+    assert [step for step, _ in hooks.evals] == [0, 3, 6, 9, 10]
+    assert [v for _, v in hooks.evals] == [0, 3, 6, 9, 10]
+    assert [st.trained_batches for st in hooks.saves] == [5, 10]
+    assert hooks.outstanding_at_boundary == [0] * 7
+    assert max(learner.measured_staleness()) <= 2  # the eval interval of 3 clamps S=3 to 2
+    assert "boundary_clamp" in [n for n, _ in trace.notes]
+
+
+def test_partial_commits_keep_the_clock_honest(make_pool):
+    state, _pool, learner, _h, trace = run(
+        make_pool, max_staleness=1, updates_per_batch=2, total_batches=8,
+        learner_kw={"commits": [2, 1, 0, 2]},
+    )
+    assert state.train_version == 2 * (2 + 1 + 0 + 2)
+    assert [r.metrics["async/optimizer_updates"] for r in trace.records] == [2, 1, 0, 2] * 2
+    assert all(m <= 2 for m in learner.measured_staleness())
+
+
+def test_stale_batch_fails_closed(make_pool):
+    # an engine that stamps an older version than it holds produces over-budget batches
+    with pytest.raises(StaleBatchError, match="above the budget"):
+        run(make_pool, max_staleness=0, max_inflight=1, pool_kw={"stamp_lag": 2})
+
+
+def test_stale_batch_dropped_and_counted_with_drop(make_pool, caplog):
+    state, _pool, learner, _h, trace = run(
+        make_pool, max_staleness=0, max_inflight=1, on_stale="drop", total_batches=4,
+        pool_kw={"stamp_lag": 1, "stale_at": [2, 3]},
+    )
+    # batches 2 and 3 are stamped one version older than the engine holds → 1 update stale
+    assert state.trained_batches == 4
+    assert [e.batch for e in trace.of_kind("drop")] == [2, 3]
+    assert state.dropped_batches == 2
+    assert state.launched_batches == state.trained_batches + state.dropped_batches
+    assert trace.records[-1].metrics["async/dropped_batches"] == state.dropped_batches
+    assert "dropped rollout batch" in caplog.text
+    assert learner.measured_staleness() == [0] * 4
+
+
+def test_endless_drops_fail_instead_of_spinning(make_pool):
+    with pytest.raises(ControlError, match="5 rollout batches in a row"):
+        run(make_pool, max_staleness=0, max_inflight=1, on_stale="drop",
+            max_consecutive_drops=5, pool_kw={"stamp_lag": 1})
+
+
+def test_generation_error_reaches_the_driver_with_worker_batch_and_traceback(make_pool):
+    with pytest.raises(RolloutError) as info:
+        run(make_pool, max_staleness=1, pool_kw={"fail_at": [3], "workers": 2})
+    err = info.value
+    assert err.batch_index == 3
+    assert "fake-0" in str(err)
+    assert "injected generation failure" in str(err)
+
+
+def test_training_error_is_not_masked_and_outstanding_work_is_drained(make_pool):
+    s = BudgetSettings(max_staleness=2, max_inflight=3, total_batches=10)
+    pool = make_pool(workers=3, gen_time=0.01)
+    learner = FakeLearner(fail_at=[1])
+    trace = TraceRecorder()
+    driver = Driver(AsyncControl(s), pool, learner, observer=trace, wait_timeout_s=10)
+    with pytest.raises(RuntimeError, match="injected training failure"):
+        driver.run()
+    assert pool.inflight == 0
+    # every launched batch accounted once: trained, or drained at shutdown
+    drained = trace.of_kind("drain")[0].detail["batches"] if trace.of_kind("drain") else []
+    trained = [i for i, _, _ in learner.trained]
+    assert sorted(trained + drained + [1]) == list(range(driver.launched))
+
+
+def test_drain_failure_during_teardown_does_not_mask_the_primary_error(make_pool):
+    s = BudgetSettings(max_staleness=2, max_inflight=3, total_batches=10)
+    pool = make_pool(workers=3, gen_time=0.02, fail_at=[2])
+    learner = FakeLearner(fail_at=[0])
+    with pytest.raises(RuntimeError, match="injected training failure"):
+        Driver(AsyncControl(s), pool, learner, wait_timeout_s=10).run()
+
+
+def test_keyboard_interrupt_is_never_swallowed(make_pool):
+    class Interrupting(FakeLearner):
+        def train(self, batch, *, train_version):
+            if batch.index == 2:
+                raise KeyboardInterrupt
+            return super().train(batch, train_version=train_version)
+
+    pool = make_pool(workers=2, gen_time=0.005)
+    with pytest.raises(KeyboardInterrupt):
+        Driver(AsyncControl(BudgetSettings(max_staleness=1, total_batches=8)), pool,
+               Interrupting(), wait_timeout_s=10).run()
+    assert pool.inflight == 0
+
+
+def test_resume_publishes_first_and_continues_versions_and_cursor(make_pool):
+    resume = LoopState(trained_batches=4, launched_batches=4, dropped_batches=0, train_version=8)
+    state, pool, learner, _h, trace = run(
+        make_pool, max_staleness=1, updates_per_batch=2, total_batches=8, resume=resume,
+    )
+    first_sync = trace.of_kind("sync")[0]
+    assert first_sync.detail["reasons"] == ("resume",)
+    assert pool.published[0] == 8
+    assert trace.events.index(first_sync) < trace.events.index(trace.of_kind("launch")[0])
+    assert [r.index for r in pool.launched] == [4, 5, 6, 7]
+    assert state.train_version == 16
+    assert learner.measured_staleness() == [0, 2, 0, 2]
+
+
+def test_resume_past_the_end_is_refused(make_pool):
+    with pytest.raises(ControlError, match="nothing to resume"):
+        run(make_pool, total_batches=4, resume=LoopState(4, 4, 0, 4))
+
+
+def test_every_record_carries_the_control_metrics(make_pool):
+    _s, _p, _l, _h, trace = run(make_pool, max_staleness=1, total_batches=3)
+    expected = {
+        "async/train_version", "async/rollout_version", "async/publish_lag",
+        "async/behavior_version", "async/optimizer_updates", "async/sync_period_batches",
+        "async/dropped_batches", "staleness/updates", "staleness/batches",
+        "time/generate_wait", "time/train", "time/sync", "time/step", "throughput/samples_per_s",
+    }
+    for record in trace.records:
+        assert expected <= set(record.metrics)
+    assert [r.metrics["async/train_version"] for r in trace.records] == [1, 2, 3]

@@ -1,0 +1,93 @@
+"""The loop in virtual time: sync periods, staleness in batch units, and the planner summary."""
+
+import pytest
+
+from tether.control import BudgetSettings
+from tether.loop import Timings, plan_document, simulate, summarize
+
+
+@pytest.mark.parametrize("s", [0, 1, 3, 11])
+@pytest.mark.parametrize("u", [1, 2, 3, 4, 8])
+def test_sync_period_is_s_plus_one_and_max_staleness_is_s_at_every_u(s, u):
+    settings = BudgetSettings(max_staleness=s, updates_per_batch=u, max_inflight=2,
+                              total_batches=3 * (s + 1) + 1)
+    sim = simulate(settings, Timings(gen_time=1.0, train_time=0.3))
+    summary = summarize(sim)
+    assert settings.sync_period_batches == s + 1
+    # publications every S+1 batches (none after the final batch: nothing left to generate)
+    assert summary["syncs_after"] == [(s + 1) * k for k in (1, 2, 3)]
+    assert summary["max_staleness_batches"] == s
+    # measured from the data the learner saw, in updates
+    staleness = [tv - dv for _i, tv, dv in sim.learner.trained]
+    assert max(staleness) == s * u
+
+
+def test_s11_with_eval_every_10_publishes_every_10_and_caps_staleness_at_9():
+    settings = BudgetSettings(max_staleness=11, updates_per_batch=2, max_inflight=12,
+                              eval_interval=10, total_batches=40)
+    sim = simulate(settings, Timings(gen_time=0.5, train_time=1.0))
+    summary = summarize(sim)
+    assert summary["syncs_after"] == [10, 20, 30, 40]
+    assert summary["max_staleness_batches"] == 9
+    assert settings.sync_period_batches == 10
+    notes = dict(sim.trace.notes)
+    assert "never more than 9 batch(es) stale" in notes["boundary_clamp"]
+
+
+def test_partial_commits_delay_budget_syncs():
+    # S=1, U=2, budget 2 updates. With every step committing only 1 of its 2 updates the lag
+    # after steps 1, 2, 3 is 1, 2, 3: the budget is exceeded, and weights published, only after
+    # every third batch; staleness in updates still never exceeds 2.
+    settings = BudgetSettings(max_staleness=1, updates_per_batch=2, total_batches=9)
+    doc = plan_document(simulate(settings, Timings(commits=(1,))))
+    assert [b["committed_updates"] for b in doc["batches"]] == [1] * 9
+    assert [b["staleness_updates"] for b in doc["batches"]] == [0, 1, 2] * 3
+    assert [b["staleness_batches"] for b in doc["batches"]] == [0, 0.5, 1.0] * 3
+    assert doc["syncs_after"] == [3, 6]
+    # with alternating 2, 1 commits the lag after two steps is 3 > 2: every 2 batches
+    alt = plan_document(simulate(settings, Timings(commits=(2, 1))))
+    assert alt["syncs_after"] == [2, 4, 6, 8]
+
+
+def test_plan_document_has_the_documented_fields():
+    sim = simulate(BudgetSettings(max_staleness=2, updates_per_batch=2, total_batches=6),
+                   Timings(gen_time=1.0, train_time=0.5))
+    doc = plan_document(sim)
+    for key in ("staleness_budget", "admission_depth", "sync_period_batches", "syncs_after",
+                "batches", "notes", "summary"):
+        assert key in doc
+    assert (doc["staleness_budget"], doc["admission_depth"], doc["sync_period_batches"]) == (4, 3, 3)
+    assert set(doc["batches"][0]) >= {"index", "behavior_version", "staleness_updates",
+                                      "staleness_batches"}
+    for key in ("mean_step_time_s", "trainer_idle_fraction", "generator_idle_fraction",
+                "staleness_histogram_batches"):
+        assert key in doc["summary"]
+
+
+def test_step_time_matches_closed_form_in_the_simple_cases():
+    # synchronous: each batch costs gen + train + sync, nothing overlaps
+    sync = summarize(simulate(BudgetSettings(max_staleness=0, max_inflight=1, total_batches=10),
+                              Timings(gen_time=2.0, train_time=1.0, sync_time=0.5)))
+    # 10 × (2 + 1) + 9 publications × 0.5 (none after the final batch)
+    assert sync["makespan_s"] == pytest.approx(10 * 3.0 + 9 * 0.5)
+    # deep budget, generation-bound: the trainer waits, generation never stops inside a period
+    deep = summarize(simulate(BudgetSettings(max_staleness=9, max_inflight=10, total_batches=10),
+                              Timings(gen_time=2.0, train_time=1.0)))
+    assert deep["makespan_s"] == pytest.approx(10 * 2.0 + 1.0)
+    assert deep["generator_idle_fraction"] == pytest.approx(1 - 20 / 21)
+
+
+def test_jitter_is_seeded():
+    settings = BudgetSettings(max_staleness=2, max_inflight=3, total_batches=20)
+    a = summarize(simulate(settings, Timings(gen_jitter=0.5, workers=3, seed=7)))
+    b = summarize(simulate(settings, Timings(gen_jitter=0.5, workers=3, seed=7)))
+    c = summarize(simulate(settings, Timings(gen_jitter=0.5, workers=3, seed=8)))
+    assert a == b
+    assert a["makespan_s"] != c["makespan_s"]
+
+
+def test_bad_timings_are_refused():
+    with pytest.raises(ValueError, match="gen_time must be a finite number >= 0"):
+        Timings(gen_time=-1)
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        Timings(workers=0)
