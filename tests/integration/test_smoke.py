@@ -1,0 +1,45 @@
+"""Smoke tests: the installed `tether` command and the benchmarks run as real subprocesses."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def tether_cmd() -> list[str]:
+    exe = Path(sys.executable).parent / "tether"
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("tether")
+    return [found] if found else [sys.executable, "-m", "tether.cli.main"]
+
+
+def test_demo_recipe_plans_from_the_console_script():
+    out = subprocess.run([*tether_cmd(), "plan", "recipes/demo.yaml", "--json"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    doc = json.loads(out.stdout)
+    assert doc["settings"]["num_batches"] == len(doc["batches"])
+    assert doc["summary"]["max_staleness_batches"] <= doc["settings"]["max_staleness"]
+
+
+def test_console_script_reports_bad_input_on_stderr_with_exit_2():
+    out = subprocess.run([*tether_cmd(), "plan", "recipes/demo.yaml", "train.num_batchs=3"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "did you mean train.num_batches" in out.stderr
+    assert out.stdout == ""
+
+
+def test_loop_overhead_benchmark_runs_and_prints_json():
+    out = subprocess.run([sys.executable, "benchmarks/loop_overhead.py", "--batches", "200",
+                          "--repeats", "1", "--json"], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
+    figures = json.loads(out.stdout)
+    assert set(figures["us_per_batch"]) == {"bare", "driver", "driver+trace", "threaded"}
+    assert figures["overhead_us_per_batch"] > 0
