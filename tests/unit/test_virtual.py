@@ -91,3 +91,17 @@ def test_bad_timings_are_refused():
         Timings(gen_time=-1)
     with pytest.raises(ValueError, match="workers must be >= 1"):
         Timings(workers=0)
+
+
+def test_event_trace_has_every_kind_in_time_order():
+    settings = BudgetSettings(max_staleness=1, total_batches=4, eval_interval=2, save_interval=4)
+    doc = plan_document(simulate(settings, Timings(gen_time=1.0, train_time=0.5, sync_time=0.1)))
+    events = doc["events"]
+    kinds = {e["kind"] for e in events}
+    assert {"launch", "complete", "ready", "consume", "train", "sync", "eval", "save"} <= kinds
+    assert [e["t"] for e in events] == sorted(e["t"] for e in events)
+    # each batch: launched, then completed, then consumed, then trained
+    for b in range(4):
+        seq = [e["kind"] for e in events if e["batch"] == b and e["kind"] in
+               ("launch", "complete", "consume", "train")]
+        assert seq == ["launch", "complete", "consume", "train"]

@@ -15,6 +15,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from tether.control import AsyncControl, Staleness, admission_notes
 from tether.errors import AdmissionStallError, ControlError
@@ -29,6 +30,18 @@ from tether.loop.protocols import (
 )
 
 log = logging.getLogger("tether.loop")
+
+
+@dataclass
+class StepTimes:
+    """Seconds one step spent in each phase (``time/*`` metrics)."""
+
+    start: float
+    generate_wait: float = 0.0
+    train: float = 0.0
+    sync: float = 0.0
+    eval: float = 0.0
+    save: float = 0.0
 
 
 class NoHooks:
@@ -79,11 +92,11 @@ class Driver:
         self._begin(resume)
         try:
             while self.trained < self.settings.total_batches:
-                t_step = self.clock()
-                batch, staleness, waited = self._next_batch()
-                train_metrics, t_train = self._train(batch)
-                sync_s, eval_s, save_s = self._boundaries()
-                self._report(batch, staleness, train_metrics, t_step, waited, t_train, sync_s, eval_s, save_s)
+                times = StepTimes(start=self.clock())
+                batch, staleness = self._next_batch(times)
+                train_metrics = self._train(batch, times)
+                self._boundaries(times)
+                self._report(batch, staleness, train_metrics, times)
         except BaseException as primary:
             self._teardown(primary)
             raise
@@ -120,9 +133,8 @@ class Driver:
         if self.trained == 0 and self.settings.eval_interval > 0:
             self._evaluate(0)
 
-    def _next_batch(self) -> tuple[RolloutBatch, Staleness, float]:
-        """Reap, launch, and take the head of the ready FIFO; returns the seconds spent waiting."""
-        waited = 0.0
+    def _next_batch(self, times: StepTimes) -> tuple[RolloutBatch, Staleness]:
+        """Reap, launch, and take the head of the ready FIFO (waiting for a completion if empty)."""
         while True:
             self._reap(self.pool.reap())
             self._launch()
@@ -136,7 +148,7 @@ class Driver:
                     )
                 t0 = self.clock()
                 self._reap(self.pool.wait(self.wait_timeout_s))
-                waited += self.clock() - t0
+                times.generate_wait += self.clock() - t0
                 continue
             batch = self.ready.popleft()
             staleness = self.control.check_consumable(batch.behavior_version, batch.index)
@@ -144,10 +156,10 @@ class Driver:
                 self._emit("consume", batch=batch.index, version=batch.behavior_version,
                            detail={"staleness_updates": staleness.updates})
                 self.consecutive_drops = 0
-                return batch, staleness, waited
+                return batch, staleness
             self._drop(batch, staleness)
 
-    def _train(self, batch: RolloutBatch) -> tuple[Mapping[str, float], float]:
+    def _train(self, batch: RolloutBatch, times: StepTimes) -> Mapping[str, float]:
         t0 = self.clock()
         result = self.learner.train(batch, train_version=self.control.train_version)
         self.control.commit(result.committed_updates)
@@ -157,24 +169,23 @@ class Driver:
                    detail={"committed": result.committed_updates, "attempted": result.attempted_updates})
         metrics = dict(result.metrics)
         metrics["async/optimizer_updates"] = result.committed_updates
-        return metrics, t1 - t0
+        times.train = t1 - t0
+        return metrics
 
-    def _boundaries(self) -> tuple[float, float, float]:
-        """Sync if due, then evaluate and save if due; returns their durations."""
+    def _boundaries(self, times: StepTimes) -> None:
+        """Sync if due, then evaluate and save if due."""
         step = self.trained
         decision = self.control.sync_decision(step)
-        sync_s = eval_s = save_s = 0.0
         if decision.due:
-            sync_s = self._publish(decision.reasons)
+            times.sync = self._publish(decision.reasons)
         if self.settings.eval_due(step):
-            eval_s = self._evaluate(step)
+            times.eval = self._evaluate(step)
         if self.settings.save_due(step):
             t0 = self.clock()
             self.hooks.save(step, self.state())
-            save_s = self.clock() - t0
-            self._emit("save", t=t0, end=t0 + save_s, version=self.control.train_version,
+            times.save = self.clock() - t0
+            self._emit("save", t=t0, end=t0 + times.save, version=self.control.train_version,
                        detail={"step": step})
-        return sync_s, eval_s, save_s
 
     # -- pieces -------------------------------------------------------------------------------
 
@@ -243,9 +254,8 @@ class Driver:
         return t1 - t0
 
     def _report(self, batch: RolloutBatch, staleness: Staleness, train_metrics: Mapping[str, float],
-                t_step: float, waited: float, train_s: float, sync_s: float, eval_s: float,
-                save_s: float) -> None:
-        step_s = self.clock() - t_step
+                times: StepTimes) -> None:
+        step_s = self.clock() - times.start
         c = self.control
         metrics: dict[str, float] = {**batch.metrics, **train_metrics}
         metrics.update({
@@ -259,11 +269,11 @@ class Driver:
             "async/ready": len(self.ready),
             "staleness/updates": staleness.updates,
             "staleness/batches": staleness.batches,
-            "time/generate_wait": waited,
-            "time/train": train_s,
-            "time/sync": sync_s,
-            "time/eval": eval_s,
-            "time/save": save_s,
+            "time/generate_wait": times.generate_wait,
+            "time/train": times.train,
+            "time/sync": times.sync,
+            "time/eval": times.eval,
+            "time/save": times.save,
             "time/step": step_s,
             "throughput/samples_per_s": batch.num_samples / step_s if step_s > 0 else 0.0,
         })

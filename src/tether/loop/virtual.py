@@ -278,7 +278,24 @@ def plan_document(sim: Simulation) -> dict[str, Any]:
         ],
         "notes": [{"code": c, "message": m} for c, m in sim.trace.notes],
         "summary": summary,
+        "events": event_trace(sim),
     }
+
+
+def event_trace(sim: Simulation) -> list[dict[str, Any]]:
+    """Every event with its timestamp: the loop's own, plus each generation's completion."""
+    events = [
+        {"t": e.t, "kind": e.kind, "end": e.end, "batch": e.batch, "version": e.version,
+         **{k: (list(v) if isinstance(v, tuple) else v) for k, v in e.detail.items()}}
+        for e in sim.trace.events
+    ]
+    events += [
+        {"t": end, "kind": "complete", "end": None, "batch": index, "version": None,
+         "engine": engine, "started": start}
+        for engine, start, end, index in sim.pool.spans
+    ]
+    order = {"complete": 0}  # a completion precedes the reap that sees it at the same instant
+    return sorted(events, key=lambda e: (e["t"], order.get(e["kind"], 1)))
 
 
 def timings_from(commits: Sequence[int] | None = None, **kwargs: Any) -> Timings:
