@@ -8,10 +8,15 @@ STAMP  := $(VENV)/.tether-installed
 
 .PHONY: demo test lint unit bench docs clean
 
+# torch first, pinned to the CPU build on local disk: a bare `torch` requirement would pull a
+# multi-GB CUDA build. pyproject's range (>=2.4,<3) is satisfied by it, so nothing else moves it.
+TORCH_SPEC ?= torch==2.13.0
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e '.[train,data,math,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

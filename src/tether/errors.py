@@ -7,7 +7,9 @@
     │   └── AdmissionStallError   nothing in flight or ready and no launch allowed (a bug, never a hang)
     ├── QueueClosedError          a rollout-batch queue was closed while someone used it
     ├── QueueTimeoutError         a blocking queue call ran past its timeout
-    └── RolloutError              generation or scoring failed; carries the worker, batch and cause
+    ├── RolloutError              generation or scoring failed; carries the worker, batch and cause
+    ├── DataError                 a dataset file, row or column is unusable; names file, row, expectation
+    └── RewardError               a reward function is missing, has the wrong signature, or returned junk
 
 User mistakes raise ``ConfigError``; internal invariants use ``assert``.
 """
@@ -71,3 +73,11 @@ class RolloutError(TetherError):
             text = f"{text}\n\nOriginal traceback:\n{remote_traceback.rstrip()}"
         super().__init__(text)
         self.message = message
+
+
+class DataError(TetherError, ValueError):
+    """A dataset is empty, unreadable, or lacks a column; the message names the file and row."""
+
+
+class RewardError(TetherError):
+    """A reward function could not be loaded, or returned something other than a finite number."""

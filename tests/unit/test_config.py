@@ -40,8 +40,9 @@ def test_int_given_for_a_float_key_is_accepted_and_comma_lists_parse():
     [
         ("async.max_stalness=3", "unknown key 'async.max_stalness'; did you mean async.max_staleness?"),
         ("asynk.max_staleness=3", "unknown section 'asynk'; did you mean 'async'?"),
-        ("train.max_staleness=3", "max_staleness belongs in section 'async' (async.max_staleness)"),
-        ("train.batch_size=3", "batch_size belongs in section 'rollout' (rollout.batch_size)"),
+        ("train.max_staleness=3", "max_staleness belongs in another section: async.max_staleness"),
+        ("train.batch_size=3", "belongs in another section: rollout.batch_size or warmstart.batch_size"),
+        ("max_inflight.x=3", "unknown section 'max_inflight'; max_inflight is a key: async.max_inflight"),
         ("async.max_staleness=-1", "async.max_staleness must be >= 0, got -1"),
         ("async.max_staleness=two", "async.max_staleness must be an integer, got 'two'"),
         ("async.max_staleness=1.5", "async.max_staleness must be an integer, got 1.5"),
@@ -98,3 +99,27 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
     )
     for key in Config().to_dict()["async"]:
         assert f"`async.{key}`" in committed
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data.dataset=x.jsonl"], "set exactly one of data.task (a built-in task) and data.dataset"),
+        (["data.task="], "set exactly one of data.task"),
+        (["data.task=", "data.dataset=x.jsonl"], "reward.function=task scores with a built-in task's"),
+        (["data.eval_dataset=y.jsonl"], "data.eval_dataset is set but data.dataset is not"),
+        (["model.init_size=huge"], "model.init_size must be one of 'tiny', 'small', 'base'"),
+        (["warmstart.target_pass_rate=1.5"], "warmstart.target_pass_rate must be <= 1"),
+    ],
+)
+def test_cross_key_rules(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+
+
+def test_a_dataset_recipe_is_accepted():
+    c = load_config(None, ["data.task=", "data.dataset=train.jsonl", "reward.function=exact_match",
+                           "data.prompt_column=question"])
+    assert (c.data.dataset, c.data.prompt_column, c.reward.function) == (
+        "train.jsonl", "question", "exact_match")

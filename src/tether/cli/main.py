@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from tether import __version__
-from tether.cli import config_cmd, plan
+from tether.cli import config_cmd, data_cmds, plan
 from tether.errors import TetherError
 
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     plan.add_parser(sub)
     config_cmd.add_parser(sub)
+    data_cmds.add_parsers(sub)
     return parser
 
 

@@ -15,11 +15,15 @@ from tether.config.schema import (
     SECTIONS,
     AsyncSection,
     CheckpointSection,
+    DataSection,
     EvalSection,
+    ModelSection,
     PlanSection,
+    RewardSection,
     RolloutSection,
     RunSection,
     TrainSection,
+    WarmstartSection,
 )
 from tether.control import BudgetSettings
 from tether.errors import ConfigError
@@ -35,6 +39,10 @@ class Config:
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    reward: RewardSection = dataclasses.field(default_factory=RewardSection)
+    warmstart: WarmstartSection = dataclasses.field(default_factory=WarmstartSection)
     plan: PlanSection = dataclasses.field(default_factory=PlanSection)
 
     @classmethod
@@ -50,15 +58,31 @@ class Config:
                 if hint:
                     raise ConfigError(f"unknown section {name!r}; did you mean {hint!r}?")
                 if name in home:
-                    raise ConfigError(
-                        f"unknown section {name!r}; {name} is a key of section {home[name]!r} "
-                        f"({home[name]}.{name})"
-                    )
+                    homes = " or ".join(f"{h}.{name}" for h in home[name])
+                    raise ConfigError(f"unknown section {name!r}; {name} is a key: {homes}")
                 raise ConfigError(
                     f"unknown section {name!r}; valid sections are: {', '.join(SECTIONS)}"
                 )
             built[_attr(name)] = build_section(SECTIONS[name], value or {}, name, home)
-        return cls(**built)
+        config = cls(**built)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        """Rules that span keys."""
+        d = self.data
+        if bool(d.task) == bool(d.dataset):
+            raise ConfigError(
+                "set exactly one of data.task (a built-in task) and data.dataset (a local dataset); "
+                f"got data.task={d.task!r}, data.dataset={d.dataset!r}"
+            )
+        if d.eval_dataset and not d.dataset:
+            raise ConfigError("data.eval_dataset is set but data.dataset is not; built-in tasks have "
+                              "their own held-out split")
+        if self.reward.function == "task" and not d.task:
+            raise ConfigError("reward.function=task scores with a built-in task's verifier, but "
+                              "data.task is empty; choose exact_match, numeric_match, math or "
+                              "path/to/file.py:function")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every key, defaults included, in recipe form."""
@@ -89,13 +113,13 @@ def _attr(section: str) -> str:
     return "async_" if section == "async" else section
 
 
-def _key_homes() -> dict[str, str]:
-    """Key name → its section, for keys whose name is unique across sections."""
+def _key_homes() -> dict[str, list[str]]:
+    """Key name → the sections that have a key of that name."""
     seen: dict[str, list[str]] = {}
     for section, cls in SECTIONS.items():
         for key in section_fields(cls):
             seen.setdefault(key, []).append(section)
-    return {k: v[0] for k, v in seen.items() if len(v) == 1}
+    return seen
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -149,6 +173,6 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return Config.from_dict(apply_overrides(data, overrides))
 
 
-__all__ = ["AsyncSection", "CheckpointSection", "Config", "EvalSection", "PlanSection",
-           "RolloutSection", "RunSection", "TrainSection", "apply_overrides", "load_config",
-           "parse_override", "read_recipe"]
+__all__ = ["AsyncSection", "CheckpointSection", "Config", "DataSection", "EvalSection", "ModelSection",
+           "PlanSection", "RewardSection", "RolloutSection", "RunSection", "TrainSection",
+           "WarmstartSection", "apply_overrides", "load_config", "parse_override", "read_recipe"]

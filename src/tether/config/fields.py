@@ -132,10 +132,10 @@ def section_fields(cls: type) -> dict[str, dataclasses.Field]:
 
 
 def build_section(cls: type, data: Mapping[str, Any], prefix: str,
-                  elsewhere: Mapping[str, str] | None = None) -> Any:
+                  elsewhere: Mapping[str, list[str]] | None = None) -> Any:
     """Build section ``cls`` from ``data``, strictly.
 
-    ``elsewhere`` maps key names to the section they live in, so a key put in the wrong section
+    ``elsewhere`` maps key names to the sections they live in, so a key put in the wrong section
     is answered with its right place.
     """
     if not isinstance(data, Mapping):
@@ -154,10 +154,10 @@ def build_section(cls: type, data: Mapping[str, Any], prefix: str,
 
 
 def unknown_key_message(key: str, name: str, fields: Iterable[str], prefix: str,
-                        elsewhere: Mapping[str, str] | None) -> str:
+                        elsewhere: Mapping[str, list[str]] | None) -> str:
     if elsewhere and name in elsewhere:
-        home = elsewhere[name]
-        return f"unknown key {key!r}; {name} belongs in section {home!r} ({home}.{name})"
+        homes = " or ".join(f"{home}.{name}" for home in elsewhere[name])
+        return f"unknown key {key!r}; {name} belongs in another section: {homes}"
     hint = closest(name, fields)
     if hint:
         return f"unknown key {key!r}; did you mean {prefix}.{hint}?"

@@ -101,6 +101,87 @@ class CheckpointSection:
 
 
 @dataclass(frozen=True)
+class ModelSection:
+    """The policy model: any local Hugging Face causal LM directory."""
+
+    path: str = knob(
+        "runs/models/demo-small",
+        "Local directory holding the model and tokenizer (loaded with AutoModelForCausalLM and "
+        "AutoTokenizer, offline). A real checkpoint works as well as a tiny one.",
+    )
+    create_if_missing: bool = knob(
+        False,
+        "When model.path does not exist, build a tiny model there (model.init_arch, "
+        "model.init_size) and warm-start it on the recipe's data (the warmstart section).",
+    )
+    init_arch: Literal["qwen3", "llama"] = knob(
+        "qwen3", "Architecture of a model built by create_if_missing."
+    )
+    init_size: Literal["tiny", "small", "base"] = knob(
+        "small", "Size preset of a built model: tiny ≈ 0.1M, small ≈ 3M, base ≈ 25M parameters."
+    )
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Prompts and reference answers: a built-in task or a local dataset."""
+
+    task: str = knob(
+        "arithmetic",
+        "Built-in task (arithmetic, countdown, reverse, sort; see `tether tasks`). Set it to '' "
+        "when data.dataset is used.",
+    )
+    difficulty: int = knob(0, "Difficulty of the built-in task (0 = the task's default).", min=0)
+    dataset: str = knob(
+        "",
+        "Local dataset instead of a task: a .jsonl, .json, .parquet or .csv file, a folder written "
+        "by datasets' save_to_disk (FOLDER#SPLIT picks a split), or path/to/file.py:function "
+        "returning rows.",
+    )
+    eval_dataset: str = knob(
+        "",
+        "Held-out dataset in the same forms. Empty with data.dataset set: the last data.num_eval "
+        "rows (after a seeded shuffle) are held out.",
+    )
+    prompt_column: str = knob("prompt", "Dataset column holding the prompt text.")
+    answer_column: str = knob("answer", "Dataset column holding the reference answer.")
+    chat_template: bool = knob(
+        False, "Wrap each prompt as a user turn with the tokenizer's chat template (it must have one)."
+    )
+    max_prompt_tokens: int = knob(128, "Longest prompt, in tokens.", min=1)
+    on_long_prompt: Literal["skip", "error"] = knob(
+        "skip", "A prompt over max_prompt_tokens is skipped and counted ('skip'), or fails the run ('error')."
+    )
+    num_train: int = knob(5000, "Training examples to generate from a built-in task.", min=1)
+    num_eval: int = knob(200, "Held-out examples to evaluate on.", min=1)
+
+
+@dataclass(frozen=True)
+class RewardSection:
+    """How completions are scored (inside the rollout workers)."""
+
+    function: str = knob(
+        "task",
+        "'task' (the built-in task's verifier), exact_match, numeric_match, math (needs the math "
+        "extra), or path/to/file.py:function with signature (prompt, completion, answer, fields) -> float.",
+    )
+
+
+@dataclass(frozen=True)
+class WarmstartSection:
+    """Supervised warm start on demonstrations, so RL starts from a non-trivial pass rate."""
+
+    target_pass_rate: float = knob(
+        0.3, "Stop once held-out greedy pass@1 reaches this (leaves room for RL to show).", min=0, max=1
+    )
+    max_steps: int = knob(1500, "Most supervised steps.", min=1)
+    max_seconds: float = knob(170.0, "Stop after this many seconds of training.", min=1)
+    batch_size: int = knob(64, "Demonstrations per step.", min=1)
+    lr: float = knob(3e-3, "AdamW learning rate.", min=0)
+    eval_every: int = knob(25, "Check held-out pass@1 every this many steps.", min=1)
+
+
+@dataclass(frozen=True)
 class PlanSection:
     """Timings for `tether plan`'s virtual-time simulation (not used by training)."""
 
@@ -128,6 +209,10 @@ SECTIONS: dict[str, type] = {
     "rollout": RolloutSection,
     "eval": EvalSection,
     "checkpoint": CheckpointSection,
+    "model": ModelSection,
+    "data": DataSection,
+    "reward": RewardSection,
+    "warmstart": WarmstartSection,
     "plan": PlanSection,
 }
 """Section name → section class, in the order the reference documents them."""

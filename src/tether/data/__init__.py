@@ -1,0 +1,1 @@
+"""Tasks, datasets, rewards, tiny models and warm start."""

@@ -1,0 +1,74 @@
+"""Make sure a recipe's model exists: build and warm-start a tiny one when asked to."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from tether.config import Config
+from tether.errors import ConfigError
+
+log = logging.getLogger("tether.data")
+
+
+def warmstart_settings(cfg: Config):
+    from tether.data.warmstart import WarmstartSettings
+
+    w = cfg.warmstart
+    return WarmstartSettings(max_steps=w.max_steps, batch_size=w.batch_size, lr=w.lr,
+                             target_pass_rate=w.target_pass_rate, eval_every=w.eval_every,
+                             max_seconds=w.max_seconds, seed=cfg.run.seed)
+
+
+def run_warmstart(cfg: Config, model_dir: Path, out_dir: Path,
+                  on_progress: Callable[[int, Mapping[str, float]], None] | None = None):
+    """Warm-start ``model_dir`` on the recipe's data and reward; write the result to ``out_dir``."""
+    from transformers import AutoTokenizer
+
+    from tether.data.rewards import scorer
+    from tether.data.source import resolve_data
+    from tether.data.warmstart import warmstart
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    data = resolve_data(cfg.data, tokenizer, seed=cfg.run.seed)
+    score = scorer(cfg.reward.function, task=cfg.data.task or None)
+    return warmstart(model_dir, data.train, data.eval, score, stop_text=data.stop_text,
+                     description=data.description, out_dir=out_dir,
+                     settings=warmstart_settings(cfg), on_progress=on_progress)
+
+
+def ensure_model(cfg: Config, on_progress: Callable[[int, Mapping[str, float]], None] | None = None) -> Path:
+    """``model.path``, building it first (init + warm start) when missing and allowed.
+
+    The model is built in a temporary folder beside the target and renamed into place only when
+    complete, so an interrupted build never leaves a half-made model at ``model.path``.
+    """
+    from tether.data.tiny_model import init_model
+
+    path = Path(cfg.model.path)
+    if (path / "config.json").is_file():
+        return path
+    if path.exists() and any(path.iterdir()):
+        raise ConfigError(f"model.path {path} exists but holds no config.json; it is not a model directory")
+    if not cfg.model.create_if_missing:
+        raise ConfigError(f"model.path {path} does not exist; point it at a local model directory, "
+                          "run `tether init-model`, or set model.create_if_missing=true")
+    staging = path.parent / f".{path.name}.building-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        info = init_model(staging / "init", arch=cfg.model.init_arch, size=cfg.model.init_size,
+                          seed=cfg.run.seed)
+        log.info("built a %s %s model (%d parameters); warm-starting it", cfg.model.init_size,
+                 cfg.model.init_arch, info.parameters)
+        run_warmstart(cfg, staging / "init", staging / "warm", on_progress)
+        shutil.copy2(staging / "init" / "tether_model.json", staging / "warm" / "tether_model.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            path.rmdir()
+        os.replace(staging / "warm", path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path

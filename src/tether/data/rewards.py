@@ -1,0 +1,140 @@
+"""Reward functions: built-ins, a task's own verifier, or a user's ``path/to/file.py:function``.
+
+One signature for all of them::
+
+    def reward(prompt: str, completion: str, answer: str, fields: Mapping[str, Any]) -> float
+
+``prompt`` is the text the model saw, ``completion`` the text it generated (special tokens
+removed), ``answer`` the row's reference answer, ``fields`` the row's other columns. The return
+must be a finite number (bool counts as 0/1); anything else is an error.
+
+Rewards run inside the rollout worker, so scoring overlaps training.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tether.data.pyload import load_python_object
+from tether.data.tasks import get_task, strip_answer
+from tether.data.types import Example
+from tether.errors import ConfigError, RewardError
+
+RewardFn = Callable[[str, str, str, Mapping[str, Any]], float]
+SIGNATURE = "(prompt, completion, answer, fields) -> float"
+
+
+def exact_match(prompt: str, completion: str, answer: str, fields: Mapping[str, Any]) -> float:
+    """1 when the completion's first line, stripped, equals the answer stripped."""
+    return float(strip_answer(completion) == answer.strip())
+
+
+_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _number(text: str) -> float | None:
+    match = _NUMBER.search(text.replace(",", ""))
+    return float(match.group()) if match else None
+
+
+def numeric_match(prompt: str, completion: str, answer: str, fields: Mapping[str, Any]) -> float:
+    """1 when the first number in the completion's first line equals the answer's (rel. 1e-6)."""
+    got, want = _number(strip_answer(completion)), _number(answer)
+    if got is None or want is None:
+        return 0.0
+    return float(math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9))
+
+
+def math_verify(prompt: str, completion: str, answer: str, fields: Mapping[str, Any]) -> float:
+    """1 when math-verify judges the completion's final answer equal to the reference."""
+    try:
+        from math_verify import parse, verify
+    except ImportError as exc:
+        raise ConfigError("reward 'math' needs math-verify: pip install 'tether[math]'") from exc
+    gold = parse(answer)
+    pred = parse(completion)
+    return float(bool(gold) and bool(pred) and verify(gold, pred))
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "numeric_match": numeric_match,
+    "math": math_verify,
+}
+
+
+def task_reward(task_name: str) -> RewardFn:
+    """The verifier of a built-in task, in the reward signature."""
+    task = get_task(task_name)
+
+    def reward(prompt: str, completion: str, answer: str, fields: Mapping[str, Any]) -> float:
+        return task.verify(completion, Example(prompt=prompt, answer=answer, fields=fields))
+
+    reward.__name__ = f"{task_name}_verifier"
+    return reward
+
+
+def check_signature(fn: Callable, spec: str) -> None:
+    """Refuse a function that cannot be called with the four reward arguments."""
+    try:
+        inspect.signature(fn).bind("prompt", "completion", "answer", {})
+    except TypeError as exc:
+        try:
+            shown = str(inspect.signature(fn))
+        except (TypeError, ValueError):
+            shown = "(unknown)"
+        raise ConfigError(
+            f"reward function {spec!r} must accept {SIGNATURE}; its signature is {shown}"
+        ) from exc
+    except ValueError:
+        return  # builtins without a signature: checked on first call instead
+
+
+def load_reward(spec: str, *, task: str | None = None) -> RewardFn:
+    """``task`` (the task's verifier), a built-in name, or ``path/to/file.py:function``."""
+    if spec == "task":
+        if not task:
+            raise ConfigError("reward.function=task needs a built-in data.task; choose one of "
+                              f"{', '.join(['task', *BUILTIN_REWARDS])} or path/to/file.py:function")
+        return task_reward(task)
+    if spec in BUILTIN_REWARDS:
+        if spec == "math":
+            try:
+                import math_verify  # noqa: F401
+            except ImportError as exc:
+                raise ConfigError("reward 'math' needs math-verify: pip install 'tether[math]'") from exc
+        return BUILTIN_REWARDS[spec]
+    if ":" in spec:
+        fn = load_python_object(spec, what="reward function")
+        check_signature(fn, spec)
+        return fn
+    raise ConfigError(f"unknown reward {spec!r}; use 'task', one of {', '.join(BUILTIN_REWARDS)}, "
+                      "or path/to/file.py:function")
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """Calls a reward function and insists on a finite number."""
+
+    fn: RewardFn
+    name: str
+
+    def __call__(self, example: Example, completion: str) -> float:
+        value = self.fn(example.prompt, completion, example.answer, example.fields)
+        if isinstance(value, bool):
+            return float(value)
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            raise RewardError(
+                f"reward function {self.name} returned {value!r} for prompt {example.prompt[:60]!r}; "
+                "it must return a finite number"
+            )
+        return float(value)
+
+
+def scorer(spec: str, *, task: str | None = None) -> Scorer:
+    return Scorer(load_reward(spec, task=task), spec)

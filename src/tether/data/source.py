@@ -1,0 +1,60 @@
+"""From a recipe's data section to train and eval examples, filtered and ready to tokenize."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from tether.config.schema import DataSection
+from tether.data.datasets import apply_chat_template, limit_prompt_length, load_examples
+from tether.data.tasks import get_task
+from tether.data.types import Example
+from tether.errors import DataError
+
+
+@dataclass(frozen=True)
+class DataBundle:
+    """What a run trains and evaluates on."""
+
+    train: list[Example]
+    eval: list[Example]
+    stop_text: str
+    """Text that ends an answer besides EOS ('' = none)."""
+    skipped_long_prompts: int
+    description: str
+
+
+def resolve_data(d: DataSection, tokenizer, *, seed: int = 0) -> DataBundle:
+    """Build examples from a built-in task or local datasets, then apply template and length limit."""
+    if d.task:
+        task = get_task(d.task)
+        difficulty = d.difficulty or task.default_difficulty
+        train = task.examples("train", d.num_train, seed=seed, difficulty=difficulty)
+        held_out = task.examples("eval", d.num_eval, seed=seed, difficulty=difficulty)
+        stop_text = task.stop
+        description = f"task {task.name} (difficulty {difficulty})"
+    else:
+        train = load_examples(d.dataset, prompt_column=d.prompt_column, answer_column=d.answer_column)
+        stop_text = ""
+        if d.eval_dataset:
+            held_out = load_examples(d.eval_dataset, prompt_column=d.prompt_column,
+                                     answer_column=d.answer_column)
+        else:
+            if len(train) <= d.num_eval:
+                raise DataError(
+                    f"dataset {d.dataset} has {len(train)} rows, not enough to hold out "
+                    f"data.num_eval={d.num_eval} for evaluation and still train; lower data.num_eval "
+                    "or give data.eval_dataset"
+                )
+            rows = list(train)
+            random.Random(seed).shuffle(rows)
+            train, held_out = rows[: -d.num_eval], rows[-d.num_eval:]
+        description = f"dataset {d.dataset}"
+    if d.chat_template:
+        train, held_out = apply_chat_template(tokenizer, train), apply_chat_template(tokenizer, held_out)
+    train, skipped = limit_prompt_length(tokenizer, train, d.max_prompt_tokens, d.on_long_prompt,
+                                         where=description)
+    held_out, skipped_eval = limit_prompt_length(tokenizer, held_out, d.max_prompt_tokens,
+                                                 d.on_long_prompt, where=f"{description} (eval)")
+    return DataBundle(train=train, eval=held_out[: d.num_eval], stop_text=stop_text,
+                      skipped_long_prompts=skipped + skipped_eval, description=description)

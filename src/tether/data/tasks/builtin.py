@@ -1,0 +1,164 @@
+"""The built-in tasks: arithmetic, countdown, and string transformations.
+
+Prompts are short plain text so a character-level tiny model can learn them; each answer ends at
+a newline or the end-of-sequence token. Rewards are in [0, 1]: 1 for a correct answer, a small
+format credit (``FORMAT_CREDIT``) for a well-formed wrong one, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import random
+import string
+from fractions import Fraction
+
+from tether.data.tasks.base import Task, strip_answer
+from tether.data.types import Example
+
+FORMAT_CREDIT = 0.1
+"""Reward for an answer in the right format that is wrong."""
+
+
+# -- arithmetic --------------------------------------------------------------------------------
+
+def _draw_arithmetic(rng: random.Random, d: int) -> Example:
+    # difficulty 1..4: operands with d digits; d ≥ 3 mixes in subtraction
+    lo, hi = 10 ** (d - 1) if d > 1 else 0, 10**d - 1
+    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    op = "+" if d < 3 or rng.random() < 0.5 else "-"
+    value = a + b if op == "+" else a - b
+    return Example(prompt=f"{a}{op}{b}=", answer=str(value), fields={"a": a, "b": b, "op": op})
+
+
+def _verify_integer(completion: str, ex: Example) -> float:
+    text = strip_answer(completion)
+    if text == ex.answer:
+        return 1.0
+    body = text[1:] if text.startswith("-") else text
+    return FORMAT_CREDIT if body.isdigit() else 0.0
+
+
+ARITHMETIC = Task(
+    name="arithmetic",
+    description="Add (or, from difficulty 3, subtract) two integers of `difficulty` digits: '37+45=' → '82'.",
+    difficulties=(1, 2, 3, 4),
+    default_difficulty=2,
+    draw=_draw_arithmetic,
+    verify=_verify_integer,
+)
+
+
+# -- countdown ---------------------------------------------------------------------------------
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def evaluate_expression(text: str) -> tuple[Fraction, list[int]] | None:
+    """Exact value of an arithmetic expression over integers with + - * / and parentheses.
+
+    Returns the value and the integer literals used, or None if the text is not such an
+    expression (or divides by zero). Never calls ``eval``.
+    """
+    try:
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError):
+        return None
+    used: list[int] = []
+
+    def walk(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = walk(node.left), walk(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise ZeroDivisionError
+            return Fraction(_OPS[type(node.op)](left, right))
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            used.append(node.value)
+            return Fraction(node.value)
+        raise ValueError("not an arithmetic expression")
+
+    try:
+        return walk(tree.body), used
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _draw_countdown(rng: random.Random, d: int) -> Example:
+    # difficulty = how many numbers (2..4); the target is reachable by construction
+    while True:
+        nums = [rng.randint(1, 9 if d == 2 else 6 * d) for _ in range(d)]
+        expr = str(nums[0])
+        for n in nums[1:]:
+            expr = f"{expr}{rng.choice('+-*')}{n}"
+        value = evaluate_expression(expr)
+        assert value is not None
+        if value[0].denominator == 1 and 0 <= value[0] <= 99:
+            target = int(value[0])
+            shown = sorted(nums)
+            prompt = f"{' '.join(map(str, shown))}>{target}:"
+            return Example(prompt=prompt, answer=str(target), demonstration=expr,
+                           fields={"numbers": shown, "target": target})
+
+
+def _verify_countdown(completion: str, ex: Example) -> float:
+    text = strip_answer(completion)
+    result = evaluate_expression(text)
+    if result is None:
+        return 0.0
+    value, used = result
+    available = list(ex.fields["numbers"])
+    for n in used:
+        if n not in available:
+            return FORMAT_CREDIT
+        available.remove(n)
+    return 1.0 if value == ex.fields["target"] else FORMAT_CREDIT
+
+
+COUNTDOWN = Task(
+    name="countdown",
+    description="Reach the target with the given numbers, each used at most once, and + - * / : "
+    "'3 4 7>25:' → '3*7+4'.",
+    difficulties=(2, 3, 4),
+    default_difficulty=3,
+    draw=_draw_countdown,
+    verify=_verify_countdown,
+)
+
+
+# -- string transformations --------------------------------------------------------------------
+
+def _draw_reverse(rng: random.Random, d: int) -> Example:
+    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(d))
+    return Example(prompt=f"rev {word}=", answer=word[::-1], fields={"word": word})
+
+
+def _draw_sort(rng: random.Random, d: int) -> Example:
+    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(d))
+    return Example(prompt=f"sort {word}=", answer="".join(sorted(word)), fields={"word": word})
+
+
+def _verify_letters(completion: str, ex: Example) -> float:
+    text = strip_answer(completion)
+    if text == ex.answer:
+        return 1.0
+    same_letters = sorted(text) == sorted(ex.fields["word"])
+    return FORMAT_CREDIT if same_letters else 0.0
+
+
+REVERSE = Task(
+    name="reverse",
+    description="Reverse a lowercase word of `difficulty` letters: 'rev abc=' → 'cba'.",
+    difficulties=tuple(range(2, 11)),
+    default_difficulty=4,
+    draw=_draw_reverse,
+    verify=_verify_letters,
+)
+
+SORT = Task(
+    name="sort",
+    description="Sort the letters of a lowercase word of `difficulty` letters: 'sort cab=' → 'abc'.",
+    difficulties=tuple(range(2, 11)),
+    default_difficulty=4,
+    draw=_draw_sort,
+    verify=_verify_letters,
+)

@@ -1,0 +1,1 @@
+"""Generation: sampling, the engine protocol, rollout workers, the weight channel."""

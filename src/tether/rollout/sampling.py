@@ -1,0 +1,151 @@
+"""Batched sampling with a KV cache, returning the log-probability of what was sampled.
+
+Prompts of different lengths are left-padded into one batch; position ids follow the attention
+mask so padding does not shift positions. Each step runs one forward pass over the newest token
+of every sequence, so per-token Python work is a handful of tensor operations for the whole batch.
+
+Log-prob semantics: ``logprobs[t]`` is log μ(token_t), where μ is the distribution actually
+sampled from — softmax(logits / temperature) after top-k and top-p truncation and renormalisation.
+Without truncation that equals the trainer's log-softmax of the same logits at the same
+temperature; with truncation it does not, and the importance ratio then measures the truncation
+too. Greedy decoding returns log-probs at temperature 1.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache as _memo
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy."""
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 = off)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches p (1 = off)."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def truncates(self) -> bool:
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+
+@dataclass(frozen=True)
+class Completions:
+    """One completion per input prompt, stop token included when it stopped."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    """``stop`` (a stop token was sampled) or ``length`` (``max_new_tokens`` reached)."""
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu"):
+    """(B, P) token ids and attention mask, prompts right-aligned."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)  # (B, P)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)  # (B, P)
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        ids[i, width - len(p):] = torch.as_tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+@_memo
+def _cache_kwarg(model_type: type) -> str:
+    """The name a model's forward takes its KV cache by (``cache`` from transformers 5.x)."""
+    params = inspect.signature(model_type.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _cache_of(out) -> object:
+    return out.cache if hasattr(out, "cache") else out.past_key_values
+
+
+def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k / top-p set to -inf. ``logits``: (B, V), already / T."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass strictly before it already reaches p (always keep the first)
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    *,
+    stop_ids: Sequence[int],
+    pad_id: int,
+    generator: torch.Generator | None = None,
+) -> Completions:
+    """Sample one completion per prompt (repeat a prompt to get a group)."""
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_id, device)
+    batch = ids.shape[0]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+    stop = torch.as_tensor(list(stop_ids), dtype=torch.long, device=device)
+    cache_kw = _cache_kwarg(type(model))
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    cache = _cache_of(out)
+    logits = out.logits[:, -1, :].float()  # (B, V)
+    next_pos = positions[:, -1:] + 1  # (B, 1)
+
+    tokens = torch.empty((batch, params.max_new_tokens), dtype=torch.long, device=device)  # (B, N)
+    logps = torch.empty((batch, params.max_new_tokens), dtype=torch.float32, device=device)  # (B, N)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long, device=device)
+    steps = 0
+    for t in range(params.max_new_tokens):
+        if params.greedy:
+            dist = torch.log_softmax(logits, dim=-1)
+            tok = dist.argmax(dim=-1)
+        else:
+            dist = torch.log_softmax(truncate_logits(logits / params.temperature, params.top_k,
+                                                     params.top_p), dim=-1)
+            tok = torch.multinomial(dist.exp(), 1, generator=generator).squeeze(-1)
+        tokens[:, t] = tok
+        logps[:, t] = dist.gather(-1, tok[:, None]).squeeze(-1)
+        steps = t + 1
+        hit = torch.isin(tok, stop) & ~done
+        lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
+        done |= hit
+        if bool(done.all()) or t + 1 == params.max_new_tokens:
+            break
+        mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=-1)
+        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                    use_cache=True, **{cache_kw: cache})
+        cache = _cache_of(out)
+        logits = out.logits[:, -1, :].float()
+        next_pos = next_pos + 1
+
+    tokens_l = tokens[:, :steps].tolist()
+    logps_l = logps[:, :steps].tolist()
+    lens = lengths.tolist()
+    finished = done.tolist()
+    return Completions(
+        tokens=[row[:n] for row, n in zip(tokens_l, lens, strict=True)],
+        logprobs=[row[:n] for row, n in zip(logps_l, lens, strict=True)],
+        finish_reasons=["stop" if f else "length" for f in finished],
+    )

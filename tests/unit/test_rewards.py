@@ -1,0 +1,75 @@
+"""Reward functions: built-ins, user files, and every way loading or calling one can go wrong."""
+
+import sys
+
+import pytest
+
+from tether.data.rewards import load_reward, scorer
+from tether.data.types import Example
+from tether.errors import ConfigError, RewardError
+
+EX = Example("What is 6*7?", "42", fields={"source": "test"})
+
+
+def test_builtins():
+    assert scorer("exact_match")(EX, "42\nbecause") == 1.0
+    assert scorer("exact_match")(EX, "41") == 0.0
+    assert scorer("numeric_match")(EX, "The answer is 42.0") == 1.0
+    assert scorer("numeric_match")(EX, "1,042") == 0.0
+    assert scorer("numeric_match")(EX, "no number") == 0.0
+    assert scorer("task", task="arithmetic")(Example("1+2=", "3"), "3") == 1.0
+
+
+def test_math_reward_when_installed():
+    pytest.importorskip("math_verify")
+    s = scorer("math")
+    assert s(Example("q", "\\frac{1}{2}"), "The answer is $0.5$") == 1.0
+    assert s(Example("q", "\\frac{1}{2}"), "The answer is $0.25$") == 0.0
+
+
+def test_math_reward_without_the_extra_says_which_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    with pytest.raises(ConfigError, match=r"pip install 'tether\[math\]'"):
+        load_reward("math")
+
+
+def test_user_reward_receives_every_argument(tmp_path):
+    (tmp_path / "r.py").write_text(
+        "def reward(prompt, completion, answer, fields):\n"
+        "    return float(completion.strip() == answer) + (0.5 if fields['source'] == 'test' else 0)\n"
+    )
+    assert scorer(f"{tmp_path / 'r.py'}:reward")(EX, "42") == 1.5
+
+
+@pytest.mark.parametrize(
+    ("source", "spec", "message"),
+    [
+        (None, "missing.py:reward", "reward function file 'missing.py' does not exist"),
+        ("def other(p, c, a, f):\n    return 1.0\n", "{}:reward",
+         "defines no 'reward'; its functions are: other"),
+        ("def reward(prompt, completion):\n    return 1.0\n", "{}:reward",
+         "must accept (prompt, completion, answer, fields) -> float; its signature is (prompt, completion)"),
+        ("import nonexistent_module_xyz\n", "{}:reward", "failed to import: ModuleNotFoundError"),
+        (None, "no_colon", "unknown reward 'no_colon'"),
+        (None, "task", "reward.function=task needs a built-in data.task"),
+    ],
+)
+def test_bad_reward_specs(tmp_path, source, spec, message):
+    path = tmp_path / "r.py"
+    if source is not None:
+        path.write_text(source)
+    with pytest.raises(ConfigError) as info:
+        load_reward(spec.format(path))
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["float('nan')", "float('inf')", "None", "'1.0'"])
+def test_non_finite_or_non_numeric_returns_are_errors(tmp_path, value):
+    (tmp_path / "r.py").write_text(f"def reward(p, c, a, f):\n    return {value}\n")
+    with pytest.raises(RewardError, match="must return a finite number"):
+        scorer(f"{tmp_path / 'r.py'}:reward")(EX, "42")
+
+
+def test_bool_counts_as_zero_or_one(tmp_path):
+    (tmp_path / "r.py").write_text("def reward(p, c, a, f):\n    return c == a\n")
+    assert scorer(f"{tmp_path / 'r.py'}:reward")(EX, "42") == 1.0

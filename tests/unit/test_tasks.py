@@ -1,0 +1,84 @@
+"""Built-in tasks: determinism, disjoint splits, and verifiers on known answers."""
+
+import pytest
+
+from tether.data.tasks import FORMAT_CREDIT, TASKS, evaluate_expression, get_task, split_of
+from tether.data.types import Example
+from tether.errors import ConfigError
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_generation_is_deterministic_in_the_seed(name):
+    task = get_task(name)
+    a = task.examples("train", 50, seed=3)
+    b = task.examples("train", 50, seed=3)
+    c = task.examples("train", 50, seed=4)
+    assert [e.prompt for e in a] == [e.prompt for e in b]
+    assert [e.prompt for e in a] != [e.prompt for e in c]
+    assert len({e.prompt for e in a}) == 50  # distinct within a split
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_train_and_eval_splits_are_disjoint_whatever_the_seeds(name):
+    task = get_task(name)
+    train = {e.prompt for seed in (0, 1) for e in task.examples("train", 400, seed=seed)}
+    held_out = {e.prompt for seed in (0, 5) for e in task.examples("eval", 40, seed=seed)}
+    assert not train & held_out
+    assert all(split_of(p) == "eval" for p in held_out)
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_every_demonstration_earns_full_reward_and_junk_earns_none(name):
+    task = get_task(name)
+    for d in task.difficulties:
+        for ex in task.examples("train", 20, seed=0, difficulty=d):
+            assert task.verify(ex.target, ex) == 1.0
+            assert task.verify(ex.target + "\nextra lines are ignored", ex) == 1.0
+            assert task.verify("???", ex) == 0.0
+
+
+def test_arithmetic_known_answers_and_format_credit():
+    task = get_task("arithmetic")
+    ex = Example("37+45=", "82")
+    assert task.verify("82", ex) == 1.0
+    assert task.verify(" 82 ", ex) == 1.0
+    assert task.verify("83", ex) == FORMAT_CREDIT  # a number, but wrong
+    assert task.verify("eighty-two", ex) == 0.0
+    sub = Example("12-40=", "-28")
+    assert task.verify("-28", sub) == 1.0
+    assert task.verify("-27", sub) == FORMAT_CREDIT
+    assert all(e.prompt.count("+") + e.prompt.count("-") == 1
+               for e in task.examples("train", 30, difficulty=3))
+
+
+def test_countdown_checks_numbers_and_target_without_eval():
+    task = get_task("countdown")
+    ex = Example("3 4 7>25:", "25", fields={"numbers": [3, 4, 7], "target": 25})
+    assert task.verify("3*7+4", ex) == 1.0
+    assert task.verify("(4+3)*7-24", ex) == FORMAT_CREDIT  # 24 is not an available number
+    assert task.verify("7*7", ex) == FORMAT_CREDIT          # 7 used twice
+    assert task.verify("3+4+7", ex) == FORMAT_CREDIT        # well formed, wrong value
+    assert task.verify("__import__('os')", ex) == 0.0
+    assert evaluate_expression("8/(3-3)") is None
+    assert evaluate_expression("7/2*2")[0] == 7  # exact rational arithmetic
+    assert evaluate_expression("2**3") is None    # only + - * /
+
+
+def test_string_tasks_known_answers():
+    rev, srt = get_task("reverse"), get_task("sort")
+    ex = Example("rev abcd=", "dcba", fields={"word": "abcd"})
+    assert rev.verify("dcba", ex) == 1.0
+    assert rev.verify("abdc", ex) == FORMAT_CREDIT  # the right letters in the wrong order
+    assert rev.verify("xyz", ex) == 0.0
+    ex = Example("sort dbca=", "abcd", fields={"word": "dbca"})
+    assert srt.verify("abcd", ex) == 1.0
+    assert all(len(e.fields["word"]) == 6 for e in rev.examples("train", 10, difficulty=6))
+
+
+def test_bad_task_requests_say_what_is_valid():
+    with pytest.raises(ConfigError, match="built-in tasks are: arithmetic, countdown, reverse, sort"):
+        get_task("additon")
+    with pytest.raises(ConfigError, match=r"has difficulties \[1, 2, 3, 4\], got 9"):
+        get_task("arithmetic").examples("train", 5, difficulty=9)
+    with pytest.raises(ConfigError, match="only about 9 distinct eval problems"):
+        get_task("arithmetic").examples("eval", 50, difficulty=1)
