@@ -1,0 +1,75 @@
+"""From a recipe's data section to examples: tasks, datasets, held-out rows, chat template."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tether.config import load_config
+from tether.data.source import resolve_data
+from tether.data.tiny_model import build_char_tokenizer
+from tether.errors import ConfigError, DataError
+
+pytestmark = pytest.mark.integration
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture
+def tok():
+    return build_char_tokenizer()
+
+
+def dataset(tmp_path, n):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"q": f"{i}+1=", "a": str(i + 1)}) + "\n" for i in range(n)))
+    return path
+
+
+def data_cfg(*overrides):
+    return load_config(None, list(overrides)).data
+
+
+def test_task_data(tok):
+    bundle = resolve_data(data_cfg("data.task=reverse", "data.difficulty=5", "data.num_train=50",
+                                   "data.num_eval=10"), tok)
+    assert (len(bundle.train), len(bundle.eval), bundle.stop_text) == (50, 10, "\n")
+    assert all(len(e.fields["word"]) == 5 for e in bundle.train)
+
+
+def test_dataset_holds_out_num_eval_rows_deterministically(tmp_path, tok):
+    cfg = data_cfg("data.task=", f"data.dataset={dataset(tmp_path, 30)}", "data.prompt_column=q",
+                   "data.answer_column=a", "data.num_eval=5", "reward.function=exact_match")
+    a, b = resolve_data(cfg, tok, seed=1), resolve_data(cfg, tok, seed=1)
+    assert (len(a.train), len(a.eval)) == (25, 5)
+    assert [e.prompt for e in a.eval] == [e.prompt for e in b.eval]
+    assert not {e.prompt for e in a.train} & {e.prompt for e in a.eval}
+    small = data_cfg("data.task=", f"data.dataset={dataset(tmp_path, 5)}", "data.prompt_column=q",
+                     "data.answer_column=a", "data.num_eval=5", "reward.function=exact_match")
+    with pytest.raises(DataError, match=r"not enough to hold out data\.num_eval=5"):
+        resolve_data(small, tok)
+
+
+def test_chat_template_wraps_prompts_or_says_there_is_none(tmp_path, tok):
+    cfg = data_cfg("data.task=", f"data.dataset={dataset(tmp_path, 12)}", "data.prompt_column=q",
+                   "data.answer_column=a", "data.num_eval=2", "data.chat_template=true",
+                   "reward.function=exact_match")
+    with pytest.raises(ConfigError, match="the tokenizer has no chat template"):
+        resolve_data(cfg, tok)
+    tok.chat_template = TEMPLATE
+    bundle = resolve_data(cfg, tok)
+    assert all(e.prompt.startswith("<user>") and e.prompt.endswith("<assistant>") for e in bundle.train)
+
+
+def test_long_prompts_are_skipped_and_counted_or_fail_the_run(tok):
+    # countdown prompts ('3 4 17>25:') vary in length around 10 characters
+    cfg = data_cfg("data.task=countdown", "data.max_prompt_tokens=10", "data.num_train=200",
+                   "data.num_eval=20")
+    bundle = resolve_data(cfg, tok)
+    assert bundle.skipped_long_prompts > 0
+    assert 0 < len(bundle.train) < 200
+    assert all(len(e.prompt) <= 10 for e in bundle.train + bundle.eval)
+    with pytest.raises(DataError, match=r"longer than data\.max_prompt_tokens=10"):
+        resolve_data(data_cfg("data.task=countdown", "data.max_prompt_tokens=10",
+                              "data.on_long_prompt=error", "data.num_train=200"), tok)
