@@ -74,6 +74,17 @@ class RolloutSection:
     batch_size: int = knob(8, "Prompts per rollout batch.", min=1)
     group_size: int = knob(4, "Samples per prompt; advantages are relative within a group.", min=1)
     num_workers: int = knob(1, "Rollout worker processes (engines) generating concurrently.", min=1)
+    threads_per_worker: int = knob(
+        1, "torch threads in each rollout worker (on 2 cores: 1 for generation, 1 for training).", min=1
+    )
+    max_new_tokens: int = knob(32, "Most tokens sampled per completion.", min=1)
+    temperature: float = knob(
+        1.0, "Sampling temperature (> 0); the trainer's log-probs use the same temperature.", min=1e-6
+    )
+    top_k: int = knob(0, "Sample from the k most likely tokens only (0 = off).", min=0)
+    top_p: float = knob(
+        1.0, "Sample from the smallest set of tokens whose probability reaches p (1 = off).", min=1e-6, max=1
+    )
 
 
 @dataclass(frozen=True)
@@ -164,6 +175,11 @@ class RewardSection:
         "task",
         "'task' (the built-in task's verifier), exact_match, numeric_match, math (needs the math "
         "extra), or path/to/file.py:function with signature (prompt, completion, answer, fields) -> float.",
+    )
+    on_error: Literal["raise", "zero"] = knob(
+        "raise",
+        "A reward function that raises or returns a non-finite value: fail the batch and the run "
+        "('raise'), or score that sample 0 and count it in reward/errors ('zero').",
     )
 
 

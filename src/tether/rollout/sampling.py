@@ -90,6 +90,38 @@ def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
     return logits
 
 
+class _TransformersStepper:
+    """Prefill/decode through the model's own forward and its KV cache (any causal LM)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.cache_kw = _cache_kwarg(type(model))
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        self.cache = _cache_of(out)
+        self.mask = mask
+        self.next_pos = positions[:, -1:] + 1  # (B, 1)
+        return out.logits[:, -1, :].float()
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones((tokens.shape[0], 1), dtype=self.mask.dtype, device=self.mask.device)
+        self.mask = torch.cat([self.mask, ones], dim=-1)
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.next_pos,
+                         use_cache=True, **{self.cache_kw: self.cache})
+        self.cache = _cache_of(out)
+        self.next_pos = self.next_pos + 1
+        return out.logits[:, -1, :].float()
+
+
+def stepper_for(model: torch.nn.Module):
+    """The lean decoder when the model's family supports it, else the transformers forward."""
+    from tether.rollout.fast_decoder import FastDecoder, supports
+
+    return FastDecoder(model) if supports(model) else _TransformersStepper(model)
+
+
 @torch.no_grad()
 def sample(
     model: torch.nn.Module,
@@ -99,18 +131,19 @@ def sample(
     stop_ids: Sequence[int],
     pad_id: int,
     generator: torch.Generator | None = None,
+    stepper=None,
 ) -> Completions:
-    """Sample one completion per prompt (repeat a prompt to get a group)."""
+    """Sample one completion per prompt (repeat a prompt to get a group).
+
+    ``stepper`` (from ``stepper_for``) can be reused across calls; it must be refreshed after the
+    model's weights change.
+    """
+    stepper = stepper if stepper is not None else stepper_for(model)
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
     batch = ids.shape[0]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
     stop = torch.as_tensor(list(stop_ids), dtype=torch.long, device=device)
-    cache_kw = _cache_kwarg(type(model))
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    cache = _cache_of(out)
-    logits = out.logits[:, -1, :].float()  # (B, V)
-    next_pos = positions[:, -1:] + 1  # (B, 1)
+    logits = stepper.prefill(ids, mask, params.max_new_tokens)  # (B, V)
 
     tokens = torch.empty((batch, params.max_new_tokens), dtype=torch.long, device=device)  # (B, N)
     logps = torch.empty((batch, params.max_new_tokens), dtype=torch.float32, device=device)  # (B, N)
@@ -128,17 +161,15 @@ def sample(
         tokens[:, t] = tok
         logps[:, t] = dist.gather(-1, tok[:, None]).squeeze(-1)
         steps = t + 1
-        hit = torch.isin(tok, stop) & ~done
-        lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
-        done |= hit
-        if bool(done.all()) or t + 1 == params.max_new_tokens:
+        if len(stop):
+            hit = torch.isin(tok, stop) & ~done
+            lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
+            done |= hit
+            if bool(done.all()):
+                break
+        if t + 1 == params.max_new_tokens:
             break
-        mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=-1)
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                    use_cache=True, **{cache_kw: cache})
-        cache = _cache_of(out)
-        logits = out.logits[:, -1, :].float()
-        next_pos = next_pos + 1
+        logits = stepper.decode(tok)
 
     tokens_l = tokens[:, :steps].tolist()
     logps_l = logps[:, :steps].tolist()

@@ -1,0 +1,119 @@
+"""Sampled tokens/s of Tether's engine against transformers' `generate` with scores.
+
+Same ~3M-parameter model (the `small` preset), same 64 prompts, 32 new tokens each (stop tokens
+disabled so both produce exactly 64 × 32 tokens), temperature 1. transformers gets
+`output_scores=True` plus `compute_transition_scores`, i.e. it also returns per-token log-probs,
+which is what an RL engine needs. Interleaved repeats; the median of each is reported, at 1 and
+2 threads.
+
+Target (issue 3): at least 1.5× transformers' tokens/s at 1 thread.
+
+    python benchmarks/engine.py [--prompts 64] [--new-tokens 32] [--repeats 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def build(size: str):
+    from transformers.utils import logging as hf_logging
+
+    from tether.data.tiny_model import init_model
+    from tether.rollout.torch_engine import load_causal_lm
+
+    hf_logging.disable_progress_bar()
+    path = tempfile.mkdtemp() + "/model"
+    init_model(path, size=size, seed=0)
+    return load_causal_lm(path)
+
+
+def prompts_of(tok, n: int) -> list[list[int]]:
+    from tether.data.tasks import get_task
+
+    examples = get_task("arithmetic").examples("train", n, seed=0, difficulty=3)
+    return [tok(e.prompt, add_special_tokens=False).input_ids for e in examples]
+
+
+def time_tether(model, tok, prompts, new_tokens: int) -> float:
+    from tether.rollout.sampling import SamplingParams, sample
+
+    t0 = time.perf_counter()
+    out = sample(model, prompts, SamplingParams(max_new_tokens=new_tokens), stop_ids=[],
+                 pad_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0))
+    elapsed = time.perf_counter() - t0
+    assert sum(len(t) for t in out.tokens) == len(prompts) * new_tokens
+    return elapsed
+
+
+def time_hf(model, tok, prompts, new_tokens: int) -> float:
+    batch = tok.pad({"input_ids": prompts}, return_tensors="pt")
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             output_scores=True, return_dict_in_generate=True,
+                             pad_token_id=tok.pad_token_id, eos_token_id=None)
+        scores = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    elapsed = time.perf_counter() - t0
+    assert scores.shape == (len(prompts), new_tokens)
+    return elapsed
+
+
+def measure(n_prompts: int, new_tokens: int, repeats: int, size: str = "small") -> dict:
+    model, tok = build(size)
+    model.eval()
+    prompts = prompts_of(tok, n_prompts)
+    tokens = n_prompts * new_tokens
+    result: dict = {"prompts": n_prompts, "new_tokens": new_tokens, "repeats": repeats,
+                    "parameters": sum(p.numel() for p in model.parameters()), "threads": {}}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        time_tether(model, tok, prompts, new_tokens)  # warm up both
+        time_hf(model, tok, prompts, new_tokens)
+        ours, theirs = [], []
+        for _ in range(repeats):
+            ours.append(tokens / time_tether(model, tok, prompts, new_tokens))
+            theirs.append(tokens / time_hf(model, tok, prompts, new_tokens))
+        t, h = statistics.median(ours), statistics.median(theirs)
+        result["threads"][str(threads)] = {"tether_tokens_per_s": t, "hf_generate_tokens_per_s": h,
+                                           "speedup": t / h}
+    result["speedup_vs_hf_generate"] = result["threads"]["1"]["speedup"]
+    result["target"] = 1.5
+    result["meets_target"] = result["speedup_vs_hf_generate"] >= 1.5
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--size", default="small", choices=["tiny", "small", "base"])
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    r = measure(a.prompts, a.new_tokens, a.repeats, a.size)
+    if a.json:
+        print(json.dumps(r))
+        return 0
+    print(f"{a.prompts} prompts × {a.new_tokens} new tokens, {r['parameters']:,}-parameter model, "
+          f"median of {a.repeats}")
+    print(f"{'threads':>8}{'tether tok/s':>16}{'hf generate tok/s':>20}{'speedup':>10}")
+    for threads, row in r["threads"].items():
+        print(f"{threads:>8}{row['tether_tokens_per_s']:>16.0f}{row['hf_generate_tokens_per_s']:>20.0f}"
+              f"{row['speedup']:>9.2f}×")
+    print(f"speedup at 1 thread: {r['speedup_vs_hf_generate']:.2f}× (target 1.5×: "
+          f"{'met' if r['meets_target'] else 'MISSED'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

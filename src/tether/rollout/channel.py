@@ -1,0 +1,176 @@
+"""The weight channel: the trainer publishes a version's weights into shared memory allocated
+once; rollout workers verify the version and a checksum before using them.
+
+Layout: a 64-byte header, then every tensor at a 64-byte-aligned offset.
+
+    header (int64 × 4): state (0 = being written, 1 = complete), version, checksum, data bytes
+
+The checksum is the wrapping sum of the data region read as int64 words: one read pass at memory
+bandwidth, enough to catch a torn or partial write or a stray overwrite (it is an integrity check,
+not a cryptographic one). On CPU a worker *binds* its parameters to views of the shared snapshot,
+so loading costs only the verification and every worker shares one copy of the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+import torch
+
+from tether.errors import TetherError
+
+HEADER_BYTES = 64
+ALIGN = 64
+_WRITING, _COMPLETE = 0, 1
+
+
+class ChannelError(TetherError):
+    """Published weights failed verification (wrong version, bad checksum, incomplete write)."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor lives in the shared block."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every tensor's slot, plus the size of the data region (a multiple of 8 bytes)."""
+
+    slots: tuple[Slot, ...]
+    data_bytes: int
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> Layout:
+        slots, offset = [], HEADER_BYTES
+        for name, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            slots.append(Slot(name, offset, tuple(t.shape), str(t.dtype).removeprefix("torch."), nbytes))
+            offset += -(-nbytes // ALIGN) * ALIGN
+        return cls(tuple(slots), offset - HEADER_BYTES)
+
+    @property
+    def total_bytes(self) -> int:
+        return HEADER_BYTES + self.data_bytes
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+
+def unique_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name → tensor for every parameter, tied ones once (the names ``named_parameters`` gives)."""
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+class _Block:
+    """A mapped shared-memory block with typed views of its header, data and tensors."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, layout: Layout) -> None:
+        self.shm = shm
+        self.layout = layout
+        raw = torch.frombuffer(shm.buf, dtype=torch.uint8, count=layout.total_bytes)  # (total,)
+        self.header = raw[:HEADER_BYTES].view(torch.int64)  # (8,)
+        self.words = raw[HEADER_BYTES:].view(torch.int64)  # (data_bytes / 8,)
+        self.views = {
+            s.name: raw[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
+            for s in layout.slots
+        }
+
+    def checksum(self) -> int:
+        return int(self.words.sum())
+
+    def close(self) -> None:
+        self.header = self.words = None  # type: ignore[assignment]
+        self.views = {}
+        self.shm.close()
+
+
+class WeightChannel:
+    """The publishing side: owns the shared block and unlinks it on ``close``."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        shm = shared_memory.SharedMemory(create=True, size=layout.total_bytes)
+        self._block = _Block(shm, layout)
+        self._block.header.zero_()
+        self.name = shm.name
+
+    @classmethod
+    def for_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> WeightChannel:
+        return cls(Layout.of(tensors))
+
+    def publish(self, tensors: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Copy ``tensors`` in as ``version``; returns ``sync/publish_s``, ``sync/bytes``."""
+        block = self._block
+        names = [s.name for s in self.layout.slots]
+        if set(tensors) != set(names):
+            extra, missing = set(tensors) - set(names), set(names) - set(tensors)
+            raise ChannelError(f"published tensors do not match the channel layout "
+                               f"(missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]})")
+        t0 = time.perf_counter()
+        block.header[0] = _WRITING
+        with torch.no_grad():
+            for name in names:
+                block.views[name].copy_(tensors[name])
+        block.header[1] = version
+        block.header[2] = block.checksum()
+        block.header[3] = self.layout.data_bytes
+        block.header[0] = _COMPLETE
+        seconds = time.perf_counter() - t0
+        return {"sync/publish_s": seconds, "sync/bytes": float(self.layout.payload_bytes)}
+
+    def views(self) -> dict[str, torch.Tensor]:
+        return dict(self._block.views)
+
+    def close(self) -> None:
+        if self._block is not None:
+            shm = self._block.shm
+            self._block.close()
+            self._block = None  # type: ignore[assignment]
+            with contextlib.suppress(FileNotFoundError):
+                shm.unlink()
+
+
+class WeightReader:
+    """The worker side: attaches to the block by name and verifies what it reads."""
+
+    def __init__(self, name: str, layout: Layout) -> None:
+        # Worker processes are the publisher's children and share its resource tracker, where
+        # registration is idempotent: attaching neither leaks the block nor unlinks it early.
+        shm = shared_memory.SharedMemory(name=name)
+        self._block = _Block(shm, layout)
+
+    def views(self) -> dict[str, torch.Tensor]:
+        return dict(self._block.views)
+
+    def verify(self, version: int) -> float:
+        """Check the block holds a complete write of ``version``; returns seconds spent."""
+        t0 = time.perf_counter()
+        header = self._block.header
+        state, got, expected_sum, nbytes = (int(x) for x in header[:4])
+        if state != _COMPLETE:
+            raise ChannelError(f"weights for version {version} are incomplete (a publish was interrupted)")
+        if got != version:
+            raise ChannelError(f"weight channel holds version {got}, expected {version}")
+        if nbytes != self._block.layout.data_bytes:
+            raise ChannelError(f"weight channel layout mismatch: {nbytes} bytes, expected "
+                               f"{self._block.layout.data_bytes}")
+        actual = self._block.checksum()
+        if actual != expected_sum:
+            raise ChannelError(f"weights for version {version} fail their checksum "
+                               f"({actual} != {expected_sum}): the shared block was modified or torn")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._block.close()

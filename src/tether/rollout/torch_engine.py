@@ -1,0 +1,96 @@
+"""The built-in engine: any Hugging Face causal LM from a local directory, sampled in PyTorch."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from tether.errors import ConfigError
+from tether.rollout.engine import Completion
+from tether.rollout.sampling import SamplingParams, sample, stepper_for
+
+
+def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) from a local directory, offline; a clear error when it is not one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is not a model directory (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+class TorchEngine:
+    """Batched KV-cache sampling on a local model; stamps its version on every token."""
+
+    def __init__(self, model: torch.nn.Module, *, pad_id: int, stop_ids: Sequence[int],
+                 max_positions: int | None = None, version: int = 0) -> None:
+        self.model = model.eval()
+        self.pad_id = pad_id
+        self.stop_ids = list(stop_ids)
+        self.max_positions = max_positions or getattr(model.config, "max_position_embeddings", None)
+        self._version = version
+        self.stepper = stepper_for(self.model)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, samples_per_prompt: int,
+                 params: SamplingParams, seed: int) -> list[list[Completion]]:
+        longest = max(len(p) for p in prompts)
+        if self.max_positions is not None and longest + params.max_new_tokens > self.max_positions:
+            raise ConfigError(
+                f"a {longest}-token prompt plus rollout.max_new_tokens={params.max_new_tokens} exceeds "
+                f"the model's context of {self.max_positions} positions; lower data.max_prompt_tokens "
+                "or rollout.max_new_tokens"
+            )
+        flat = [list(p) for p in prompts for _ in range(samples_per_prompt)]
+        generator = torch.Generator().manual_seed(seed)
+        out = sample(self.model, flat, params, stop_ids=self.stop_ids, pad_id=self.pad_id,
+                     generator=generator, stepper=self.stepper)
+        v = self._version
+        completions = [
+            Completion(token_ids=t, logprobs=lp, versions=[v] * len(t), finish_reason=f)  # type: ignore[arg-type]
+            for t, lp, f in zip(out.tokens, out.logprobs, out.finish_reasons, strict=True)
+        ]
+        n = samples_per_prompt
+        return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy ``weights`` into the model, unless the model already uses them (bound views)."""
+        params = dict(self.model.named_parameters())
+        missing = [name for name in params if name not in weights]
+        if missing:
+            raise ConfigError(f"published weights lack {len(missing)} parameters, e.g. {missing[:3]}")
+        with torch.no_grad():
+            for name, p in params.items():
+                src = weights[name]
+                if src.data_ptr() != p.data_ptr():
+                    p.copy_(src)
+        self._refresh()
+        self._version = version
+
+    def _refresh(self) -> None:
+        refresh = getattr(self.stepper, "refresh", None)
+        if refresh is not None:
+            refresh()
+
+    def bind(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Use ``weights`` (e.g. shared-memory views) as the model's parameters, without copying."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                src = weights[name]
+                if src.shape != p.shape or src.dtype != p.dtype:
+                    raise ConfigError(f"cannot bind {name}: {tuple(src.shape)} {src.dtype} vs "
+                                      f"{tuple(p.shape)} {p.dtype}")
+                p.data = src
+        self._refresh()

@@ -1,0 +1,142 @@
+"""A rollout worker: a separate OS process hosting one engine and the reward function.
+
+It receives whole rollout batches (prompts, group size, sampling parameters, behavior version),
+generates, scores every sample, and sends back one complete ``ScoredBatch`` — or an error with
+the original traceback, never a partial batch. It loads weights only when told to, between
+batches, after verifying the version and checksum of the shared snapshot.
+
+Messages, each a tuple whose first item names it:
+
+    driver → worker   ("generate", WorkItem) | ("load", version) | ("stop",)
+    worker → driver   ("ready", pid) | ("batch", index, ScoredBatch) | ("loaded", version, seconds)
+                      | ("error", index | None, message, traceback_text)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Literal
+
+from tether.rollout.types import ScoredBatch, WorkItem
+
+if TYPE_CHECKING:
+    from tether.rollout.channel import Layout
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to start, picklable for a spawned process."""
+
+    worker_id: int
+    model_path: str
+    channel_name: str
+    channel_layout: Layout
+    reward: str
+    task: str | None
+    stop_text: str
+    num_threads: int = 1
+    reward_on_error: Literal["raise", "zero"] = "raise"
+    initial_version: int = 0
+
+
+def worker_main(spec: WorkerSpec, requests: Connection, results: Connection) -> None:
+    """Process entry point. Ctrl-C is the driver's to handle: workers ignore SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        worker = _Worker(spec)
+    except BaseException as exc:
+        results.send(("error", None, f"worker {spec.worker_id} failed to start: {type(exc).__name__}: {exc}",
+                      traceback.format_exc()))
+        return
+    results.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = requests.recv()
+        except (EOFError, OSError):
+            return  # the driver is gone: exit rather than linger as an orphan
+        kind = msg[0]
+        if kind == "stop":
+            return
+        index = msg[1].batch_index if kind == "generate" else None
+        try:
+            if kind == "generate":
+                results.send(("batch", index, worker.generate(msg[1])))
+            elif kind == "load":
+                results.send(("loaded", msg[1], worker.load(msg[1])))
+            else:
+                raise ValueError(f"unknown message {kind!r}")
+        except BaseException as exc:
+            results.send(("error", index, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        import torch
+
+        torch.set_num_threads(spec.num_threads)
+        from tether.data.rewards import scorer
+        from tether.data.warmstart import stop_ids_for
+        from tether.rollout.channel import WeightReader
+        from tether.rollout.torch_engine import TorchEngine, load_causal_lm
+
+        self.spec = spec
+        model, self.tokenizer = load_causal_lm(spec.model_path)
+        self.engine = TorchEngine(model, pad_id=self.tokenizer.pad_token_id,
+                                  stop_ids=stop_ids_for(self.tokenizer, spec.stop_text))
+        self.reader = WeightReader(spec.channel_name, spec.channel_layout)
+        self.engine.bind(self.reader.views())
+        self.load(spec.initial_version)
+        self.score = scorer(spec.reward, task=spec.task)
+
+    def load(self, version: int) -> float:
+        seconds = self.reader.verify(version)
+        self.engine.load_weights(self.reader.views(), version)
+        return seconds
+
+    def generate(self, item: WorkItem) -> ScoredBatch:
+        t0 = time.perf_counter()
+        prompt_ids = [self.tokenizer(ex.prompt, add_special_tokens=False).input_ids
+                      for _, ex in item.examples]
+        groups = self.engine.generate(prompt_ids, samples_per_prompt=item.group_size,
+                                      params=item.params, seed=item.seed)
+        t1 = time.perf_counter()
+        batch = ScoredBatch(positions=[pos for pos, _ in item.examples], prompt_ids=prompt_ids,
+                            completion_ids=[], logprobs=[], versions=[], rewards=[],
+                            finish_reasons=[], completions=[], group_size=item.group_size)
+        errors = 0
+        for (_, example), group in zip(item.examples, groups, strict=True):
+            for c in group:
+                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                try:
+                    reward = self.score(example, text)
+                except Exception:
+                    if self.spec.reward_on_error == "raise":
+                        raise
+                    reward, errors = 0.0, errors + 1
+                batch.completion_ids.append(c.token_ids)
+                batch.logprobs.append(c.logprobs)
+                batch.versions.append(c.versions)
+                batch.rewards.append(reward)
+                batch.finish_reasons.append(c.finish_reason)
+                batch.completions.append(text)
+        batch.check()
+        n = len(batch.rewards)
+        mean = sum(batch.rewards) / n
+        tokens = sum(len(t) for t in batch.completion_ids)
+        batch.metrics.update({
+            "reward/mean": mean,
+            "reward/std": math.sqrt(sum((r - mean) ** 2 for r in batch.rewards) / n),
+            "reward/errors": float(errors),
+            "response/length_mean": tokens / n,
+            "response/truncated_frac": batch.finish_reasons.count("length") / n,
+            "time/generate": t1 - t0,
+            "time/score": time.perf_counter() - t1,
+            "throughput/gen_tokens_per_s": tokens / max(t1 - t0, 1e-9),
+        })
+        return batch
