@@ -99,3 +99,46 @@ def test_truncated_logprobs_are_of_the_renormalised_distribution(model_and_tok):
     assert min(gaps) > -1e-5
     assert max(gaps) > 1e-3
     assert all(math.isfinite(x) for lps in out.logprobs for x in lps)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_lean_decoder_and_transformers_forward_agree(tmp_path, arch):
+    from tether.data.tiny_model import init_model
+    from tether.rollout.fast_decoder import FastDecoder, supports
+    from tether.rollout.sampling import _TransformersStepper
+
+    init_model(tmp_path / arch, arch=arch, size="tiny", seed=3)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / arch).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / arch)
+    assert supports(model)
+    ps = prompts(tok, ["1+1=", "123+456=", "rev abcdefg="])
+    params = SamplingParams(max_new_tokens=10, temperature=0.8)
+    outs = [sample(model, ps, params, stop_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
+                   generator=torch.Generator().manual_seed(4), stepper=stepper)
+            for stepper in (FastDecoder(model), _TransformersStepper(model))]
+    assert outs[0].tokens == outs[1].tokens
+    for a, b in zip(outs[0].logprobs, outs[1].logprobs, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_unsupported_models_fall_back_to_the_transformers_forward(model_and_tok):
+    from tether.rollout.fast_decoder import FastDecoder
+    from tether.rollout.sampling import stepper_for
+
+    model, _tok = model_and_tok
+    assert isinstance(stepper_for(model), FastDecoder)
+    model.config.use_sliding_window = True  # a feature the lean path does not implement
+    try:
+        assert not isinstance(stepper_for(model), FastDecoder)
+    finally:
+        model.config.use_sliding_window = False
+
+
+def test_truncated_sampling_is_noted_at_start():
+    from tether.rollout.notes import sampling_notes
+
+    assert sampling_notes(SamplingParams(temperature=0.7)) == []
+    (note,) = sampling_notes(SamplingParams(top_k=20, top_p=0.9))
+    assert note.code == "truncated_sampling"
+    assert "rollout.top_k=20 and rollout.top_p=0.9" in note.message
+    assert "include the truncation" in note.message

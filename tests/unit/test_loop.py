@@ -177,3 +177,7 @@ def test_every_record_carries_the_control_metrics(make_pool):
     for record in trace.records:
         assert expected <= set(record.metrics)
     assert [r.metrics["async/train_version"] for r in trace.records] == [1, 2, 3]
+    # the pool's publication metrics ride on the record of the step that published
+    published = [r.step for r in trace.records if "sync/bytes" in r.metrics]
+    assert published == [e.detail["step"] for e in trace.of_kind("sync") if e.detail["published"]]
+    assert published == [2]

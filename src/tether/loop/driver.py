@@ -42,6 +42,8 @@ class StepTimes:
     sync: float = 0.0
     eval: float = 0.0
     save: float = 0.0
+    sync_metrics: Mapping[str, float] | None = None
+    """What the pool reported for this step's publication (``sync/*``), if there was one."""
 
 
 class NoHooks:
@@ -177,7 +179,7 @@ class Driver:
         step = self.trained
         decision = self.control.sync_decision(step)
         if decision.due:
-            times.sync = self._publish(decision.reasons)
+            times.sync, times.sync_metrics = self._publish(decision.reasons)
         if self.settings.eval_due(step):
             times.eval = self._evaluate(step)
         if self.settings.save_due(step):
@@ -223,8 +225,11 @@ class Driver:
                 "weight sync, or raise async.max_consecutive_drops if the drops are expected."
             )
 
-    def _publish(self, reasons: tuple[str, ...]) -> float:
-        """Quiesce, check nothing was outstanding, publish if there is anything new."""
+    def _publish(self, reasons: tuple[str, ...]) -> tuple[float, Mapping[str, float] | None]:
+        """Quiesce, check nothing was outstanding, publish if there is anything new.
+
+        Returns the seconds it took and the pool's publication metrics (None if nothing new).
+        """
         t0 = self.clock()
         outstanding = self.pool.inflight + len(self.ready)
         self._reap(self.pool.quiesce(self.drain_timeout_s))
@@ -234,16 +239,16 @@ class Driver:
                 f"{self.trained} batches (reasons: {', '.join(reasons)}); admission must leave "
                 "the queue empty at every sync"
             )
-        published = False
+        sync_metrics = None
         if self.control.publish_lag > 0 or self.control.publish_required:
-            self.pool.publish(self.learner.export_weights(), self.control.train_version)
+            sync_metrics = self.pool.publish(self.learner.export_weights(), self.control.train_version)
             self.control.mark_published()
-            published = True
+        published = sync_metrics is not None
         t1 = self.clock()
         self._emit("sync", t=t0, end=t1, version=self.control.rollout_version,
                    detail={"step": self.trained, "reasons": reasons, "published": published,
                            "outstanding": outstanding})
-        return t1 - t0
+        return t1 - t0, sync_metrics
 
     def _evaluate(self, step: int) -> float:
         t0 = self.clock()
@@ -277,6 +282,8 @@ class Driver:
             "time/step": step_s,
             "throughput/samples_per_s": batch.num_samples / step_s if step_s > 0 else 0.0,
         })
+        if times.sync_metrics:
+            metrics.update(times.sync_metrics)
         if batch.newest_version is not None:
             metrics["staleness/span_updates"] = batch.newest_version - batch.behavior_version
         self.observer.on_batch(BatchRecord(
