@@ -15,6 +15,7 @@ from tether.config.schema import (
     SECTIONS,
     AsyncSection,
     CheckpointSection,
+    CorrectionSection,
     DataSection,
     EvalSection,
     ModelSection,
@@ -39,6 +40,7 @@ class Config:
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    correction: CorrectionSection = dataclasses.field(default_factory=CorrectionSection)
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     reward: RewardSection = dataclasses.field(default_factory=RewardSection)
@@ -65,6 +67,7 @@ class Config:
                 )
             built[_attr(name)] = build_section(SECTIONS[name], value or {}, name, home)
         config = cls(**built)
+        config = dataclasses.replace(config, train=_resolve_preset(config.train))
         config.check()
         return config
 
@@ -79,6 +82,14 @@ class Config:
         if d.eval_dataset and not d.dataset:
             raise ConfigError("data.eval_dataset is set but data.dataset is not; built-in tasks have "
                               "their own held-out split")
+        if self.train.anchor == "behavior" and self.correction.tis != "none":
+            raise ConfigError(
+                f"correction.tis={self.correction.tis} weights the loss by π_prox/μ, which needs "
+                "train.anchor=proximal; with train.anchor=behavior the ratio is already taken "
+                "against μ. Set correction.tis=none or train.anchor=proximal"
+            )
+        if self.correction.mask_low >= self.correction.mask_high:
+            raise ConfigError("correction.mask_low must be below correction.mask_high")
         if self.reward.function == "task" and not d.task:
             raise ConfigError("reward.function=task scores with a built-in task's verifier, but "
                               "data.task is empty; choose exact_match, numeric_match, math or "
@@ -107,6 +118,15 @@ class Config:
             on_stale=self.async_.on_stale,
             max_consecutive_drops=self.async_.max_consecutive_drops,
         )
+
+
+def _resolve_preset(train: TrainSection) -> TrainSection:
+    """Fill every key left null from the ``train.algorithm`` preset."""
+    from tether.train.algorithms import preset
+
+    p = preset(train.algorithm)
+    filled = {key: getattr(p, key) for key in p.__dataclass_fields__ if getattr(train, key) is None}
+    return dataclasses.replace(train, **filled)
 
 
 def _attr(section: str) -> str:
@@ -173,6 +193,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return Config.from_dict(apply_overrides(data, overrides))
 
 
-__all__ = ["AsyncSection", "CheckpointSection", "Config", "DataSection", "EvalSection", "ModelSection",
+__all__ = ["AsyncSection", "CheckpointSection", "Config", "CorrectionSection", "DataSection", "EvalSection",
+           "ModelSection",
            "PlanSection", "RewardSection", "RolloutSection", "RunSection", "TrainSection",
            "WarmstartSection", "apply_overrides", "load_config", "parse_override", "read_recipe"]

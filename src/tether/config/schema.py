@@ -55,15 +55,84 @@ class AsyncSection:
     )
 
 
+FROM_PRESET = "null = from train.algorithm"
+
+
 @dataclass(frozen=True)
 class TrainSection:
-    """The learner's schedule."""
+    """The learner: schedule, algorithm, optimizer."""
 
     num_batches: int = knob(20, "Rollout batches to train on in the whole run.", min=1)
     updates_per_batch: int = knob(
         1,
         "U: optimizer updates made from one rollout batch (it is split into U mini-batches).",
         min=1,
+    )
+    algorithm: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"] = knob(
+        "dapo",
+        "Preset of loss, aggregation, clip range and advantage settings from its paper (see "
+        "docs/training.md); any of those keys set explicitly wins over the preset.",
+    )
+    loss: Literal["ppo_clip", "gspo", "cispo"] | None = knob(None, f"Policy loss ({FROM_PRESET}).")
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                         "seq_mean_token_sum_norm"] | None = knob(
+        None, f"How per-token losses reduce to one number ({FROM_PRESET})."
+    )
+    clip_low: float | None = knob(None, f"ε_low: the ratio is clipped at 1 − ε_low ({FROM_PRESET}).", min=0)
+    clip_high: float | None = knob(
+        None, f"ε_high: the ratio is clipped at 1 + ε_high ({FROM_PRESET}).", min=0
+    )
+    dual_clip: float | None = knob(
+        None, f"Dual clip c > 1 bounds negative-advantage losses at c·|A|; 0 = off ({FROM_PRESET}).", min=0
+    )
+    adv_std_norm: bool | None = knob(None, f"Divide advantages by the reward std ({FROM_PRESET}).")
+    adv_scope: Literal["group", "batch"] = knob(
+        "group", "Whose std normalises advantages: each prompt group's, or the whole batch's."
+    )
+    drop_zero_std: bool | None = knob(
+        None, f"Drop groups whose rewards are all equal from the loss ({FROM_PRESET})."
+    )
+    kl_coef: float | None = knob(
+        None, f"β of a KL penalty to the frozen initial model; 0 = off ({FROM_PRESET}).", min=0
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] | None = knob(None, f"KL estimator ({FROM_PRESET}).")
+    anchor: Literal["behavior", "proximal"] = knob(
+        "proximal",
+        "What the ratio is taken against: 'behavior' = the engine's log-probs μ directly; "
+        "'proximal' = the trainer's recomputation π_prox at the start of each batch, with the loss "
+        "weighted by π_prox/μ (decoupled PPO, as in AReaL).",
+    )
+    lr: float = knob(1e-6, "AdamW learning rate after warm-up.", min=0)
+    warmup_steps: int = knob(0, "Optimizer updates of linear warm-up from 0 to train.lr.", min=0)
+    weight_decay: float = knob(0.0, "AdamW weight decay.", min=0)
+    adam_beta1: float = knob(0.9, "AdamW β1.", min=0, max=1)
+    adam_beta2: float = knob(0.999, "AdamW β2.", min=0, max=1)
+    grad_clip: float = knob(1.0, "Clip the gradient's global norm to this (0 = off).", min=0)
+    micro_batch_size: int = knob(
+        0, "Sequences per forward/backward inside a mini-batch (gradient accumulation); 0 = all.", min=0
+    )
+    threads: int = knob(1, "torch threads in the trainer process.", min=1)
+
+
+@dataclass(frozen=True)
+class CorrectionSection:
+    """Corrections on π_old/μ, the trainer's recomputation against the engine's log-probs."""
+
+    tis: Literal["none", "token", "sequence"] = knob(
+        "token",
+        "Truncated importance sampling of the proximal anchor's weight π_prox/μ: per token, per "
+        "sequence, or 'none' (the full weight). Needs train.anchor=proximal.",
+    )
+    tis_cap: float = knob(2.0, "Upper cap of the truncated weight.", min=1)
+    mask: Literal["none", "token", "sequence", "geometric"] = knob(
+        "none",
+        "Mask tokens whose ρ = π_old/μ is outside [mask_low, mask_high] ('token'), or whole "
+        "sequences by the product ('sequence') or geometric mean ('geometric') of ρ.",
+    )
+    mask_low: float = knob(0.5, "Lower bound of the kept ρ.", min=0)
+    mask_high: float = knob(2.0, "Upper bound of the kept ρ.", min=1)
+    outlier_token: float = knob(
+        0.0, "T > 1 masks any sequence holding a token with ρ > T or ρ < 1/T (0 = off).", min=0
     )
 
 
@@ -225,6 +294,7 @@ SECTIONS: dict[str, type] = {
     "rollout": RolloutSection,
     "eval": EvalSection,
     "checkpoint": CheckpointSection,
+    "correction": CorrectionSection,
     "model": ModelSection,
     "data": DataSection,
     "reward": RewardSection,

@@ -1,0 +1,114 @@
+"""The learner's time per update against a bare forward/backward/AdamW step on the same batch.
+
+Bare: the batch already as tensors; forward, log-softmax gather of the sampled tokens, a
+policy-gradient loss (−A·log π, token mean), backward, gradient clipping, AdamW step. Learner:
+``TorchLearner.train`` on the scored rollout batch with U = 1 — batch assembly, advantages, the
+proximal anchor with truncated IS, the DAPO loss, and every metric (ratios, clip fractions, IS
+weights, ESS, mismatch, entropy). Same model (the `small` preset), same 8 prompts × 4 samples,
+interleaved repeats, medians.
+
+Target (issue 4): at most 15% overhead.
+
+    python benchmarks/learner.py [--repeats 15] [--threads 1] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def setup():
+    from transformers.utils import logging as hf_logging
+
+    from tether.data.tasks import get_task
+    from tether.data.tiny_model import init_model
+    from tether.loop.protocols import RolloutBatch
+    from tether.rollout.sampling import SamplingParams
+    from tether.rollout.torch_engine import TorchEngine, load_causal_lm
+    from tether.rollout.types import ScoredBatch
+
+    hf_logging.disable_progress_bar()
+    path = tempfile.mkdtemp() + "/model"
+    init_model(path, size="small", seed=0)
+    model, tok = load_causal_lm(path)
+    engine = TorchEngine(model, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
+    examples = get_task("arithmetic").examples("train", 8, seed=0)
+    prompts = [tok(e.prompt, add_special_tokens=False).input_ids for e in examples]
+    groups = engine.generate(prompts, samples_per_prompt=4, params=SamplingParams(max_new_tokens=16), seed=0)
+    flat = [c for g in groups for c in g]
+    scored = ScoredBatch(positions=list(range(8)), prompt_ids=prompts,
+                         completion_ids=[c.token_ids for c in flat], logprobs=[c.logprobs for c in flat],
+                         versions=[c.versions for c in flat], rewards=[float(i % 3 == 0) for i in range(32)],
+                         finish_reasons=[c.finish_reason for c in flat], completions=[""] * 32, group_size=4)
+    return path, RolloutBatch(index=0, behavior_version=0, num_groups=8, group_size=4, payload=scored), tok
+
+
+def bare_step(model, optimizer, tb, adv) -> float:
+    t0 = time.perf_counter()
+    logits = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, tb.targets[..., None]).squeeze(-1)
+    loss = -(adv[:, None] * logp * tb.mask).sum() / tb.mask.sum()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return time.perf_counter() - t0
+
+
+def measure(repeats: int, threads: int) -> dict:
+    from tether.rollout.torch_engine import load_causal_lm
+    from tether.train.advantages import group_advantages
+    from tether.train.batch import to_train_batch
+    from tether.train.corrections import CorrectionSettings
+    from tether.train.learner import LearnerSettings, TorchLearner
+
+    torch.set_num_threads(threads)
+    path, batch, tok = setup()
+    learner = TorchLearner(path, LearnerSettings(lr=1e-6, loss="ppo_clip", aggregation="token_mean",
+                                                 clip_high=0.28, anchor="proximal",
+                                                 correction=CorrectionSettings(tis="token")))
+    model, _ = load_causal_lm(path)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    tb = to_train_batch(batch.payload, tok.pad_token_id)
+    adv = group_advantages(tb.rewards, 4).values
+    for _ in range(3):  # warm up
+        bare_step(model, optimizer, tb, adv)
+        learner.train(batch, train_version=0)
+    bare, ours = [], []
+    for _ in range(repeats):
+        bare.append(bare_step(model, optimizer, tb, adv))
+        t0 = time.perf_counter()
+        learner.train(batch, train_version=0)
+        ours.append(time.perf_counter() - t0)
+    b, o = statistics.median(bare), statistics.median(ours)
+    return {"threads": threads, "repeats": repeats, "sequences": tb.size, "bare_s": b, "learner_s": o,
+            "overhead": o / b - 1, "target": 0.15, "meets_target": o / b - 1 <= 0.15}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    r = measure(a.repeats, a.threads)
+    if a.json:
+        print(json.dumps(r))
+        return 0
+    print(f"{r['sequences']} sequences, {a.threads} thread(s), median of {a.repeats}")
+    print(f"  bare forward/backward/AdamW  {r['bare_s'] * 1e3:8.2f} ms")
+    print(f"  TorchLearner.train (U=1)     {r['learner_s'] * 1e3:8.2f} ms")
+    print(f"overhead: {r['overhead']:.1%} (target ≤ 15%: {'met' if r['meets_target'] else 'MISSED'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Algorithm presets: named bundles of loss, aggregation, clip range and advantage settings.
+
+Each follows its paper; any key set in the recipe wins over the preset, and the resolved values
+are what the run's config records.
+
+| preset | loss | aggregation | ε_low / ε_high | std norm | drop 0-std groups | KL |
+|---|---|---|---|---|---|---|
+| grpo (Shao et al. 2024, DeepSeekMath) | ppo_clip | seq_mean_token_mean | 0.2 / 0.2 | yes | no | k3, β = 0.04 |
+| dapo (Yu et al. 2025) | ppo_clip | token_mean | 0.2 / 0.28 (clip-higher) | yes | yes (dynamic sampling) | none |
+| dr_grpo (Liu et al. 2025) | ppo_clip | seq_mean_token_sum_norm | 0.2 / 0.2 | no | no | none |
+| gspo (Zheng et al. 2025) | gspo | seq_mean_token_mean | 3e-4 / 4e-4 | yes | no | none |
+| cispo (MiniMax-M1, 2025) | cispo | token_mean | 1.0 / 0.28 (no lower bound) | yes | no | none |
+
+DAPO's dynamic sampling over-samples until every group has reward variance; Tether instead drops
+zero-variance groups from the loss, which removes the same (zero-advantage) groups without
+generating more. DAPO's overlong reward shaping is not part of the preset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tether.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Preset:
+    loss: str
+    aggregation: str
+    clip_low: float
+    clip_high: float
+    dual_clip: float
+    adv_std_norm: bool
+    drop_zero_std: bool
+    kl_coef: float
+    kl_estimator: str
+
+
+PRESETS: dict[str, Preset] = {
+    "grpo": Preset("ppo_clip", "seq_mean_token_mean", 0.2, 0.2, 0.0, True, False, 0.04, "k3"),
+    "dapo": Preset("ppo_clip", "token_mean", 0.2, 0.28, 0.0, True, True, 0.0, "k3"),
+    "dr_grpo": Preset("ppo_clip", "seq_mean_token_sum_norm", 0.2, 0.2, 0.0, False, False, 0.0, "k3"),
+    "gspo": Preset("gspo", "seq_mean_token_mean", 3e-4, 4e-4, 0.0, True, False, 0.0, "k3"),
+    "cispo": Preset("cispo", "token_mean", 1.0, 0.28, 0.0, True, False, 0.0, "k3"),
+}
+
+
+def preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown algorithm {name!r}; valid ones are: {', '.join(PRESETS)}") from None

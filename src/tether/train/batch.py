@@ -1,0 +1,76 @@
+"""A scored rollout batch as training tensors, and per-token log-probs of a causal LM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tether.errors import ConfigError
+from tether.rollout.types import ScoredBatch
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """N = B·G sequences (prompt + completion), right-padded to length L.
+
+    Token j of a sequence is predicted by position j − 1, so per-token tensors are (N, L − 1):
+    column j − 1 holds token j's log-prob; ``mask`` marks completion tokens.
+    """
+
+    input_ids: torch.Tensor  # (N, L)
+    attention_mask: torch.Tensor  # (N, L)
+    targets: torch.Tensor  # (N, L − 1) the token each position predicts
+    mask: torch.Tensor  # (N, L − 1) 1.0 on completion tokens
+    behavior_logp: torch.Tensor  # (N, L − 1) log μ from the engine, 0 off the mask
+    rewards: torch.Tensor  # (N,)
+    group_size: int
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, index: torch.Tensor | slice) -> TrainBatch:
+        return TrainBatch(self.input_ids[index], self.attention_mask[index], self.targets[index],
+                          self.mask[index], self.behavior_logp[index], self.rewards[index], self.group_size)
+
+
+def to_train_batch(scored: ScoredBatch, pad_id: int) -> TrainBatch:
+    """Tensors for ``scored``; refuses a batch without the engine's log-probs."""
+    n, g = len(scored.completion_ids), scored.group_size
+    if not scored.logprobs or any(lp is None for lp in scored.logprobs):
+        raise ConfigError("the rollout batch carries no engine log-probs, which the loss needs for its "
+                          "ratio and corrections; the engine must return per-token log-probs")
+    prompts = [scored.prompt_ids[i // g] for i in range(n)]
+    seqs = [list(p) + list(c) for p, c in zip(prompts, scored.completion_ids, strict=True)]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)  # (N, L)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width - 1))
+    behavior = torch.zeros((n, width - 1))
+    for i, (seq, p, lps) in enumerate(zip(seqs, prompts, scored.logprobs, strict=True)):
+        if len(lps) != len(seq) - len(p):
+            raise ValueError(f"sample {i}: {len(lps)} log-probs for {len(seq) - len(p)} completion tokens")
+        ids[i, : len(seq)] = torch.as_tensor(seq)
+        attn[i, : len(seq)] = 1
+        start, end = len(p) - 1, len(seq) - 1
+        mask[i, start:end] = 1.0
+        behavior[i, start:end] = torch.as_tensor(lps, dtype=torch.float32)
+    if not torch.isfinite(behavior).all():
+        raise ValueError("the engine's log-probs contain non-finite values")
+    return TrainBatch(ids, attn, ids[:, 1:], mask, behavior,
+                      torch.as_tensor(scored.rewards, dtype=torch.float32), g)
+
+
+def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float,
+                   *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(token_j | tokens_<j) at ``temperature``, (N, L − 1); and entropy if asked."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    logits = logits.float() / temperature  # (N, L − 1, V)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, batch.targets[..., None]).squeeze(-1)  # (N, L − 1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy

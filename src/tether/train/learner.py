@@ -1,0 +1,234 @@
+"""The torch learner: a Hugging Face causal LM trained with U updates per rollout batch.
+
+Per batch: advantages over the whole batch; π_old (the trainer's log-probs with the weights it
+holds now) once, before any update; then the batch is split into U mini-batches, each one
+optimizer update (with gradient accumulation over micro-batches inside it). A non-finite
+gradient norm skips that update — not committed, counted — and ``TrainResult`` reports how many
+were committed, so the version clock stays honest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tether.errors import ConfigError
+from tether.loop.protocols import RolloutBatch, TrainResult
+from tether.rollout.channel import unique_parameters
+from tether.rollout.torch_engine import load_causal_lm
+from tether.train.advantages import group_advantages
+from tether.train.batch import TrainBatch, to_train_batch, token_logprobs
+from tether.train.corrections import CorrectionSettings, correct
+from tether.train.losses import LossInputs, LossSettings, aggregate, get_loss, kl_penalty
+
+
+@dataclass(frozen=True)
+class LearnerSettings:
+    """Resolved training settings (from the ``train`` and ``correction`` recipe sections)."""
+
+    updates_per_batch: int = 1
+    loss: str = "ppo_clip"
+    aggregation: str = "token_mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float = 0.0
+    adv_std_norm: bool = True
+    adv_scope: str = "group"
+    drop_zero_std: bool = False
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    anchor: str = "proximal"
+    correction: CorrectionSettings = field(default_factory=CorrectionSettings)
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    micro_batch_size: int = 0
+    temperature: float = 1.0
+    max_new_tokens: int = 32
+    """Dr. GRPO's normalising constant for ``seq_mean_token_sum_norm``."""
+    seed: int = 0
+
+
+class _Stats:
+    """Accumulates per-token tensors and scalars over one batch's updates."""
+
+    def __init__(self) -> None:
+        self.ratios: list[torch.Tensor] = []
+        self.entropy: list[torch.Tensor] = []
+        self.scalars: dict[str, list[float]] = {}
+
+    def add(self, name: str, value: float | torch.Tensor) -> None:
+        self.scalars.setdefault(name, []).append(float(value))
+
+    def mean(self, name: str) -> float | None:
+        values = self.scalars.get(name)
+        return sum(values) / len(values) if values else None
+
+
+class TorchLearner:
+    def __init__(self, model_path: str | Path, settings: LearnerSettings) -> None:
+        self.s = settings
+        self.loss_fn = get_loss(settings.loss)
+        torch.manual_seed(settings.seed)
+        self.model, self.tokenizer = load_causal_lm(model_path)
+        self.model.train()
+        self.ref_model = None
+        if settings.kl_coef > 0:
+            self.ref_model, _ = load_causal_lm(model_path)
+            self.ref_model.eval().requires_grad_(False)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=settings.lr, betas=settings.betas,
+                                           weight_decay=settings.weight_decay)
+        warmup = settings.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        )
+        self.committed = 0
+        self.skipped = 0
+
+    # -- the Learner protocol -----------------------------------------------------------------
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return unique_parameters(self.model)
+
+    def train(self, batch: RolloutBatch, *, train_version: int) -> TrainResult:
+        s = self.s
+        tb = to_train_batch(batch.payload, self.tokenizer.pad_token_id)
+        u = s.updates_per_batch
+        if u > tb.size:
+            raise ConfigError(f"train.updates_per_batch={u} exceeds the {tb.size} sequences of a rollout "
+                              "batch; lower it or raise rollout.batch_size × rollout.group_size")
+        adv = group_advantages(tb.rewards, tb.group_size, std_norm=s.adv_std_norm, scope=s.adv_scope,
+                               drop_zero_std=s.drop_zero_std)
+        mask = tb.mask * adv.keep.float()[:, None]  # (N, L − 1)
+        minibatches = torch.arange(tb.size).tensor_split(u)  # U contiguous mini-batches
+        inline_old = u == 1 and self._micro_count(tb.size) == 1
+        old = None if inline_old else self._no_grad_logp(self.model, tb)
+        ref = self._no_grad_logp(self.ref_model, tb) if self.ref_model is not None else None
+        stats = _Stats()
+        committed = 0
+        for rows in minibatches:
+            committed += self._update(tb.rows(rows), adv.values[rows], mask[rows],
+                                      None if old is None else old[rows],
+                                      None if ref is None else ref[rows], stats)
+        return TrainResult(committed, u, self._metrics(stats, tb, adv.frac_zero_std, u - committed))
+
+    # -- one update ---------------------------------------------------------------------------
+
+    def _micro_count(self, n: int) -> int:
+        m = self.s.micro_batch_size
+        return 1 if m <= 0 else math.ceil(n / m)
+
+    def _micro(self, n: int) -> Iterator[torch.Tensor]:
+        yield from torch.arange(n).tensor_split(self._micro_count(n))
+
+    def _no_grad_logp(self, model, tb: TrainBatch) -> torch.Tensor:
+        with torch.no_grad():
+            parts = [token_logprobs(model, tb.rows(rows), self.s.temperature)[0]
+                     for rows in self._micro(tb.size)]
+        return torch.cat(parts)
+
+    def _update(self, tb: TrainBatch, adv: torch.Tensor, mask: torch.Tensor, old: torch.Tensor | None,
+                ref: torch.Tensor | None, stats: _Stats) -> int:
+        s = self.s
+        weigh = s.anchor == "proximal"
+        settings = LossSettings(s.clip_low, s.clip_high, s.dual_clip)
+        self.optimizer.zero_grad(set_to_none=True)
+        # Denominators for the whole mini-batch, from the masks after corrections.
+        keep_all = None
+        if old is not None:
+            keep_all = correct(old, tb.behavior_logp, mask, s.correction, weigh=weigh).keep
+        totals_mask = mask if keep_all is None else keep_all
+        total_tokens = float(totals_mask.sum())
+        total_seqs = float((totals_mask.sum(dim=1) > 0).sum())
+        for rows in self._micro(tb.size):
+            mb = tb.rows(rows)
+            logp, entropy = token_logprobs(self.model, mb, s.temperature, with_entropy=True)
+            old_mb = logp.detach() if old is None else old[rows]
+            corr = correct(old_mb, mb.behavior_logp, mask[rows], s.correction, weigh=weigh)
+            if old is None:  # single micro-batch: the denominators come from this forward
+                total_tokens = float(corr.keep.sum())
+                total_seqs = float((corr.keep.sum(dim=1) > 0).sum())
+            anchor = old_mb if weigh else mb.behavior_logp
+            inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[rows], mask=corr.keep)
+            per_token, loss_metrics = self.loss_fn(inputs, settings)
+            policy = aggregate(per_token * corr.weights, corr.keep, s.aggregation,
+                               norm_constant=s.max_new_tokens, total_tokens=total_tokens,
+                               total_seqs=total_seqs)
+            total = policy
+            if ref is not None:
+                kl = aggregate(kl_penalty(logp, ref[rows], s.kl_estimator), corr.keep, s.aggregation,
+                               norm_constant=s.max_new_tokens, total_tokens=total_tokens,
+                               total_seqs=total_seqs)
+                total = policy + s.kl_coef * kl
+                stats.add("loss/kl", kl.detach())
+            total.backward()
+            stats.add("loss/policy", policy.detach())
+            stats.add("loss/total", total.detach())
+            for key, value in {**loss_metrics, **corr.metrics}.items():
+                stats.add(key, value)
+            valid = corr.keep.bool()
+            if valid.any():
+                stats.ratios.append(torch.exp(logp.detach() - anchor)[valid])
+                stats.entropy.append(entropy[valid])
+        max_norm = s.grad_clip if s.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped += 1
+            stats.add("train/nonfinite_grad", 1.0)
+            return 0
+        stats.add("train/grad_norm", grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.committed += 1
+        return 1
+
+    def _metrics(self, stats: _Stats, tb: TrainBatch, frac_zero_std: float, skipped: int) -> dict[str, float]:
+        out: dict[str, float] = {k: v for k in stats.scalars if (v := stats.mean(k)) is not None}
+        out.pop("train/nonfinite_grad", None)
+        out["loss/kl"] = out.get("loss/kl", 0.0)
+        out["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        out["train/skipped_updates"] = float(skipped)
+        out["reward/frac_zero_std"] = frac_zero_std
+        if stats.ratios:
+            ratios = torch.cat(stats.ratios)
+            out.update({"ratio/mean": float(ratios.mean()), "ratio/std": float(ratios.std(unbiased=False)),
+                        "ratio/min": float(ratios.min()), "ratio/max": float(ratios.max())})
+            out["train/entropy"] = float(torch.cat(stats.entropy).mean())
+        return out
+
+    # -- state --------------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        """Model (safetensors) and tokenizer, optimizer, scheduler, RNG and counters."""
+        path = Path(path)
+        self.model.save_pretrained(path / "model", safe_serialization=True)
+        self.tokenizer.save_pretrained(path / "model")
+        torch.save({
+            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "committed": self.committed, "skipped": self.skipped,
+        }, path / "learner.pt")
+
+    def load(self, path: str | Path) -> None:
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        state = load_file(str(path / "model" / "model.safetensors"))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        tied = {name for name in missing if name.endswith("lm_head.weight")}
+        if set(missing) - tied or unexpected:
+            raise ConfigError(f"checkpoint {path} does not match the model: missing "
+                              f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}")
+        extra = torch.load(path / "learner.pt", weights_only=False)
+        self.optimizer.load_state_dict(extra["optimizer"])
+        self.scheduler.load_state_dict(extra["scheduler"])
+        torch.set_rng_state(extra["torch_rng"])
+        self.committed, self.skipped = extra["committed"], extra["skipped"]

@@ -1,0 +1,178 @@
+"""Policy losses: pure functions on tensors, registered by name; aggregation kept separate.
+
+Every loss has one signature, ``fn(inputs, settings) -> (per_token_loss, metrics)``, with
+per-token losses (N, T) still unreduced; ``aggregate`` then reduces them (token mean, sequence
+mean, …). Symbols: r = π_θ/π_anchor per token, A the sequence's advantage, ε_low/ε_high the clip
+range, sg[·] stop-gradient.
+
+- ``ppo_clip`` (PPO with DAPO's clip-higher and an optional dual clip, Ye et al. 2020):
+      ℓ_t = max(−A·r_t, −A·clip(r_t, 1−ε_low, 1+ε_high));  A < 0 and dual clip c: ℓ_t = min(ℓ_t, −c·A)
+- ``gspo`` (Zheng et al. 2025, the GSPO-token form): s = exp(mean_t log r_t) over the sequence,
+      s_t = sg[s]·π_θ(y_t)/sg[π_θ(y_t)],  ℓ_t = max(−A·s_t, −A·clip(s_t, 1−ε_low, 1+ε_high))
+  (value s for every token, gradient s·∇log π_θ(y_t); the whole sequence is clipped together)
+- ``cispo`` (MiniMax-M1, 2025): ℓ_t = −sg[clip(r_t, 1−ε_low, 1+ε_high)]·A·log π_θ(y_t)
+  (the weight is clipped, never the gradient; MiniMax leaves the lower bound open, ε_low = 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from tether.errors import ConfigError
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                                 "seq_mean_token_sum_norm")
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    logp: torch.Tensor
+    """(N, T) log π_θ of the sampled tokens, with gradient."""
+    anchor_logp: torch.Tensor
+    """(N, T) log-probs the ratio is taken against (μ for the behavior anchor, π_prox for proximal)."""
+    advantages: torch.Tensor
+    """(N,) one advantage per sequence."""
+    mask: torch.Tensor
+    """(N, T) 1.0 on completion tokens that count, 0.0 elsewhere."""
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float = 0.0
+    """c > 1 bounds the loss of negative-advantage tokens at c·|A| (0 = off)."""
+
+
+LossFn = Callable[[LossInputs, LossSettings], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+_REGISTRY: dict[str, LossFn] = {}
+
+
+def register_loss(name: str) -> Callable[[LossFn], LossFn]:
+    """Register a loss under ``name``; a second loss under the same name is refused."""
+    def deco(fn: LossFn) -> LossFn:
+        if name in _REGISTRY:
+            raise ValueError(f"a loss named {name!r} is already registered")
+        _REGISTRY[name] = fn
+        return fn
+    return deco
+
+
+def get_loss(name: str) -> LossFn:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        valid = ", ".join(sorted(_REGISTRY))
+        raise ConfigError(f"unknown loss {name!r}; valid losses are: {valid}") from None
+
+
+def loss_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+@register_loss("ppo_clip")
+def ppo_clip(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ratio = torch.exp(x.logp - x.anchor_logp)  # (N, T)
+    adv = x.advantages[:, None]  # (N, 1)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - s.clip_low, 1 + s.clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    with torch.no_grad():
+        low = ((adv < 0) & (ratio < 1 - s.clip_low)).float()
+        high = ((adv > 0) & (ratio > 1 + s.clip_high)).float()
+        metrics = {"ratio/clip_frac_low": _masked_mean(low, x.mask),
+                   "ratio/clip_frac_high": _masked_mean(high, x.mask)}
+    if s.dual_clip > 1.0:
+        bound = -adv * s.dual_clip  # (N, 1), positive where A < 0
+        dual = (adv < 0) & (loss > bound)
+        loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
+        metrics["ratio/dual_clip_frac"] = _masked_mean(dual.float().detach(), x.mask)
+    return loss, metrics
+
+
+@register_loss("gspo")
+def gspo(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    log_ratio = (x.logp - x.anchor_logp) * x.mask  # (N, T)
+    lengths = x.mask.sum(dim=1).clamp(min=1)  # (N,)
+    seq_ratio = torch.exp(log_ratio.sum(dim=1) / lengths)  # (N,) s_i, with gradient
+    token_ratio = seq_ratio.detach()[:, None] * torch.exp(x.logp - x.logp.detach())  # (N, T)
+    adv = x.advantages[:, None]
+    loss = torch.maximum(-adv * token_ratio, -adv * token_ratio.clamp(1 - s.clip_low, 1 + s.clip_high))
+    with torch.no_grad():
+        seq_adv = x.advantages
+        has_tokens = (x.mask.sum(dim=1) > 0).float()
+        low = ((seq_adv < 0) & (seq_ratio < 1 - s.clip_low)).float()
+        high = ((seq_adv > 0) & (seq_ratio > 1 + s.clip_high)).float()
+        n = has_tokens.sum().clamp(min=1)
+        metrics = {"ratio/clip_frac_low": (low * has_tokens).sum() / n,
+                   "ratio/clip_frac_high": (high * has_tokens).sum() / n,
+                   "ratio/seq_mean": (seq_ratio * has_tokens).sum() / n}
+    return loss, metrics
+
+
+@register_loss("cispo")
+def cispo(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ratio = torch.exp(x.logp - x.anchor_logp)  # (N, T)
+    weight = ratio.clamp(1 - s.clip_low, 1 + s.clip_high).detach()
+    loss = -weight * x.advantages[:, None] * x.logp
+    with torch.no_grad():
+        metrics = {"ratio/clip_frac_low": _masked_mean((ratio < 1 - s.clip_low).float(), x.mask),
+                   "ratio/clip_frac_high": _masked_mean((ratio > 1 + s.clip_high).float(), x.mask)}
+    return loss, metrics
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, *, norm_constant: float = 1.0,
+              total_tokens: float | None = None, total_seqs: float | None = None) -> torch.Tensor:
+    """Reduce per-token ``loss`` (N, T) over ``mask`` to a scalar.
+
+    - ``token_mean``: Σ ℓ / Σ mask (every token weighs the same; DAPO)
+    - ``seq_mean_token_mean``: mean over sequences of each sequence's token mean (GRPO)
+    - ``seq_mean_token_sum``: mean over sequences of each sequence's token sum
+    - ``seq_mean_token_sum_norm``: mean over sequences of token sum / ``norm_constant`` (Dr. GRPO,
+      with the constant the maximum completion length)
+
+    ``total_tokens`` / ``total_seqs`` override the denominators, so that micro-batches of one
+    mini-batch sum to the mini-batch's value. Sequences without tokens do not count.
+    """
+    masked = loss * mask
+    has_tokens = (mask.sum(dim=1) > 0).float()
+    seqs = has_tokens.sum() if total_seqs is None else total_seqs
+    if mode == "token_mean":
+        tokens = mask.sum() if total_tokens is None else total_tokens
+        return masked.sum() / max(float(tokens), 1.0)
+    if mode == "seq_mean_token_mean":
+        per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    elif mode == "seq_mean_token_sum":
+        per_seq = masked.sum(dim=1)
+    elif mode == "seq_mean_token_sum_norm":
+        per_seq = masked.sum(dim=1) / norm_constant
+    else:
+        raise ConfigError(f"unknown aggregation {mode!r}; valid ones are: {', '.join(AGGREGATIONS)}")
+    return (per_seq * has_tokens).sum() / max(float(seqs), 1.0)
+
+
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from tokens sampled by the policy (Schulman's k1-k3).
+
+    With d = log π_ref − log π_θ: k1 = −d, k2 = d²/2, k3 = exp(d) − d − 1 (unbiased, ≥ 0).
+    """
+    d = ref_logp - logp
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.exp(d) - d - 1
+    raise ConfigError(f"unknown KL estimator {estimator!r}; valid ones are: k1, k2, k3")

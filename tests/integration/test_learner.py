@@ -1,0 +1,141 @@
+"""The torch learner on a real tiny model and real engine samples."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tether.control import AsyncControl, BudgetSettings  # noqa: E402
+from tether.errors import ConfigError  # noqa: E402
+from tether.loop.protocols import RolloutBatch  # noqa: E402
+from tether.rollout.sampling import SamplingParams  # noqa: E402
+from tether.rollout.torch_engine import TorchEngine, load_causal_lm  # noqa: E402
+from tether.rollout.types import ScoredBatch  # noqa: E402
+from tether.train.batch import to_train_batch, token_logprobs  # noqa: E402
+from tether.train.learner import LearnerSettings, TorchLearner  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+PROMPTS = ["1+1=", "22+3=", "rev abc=", "sort cab="]
+
+
+def sampled_batch(model_dir, *, group_size=4, temperature=1.0, seed=0):
+    """A real rollout batch: samples and log-probs from the engine; reward 1 for the first half
+    of each group, 0 for the rest (so advantages are ±1 within every group)."""
+    model, tok = load_causal_lm(model_dir)
+    engine = TorchEngine(model, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
+    prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    groups = engine.generate(prompt_ids, samples_per_prompt=group_size,
+                             params=SamplingParams(max_new_tokens=6, temperature=temperature), seed=seed)
+    flat = [c for g in groups for c in g]
+    rewards = [1.0 if i % group_size < group_size // 2 else 0.0 for i in range(len(flat))]
+    scored = ScoredBatch(positions=list(range(len(PROMPTS))), prompt_ids=prompt_ids,
+                         completion_ids=[c.token_ids for c in flat], logprobs=[c.logprobs for c in flat],
+                         versions=[c.versions for c in flat], rewards=rewards,
+                         finish_reasons=[c.finish_reason for c in flat], completions=[""] * len(flat),
+                         group_size=group_size)
+    return RolloutBatch(index=0, behavior_version=0, num_groups=len(PROMPTS), group_size=group_size,
+                        payload=scored), tok
+
+
+def sequence_logprobs(learner, batch, tok):
+    tb = to_train_batch(batch.payload, tok.pad_token_id)
+    with torch.no_grad():
+        logp, _ = token_logprobs(learner.model, tb, 1.0)
+    return (logp * tb.mask).sum(dim=1)  # (N,)
+
+
+@pytest.mark.parametrize("algorithm", [
+    {"loss": "ppo_clip", "aggregation": "token_mean", "clip_high": 0.28},
+    {"loss": "gspo", "aggregation": "seq_mean_token_mean", "clip_low": 3e-4, "clip_high": 4e-4},
+    {"loss": "cispo", "aggregation": "token_mean", "clip_low": 1.0, "clip_high": 0.28},
+    {"loss": "ppo_clip", "aggregation": "seq_mean_token_sum_norm", "adv_std_norm": False, "kl_coef": 0.04},
+])
+def test_updates_raise_positive_and_lower_negative_completions(tiny_model_dir, algorithm):
+    batch, tok = sampled_batch(tiny_model_dir)
+    learner = TorchLearner(tiny_model_dir, LearnerSettings(lr=3e-3, updates_per_batch=2, **algorithm))
+    before = sequence_logprobs(learner, batch, tok)
+    params_before = [p.detach().clone() for p in learner.model.parameters()]
+    for _ in range(3):
+        result = learner.train(batch, train_version=0)
+        assert result.committed_updates == 2
+    after = sequence_logprobs(learner, batch, tok)
+    positive = torch.tensor(batch.payload.rewards) > 0.5
+    delta = after - before
+    assert delta[positive].mean() > 0 > delta[~positive].mean()
+    assert any(not torch.equal(a, b) for a, b in zip(params_before, learner.model.parameters(), strict=True))
+    for key in ("loss/policy", "loss/total", "train/grad_norm", "train/lr", "train/entropy", "ratio/mean",
+                "ratio/std", "ratio/min", "ratio/max", "ratio/clip_frac_low", "ratio/clip_frac_high",
+                "ratio/is_weight_mean", "ratio/is_weight_max", "ratio/masked_frac", "ratio/ess",
+                "mismatch/logprob_abs_diff_mean", "mismatch/logprob_abs_diff_max", "mismatch/k3",
+                "train/skipped_updates", "reward/frac_zero_std", "loss/kl"):
+        assert key in result.metrics, key
+
+
+def test_trainer_logprobs_match_the_engine_at_the_sampling_temperature(tiny_model_dir):
+    batch, _tok = sampled_batch(tiny_model_dir, temperature=0.7)
+    learner = TorchLearner(tiny_model_dir, LearnerSettings(temperature=0.7))
+    metrics = learner.train(batch, train_version=0).metrics
+    assert metrics["mismatch/logprob_abs_diff_max"] < 1e-5
+    wrong_t = TorchLearner(tiny_model_dir, LearnerSettings(temperature=1.0)).train(batch, train_version=0)
+    assert wrong_t.metrics["mismatch/logprob_abs_diff_max"] > 1e-2  # the ratio would measure T
+
+
+def test_a_non_finite_gradient_skips_the_update_and_keeps_the_clock_honest(tiny_model_dir):
+    batch, _tok = sampled_batch(tiny_model_dir)
+    learner = TorchLearner(tiny_model_dir, LearnerSettings(lr=1e-3, updates_per_batch=2))
+    calls = {"n": 0}
+
+    def poison(grad):  # the embedding's gradient on the second backward becomes NaN
+        calls["n"] += 1
+        return grad * float("nan") if calls["n"] == 2 else grad
+
+    learner.model.get_input_embeddings().weight.register_hook(poison)
+    control = AsyncControl(BudgetSettings(max_staleness=1, updates_per_batch=2, total_batches=4))
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    result = learner.train(batch, train_version=0)
+    control.commit(result.committed_updates)
+    assert (result.committed_updates, result.attempted_updates) == (1, 2)
+    assert result.metrics["train/skipped_updates"] == 1.0
+    assert control.train_version == 1
+    assert (learner.committed, learner.skipped) == (1, 1)
+    assert all(torch.isfinite(p).all() for p in learner.model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, learner.model.parameters(), strict=True))
+
+
+def test_micro_batches_accumulate_to_the_same_update(tiny_model_dir):
+    batch, _tok = sampled_batch(tiny_model_dir)
+    # Compare the accumulated gradients (lr 0 leaves them in .grad): Adam's first step is about
+    # ±lr·sign(g), which would turn round-off in a near-zero gradient into a visible difference.
+    grads = []
+    for micro in (0, 3):
+        learner = TorchLearner(tiny_model_dir, LearnerSettings(lr=0.0, micro_batch_size=micro, grad_clip=0.0))
+        learner.train(batch, train_version=0)
+        grads.append([p.grad.detach().clone() for p in learner.model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-4)
+    assert any(float(g.abs().max()) > 1e-4 for g in grads[0])
+
+
+def test_save_and_load_resume_exactly(tiny_model_dir, tmp_path):
+    batch, _tok = sampled_batch(tiny_model_dir)
+    settings = LearnerSettings(lr=1e-3, warmup_steps=3)
+    a = TorchLearner(tiny_model_dir, settings)
+    a.train(batch, train_version=0)
+    a.save(tmp_path / "ckpt")
+    a.train(batch, train_version=1)
+    b = TorchLearner(tiny_model_dir, settings)
+    b.load(tmp_path / "ckpt")
+    assert b.committed == 1 and b.optimizer.param_groups[0]["lr"] == a.optimizer.param_groups[0]["lr"] * 2 / 3
+    b.train(batch, train_version=1)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
+def test_bad_batches_are_refused(tiny_model_dir):
+    batch, _tok = sampled_batch(tiny_model_dir)
+    with pytest.raises(ConfigError, match="exceeds the 16 sequences"):
+        TorchLearner(tiny_model_dir, LearnerSettings(updates_per_batch=17)).train(batch, train_version=0)
+    scored = batch.payload
+    scored.logprobs = [None] * len(scored.logprobs)
+    with pytest.raises(ConfigError, match="carries no engine log-probs"):
+        TorchLearner(tiny_model_dir, LearnerSettings()).train(batch, train_version=0)

@@ -1,0 +1,130 @@
+"""Losses, aggregation, KL and advantages on small hand-computed tensors."""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tether.errors import ConfigError  # noqa: E402
+from tether.train.advantages import group_advantages  # noqa: E402
+from tether.train.losses import (  # noqa: E402
+    LossInputs,
+    LossSettings,
+    aggregate,
+    get_loss,
+    kl_penalty,
+    loss_names,
+    register_loss,
+)
+
+
+def flat(t):
+    return [v for row in t.tolist() for v in row]
+
+
+def inputs(ratios, adv, mask=None, logp=None):
+    r = torch.tensor(ratios, dtype=torch.float64)
+    lp = torch.zeros_like(r) if logp is None else torch.tensor(logp, dtype=torch.float64)
+    lp = lp.clone().requires_grad_(True)
+    anchor = lp.detach() - torch.log(r)  # so that exp(logp − anchor) = r
+    m = torch.ones_like(r) if mask is None else torch.tensor(mask, dtype=torch.float64)
+    return LossInputs(lp, anchor, torch.tensor(adv, dtype=torch.float64), m)
+
+
+def test_registry_lists_valid_names_and_refuses_duplicates():
+    assert loss_names() == ["cispo", "gspo", "ppo_clip"]
+    with pytest.raises(ConfigError, match="valid losses are: cispo, gspo, ppo_clip"):
+        get_loss("ppo")
+    with pytest.raises(ValueError, match="already registered"):
+        register_loss("ppo_clip")(lambda x, s: (x.logp, {}))
+
+
+def test_ppo_clip_hand_computed():
+    x = inputs([[1.5, 0.5], [1.1, 0.7]], [1.0, -1.0])
+    loss, m = get_loss("ppo_clip")(x, LossSettings(0.2, 0.2))
+    # A=+1: r=1.5 → max(−1.5, −1.2) = −1.2 (clipped high); r=0.5 → max(−0.5, −0.8) = −0.5
+    # A=−1: r=1.1 → max(1.1, 1.1) = 1.1;                 r=0.7 → max(0.7, 0.8) = 0.8 (clipped low)
+    assert flat(loss) == pytest.approx([-1.2, -0.5, 1.1, 0.8])
+    assert float(m["ratio/clip_frac_high"]) == 0.25 and float(m["ratio/clip_frac_low"]) == 0.25
+    aggregate(loss, x.mask, "token_mean").backward()
+    # clipped tokens get no gradient; the others −A·r / 4 tokens
+    assert flat(x.logp.grad) == pytest.approx([0.0, -0.5 / 4, 1.1 / 4, 0.0])
+
+
+def test_clip_higher_and_dual_clip():
+    x = inputs([[1.5, 5.0]], [1.0])
+    loss, _ = get_loss("ppo_clip")(x, LossSettings(0.2, 0.28))
+    assert loss.tolist()[0][0] == pytest.approx(-1.28)  # DAPO: upper clip at 1 + 0.28
+    y = inputs([[5.0, 1.0]], [-1.0])
+    plain, _ = get_loss("ppo_clip")(y, LossSettings(0.2, 0.2))
+    dual, m = get_loss("ppo_clip")(y, LossSettings(0.2, 0.2, dual_clip=3.0))
+    # A=−1, r=5: PPO's loss is 5 (unbounded as r grows); the dual clip bounds it at 3·|A| = 3
+    assert plain.tolist()[0][0] == pytest.approx(5.0)
+    assert dual.tolist()[0] == pytest.approx([3.0, 1.0])
+    assert float(m["ratio/dual_clip_frac"]) == 0.5
+
+
+def test_gspo_clips_whole_sequences_on_the_geometric_mean_ratio():
+    # seq 0: log r = [0.1, 0.3] → s = exp(0.2) = 1.2214 > 1.2 → every token −A·1.2 = −1.2 (clipped)
+    # seq 1: log r = [0.0, 0.1] but only token 0 counts → s = exp(0) = 1; A = −1 → loss 1
+    x = inputs([[math.exp(0.1), math.exp(0.3)], [1.0, math.exp(0.1)]], [1.0, -1.0],
+               mask=[[1, 1], [1, 0]])
+    loss, m = get_loss("gspo")(x, LossSettings(0.2, 0.2))
+    assert loss[0].tolist() == pytest.approx([-1.2, -1.2])
+    assert loss[1, 0].item() == pytest.approx(1.0)
+    assert float(m["ratio/clip_frac_high"]) == 0.5
+    aggregate(loss, x.mask, "seq_mean_token_mean").backward()
+    # clipped sequence: no gradient; seq 1 token 0: −A·s / (1 token) / (2 sequences) = 0.5
+    assert flat(x.logp.grad) == pytest.approx([0.0, 0.0, 0.5, 0.0])
+
+
+def test_cispo_weights_the_log_prob_with_a_clipped_stopped_ratio():
+    # r = [2.0, 0.5], A = 1, ε_low = 1 (no lower bound), ε_high = 0.28 → weights [1.28, 0.5]
+    x = inputs([[2.0, 0.5]], [1.0], logp=[[-1.0, -2.0]])
+    loss, m = get_loss("cispo")(x, LossSettings(1.0, 0.28))
+    # ℓ = −w·A·log π: [−1.28·(−1.0), −0.5·(−2.0)] = [1.28, 1.0]
+    assert loss.tolist()[0] == pytest.approx([1.28, 1.0])
+    loss.sum().backward()
+    assert x.logp.grad.tolist()[0] == pytest.approx([-1.28, -0.5])  # −w·A: the weight is detached
+    assert float(m["ratio/clip_frac_high"]) == 0.5 and float(m["ratio/clip_frac_low"]) == 0.0
+
+
+def test_aggregations():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # row 3 has no tokens
+    assert aggregate(loss, mask, "token_mean").item() == pytest.approx(10 / 4)           # (1+2+3+4)/4
+    assert aggregate(loss, mask, "seq_mean_token_mean").item() == pytest.approx(3.0)     # mean(2, 4)
+    assert aggregate(loss, mask, "seq_mean_token_sum").item() == pytest.approx(5.0)      # mean(6, 4)
+    assert aggregate(loss, mask, "seq_mean_token_sum_norm", norm_constant=10).item() == pytest.approx(0.5)
+    assert aggregate(loss, mask, "token_mean", total_tokens=8).item() == pytest.approx(10 / 8)
+    with pytest.raises(ConfigError, match="valid ones are: token_mean"):
+        aggregate(loss, mask, "mean")
+
+
+def test_kl_estimators():
+    logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    # d = log π_ref − log π = −log 2
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(math.log(2))
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5 * math.log(2) ** 2)
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(0.5 + math.log(2) - 1)
+    assert kl_penalty(logp, logp, "k3").item() == 0.0
+    with pytest.raises(ConfigError, match="k1, k2, k3"):
+        kl_penalty(logp, ref, "k4")
+
+
+def test_group_advantages():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    a = group_advantages(rewards, 4)
+    # group 0: mean 0.5, population std 0.5 → ±1; group 1 has zero std → 0
+    assert a.values.tolist() == pytest.approx([1, -1, -1, 1, 0, 0, 0, 0], abs=1e-5)
+    assert a.frac_zero_std == 0.5 and bool(a.keep.all())
+    dropped = group_advantages(rewards, 4, drop_zero_std=True)
+    assert dropped.keep.tolist() == [True] * 4 + [False] * 4
+    dr = group_advantages(rewards, 4, std_norm=False)  # Dr. GRPO: no std division
+    assert dr.values.tolist()[:4] == pytest.approx([0.5, -0.5, -0.5, 0.5])
+    batch = group_advantages(rewards, 4, scope="batch")
+    # batch std of six 1s and two 0s: sqrt(0.75·0.25) = 0.4330 → 0.5 / 0.4330 = 1.1547
+    assert batch.values.tolist()[0] == pytest.approx(1.1547, abs=1e-4)
+    with pytest.raises(ValueError, match="do not split into groups of 3"):
+        group_advantages(rewards, 3)
