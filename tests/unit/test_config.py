@@ -30,8 +30,11 @@ def test_recipe_plus_overrides(tmp_path):
 
 
 def test_int_given_for_a_float_key_is_accepted_and_comma_lists_parse():
-    c = load_config(None, ["plan.gen_time=2", "plan.commits=1,2,0"])
+    c = load_config(None, ["plan.gen_time=2", "plan.commits=1,2,0", "train.lr=1e-4"])
     assert c.plan.gen_time == 2.0 and isinstance(c.plan.gen_time, float)
+    assert c.train.lr == 1e-4  # YAML 1.1 reads 1e-4 as a string; a float key accepts it
+    with pytest.raises(ConfigError, match=r"train\.lr must be a number, got 'fast'"):
+        load_config(None, ["train.lr=fast"])
     assert c.plan.commits == [1, 2, 0]
 
 

@@ -141,10 +141,47 @@ def test_keyboard_interrupt_is_never_swallowed(make_pool):
             return super().train(batch, train_version=train_version)
 
     pool = make_pool(workers=2, gen_time=0.005)
+    trace = TraceRecorder()
+    driver = Driver(AsyncControl(BudgetSettings(max_staleness=1, total_batches=8)), pool,
+                    Interrupting(), observer=trace, wait_timeout_s=10)
     with pytest.raises(KeyboardInterrupt):
-        Driver(AsyncControl(BudgetSettings(max_staleness=1, total_batches=8)), pool,
-               Interrupting(), wait_timeout_s=10).run()
-    assert pool.inflight == 0
+        driver.run()
+    # in-flight work is abandoned (not drained) and listed, so a resume can generate it again
+    (abandon,) = trace.of_kind("abandon")
+    assert 2 in abandon.detail["batches"]
+    assert list(driver.state().pending) == abandon.detail["batches"]
+
+
+def test_a_requested_stop_finishes_the_step_saves_and_lists_pending_batches(make_pool):
+    class StopAfterTwo(FakeLearner):
+        def train(self, batch, *, train_version):
+            result = super().train(batch, train_version=train_version)
+            if len(self.trained) == 2:
+                assert driver.request_stop() is False  # inside a step: not safe to raise here
+            return result
+
+    pool = make_pool(workers=2, gen_time=0.01)
+    hooks = RecordingHooks(pool)
+    learner = StopAfterTwo()
+    driver = Driver(AsyncControl(BudgetSettings(max_staleness=1, max_inflight=2, total_batches=10,
+                                                save_interval=5)),
+                    pool, learner, hooks=hooks, wait_timeout_s=10)
+    with pytest.raises(KeyboardInterrupt):
+        driver.run()
+    assert len(learner.trained) == 2  # the step in progress finished; no further batch trained
+    (final,) = hooks.saves
+    assert final.trained_batches == 2
+    trained = {i for i, _, _ in learner.trained}
+    assert set(final.pending) == set(range(final.launched_batches)) - trained
+
+
+def test_resume_generates_pending_batches_before_fresh_ones(make_pool):
+    resume = LoopState(trained_batches=2, launched_batches=4, dropped_batches=0, train_version=2,
+                       pending=(2, 3))
+    state, pool, learner, _h, _t = run(make_pool, max_staleness=1, total_batches=6, resume=resume)
+    assert [r.index for r in pool.launched] == [2, 3, 4, 5]
+    assert sorted(i for i, _, _ in learner.trained) == [2, 3, 4, 5]
+    assert state.pending == ()
 
 
 def test_resume_publishes_first_and_continues_versions_and_cursor(make_pool):

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from tether import __version__
-from tether.cli import config_cmd, data_cmds, plan
+from tether.cli import config_cmd, data_cmds, plan, train_cmd
 from tether.errors import TetherError
 
 
@@ -18,6 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tether {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train_cmd.add_parser(sub)
+    train_cmd.add_report_parser(sub)
     plan.add_parser(sub)
     config_cmd.add_parser(sub)
     data_cmds.add_parsers(sub)

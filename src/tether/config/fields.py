@@ -88,6 +88,11 @@ def coerce(key: str, tp: Any, value: Any) -> Any:
             raise wrong
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no decimal point) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise wrong from None
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise wrong
         return float(value)

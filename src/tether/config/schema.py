@@ -178,6 +178,7 @@ class CheckpointSection:
         "boundary: in-flight work is drained and the current weights published first.",
         min=0,
     )
+    keep: int = knob(3, "Keep the newest this many checkpoints (0 = keep all).", min=0)
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,10 @@ class Driver:
         self.dropped = 0
         self.drained = 0
         self.consecutive_drops = 0
+        self.outstanding: set[int] = set()  # launched, not yet trained (to completion) or dropped
+        self.pending: list[int] = []  # abandoned earlier; relaunched before fresh indices
+        self.stop_requested = False
+        self.in_critical = False  # inside train / publish / evaluate / save
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -96,14 +100,33 @@ class Driver:
             while self.trained < self.settings.total_batches:
                 times = StepTimes(start=self.clock())
                 batch, staleness = self._next_batch(times)
-                train_metrics = self._train(batch, times)
-                self._boundaries(times)
+                train_metrics = self._critical(self._train, batch, times)
+                self._critical(self._boundaries, times)
                 self._report(batch, staleness, train_metrics, times)
+                if self.stop_requested:
+                    raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            self._interrupted()
+            raise
         except BaseException as primary:
             self._teardown(primary)
             raise
         self._teardown(None)
         return self.state()
+
+    def request_stop(self) -> bool:
+        """Ask the loop to stop at the next safe point (Ctrl-C). True when it is safe to raise
+        KeyboardInterrupt right now (the loop is only waiting), False when the loop will stop
+        by itself after the step in progress."""
+        self.stop_requested = True
+        return not self.in_critical
+
+    def _critical(self, fn, *args):
+        self.in_critical = True
+        try:
+            return fn(*args)
+        finally:
+            self.in_critical = False
 
     def state(self) -> LoopState:
         return LoopState(
@@ -111,6 +134,7 @@ class Driver:
             launched_batches=self.launched,
             dropped_batches=self.dropped,
             train_version=self.control.train_version,
+            pending=tuple(sorted([*self.pending, *self.outstanding])),
         )
 
     # -- steps --------------------------------------------------------------------------------
@@ -129,6 +153,7 @@ class Driver:
             self.trained = resume.trained_batches
             self.launched = resume.launched_batches
             self.dropped = resume.dropped_batches
+            self.pending = sorted(resume.pending)
             self.control.restore(resume.train_version)
         if self.control.publish_required:
             self._publish(("resume",))
@@ -166,6 +191,7 @@ class Driver:
         result = self.learner.train(batch, train_version=self.control.train_version)
         self.control.commit(result.committed_updates)
         self.trained += 1
+        self.outstanding.discard(batch.index)
         t1 = self.clock()
         self._emit("train", t=t0, end=t1, batch=batch.index, version=self.control.train_version,
                    detail={"committed": result.committed_updates, "attempted": result.attempted_updates})
@@ -201,12 +227,17 @@ class Driver:
             inflight=self.pool.inflight, ready=len(self.ready), trained_batches=self.trained
         )
         for _ in range(slots):
-            request = GenerationRequest(index=self.launched, version=self.control.rollout_version)
+            if self.pending:
+                index = self.pending.pop(0)
+            else:
+                index, self.launched = self.launched, self.launched + 1
+            request = GenerationRequest(index=index, version=self.control.rollout_version)
             self.pool.launch(request)
-            self.launched += 1
+            self.outstanding.add(index)
             self._emit("launch", batch=request.index, version=request.version)
 
     def _drop(self, batch: RolloutBatch, staleness: Staleness) -> None:
+        self.outstanding.discard(batch.index)
         self.dropped += 1
         self.consecutive_drops += 1
         log.warning(
@@ -291,6 +322,21 @@ class Driver:
             staleness_updates=staleness.updates, staleness_batches=staleness.batches,
             metrics=metrics,
         ))
+
+    def _interrupted(self) -> None:
+        """Ctrl-C: abandon in-flight work (the pool's close stops it) and, when checkpoints are
+        on and the learner is between steps, save a final checkpoint whose ``pending`` lists the
+        abandoned batches so a resume generates them again."""
+        abandoned = sorted(self.outstanding)
+        self._emit("abandon", detail={"batches": abandoned})
+        self.ready.clear()
+        if self.settings.save_interval > 0 and not self.in_critical and self.trained > 0:
+            log.warning("interrupted after %d batches; saving a final checkpoint (%d batch(es) "
+                        "abandoned, to be generated again on resume)", self.trained, len(abandoned))
+            self.hooks.save(self.trained, self.state())
+        elif abandoned:
+            log.warning("interrupted after %d batches; %d in-flight batch(es) abandoned",
+                        self.trained, len(abandoned))
 
     def _teardown(self, primary: BaseException | None) -> None:
         """Drain whatever is still outstanding; never mask a primary error."""

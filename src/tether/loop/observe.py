@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-EVENT_KINDS = ("launch", "ready", "consume", "drop", "train", "sync", "eval", "save", "drain")
+EVENT_KINDS = ("launch", "ready", "consume", "drop", "train", "sync", "eval", "save", "drain", "abandon")
 
 
 @dataclass(frozen=True)

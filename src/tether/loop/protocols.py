@@ -115,8 +115,11 @@ class LoopState:
 
     trained_batches: int = 0
     launched_batches: int = 0
+    """Next fresh launch index (the data cursor, in rollout batches)."""
     dropped_batches: int = 0
     train_version: int = 0
+    pending: tuple[int, ...] = ()
+    """Launch indices abandoned by an interrupt before they trained; relaunched first on resume."""
 
 
 class BoundaryHooks(Protocol):

@@ -190,8 +190,15 @@ class TorchLearner:
         self.committed += 1
         return 1
 
+    ALWAYS = ("loss/policy", "loss/total", "train/grad_norm", "train/entropy", "ratio/mean", "ratio/std",
+              "ratio/min", "ratio/max", "ratio/clip_frac_low", "ratio/clip_frac_high", "ratio/is_weight_mean",
+              "ratio/is_weight_max", "ratio/masked_frac", "ratio/ess", "mismatch/logprob_abs_diff_mean",
+              "mismatch/logprob_abs_diff_max", "mismatch/k3")
+    """Reported for every batch; NaN when undefined (e.g. every group dropped for zero variance)."""
+
     def _metrics(self, stats: _Stats, tb: TrainBatch, frac_zero_std: float, skipped: int) -> dict[str, float]:
-        out: dict[str, float] = {k: v for k in stats.scalars if (v := stats.mean(k)) is not None}
+        out: dict[str, float] = dict.fromkeys(self.ALWAYS, float("nan"))
+        out.update({k: v for k in stats.scalars if (v := stats.mean(k)) is not None})
         out.pop("train/nonfinite_grad", None)
         out["loss/kl"] = out.get("loss/kl", 0.0)
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]

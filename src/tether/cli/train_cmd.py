@@ -1,0 +1,102 @@
+"""``tether train``: the main job."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from tether.errors import ConfigError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="train a model with asynchronous GRPO-family RL under a staleness budget",
+        description="Train from a recipe: generation and training overlap under async.max_staleness "
+        "(0 = synchronous). Writes a run directory with config.yaml, metrics.jsonl, eval.jsonl, "
+        "TensorBoard events, checkpoints, summary.json and plots.",
+    )
+    p.add_argument("args", nargs="*", metavar="RECIPE|KEY=VALUE",
+                   help="a YAML recipe, then section.key=value overrides (with --resume: overrides only)")
+    p.add_argument("--run-dir", help="where to write the run (default: runs/<recipe>-<time>)")
+    p.add_argument("--resume", metavar="RUN", help="continue the run in RUN from its newest good checkpoint")
+    p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    p.add_argument("--no-report", action="store_true", help="skip writing the plots at the end")
+    p.set_defaults(func=run)
+
+
+def _logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("tether: %(message)s"))
+    root = logging.getLogger("tether")
+    if not root.handlers:
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def resolve(ns: argparse.Namespace):
+    from tether.cli.plan import split_recipe_args
+    from tether.config import load_config
+
+    if ns.resume:
+        run_dir = Path(ns.resume)
+        if ns.run_dir and Path(ns.run_dir) != run_dir:
+            raise ConfigError("--resume RUN continues RUN in place; drop --run-dir")
+        overrides = list(ns.args)
+        if overrides and "=" not in overrides[0]:
+            raise ConfigError(f"with --resume the recipe is {run_dir / 'config.yaml'}; give only "
+                              f"key=value overrides, not {overrides[0]!r}")
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
+        return load_config(run_dir / "config.yaml", overrides), run_dir
+    recipe, overrides = split_recipe_args(ns.args)
+    cfg = load_config(recipe, overrides)
+    stem = Path(recipe).stem if recipe else "train"
+    run_dir = Path(ns.run_dir) if ns.run_dir else Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return cfg, run_dir
+
+
+def run(ns: argparse.Namespace) -> int:
+    cfg, run_dir = resolve(ns)
+    _logging()
+    from tether.runtime.run import train
+
+    try:
+        summary = train(cfg, run_dir, resume=bool(ns.resume), progress_plain=True if ns.plain else None)
+    except KeyboardInterrupt:
+        print(f"tether train: interrupted; the run directory is {run_dir} "
+              f"(resume with `tether train --resume {run_dir}`)", file=sys.stderr)
+        return 130
+    if not ns.no_report:
+        from tether.runtime.report import write_report
+
+        plots = write_report(run_dir)
+        print(f"plots: {', '.join(str(p) for p in plots)}")
+    first, last = summary["eval_pass_at_1_first"], summary["eval_pass_at_1_last"]
+    print(f"trained {summary['trained_batches']} batches in {summary['wall_s']:.0f}s "
+          f"({summary['samples_per_s']:.0f} samples/s); max staleness "
+          f"{summary['staleness_batches_max']:g} batches")
+    if first is not None:
+        print(f"held-out pass@1: {first:.1%} → {last:.1%} ({(last - first) * 100:+.1f} points)")
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def add_report_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="write PNG plots of a run (reward, eval, staleness, ratios, timeline)")
+    p.add_argument("run", help="a run directory")
+    p.set_defaults(func=report)
+
+
+def report(ns: argparse.Namespace) -> int:
+    from tether.runtime.report import write_report
+
+    for path in write_report(Path(ns.run)):
+        print(path)
+    return 0

@@ -1,0 +1,155 @@
+"""Checkpoints at hard boundaries: atomic, verified, the last K kept.
+
+Layout of ``RUN/checkpoints/step-000010/``: ``learner/`` (model safetensors and tokenizer,
+optimizer, scheduler, RNG), ``state.json`` (the loop state: trained and launched batches, drops,
+train version — the data cursor and the control state), and ``manifest.json`` (size and SHA-256
+of every other file), written last.
+
+A checkpoint is built in a temporary folder, every file fsynced, then renamed into place, so a
+crash mid-save leaves no ``step-*`` folder. On restore, a checkpoint whose manifest is missing or
+whose files do not match it is refused with a message saying what is wrong, and the newest good
+one is used instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from tether.errors import ConfigError
+from tether.loop.protocols import LoopState
+
+log = logging.getLogger("tether.checkpoint")
+PREFIX = "step-"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DamagedCheckpoint(ConfigError):
+    """A checkpoint is incomplete or its files do not match its manifest."""
+
+
+class Checkpointer:
+    def __init__(self, root: Path, *, keep: int = 3) -> None:
+        self.root = Path(root)
+        self.keep = keep
+
+    def path(self, step: int) -> Path:
+        return self.root / f"{PREFIX}{step:06d}"
+
+    def save(self, step: int, state: LoopState, learner) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.path(step)
+        tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            learner.save(tmp / "learner")
+            (tmp / "state.json").write_text(json.dumps({"step": step, **asdict(state)}, indent=2) + "\n")
+            files = sorted(p for p in tmp.rglob("*") if p.is_file())
+            manifest = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                        for p in files}
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+            _fsync_tree(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        if self.keep <= 0:
+            return
+        for old in self.list()[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def list(self) -> list[Path]:
+        """Checkpoint folders, oldest first."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+
+    def verify(self, path: Path) -> LoopState:
+        """The loop state of a checkpoint whose files all match its manifest; else DamagedCheckpoint."""
+        manifest_path = path / "manifest.json"
+        if not manifest_path.is_file():
+            raise DamagedCheckpoint(f"checkpoint {path} has no manifest.json (an interrupted save?)")
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise DamagedCheckpoint(f"checkpoint {path}: manifest.json is unreadable: {exc}") from exc
+        for rel, expected in manifest.items():
+            f = path / rel
+            if not f.is_file():
+                raise DamagedCheckpoint(f"checkpoint {path} is missing {rel}")
+            if f.stat().st_size != expected["bytes"]:
+                raise DamagedCheckpoint(f"checkpoint {path}: {rel} has {f.stat().st_size} bytes, "
+                                        f"expected {expected['bytes']} (truncated or overwritten)")
+            if _sha256(f) != expected["sha256"]:
+                raise DamagedCheckpoint(f"checkpoint {path}: {rel} does not match its checksum (corrupted)")
+        data = json.loads((path / "state.json").read_text())
+        data.pop("step", None)
+        data["pending"] = tuple(data.get("pending", ()))
+        return LoopState(**data)
+
+    def restore(self, learner) -> tuple[LoopState, Path]:
+        """Load the newest good checkpoint into ``learner``; damaged ones are refused by name."""
+        found = self.list()
+        if not found:
+            raise ConfigError(f"nothing to resume: {self.root} holds no checkpoint "
+                              "(checkpoint.interval was 0, or the run stopped before its first save)")
+        problems = []
+        for path in reversed(found):
+            try:
+                state = self.verify(path)
+            except DamagedCheckpoint as exc:
+                log.error("refusing damaged checkpoint: %s", exc)
+                problems.append(str(exc))
+                continue
+            learner.load(path / "learner")
+            if problems:
+                log.warning("resuming from the previous good checkpoint %s", path)
+            return state, path
+        raise DamagedCheckpoint("no usable checkpoint: " + "; ".join(problems))
+
+
+def trim_jsonl(path: Path, max_step: int) -> None:
+    """Drop lines logged after ``max_step`` (they are produced again after a resume)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= max_step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)

@@ -1,0 +1,130 @@
+"""``tether report RUN``: the PNG plots of a run, drawn from its metrics, evals and events.
+
+- ``reward.png``: training reward and held-out pass@1 against trained batches and wall time;
+- ``staleness.png``: staleness of every batch, with the publications marked;
+- ``ratios.png``: clip fractions and importance-ratio spread against staleness;
+- ``timeline.png``: generation, training and sync over wall time, showing the overlap.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tether.errors import ConfigError
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+    return rows
+
+
+def _col(rows: list[dict[str, Any]], key: str) -> list[float]:
+    return [float("nan") if r.get(key) is None else r[key] for r in rows]
+
+
+def write_report(run_dir: Path) -> list[Path]:
+    """Write the plots into ``RUN/plots/``; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    if not metrics:
+        raise ConfigError(f"{run_dir} has no metrics.jsonl rows to plot; is it a run directory?")
+    evals = _read_jsonl(run_dir / "eval.jsonl")
+    events = _read_jsonl(run_dir / "events.jsonl")
+    out = run_dir / "plots"
+    out.mkdir(exist_ok=True)
+    steps, wall = _col(metrics, "step"), _col(metrics, "wall_s")
+    paths = []
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    views = ((axes[0], steps, "step", "trained batches"), (axes[1], wall, "wall_s", "wall time (s)"))
+    for ax, x, ex, label in views:
+        ax.plot(x, _col(metrics, "reward/mean"), lw=0.8, alpha=0.6, label="train reward (mean)")
+        if evals:
+            ax.plot(_col(evals, ex), _col(evals, "eval/pass_at_1"), "o-", color="C3", label="held-out pass@1")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("reward / accuracy")
+    axes[0].legend(loc="lower right")
+    fig.suptitle("Reward and held-out accuracy")
+    paths.append(_save(fig, out / "reward.png"))
+
+    fig, ax = plt.subplots(figsize=(11, 3.5))
+    ax.step(steps, _col(metrics, "staleness/batches"), where="mid", label="staleness (batches)")
+    ax.plot(steps, _col(metrics, "async/publish_lag"), lw=0.6, alpha=0.5,
+            label="publish lag (updates, after sync)")
+    syncs = [e["step"] for e in events if e.get("kind") == "sync" and e.get("published")]
+    for i, s in enumerate(syncs):
+        ax.axvline(s, color="C2", lw=0.6, alpha=0.5, label="publication" if i == 0 else None)
+    ax.set_xlabel("trained batches")
+    ax.set_ylabel("staleness")
+    ax.legend(loc="upper right")
+    ax.grid(alpha=0.3)
+    ax.set_title("Staleness per batch and weight publications")
+    paths.append(_save(fig, out / "staleness.png"))
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    stale = _col(metrics, "staleness/batches")
+    axes[0].scatter(stale, _col(metrics, "ratio/clip_frac_high"), s=8, label="clip fraction (high)")
+    axes[0].scatter(stale, _col(metrics, "ratio/clip_frac_low"), s=8, label="clip fraction (low)")
+    axes[0].set_xlabel("staleness (batches)")
+    axes[0].legend()
+    axes[0].set_title("Clipping against staleness")
+    axes[1].scatter(stale, _col(metrics, "ratio/max"), s=8, label="ratio max")
+    axes[1].scatter(stale, _col(metrics, "ratio/min"), s=8, label="ratio min")
+    axes[1].scatter(stale, _col(metrics, "ratio/is_weight_max"), s=8, label="IS weight max (π_prox/μ)")
+    axes[1].set_xlabel("staleness (batches)")
+    axes[1].legend()
+    axes[1].set_title("Ratios against staleness")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    paths.append(_save(fig, out / "ratios.png"))
+
+    paths.append(_timeline(plt, events, out / "timeline.png"))
+    return paths
+
+
+def _timeline(plt, events: list[dict[str, Any]], path: Path) -> Path:
+    """Lanes: generation (launch → ready), training, sync, eval — in the loop's clock."""
+    fig, ax = plt.subplots(figsize=(11, 3))
+    launched = {e["batch"]: e["t"] for e in events if e.get("kind") == "launch"}
+    lanes = {"generate": 3, "train": 2, "sync": 1, "eval": 0}
+    colors = {"generate": "C0", "train": "C1", "sync": "C2", "eval": "C3"}
+    t0 = min((e["t"] for e in events), default=0.0)
+    for e in events:
+        kind = e.get("kind")
+        if kind == "ready" and e.get("batch") in launched:
+            start, end, lane = launched[e["batch"]], e["t"], "generate"
+        elif kind in ("train", "sync", "eval") and e.get("end") is not None:
+            start, end, lane = e["t"], e["end"], kind
+        else:
+            continue
+        ax.broken_barh([(start - t0, max(end - start, 1e-3))], (lanes[lane] - 0.4, 0.8),
+                       color=colors[lane], alpha=0.5)
+    ax.set_yticks(list(lanes.values()), list(lanes))
+    ax.set_xlabel("time since start (s)")
+    ax.set_title("Timeline: generation (launch → ready) overlapping training")
+    ax.grid(axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

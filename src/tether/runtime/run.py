@@ -1,0 +1,228 @@
+"""``tether train``: recipe → model → data → rollout workers → learner → the driver loop.
+
+Everything that can be checked without starting a process is checked first (config, model path,
+data, reward), so a bad recipe fails before any worker exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tether.config import Config
+from tether.control import AsyncControl, admission_notes
+from tether.errors import ConfigError
+from tether.loop import Driver, LoopState, Observers, TraceRecorder
+
+log = logging.getLogger("tether.run")
+
+
+def learner_settings(cfg: Config):
+    from tether.train.corrections import CorrectionSettings
+    from tether.train.learner import LearnerSettings
+
+    t, c = cfg.train, cfg.correction
+    return LearnerSettings(
+        updates_per_batch=t.updates_per_batch, loss=t.loss, aggregation=t.aggregation,
+        clip_low=t.clip_low, clip_high=t.clip_high, dual_clip=t.dual_clip, adv_std_norm=t.adv_std_norm,
+        adv_scope=t.adv_scope, drop_zero_std=t.drop_zero_std, kl_coef=t.kl_coef, kl_estimator=t.kl_estimator,
+        anchor=t.anchor,
+        correction=CorrectionSettings(tis=c.tis, tis_cap=c.tis_cap, mask=c.mask, mask_low=c.mask_low,
+                                      mask_high=c.mask_high, outlier_token=c.outlier_token),
+        lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
+        grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, temperature=cfg.rollout.temperature,
+        max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed,
+    )
+
+
+def sampling(cfg: Config):
+    from tether.rollout.sampling import SamplingParams
+
+    r = cfg.rollout
+    return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+                          top_p=r.top_p)
+
+
+@dataclass
+class Prepared:
+    """What was built and checked before any process starts."""
+
+    model_path: Path
+    data: Any
+    score: Any
+
+
+def prepare(cfg: Config, *, progress_plain: bool | None = None) -> Prepared:
+    """Model (built if asked), data and reward, all checked; no process started."""
+    from transformers import AutoTokenizer
+
+    from tether.data.prepare import ensure_model
+    from tether.data.rewards import scorer
+    from tether.data.source import resolve_data
+    from tether.runtime.progress import Progress
+
+    score = scorer(cfg.reward.function, task=cfg.data.task or None)
+    if (Path(cfg.model.path) / "config.json").is_file():
+        model_path = ensure_model(cfg)
+    else:
+        with Progress(cfg.warmstart.max_steps, "warm start", fields=("loss", "pass_at_1"),
+                      plain=progress_plain) as progress:
+            model_path = ensure_model(cfg, progress.update)
+        warm = json.loads((model_path / "warmstart.json").read_text())
+        log.info("warm start: held-out pass@1 %.1f%% → %.1f%% in %d steps, %.0fs",
+                 100 * warm["pass_at_1_before"], 100 * warm["pass_at_1_after"], warm["steps"],
+                 warm["seconds"])
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    data = resolve_data(cfg.data, tokenizer, seed=cfg.run.seed)
+    if data.skipped_long_prompts:
+        log.warning("skipped %d prompts longer than data.max_prompt_tokens=%d", data.skipped_long_prompts,
+                    cfg.data.max_prompt_tokens)
+    return Prepared(model_path=model_path, data=data, score=score)
+
+
+def new_run_dir(run_dir: Path, cfg: Config) -> None:
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ConfigError(f"run directory {run_dir} already exists and is not empty; pass --resume {run_dir} "
+                          "to continue it, or choose another --run-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+
+
+def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: bool | None = None) -> dict:
+    """Run (or resume) training into ``run_dir``; returns the summary it also writes."""
+    import torch
+
+    from tether.data.stream import PromptStream
+    from tether.rollout.notes import sampling_notes
+    from tether.rollout.pool import PoolSettings, ProcessPool
+    from tether.runtime.checkpoint import Checkpointer
+    from tether.runtime.evaluate import Evaluator
+    from tether.runtime.progress import Progress
+    from tether.runtime.sinks import JsonlSink, ProgressSink, TensorBoardSink
+    from tether.train.learner import TorchLearner
+
+    prepared = prepare(cfg, progress_plain=progress_plain)
+    if not resume:
+        new_run_dir(run_dir, cfg)
+    torch.set_num_threads(cfg.train.threads)
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep)
+    learner = TorchLearner(prepared.model_path, learner_settings(cfg))
+    state = None
+    if resume:
+        from tether.runtime.checkpoint import trim_jsonl
+
+        state, ckpt = checkpointer.restore(learner)
+        log.info("resuming from %s: %d batches trained, train version %d", ckpt, state.trained_batches,
+                 state.train_version)
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            trim_jsonl(run_dir / name, state.trained_batches)
+    stream = PromptStream(prepared.data.train, cfg.rollout.batch_size, seed=cfg.run.seed)
+    params = sampling(cfg)
+    for note in sampling_notes(params):
+        log.info("note %s", note)
+    evaluator = Evaluator(learner.model, learner.tokenizer, prepared.data.eval, prepared.score,
+                          stop_text=prepared.data.stop_text, params=params, seed=cfg.run.seed)
+    pool_settings = PoolSettings(
+        model_path=str(prepared.model_path), num_workers=cfg.rollout.num_workers,
+        threads_per_worker=cfg.rollout.threads_per_worker, group_size=cfg.rollout.group_size, params=params,
+        reward=cfg.reward.function, task=cfg.data.task or None, stop_text=prepared.data.stop_text,
+        reward_on_error=cfg.reward.on_error, seed=cfg.run.seed,
+    )
+    hooks = _Hooks(evaluator, checkpointer, learner)
+    trace = TraceRecorder()
+    wall_start = time.time()
+    jsonl = JsonlSink(run_dir, wall_start=wall_start)
+    tensorboard = TensorBoardSink(run_dir)
+    total = cfg.train.num_batches
+    try:
+        with Progress(total, "train", fields=ProgressSink.FIELDS, plain=progress_plain) as progress:
+            observer = Observers(trace, jsonl, tensorboard, ProgressSink(progress))
+            if state is not None:
+                progress.update(state.trained_batches, {})
+            with ProcessPool(pool_settings, stream.batch, learner.export_weights(),
+                             initial_version=0) as pool:
+                driver = Driver(AsyncControl(cfg.budget()), pool, learner, hooks=hooks, observer=observer,
+                                wait_timeout_s=cfg.async_.wait_timeout_s)
+                hooks.driver = driver
+                with _ctrl_c_stops(driver):
+                    final = driver.run(state)
+    finally:
+        jsonl.close()
+        tensorboard.close()
+    summary = summarize_run(cfg, trace, final, time.time() - wall_start, run_dir)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+@contextlib.contextmanager
+def _ctrl_c_stops(driver: Driver):
+    """First Ctrl-C: stop at the next safe point (at once if only waiting); second: stop now."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
+        log.warning("Ctrl-C: stopping (press again to stop immediately)")
+        if driver.request_stop():
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class _Hooks:
+    """Evaluate and checkpoint at hard boundaries."""
+
+    def __init__(self, evaluator, checkpointer, learner) -> None:
+        self.evaluator = evaluator
+        self.checkpointer = checkpointer
+        self.learner = learner
+        self.driver: Driver | None = None
+
+    def evaluate(self, step: int, version: int):
+        return self.evaluator(step)
+
+    def save(self, step: int, state: LoopState) -> None:
+        self.checkpointer.save(step, state, self.learner)
+
+
+def summarize_run(cfg: Config, trace: TraceRecorder, final: LoopState, wall_s: float, run_dir: Path) -> dict:
+    records = trace.records
+    evals = trace.evals
+    staleness = [r.staleness_batches for r in records]
+    first_eval = evals[0][1].get("eval/pass_at_1") if evals else None
+    last_eval = evals[-1][1].get("eval/pass_at_1") if evals else None
+    samples = sum(cfg.rollout.batch_size * cfg.rollout.group_size for _ in records)
+    return {
+        "run_dir": str(run_dir),
+        "trained_batches": final.trained_batches,
+        "train_version": final.train_version,
+        "dropped_batches": final.dropped_batches,
+        "wall_s": wall_s,
+        "samples_per_s": samples / wall_s if wall_s > 0 else 0.0,
+        "eval_pass_at_1_first": first_eval,
+        "eval_pass_at_1_last": last_eval,
+        "eval_pass_at_1_gain": (last_eval - first_eval) if evals else None,
+        "evals": [{"step": s, **m} for s, m in evals],
+        "staleness_batches_max": max(staleness, default=0.0),
+        "staleness_batches_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+        "syncs_after": [e.detail["step"] for e in trace.of_kind("sync") if e.detail.get("published")],
+        "notes": [{"code": c, "message": m} for c, m in trace.notes],
+        "pid": os.getpid(),
+    }
+
+
+def admission_lines(cfg: Config) -> list[str]:
+    return [str(n) for n in admission_notes(cfg.budget())]

@@ -1,0 +1,207 @@
+"""`tether train` end to end: real tiny model, real worker processes, real run directory."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from procs import children, running, wait_gone
+
+from tether.config import load_config
+from tether.errors import ConfigError
+from tether.loop import Timings, simulate, summarize
+from tether.runtime.run import train
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+REWARD = Path(__file__).parent / "varied_reward.py"
+
+
+def recipe(model_dir, *extra):
+    """A fast recipe on the tiny model; its reward varies within groups so every loss path runs."""
+    return [f"model.path={model_dir}", f"reward.function={REWARD}:reward", "data.task=reverse",
+            "data.difficulty=3", "data.num_train=300",
+            "data.num_eval=20", "rollout.batch_size=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
+            "train.lr=1e-3", "train.num_batches=6", "eval.interval=3", "checkpoint.interval=3", *extra]
+
+
+def rows(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+@pytest.mark.parametrize(("s", "u"), [(0, 1), (1, 1), (2, 2)])
+def test_staleness_and_publications_match_tether_plan(tiny_model_dir, tmp_path, s, u):
+    cfg = load_config(None, recipe(tiny_model_dir, f"async.max_staleness={s}", f"async.max_inflight={s + 1}",
+                                   f"train.updates_per_batch={u}", "train.num_batches=8",
+                                   "eval.interval=0", "checkpoint.interval=0"))
+    summary = train(cfg, tmp_path / "run", progress_plain=True)
+    metrics = rows(tmp_path / "run" / "metrics.jsonl")
+    plan = simulate(cfg.budget(), Timings())
+    assert [m["staleness/updates"] for m in metrics] == [r.staleness_updates for r in plan.trace.records]
+    assert summary["syncs_after"] == summarize(plan)["syncs_after"]
+    if s == 0:
+        assert all(m["staleness/updates"] == 0 for m in metrics)
+    assert max(m["staleness/batches"] for m in metrics) == s
+
+
+def test_run_directory_evals_at_boundaries_and_checkpoints(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    summary = train(load_config(None, recipe(tiny_model_dir)), run_dir, progress_plain=True)
+    for name in ("config.yaml", "metrics.jsonl", "eval.jsonl", "events.jsonl", "summary.json"):
+        assert (run_dir / name).is_file(), name
+    assert any((run_dir / "tensorboard").iterdir())
+    assert load_config(run_dir / "config.yaml").train.loss == "ppo_clip"  # resolved preset recorded
+    metrics = rows(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    for key in ("async/train_version", "async/rollout_version", "async/publish_lag", "async/behavior_version",
+                "staleness/updates", "staleness/batches", "reward/mean", "ratio/mean", "mismatch/k3",
+                "loss/policy", "time/generate_wait", "time/train", "time/sync", "time/step",
+                "throughput/samples_per_s"):
+        assert key in metrics[0], key
+    assert [e["step"] for e in rows(run_dir / "eval.jsonl")] == [0, 3, 6]
+    assert all(0.0 <= e["eval/pass_at_1"] <= 1.0 for e in rows(run_dir / "eval.jsonl"))
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert ckpts == ["step-000003", "step-000006"]
+    assert summary["trained_batches"] == 6 and summary["eval_pass_at_1_first"] is not None
+    from tether.runtime.report import write_report
+
+    plots = write_report(run_dir)
+    assert [p.name for p in plots] == ["reward.png", "staleness.png", "ratios.png", "timeline.png"]
+    assert all(p.stat().st_size > 1000 for p in plots)
+
+
+def test_resume_matches_an_uninterrupted_run_batch_for_batch(tiny_model_dir, tmp_path):
+    whole = tmp_path / "whole"
+    train(load_config(None, recipe(tiny_model_dir)), whole, progress_plain=True)
+    parts = tmp_path / "parts"
+    train(load_config(None, recipe(tiny_model_dir, "train.num_batches=3")), parts, progress_plain=True)
+    resumed_cfg = load_config(parts / "config.yaml", ["train.num_batches=6"])
+    train(resumed_cfg, parts, resume=True, progress_plain=True)
+    keys = ("step", "batch_index", "async/behavior_version", "async/train_version", "staleness/updates",
+            "reward/mean", "loss/policy")
+    a = [{k: m[k] for k in keys} for m in rows(whole / "metrics.jsonl")]
+    b = [{k: m[k] for k in keys} for m in rows(parts / "metrics.jsonl")]
+    assert a == b  # same prompts, same versions, same samples, same losses
+
+
+def test_a_damaged_checkpoint_is_refused_and_the_previous_good_one_used(tiny_model_dir, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    train(load_config(None, recipe(tiny_model_dir)), run_dir, progress_plain=True)
+    weights = run_dir / "checkpoints" / "step-000006" / "learner" / "model" / "model.safetensors"
+    with weights.open("r+b") as f:
+        f.seek(1000)
+        f.write(b"\x00" * 64)
+    train(load_config(run_dir / "config.yaml", ["train.num_batches=7"]), run_dir, resume=True,
+          progress_plain=True)
+    assert "does not match its checksum (corrupted)" in caplog.text
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6, 7]
+    assert (run_dir / "checkpoints" / "step-000006").is_dir()  # refused, not deleted
+
+
+def test_recipe_errors_fail_before_any_process_starts(tiny_model_dir, tmp_path):
+    cases = [
+        (["train.lrr=1"], "did you mean train.lr"),
+        (["async.max_staleness=-2"], "async.max_staleness must be >= 0"),
+        ([f"model.path={tmp_path / 'missing'}"], "does not exist; point it at a local model directory"),
+        (["data.task=", f"data.dataset={tmp_path / 'none.jsonl'}", "reward.function=exact_match"],
+         "none.jsonl' does not exist"),
+    ]
+    for overrides, message in cases:
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "tether.cli.main", "train", "--run-dir",
+                              str(tmp_path / "never"), *recipe(tiny_model_dir, *overrides)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert message in out.stderr
+        assert "Traceback" not in out.stderr
+        assert time.monotonic() - t0 < 60
+    assert not (tmp_path / "never" / "metrics.jsonl").exists()
+
+
+def _start(tiny_model_dir, run_dir, *extra):
+    return subprocess.Popen(
+        [sys.executable, "-m", "tether.cli.main", "train", "--run-dir", str(run_dir), "--plain",
+         "--no-report",
+         *recipe(tiny_model_dir, "train.num_batches=400", "eval.interval=0", "checkpoint.interval=50",
+                 *extra)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_training(run_dir, proc, batches=2, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.is_file() and len(path.read_text().splitlines()) >= batches:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"train exited early: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.1)
+    raise AssertionError("training did not start in time")
+
+
+def _descendants(pid):
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [c for p in frontier for c in children(p)]
+        out += kids
+        frontier = kids
+    return out
+
+
+def test_ctrl_c_stops_checkpoints_and_leaves_no_process(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(tiny_model_dir, run_dir)
+    try:
+        _wait_for_training(run_dir, proc)
+        family = _descendants(proc.pid)
+        assert family  # the forkserver and the rollout worker
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "resume with `tether train --resume" in err
+    assert wait_gone(family) == []
+    ckpts = sorted((run_dir / "checkpoints").iterdir())
+    assert ckpts, "Ctrl-C with checkpoints on writes a final checkpoint"
+    state = json.loads((ckpts[-1] / "state.json").read_text())
+    trained = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    assert state["trained_batches"] == trained
+
+
+def test_a_worker_killed_mid_run_fails_the_run_with_a_clear_error(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(tiny_model_dir, run_dir)
+    try:
+        _wait_for_training(run_dir, proc)
+        family = _descendants(proc.pid)
+        workers = [p for p in family if p not in children(proc.pid)]  # the forkserver's children
+        assert workers and all(running(p) for p in workers)
+        for p in workers:
+            import os
+
+            os.kill(p, signal.SIGKILL)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, err[-2000:]
+    assert "worker rollout-0" in err and "died from signal SIGKILL" in err
+    assert wait_gone(family) == []
+
+
+def test_a_new_run_refuses_to_overwrite_an_existing_run_directory(tiny_model_dir, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="already exists and is not empty"):
+        train(load_config(None, recipe(tiny_model_dir)), tmp_path / "run")
