@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/tether plan recipes/demo.yaml
+	$(VENV)/bin/tether train recipes/demo.yaml
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

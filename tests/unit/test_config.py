@@ -6,6 +6,7 @@ import pytest
 
 from tether.config import Config, load_config, reference_markdown
 from tether.errors import ConfigError
+from tether.train.algorithms import preset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -126,3 +127,31 @@ def test_a_dataset_recipe_is_accepted():
                            "data.prompt_column=question"])
     assert (c.data.dataset, c.data.prompt_column, c.reward.function) == (
         "train.jsonl", "question", "exact_match")
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "expected"),
+    [
+        ("grpo", {"loss": "ppo_clip", "aggregation": "seq_mean_token_mean", "clip_low": 0.2, "clip_high": 0.2,
+                  "adv_std_norm": True, "drop_zero_std": False, "kl_coef": 0.04, "kl_estimator": "k3"}),
+        ("dapo", {"loss": "ppo_clip", "aggregation": "token_mean", "clip_low": 0.2, "clip_high": 0.28,
+                  "adv_std_norm": True, "drop_zero_std": True, "kl_coef": 0.0}),
+        ("dr_grpo", {"loss": "ppo_clip", "aggregation": "seq_mean_token_sum_norm", "adv_std_norm": False,
+                     "kl_coef": 0.0}),
+        ("gspo", {"loss": "gspo", "aggregation": "seq_mean_token_mean", "clip_low": 3e-4, "clip_high": 4e-4}),
+        ("cispo", {"loss": "cispo", "aggregation": "token_mean", "clip_low": 1.0, "clip_high": 0.28}),
+    ],
+)
+def test_presets_resolve_to_their_papers_settings(algorithm, expected):
+    train = load_config(None, [f"train.algorithm={algorithm}"]).train
+    assert {k: getattr(train, k) for k in expected} == expected
+
+
+def test_an_explicit_key_wins_over_the_preset_and_is_recorded():
+    cfg = load_config(None, ["train.algorithm=gspo", "train.clip_high=0.001"])
+    assert (cfg.train.loss, cfg.train.clip_low, cfg.train.clip_high) == ("gspo", 3e-4, 0.001)
+    assert "clip_high: 0.001" in cfg.to_yaml() and "loss: gspo" in cfg.to_yaml()
+    with pytest.raises(ConfigError, match="must be one of 'grpo', 'dapo'"):
+        load_config(None, ["train.algorithm=ppo"])
+    with pytest.raises(ConfigError, match="valid ones are: grpo, dapo"):
+        preset("ppo")

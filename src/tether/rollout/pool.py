@@ -248,7 +248,9 @@ class ProcessPool:
         metrics = dict(self.channel.publish(weights, version))
         t0 = time.perf_counter()
         for w in self._workers:
-            w.requests.send(("load", version))
+            err = self._send(w, ("load", version))
+            if err is not None:
+                raise err
         loads = []
         for _ in self._workers:
             try:
@@ -281,7 +283,24 @@ class ProcessPool:
             if w.alive and w.batch is None:
                 item = self._pending.popleft()
                 w.batch = item.batch_index
-                w.requests.send(("generate", item))
+                self._send(w, ("generate", item))  # a failure is reported through the queues
+
+    def _send(self, w: _Handle, msg: tuple) -> RolloutError | None:
+        """Send to a worker; if its pipe is broken (it died), report that as its death."""
+        try:
+            w.requests.send(msg)
+            return None
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            w.process.join(2)
+            w.alive = False
+            err = RolloutError(
+                f"worker process (pid {w.process.pid}) {_describe_exit(w.process.exitcode)}"
+                + (f" while generating batch {w.batch}" if w.batch is not None else ""),
+                worker=w.name, batch_index=w.batch,
+            )
+            self._completed.report_error(err)
+            self._acks.report_error(err)
+            return err
 
     def _timeout_error(self, timeout: float | None) -> RolloutError:
         with self._lock:
