@@ -205,3 +205,26 @@ def test_a_new_run_refuses_to_overwrite_an_existing_run_directory(tiny_model_dir
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(ConfigError, match="already exists and is not empty"):
         train(load_config(None, recipe(tiny_model_dir)), tmp_path / "run")
+
+
+def test_wandb_when_asked_for(tiny_model_dir, tmp_path, monkeypatch):
+    import importlib.util
+    import types
+
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(ConfigError, match="wandb is not installed: pip install wandb"):
+            train(load_config(None, recipe(tiny_model_dir, "run.wandb_project=p")), tmp_path / "no")
+        assert not (tmp_path / "no").exists()  # refused before anything was written
+    logged = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: (logged.append(("init", kw["project"])), types.SimpleNamespace(
+        finish=lambda: logged.append(("finish", None))))[1]
+    fake.log = lambda data, step: logged.append((step, data))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    train(load_config(None, recipe(tiny_model_dir, "run.wandb_project=p", "train.num_batches=3")),
+          tmp_path / "run", progress_plain=True)
+    assert logged[0] == ("init", "p") and logged[-1] == ("finish", None)
+    steps = [entry[0] for entry in logged[1:-1]]
+    assert {1, 2, 3} <= set(steps)
+    assert any("staleness/batches" in data for step, data in logged[1:-1] if step == 1)

@@ -17,6 +17,11 @@ class RunSection:
     """The run as a whole."""
 
     seed: int = knob(0, "Seed for every random choice Tether makes (data order, sampling, init).", min=0)
+    wandb_project: str = knob(
+        "",
+        "Also log to Weights & Biases under this project (needs `pip install wandb`; set "
+        "WANDB_MODE=offline where there is no network). Empty = off.",
+    )
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,10 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: b
     from tether.runtime.sinks import JsonlSink, ProgressSink, TensorBoardSink
     from tether.train.learner import TorchLearner
 
+    from tether.runtime.sinks import WandbSink, require_wandb
+
+    if cfg.run.wandb_project:
+        require_wandb()
     prepared = prepare(cfg, progress_plain=progress_plain)
     if not resume:
         new_run_dir(run_dir, cfg)
@@ -141,10 +145,13 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: b
     wall_start = time.time()
     jsonl = JsonlSink(run_dir, wall_start=wall_start)
     tensorboard = TensorBoardSink(run_dir)
+    sinks = [jsonl, tensorboard]
+    if cfg.run.wandb_project:
+        sinks.append(WandbSink(cfg.run.wandb_project, run_dir, cfg.to_dict()))
     total = cfg.train.num_batches
     try:
         with Progress(total, "train", fields=ProgressSink.FIELDS, plain=progress_plain) as progress:
-            observer = Observers(trace, jsonl, tensorboard, ProgressSink(progress))
+            observer = Observers(trace, *sinks, ProgressSink(progress))
             if state is not None:
                 progress.update(state.trained_batches, {})
             with ProcessPool(pool_settings, stream.batch, learner.export_weights(),
@@ -155,8 +162,8 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: b
                 with _ctrl_c_stops(driver):
                     final = driver.run(state)
     finally:
-        jsonl.close()
-        tensorboard.close()
+        for sink in sinks:
+            sink.close()
     summary = summarize_run(cfg, trace, final, time.time() - wall_start, run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

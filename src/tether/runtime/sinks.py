@@ -74,6 +74,37 @@ class TensorBoardSink(LoopObserver):
         self.writer.close()
 
 
+class WandbSink(LoopObserver):
+    """Metrics and evaluations to Weights & Biases, by trained-batch step."""
+
+    def __init__(self, project: str, run_dir: Path, config: Mapping[str, Any]) -> None:
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(project=project, name=run_dir.name, dir=str(run_dir), config=dict(config))
+
+    def on_batch(self, record: BatchRecord) -> None:
+        self.wandb.log({k: v for k, v in record.metrics.items() if isinstance(v, int | float)},
+                       step=record.step)
+
+    def on_eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.wandb.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def require_wandb() -> None:
+    """Fail early, before any process starts, when W&B is asked for but not installed."""
+    import importlib.util
+
+    from tether.errors import ConfigError
+
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("run.wandb_project is set but wandb is not installed: pip install wandb "
+                          "(or leave run.wandb_project empty)")
+
+
 class ProgressSink(LoopObserver):
     """Feeds the progress display: batch, reward, eval accuracy, staleness, lag, samples/s."""
 
