@@ -106,10 +106,8 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: b
     from tether.runtime.checkpoint import Checkpointer
     from tether.runtime.evaluate import Evaluator
     from tether.runtime.progress import Progress
-    from tether.runtime.sinks import JsonlSink, ProgressSink, TensorBoardSink
+    from tether.runtime.sinks import JsonlSink, ProgressSink, TensorBoardSink, WandbSink, require_wandb
     from tether.train.learner import TorchLearner
-
-    from tether.runtime.sinks import WandbSink, require_wandb
 
     if cfg.run.wandb_project:
         require_wandb()
