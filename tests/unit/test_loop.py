@@ -175,6 +175,22 @@ def test_a_requested_stop_finishes_the_step_saves_and_lists_pending_batches(make
     assert set(final.pending) == set(range(final.launched_batches)) - trained
 
 
+def test_an_interrupt_inside_a_training_step_never_saves_that_state(make_pool):
+    class InterruptedMidStep(FakeLearner):
+        def train(self, batch, *, train_version):
+            if len(self.trained) == 2:
+                raise KeyboardInterrupt  # e.g. a second Ctrl-C inside the optimizer step
+            return super().train(batch, train_version=train_version)
+
+    pool = make_pool(workers=2, gen_time=0.005)
+    hooks = RecordingHooks(pool)
+    driver = Driver(AsyncControl(BudgetSettings(max_staleness=1, total_batches=10, save_interval=5)),
+                    pool, InterruptedMidStep(), hooks=hooks, wait_timeout_s=10)
+    with pytest.raises(KeyboardInterrupt):
+        driver.run()
+    assert hooks.saves == []  # the learner may be half-updated: the last good checkpoint stands
+
+
 def test_resume_generates_pending_batches_before_fresh_ones(make_pool):
     resume = LoopState(trained_batches=2, launched_batches=4, dropped_batches=0, train_version=2,
                        pending=(2, 3))

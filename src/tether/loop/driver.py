@@ -90,6 +90,7 @@ class Driver:
         self.pending: list[int] = []  # abandoned earlier; relaunched before fresh indices
         self.stop_requested = False
         self.in_critical = False  # inside train / publish / evaluate / save
+        self.interrupted_in_critical = False  # then the learner may be mid-update: never save it
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -125,6 +126,9 @@ class Driver:
         self.in_critical = True
         try:
             return fn(*args)
+        except KeyboardInterrupt:
+            self.interrupted_in_critical = True
+            raise
         finally:
             self.in_critical = False
 
@@ -330,7 +334,7 @@ class Driver:
         abandoned = sorted(self.outstanding)
         self._emit("abandon", detail={"batches": abandoned})
         self.ready.clear()
-        if self.settings.save_interval > 0 and not self.in_critical and self.trained > 0:
+        if self.settings.save_interval > 0 and not self.interrupted_in_critical and self.trained > 0:
             log.warning("interrupted after %d batches; saving a final checkpoint (%d batch(es) "
                         "abandoned, to be generated again on resume)", self.trained, len(abandoned))
             self.hooks.save(self.trained, self.state())

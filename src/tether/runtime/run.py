@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import signal
 import threading
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tether.config import Config
-from tether.control import AsyncControl, admission_notes
+from tether.control import AsyncControl
 from tether.errors import ConfigError
 from tether.loop import Driver, LoopState, Observers, TraceRecorder
 
@@ -156,7 +155,6 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: b
                              initial_version=0) as pool:
                 driver = Driver(AsyncControl(cfg.budget()), pool, learner, hooks=hooks, observer=observer,
                                 wait_timeout_s=cfg.async_.wait_timeout_s)
-                hooks.driver = driver
                 with _ctrl_c_stops(driver):
                     final = driver.run(state)
     finally:
@@ -194,7 +192,6 @@ class _Hooks:
         self.evaluator = evaluator
         self.checkpointer = checkpointer
         self.learner = learner
-        self.driver: Driver | None = None
 
     def evaluate(self, step: int, version: int):
         return self.evaluator(step)
@@ -225,9 +222,4 @@ def summarize_run(cfg: Config, trace: TraceRecorder, final: LoopState, wall_s: f
         "staleness_batches_mean": sum(staleness) / len(staleness) if staleness else 0.0,
         "syncs_after": [e.detail["step"] for e in trace.of_kind("sync") if e.detail.get("published")],
         "notes": [{"code": c, "message": m} for c, m in trace.notes],
-        "pid": os.getpid(),
     }
-
-
-def admission_lines(cfg: Config) -> list[str]:
-    return [str(n) for n in admission_notes(cfg.budget())]
