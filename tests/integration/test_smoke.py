@@ -43,3 +43,15 @@ def test_loop_overhead_benchmark_runs_and_prints_json():
     figures = json.loads(out.stdout)
     assert set(figures["us_per_batch"]) == {"bare", "driver", "driver+trace", "threaded"}
     assert figures["overhead_us_per_batch"] > 0
+
+
+def test_engine_and_channel_benchmarks_run_at_a_tiny_size():
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, "benchmarks/engine.py", "--size", "tiny", "--prompts", "4",
+                          "--new-tokens", "4", "--repeats", "1", "--json"], cwd=ROOT, capture_output=True,
+                         text=True, check=True)
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["speedup_vs_hf_generate"] > 0 and set(figures["threads"]) == {"1", "2"}
+    out = subprocess.run([sys.executable, "benchmarks/weight_channel.py", "--size", "tiny", "--repeats", "2",
+                          "--json"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["fraction_of_memcpy"] > 0
