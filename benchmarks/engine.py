@@ -27,7 +27,7 @@ def build(size: str):
     from transformers.utils import logging as hf_logging
 
     from tether.data.tiny_model import init_model
-    from tether.rollout.torch_engine import load_causal_lm
+    from tether.modeling import load_causal_lm
 
     hf_logging.disable_progress_bar()
     path = tempfile.mkdtemp() + "/model"

@@ -30,9 +30,10 @@ def setup():
     from tether.data.tasks import get_task
     from tether.data.tiny_model import init_model
     from tether.loop.protocols import RolloutBatch
+    from tether.loop.scored import ScoredBatch
+    from tether.modeling import load_causal_lm
     from tether.rollout.sampling import SamplingParams
-    from tether.rollout.torch_engine import TorchEngine, load_causal_lm
-    from tether.rollout.types import ScoredBatch
+    from tether.rollout.torch_engine import TorchEngine
 
     hf_logging.disable_progress_bar()
     path = tempfile.mkdtemp() + "/model"
@@ -63,7 +64,7 @@ def bare_step(model, optimizer, tb, adv) -> float:
 
 
 def measure(repeats: int, threads: int) -> dict:
-    from tether.rollout.torch_engine import load_causal_lm
+    from tether.modeling import load_causal_lm
     from tether.train.advantages import group_advantages
     from tether.train.batch import to_train_batch
     from tether.train.corrections import CorrectionSettings

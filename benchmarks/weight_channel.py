@@ -23,7 +23,8 @@ import torch
 
 def measure(size: str, repeats: int) -> dict:
     from tether.data.tiny_model import build_model
-    from tether.rollout.channel import WeightChannel, WeightReader, unique_parameters
+    from tether.modeling import unique_parameters
+    from tether.rollout.channel import WeightChannel, WeightReader
 
     torch.set_num_threads(1)
     model = build_model(87, size=size)

@@ -10,10 +10,9 @@ from tether.control import AsyncControl, BudgetSettings  # noqa: E402
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
 from tether.loop import Driver, Timings, TraceRecorder, TrainResult, simulate, summarize  # noqa: E402
-from tether.rollout.channel import unique_parameters  # noqa: E402
+from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
 from tether.rollout.pool import PoolSettings, ProcessPool  # noqa: E402
 from tether.rollout.sampling import SamplingParams  # noqa: E402
-from tether.rollout.torch_engine import load_causal_lm  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -72,6 +72,9 @@ def test_run_directory_evals_at_boundaries_and_checkpoints(tiny_model_dir, tmp_p
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["step-000003", "step-000006"]
     assert summary["trained_batches"] == 6 and summary["eval_pass_at_1_first"] is not None
+    assert 50 < summary["memory_peak_mb"]["trainer"] < 20_000
+    assert 50 < summary["memory_peak_mb"]["rollout_worker"] < 20_000
+    assert "memory/rollout_peak_mb" in metrics[0] and "memory/trainer_peak_mb" in metrics[0]
     from tether.runtime.report import write_report
 
     plots = write_report(run_dir)

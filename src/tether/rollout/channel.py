@@ -68,11 +68,6 @@ class Layout:
         return sum(s.nbytes for s in self.slots)
 
 
-def unique_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """name → tensor for every parameter, tied ones once (the names ``named_parameters`` gives)."""
-    return {name: p.detach() for name, p in model.named_parameters()}
-
-
 class _Block:
     """A mapped shared-memory block with typed views of its header, data and tensors."""
 

@@ -3,29 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import torch
 
 from tether.errors import ConfigError
 from tether.rollout.engine import Completion
 from tether.rollout.sampling import SamplingParams, sample, stepper_for
-
-
-def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a local directory, offline; a clear error when it is not one."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{path} is not a model directory (no config.json)")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
 
 
 class TorchEngine:

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Literal
 
-from tether.rollout.types import ScoredBatch, WorkItem
+from tether.loop.scored import ScoredBatch
+from tether.procinfo import peak_rss_mb
+from tether.rollout.types import WorkItem
 
 if TYPE_CHECKING:
     from tether.rollout.channel import Layout
@@ -82,8 +84,9 @@ class _Worker:
         torch.set_num_threads(spec.num_threads)
         from tether.data.rewards import scorer
         from tether.data.warmstart import stop_ids_for
+        from tether.modeling import load_causal_lm
         from tether.rollout.channel import WeightReader
-        from tether.rollout.torch_engine import TorchEngine, load_causal_lm
+        from tether.rollout.torch_engine import TorchEngine
 
         self.spec = spec
         model, self.tokenizer = load_causal_lm(spec.model_path)
@@ -138,5 +141,6 @@ class _Worker:
             "time/generate": t1 - t0,
             "time/score": time.perf_counter() - t1,
             "throughput/gen_tokens_per_s": tokens / max(t1 - t0, 1e-9),
+            "memory/rollout_peak_mb": peak_rss_mb(),
         })
         return batch

@@ -218,6 +218,11 @@ def summarize_run(cfg: Config, trace: TraceRecorder, final: LoopState, wall_s: f
         "eval_pass_at_1_last": last_eval,
         "eval_pass_at_1_gain": (last_eval - first_eval) if evals else None,
         "evals": [{"step": s, **m} for s, m in evals],
+        "memory_peak_mb": {
+            "trainer": max((r.metrics.get("memory/trainer_peak_mb", 0.0) for r in records), default=0.0),
+            "rollout_worker": max((r.metrics.get("memory/rollout_peak_mb", 0.0) for r in records),
+                                  default=0.0),
+        },
         "staleness_batches_max": max(staleness, default=0.0),
         "staleness_batches_mean": sum(staleness) / len(staleness) if staleness else 0.0,
         "syncs_after": [e.detail["step"] for e in trace.of_kind("sync") if e.detail.get("published")],

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from tether.errors import ConfigError
-from tether.rollout.types import ScoredBatch
+from tether.loop.scored import ScoredBatch
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import torch
 
 from tether.errors import ConfigError
 from tether.loop.protocols import RolloutBatch, TrainResult
-from tether.rollout.channel import unique_parameters
-from tether.rollout.torch_engine import load_causal_lm
+from tether.modeling import load_causal_lm, unique_parameters
+from tether.procinfo import peak_rss_mb
 from tether.train.advantages import group_advantages
 from tether.train.batch import TrainBatch, to_train_batch, token_logprobs
 from tether.train.corrections import CorrectionSettings, correct
@@ -204,6 +204,7 @@ class TorchLearner:
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         out["train/skipped_updates"] = float(skipped)
         out["reward/frac_zero_std"] = frac_zero_std
+        out["memory/trainer_peak_mb"] = peak_rss_mb()
         if stats.ratios:
             ratios = torch.cat(stats.ratios)
             out.update({"ratio/mean": float(ratios.mean()), "ratio/std": float(ratios.std(unbiased=False)),

@@ -1,0 +1,33 @@
+"""Loading a Hugging Face causal LM from a local directory, and naming its parameters.
+
+Shared by the rollout engine, the learner and warm start, so none of them depends on another.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tether.errors import ConfigError
+
+
+def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) from a local directory, offline; a clear error when it is not one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is not a model directory (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def unique_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name → tensor for every parameter, tied ones once (the names ``named_parameters`` gives)."""
+    return {name: p.detach() for name, p in model.named_parameters()}
