@@ -43,7 +43,7 @@ def prompts_of(tok, n: int) -> list[list[int]]:
 
 
 def time_tether(model, tok, prompts, new_tokens: int) -> float:
-    from tether.rollout.sampling import SamplingParams, sample
+    from tether.decoding.sampling import SamplingParams, sample
 
     t0 = time.perf_counter()
     out = sample(model, prompts, SamplingParams(max_new_tokens=new_tokens), stop_ids=[],

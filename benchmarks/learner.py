@@ -29,10 +29,10 @@ def setup():
 
     from tether.data.tasks import get_task
     from tether.data.tiny_model import init_model
+    from tether.decoding.sampling import SamplingParams
     from tether.loop.protocols import RolloutBatch
     from tether.loop.scored import ScoredBatch
     from tether.modeling import load_causal_lm
-    from tether.rollout.sampling import SamplingParams
     from tether.rollout.torch_engine import TorchEngine
 
     hf_logging.disable_progress_bar()

@@ -6,11 +6,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tether.control import AsyncControl, BudgetSettings  # noqa: E402
+from tether.decoding.sampling import SamplingParams  # noqa: E402
 from tether.errors import ConfigError  # noqa: E402
 from tether.loop.protocols import RolloutBatch  # noqa: E402
 from tether.loop.scored import ScoredBatch  # noqa: E402
 from tether.modeling import load_causal_lm  # noqa: E402
-from tether.rollout.sampling import SamplingParams  # noqa: E402
 from tether.rollout.torch_engine import TorchEngine  # noqa: E402
 from tether.train.batch import to_train_batch, token_logprobs  # noqa: E402
 from tether.train.learner import LearnerSettings, TorchLearner  # noqa: E402

@@ -16,11 +16,11 @@ from procs import children, running, wait_gone  # noqa: E402
 
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
+from tether.decoding.sampling import SamplingParams  # noqa: E402
 from tether.errors import RolloutError  # noqa: E402
 from tether.loop.protocols import GenerationRequest  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
 from tether.rollout.pool import PoolSettings, ProcessPool  # noqa: E402
-from tether.rollout.sampling import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 STREAM = PromptStream(get_task("arithmetic").examples("train", 300, seed=0), batch_size=3)

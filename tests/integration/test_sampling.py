@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tether.rollout.sampling import SamplingParams, sample, truncate_logits  # noqa: E402
+from tether.decoding.sampling import SamplingParams, sample, truncate_logits  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -104,8 +104,8 @@ def test_truncated_logprobs_are_of_the_renormalised_distribution(model_and_tok):
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_lean_decoder_and_transformers_forward_agree(tmp_path, arch):
     from tether.data.tiny_model import init_model
-    from tether.rollout.fast_decoder import FastDecoder, supports
-    from tether.rollout.sampling import _TransformersStepper
+    from tether.decoding.fast_decoder import FastDecoder, supports
+    from tether.decoding.sampling import _TransformersStepper
 
     init_model(tmp_path / arch, arch=arch, size="tiny", seed=3)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / arch).eval()
@@ -122,8 +122,8 @@ def test_lean_decoder_and_transformers_forward_agree(tmp_path, arch):
 
 
 def test_unsupported_models_fall_back_to_the_transformers_forward(model_and_tok):
-    from tether.rollout.fast_decoder import FastDecoder
-    from tether.rollout.sampling import stepper_for
+    from tether.decoding.fast_decoder import FastDecoder
+    from tether.decoding.sampling import stepper_for
 
     model, _tok = model_and_tok
     assert isinstance(stepper_for(model), FastDecoder)

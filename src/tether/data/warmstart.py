@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from tether.data.types import Example
+from tether.decoding.sampling import SamplingParams, sample
 from tether.errors import ConfigError
-from tether.rollout.sampling import SamplingParams, sample
 
 Score = Callable[[Example, str], float]
 """A completion's reward for an example, in [0, 1]; 1 counts as solved."""

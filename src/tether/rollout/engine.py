@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from tether.rollout.sampling import SamplingParams
+from tether.decoding.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length"]
 

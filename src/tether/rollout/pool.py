@@ -28,11 +28,11 @@ import torch
 
 from tether.control import BatchQueue
 from tether.data.types import Example
+from tether.decoding.sampling import SamplingParams
 from tether.errors import QueueTimeoutError, RolloutError
 from tether.loop.protocols import GenerationRequest, RolloutBatch
 from tether.loop.scored import ScoredBatch
 from tether.rollout.channel import WeightChannel
-from tether.rollout.sampling import SamplingParams
 from tether.rollout.types import WorkItem
 from tether.rollout.worker import WorkerSpec, worker_main
 

@@ -6,9 +6,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from tether.decoding.sampling import SamplingParams, sample, stepper_for
 from tether.errors import ConfigError
 from tether.rollout.engine import Completion
-from tether.rollout.sampling import SamplingParams, sample, stepper_for
 
 
 class TorchEngine:

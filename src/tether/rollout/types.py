@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tether.data.types import Example
-from tether.rollout.sampling import SamplingParams
+from tether.decoding.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 from tether.data.rewards import Scorer
 from tether.data.types import Example
 from tether.data.warmstart import stop_ids_for
-from tether.rollout.sampling import SamplingParams, sample, stepper_for
+from tether.decoding.sampling import SamplingParams, sample, stepper_for
 
 
 class Evaluator:

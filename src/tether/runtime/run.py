@@ -43,7 +43,7 @@ def learner_settings(cfg: Config):
 
 
 def sampling(cfg: Config):
-    from tether.rollout.sampling import SamplingParams
+    from tether.decoding.sampling import SamplingParams
 
     r = cfg.rollout
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,

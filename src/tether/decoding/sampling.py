@@ -117,7 +117,7 @@ class _TransformersStepper:
 
 def stepper_for(model: torch.nn.Module):
     """The lean decoder when the model's family supports it, else the transformers forward."""
-    from tether.rollout.fast_decoder import FastDecoder, supports
+    from tether.decoding.fast_decoder import FastDecoder, supports
 
     return FastDecoder(model) if supports(model) else _TransformersStepper(model)
 
