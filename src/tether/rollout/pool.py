@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
 from typing import Literal
@@ -292,16 +292,7 @@ class ProcessPool:
             w.requests.send(msg)
             return None
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
-            w.process.join(2)
-            w.alive = False
-            err = RolloutError(
-                f"worker process (pid {w.process.pid}) {_describe_exit(w.process.exitcode)}"
-                + (f" while generating batch {w.batch}" if w.batch is not None else ""),
-                worker=w.name, batch_index=w.batch,
-            )
-            self._completed.report_error(err)
-            self._acks.report_error(err)
-            return err
+            return self._bury(w, join_s=2)
 
     def _timeout_error(self, timeout: float | None) -> RolloutError:
         with self._lock:
@@ -372,7 +363,11 @@ class ProcessPool:
     def _drain_then_bury(self, w: _Handle) -> None:
         while w.results.poll(0) and self._receive(w):  # what it sent before dying still counts
             pass
-        w.process.join(5)
+        self._bury(w, join_s=5)
+
+    def _bury(self, w: _Handle, *, join_s: float) -> RolloutError:
+        """Mark a worker dead and report its death, naming its batch, to everyone waiting."""
+        w.process.join(join_s)
         w.alive = False
         err = RolloutError(
             f"worker process (pid {w.process.pid}) {_describe_exit(w.process.exitcode)}"
@@ -381,8 +376,4 @@ class ProcessPool:
         )
         self._completed.report_error(err)
         self._acks.report_error(err)
-
-
-def sampling_params(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> SamplingParams:
-    return replace(SamplingParams(), max_new_tokens=max_new_tokens, temperature=temperature,
-                   top_k=top_k, top_p=top_p)
+        return err
