@@ -34,7 +34,8 @@ def demo_config(model_dir: Path, *extra: str):
 
     return load_config(Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml", [
         f"model.path={model_dir}", f"rollout.batch_size={PROMPTS_PER_STEP}", f"rollout.group_size={GROUP}",
-        f"rollout.max_new_tokens={MAX_NEW}", f"train.lr={LR}", "train.algorithm=dapo", "train.drop_zero_std=false",
+        f"rollout.max_new_tokens={MAX_NEW}", f"train.lr={LR}", "train.algorithm=dapo",
+        "train.drop_zero_std=false",
         "checkpoint.interval=0", *extra])
 
 
