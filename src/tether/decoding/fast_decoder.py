@@ -133,7 +133,7 @@ class FastDecoder:
 
     # -- prefill and decode -------------------------------------------------------------------
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Run the (B, P) left-padded prompts; allocate the cache; return last logits (B, V)."""
         b, p = ids.shape
@@ -166,7 +166,7 @@ class FastDecoder:
         last = x.view(b, p, -1)[:, -1]  # (B, hidden)
         return F.linear(self._rms(last, self.norm), self.head)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per sequence (B,); return next logits (B, V)."""
         b, t = self.batch, self.length

@@ -122,7 +122,7 @@ def stepper_for(model: torch.nn.Module):
     return FastDecoder(model) if supports(model) else _TransformersStepper(model)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sample(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
