@@ -22,7 +22,8 @@ class Progress:
     """
 
     def __init__(self, total: int, description: str, *, fields: tuple[str, ...] = (),
-                 stream: TextIO | None = None, plain: bool | None = None, every_s: float = 5.0) -> None:
+                 stream: TextIO | None = None, plain: bool | None = None, every_s: float = 5.0,
+                 console=None) -> None:
         self.total = total
         self.description = description
         self.fields = fields
@@ -41,10 +42,19 @@ class Progress:
             except ImportError:
                 use_plain = True
             else:
-                self._rich = RichProgress(
+                class TwoLines(RichProgress):
+                    """The bar, count and ETA on one line; the figures on the next, so both
+                    fit an 80-column terminal."""
+
+                    def get_renderables(self):
+                        yield self.make_tasks_table(self.tasks)
+                        for task in self.tasks:
+                            yield "  " + task.fields.get("status", "")
+
+                self._rich = TwoLines(
                     TextColumn("[bold]{task.description}"), BarColumn(),
-                    TextColumn("{task.completed}/{task.total}"), TimeRemainingColumn(),
-                    TextColumn("{task.fields[status]}"), transient=False,
+                    TextColumn("{task.completed}/{task.total}"), TextColumn("ETA"),
+                    TimeRemainingColumn(), transient=False, console=console,
                 )
                 self._task = self._rich.add_task(description, total=total, status="")
         self.plain = use_plain
