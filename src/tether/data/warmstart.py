@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tether.data.types import Example
-from tether.decoding.sampling import SamplingParams, sample
+from tether.decoding.sampling import SamplingParams, sample, stop_ids_for
 from tether.errors import ConfigError
 
 Score = Callable[[Example, str], float]
@@ -70,16 +70,6 @@ def sft_batch(encoded: Sequence[tuple[list[int], int]], pad_id: int):
         mask[i, : len(seq)] = 1
         labels[i, plen: len(seq)] = torch.as_tensor(seq[plen:])
     return ids, mask, labels
-
-
-def stop_ids_for(tokenizer, stop_text: str) -> list[int]:
-    """Token ids that end an answer: EOS, plus ``stop_text`` when it is a single token."""
-    ids = [tokenizer.eos_token_id]
-    if stop_text:
-        stop = tokenizer(stop_text, add_special_tokens=False).input_ids
-        if len(stop) == 1:
-            ids.append(stop[0])
-    return ids
 
 
 def pass_at_1(model, tokenizer, score: Score, examples: Sequence[Example], *, stop_text: str = "\n",

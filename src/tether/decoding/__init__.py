@@ -8,7 +8,9 @@ from tether.decoding.sampling import (
     left_pad,
     sample,
     stepper_for,
+    stop_ids_for,
     truncate_logits,
 )
 
-__all__ = ["Completions", "SamplingParams", "left_pad", "sample", "stepper_for", "truncate_logits"]
+__all__ = ["Completions", "SamplingParams", "left_pad", "sample", "stepper_for", "stop_ids_for",
+           "truncate_logits"]

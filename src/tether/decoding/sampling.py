@@ -90,6 +90,16 @@ def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
     return logits
 
 
+def stop_ids_for(tokenizer, stop_text: str) -> list[int]:
+    """Token ids that end an answer: EOS, plus ``stop_text`` when it is a single token."""
+    ids = [tokenizer.eos_token_id]
+    if stop_text:
+        stop = tokenizer(stop_text, add_special_tokens=False).input_ids
+        if len(stop) == 1:
+            ids.append(stop[0])
+    return ids
+
+
 class _TransformersStepper:
     """Prefill/decode through the model's own forward and its KV cache (any causal LM)."""
 

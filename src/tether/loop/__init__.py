@@ -1,6 +1,6 @@
 """The driver loop (pure Python) and the worlds it runs in: fakes and virtual time."""
 
-from tether.loop.driver import Driver, NoHooks, run_loop
+from tether.loop.driver import Driver, NoHooks
 from tether.loop.observe import BatchRecord, LoopEvent, LoopObserver, Observers, TraceRecorder
 from tether.loop.protocols import (
     BoundaryHooks,
@@ -31,7 +31,6 @@ __all__ = [
     "TraceRecorder",
     "TrainResult",
     "plan_document",
-    "run_loop",
     "simulate",
     "summarize",
 ]

@@ -84,7 +84,6 @@ class Driver:
         self.trained = 0
         self.launched = 0
         self.dropped = 0
-        self.drained = 0
         self.consecutive_drops = 0
         self.outstanding: set[int] = set()  # launched, not yet trained (to completion) or dropped
         self.pending: list[int] = []  # abandoned earlier; relaunched before fresh indices
@@ -353,7 +352,6 @@ class Driver:
                 raise
             log.error("draining rollout work after %r failed too: %r", primary, exc)
             return
-        self.drained += len(self.ready)
         self._emit("drain", detail={"batches": [b.index for b in self.ready]})
         if primary is None:
             raise ControlError(
@@ -370,8 +368,3 @@ class Driver:
             detail=detail or {},
         ))
 
-
-def run_loop(control: AsyncControl, pool: RolloutPool, learner: Learner, **kwargs) -> LoopState:
-    """Convenience: build a ``Driver`` and run it from the start (or ``resume=``)."""
-    resume = kwargs.pop("resume", None)
-    return Driver(control, pool, learner, **kwargs).run(resume)

@@ -6,12 +6,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-EVENT_KINDS = ("launch", "ready", "consume", "drop", "train", "sync", "eval", "save", "drain", "abandon")
-
 
 @dataclass(frozen=True)
 class LoopEvent:
-    """One thing that happened. Spans (train, sync, eval, save) have an ``end``."""
+    """One thing that happened: launch, ready, consume, drop, train, sync, eval, save, drain or
+    abandon. Spans (train, sync, eval, save) have an ``end``."""
 
     kind: str
     t: float

@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -297,7 +297,3 @@ def event_trace(sim: Simulation) -> list[dict[str, Any]]:
     order = {"complete": 0}  # a completion precedes the reap that sees it at the same instant
     return sorted(events, key=lambda e: (e["t"], order.get(e["kind"], 1)))
 
-
-def timings_from(commits: Sequence[int] | None = None, **kwargs: Any) -> Timings:
-    """Build ``Timings`` from loose keyword values (used by the CLI)."""
-    return Timings(commits=tuple(commits or ()), **kwargs)

@@ -83,7 +83,7 @@ class _Worker:
 
         torch.set_num_threads(spec.num_threads)
         from tether.data.rewards import scorer
-        from tether.data.warmstart import stop_ids_for
+        from tether.decoding.sampling import stop_ids_for
         from tether.modeling import load_causal_lm
         from tether.rollout.channel import WeightReader
         from tether.rollout.torch_engine import TorchEngine
@@ -128,8 +128,7 @@ class _Worker:
                 batch.rewards.append(reward)
                 batch.finish_reasons.append(c.finish_reason)
                 batch.completions.append(text)
-        batch.check()
-        n = len(batch.rewards)
+        n = len(batch.rewards)  # the pool checks the batch is whole when it arrives
         mean = sum(batch.rewards) / n
         tokens = sum(len(t) for t in batch.completion_ids)
         batch.metrics.update({

@@ -12,8 +12,7 @@ import torch
 
 from tether.data.rewards import Scorer
 from tether.data.types import Example
-from tether.data.warmstart import stop_ids_for
-from tether.decoding.sampling import SamplingParams, sample, stepper_for
+from tether.decoding.sampling import SamplingParams, sample, stepper_for, stop_ids_for
 
 
 class Evaluator:
@@ -29,8 +28,7 @@ class Evaluator:
         self.stop_ids = stop_ids_for(tokenizer, stop_text)
         self.prompts = [tokenizer(e.prompt, add_special_tokens=False).input_ids for e in self.examples]
 
-    def _rewards(self, params: SamplingParams, seed: int) -> list[float]:
-        stepper = stepper_for(self.model)
+    def _rewards(self, params: SamplingParams, seed: int, stepper) -> list[float]:
         generator = torch.Generator().manual_seed(seed)
         rewards = []
         for i in range(0, len(self.prompts), self.batch_size):
@@ -44,9 +42,10 @@ class Evaluator:
         was_training = self.model.training
         self.model.eval()
         try:
+            stepper = stepper_for(self.model)  # reads the weights once for both passes
             greedy = self._rewards(SamplingParams(max_new_tokens=self.params.max_new_tokens, temperature=0.0),
-                                   self.seed)
-            sampled = self._rewards(self.params, self.seed * 7919 + step)
+                                   self.seed, stepper)
+            sampled = self._rewards(self.params, self.seed * 7919 + step, stepper)
         finally:
             self.model.train(was_training)
         n = len(greedy)

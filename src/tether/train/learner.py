@@ -71,6 +71,11 @@ class _Stats:
         return sum(values) / len(values) if values else None
 
 
+def _denominators(keep: torch.Tensor) -> tuple[float, float]:
+    """Tokens and sequences that count in a mini-batch's loss."""
+    return float(keep.sum()), float((keep.sum(dim=1) > 0).sum())
+
+
 class TorchLearner:
     def __init__(self, model_path: str | Path, settings: LearnerSettings) -> None:
         self.s = settings
@@ -117,7 +122,7 @@ class TorchLearner:
             committed += self._update(tb.rows(rows), adv.values[rows], mask[rows],
                                       None if old is None else old[rows],
                                       None if ref is None else ref[rows], stats)
-        return TrainResult(committed, u, self._metrics(stats, tb, adv.frac_zero_std, u - committed))
+        return TrainResult(committed, u, self._metrics(stats, adv.frac_zero_std, u - committed))
 
     # -- one update ---------------------------------------------------------------------------
 
@@ -140,30 +145,34 @@ class TorchLearner:
         weigh = s.anchor == "proximal"
         settings = LossSettings(s.clip_low, s.clip_high, s.dual_clip)
         self.optimizer.zero_grad(set_to_none=True)
-        # Denominators for the whole mini-batch, from the masks after corrections.
-        keep_all = None
-        if old is not None:
-            keep_all = correct(old, tb.behavior_logp, mask, s.correction, weigh=weigh).keep
-        totals_mask = mask if keep_all is None else keep_all
-        total_tokens = float(totals_mask.sum())
-        total_seqs = float((totals_mask.sum(dim=1) > 0).sum())
+        # With π_old known, the corrections (and so the mini-batch's loss denominators) are fixed
+        # before any forward pass; otherwise (U = 1, one micro-batch) the forward provides π_old.
+        corr_all = None if old is None else correct(old, tb.behavior_logp, mask, s.correction, weigh=weigh)
+        if corr_all is not None:
+            total_tokens, total_seqs = _denominators(corr_all.keep)
+            for key, value in corr_all.metrics.items():
+                stats.add(key, value)
         for rows in self._micro(tb.size):
             mb = tb.rows(rows)
             logp, entropy = token_logprobs(self.model, mb, s.temperature, with_entropy=True)
-            old_mb = logp.detach() if old is None else old[rows]
-            corr = correct(old_mb, mb.behavior_logp, mask[rows], s.correction, weigh=weigh)
-            if old is None:  # single micro-batch: the denominators come from this forward
-                total_tokens = float(corr.keep.sum())
-                total_seqs = float((corr.keep.sum(dim=1) > 0).sum())
+            if corr_all is None:
+                old_mb = logp.detach()
+                corr = correct(old_mb, mb.behavior_logp, mask[rows], s.correction, weigh=weigh)
+                total_tokens, total_seqs = _denominators(corr.keep)
+                weights, keep = corr.weights, corr.keep
+                for key, value in corr.metrics.items():
+                    stats.add(key, value)
+            else:
+                old_mb, weights, keep = old[rows], corr_all.weights[rows], corr_all.keep[rows]
             anchor = old_mb if weigh else mb.behavior_logp
-            inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[rows], mask=corr.keep)
+            inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[rows], mask=keep)
             per_token, loss_metrics = self.loss_fn(inputs, settings)
-            policy = aggregate(per_token * corr.weights, corr.keep, s.aggregation,
+            policy = aggregate(per_token * weights, keep, s.aggregation,
                                norm_constant=s.max_new_tokens, total_tokens=total_tokens,
                                total_seqs=total_seqs)
             total = policy
             if ref is not None:
-                kl = aggregate(kl_penalty(logp, ref[rows], s.kl_estimator), corr.keep, s.aggregation,
+                kl = aggregate(kl_penalty(logp, ref[rows], s.kl_estimator), keep, s.aggregation,
                                norm_constant=s.max_new_tokens, total_tokens=total_tokens,
                                total_seqs=total_seqs)
                 total = policy + s.kl_coef * kl
@@ -171,9 +180,9 @@ class TorchLearner:
             total.backward()
             stats.add("loss/policy", policy.detach())
             stats.add("loss/total", total.detach())
-            for key, value in {**loss_metrics, **corr.metrics}.items():
+            for key, value in loss_metrics.items():
                 stats.add(key, value)
-            valid = corr.keep.bool()
+            valid = keep.bool()
             if valid.any():
                 stats.ratios.append(torch.exp(logp.detach() - anchor)[valid])
                 stats.entropy.append(entropy[valid])
@@ -196,7 +205,7 @@ class TorchLearner:
               "mismatch/logprob_abs_diff_max", "mismatch/k3")
     """Reported for every batch; NaN when undefined (e.g. every group dropped for zero variance)."""
 
-    def _metrics(self, stats: _Stats, tb: TrainBatch, frac_zero_std: float, skipped: int) -> dict[str, float]:
+    def _metrics(self, stats: _Stats, frac_zero_std: float, skipped: int) -> dict[str, float]:
         out: dict[str, float] = dict.fromkeys(self.ALWAYS, float("nan"))
         out.update({k: v for k in stats.scalars if (v := stats.mean(k)) is not None})
         out.pop("train/nonfinite_grad", None)

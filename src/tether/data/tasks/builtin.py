@@ -11,6 +11,7 @@ import ast
 import operator
 import random
 import string
+from collections.abc import Callable
 from fractions import Fraction
 
 from tether.data.tasks.base import Task, strip_answer
@@ -127,14 +128,16 @@ COUNTDOWN = Task(
 
 # -- string transformations --------------------------------------------------------------------
 
-def _draw_reverse(rng: random.Random, d: int) -> Example:
-    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(d))
-    return Example(prompt=f"rev {word}=", answer=word[::-1], fields={"word": word})
+def _word_task(name: str, transform: Callable[[str], str]) -> Callable[[random.Random, int], Example]:
+    """Draw a lowercase word of ``d`` letters: prompt '<name> <word>=', answer ``transform(word)``."""
+    def draw(rng: random.Random, d: int) -> Example:
+        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(d))
+        return Example(prompt=f"{name} {word}=", answer=transform(word), fields={"word": word})
+    return draw
 
 
-def _draw_sort(rng: random.Random, d: int) -> Example:
-    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(d))
-    return Example(prompt=f"sort {word}=", answer="".join(sorted(word)), fields={"word": word})
+_draw_reverse = _word_task("rev", lambda w: w[::-1])
+_draw_sort = _word_task("sort", lambda w: "".join(sorted(w)))
 
 
 def _verify_letters(completion: str, ex: Example) -> float:
