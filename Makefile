@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[train,data,math,dev]'
+	$(PY) -m pip install --quiet -e '.[train,data,math,ray,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

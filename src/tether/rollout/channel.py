@@ -1,6 +1,10 @@
 """The weight channel: the trainer publishes a version's weights into shared memory allocated
 once; rollout workers verify the version and a checksum before using them.
 
+The same block format travels as one object per version through Ray's object store
+(``Snapshot``/``open_snapshot``, used by ``tether.rollout.ray_pool``), so both backends verify
+weights the same way.
+
 Layout: a 64-byte header, then every tensor at a 64-byte-aligned offset.
 
     header (int64 × 4): state (0 = being written, 1 = complete), version, checksum, data bytes
@@ -69,12 +73,13 @@ class Layout:
 
 
 class _Block:
-    """A mapped shared-memory block with typed views of its header, data and tensors."""
+    """Typed views of a block's header, data and tensors over ``raw``, its bytes."""
 
-    def __init__(self, shm: shared_memory.SharedMemory, layout: Layout) -> None:
+    def __init__(self, raw: torch.Tensor, layout: Layout,
+                 shm: shared_memory.SharedMemory | None = None) -> None:
         self.shm = shm
         self.layout = layout
-        raw = torch.frombuffer(shm.buf, dtype=torch.uint8, count=layout.total_bytes)  # (total,)
+        assert raw.dtype == torch.uint8 and raw.numel() >= layout.total_bytes
         self.header = raw[:HEADER_BYTES].view(torch.int64)  # (8,)
         self.words = raw[HEADER_BYTES:].view(torch.int64)  # (data_bytes / 8,)
         self.views = {
@@ -85,10 +90,51 @@ class _Block:
     def checksum(self) -> int:
         return int(self.words.sum())
 
+    def write(self, tensors: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Copy ``tensors`` in as ``version``; returns ``sync/publish_s``, ``sync/bytes``."""
+        names = [s.name for s in self.layout.slots]
+        if set(tensors) != set(names):
+            extra, missing = set(tensors) - set(names), set(names) - set(tensors)
+            raise ChannelError(f"published tensors do not match the channel layout "
+                               f"(missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]})")
+        t0 = time.perf_counter()
+        self.header[0] = _WRITING
+        with torch.no_grad():
+            for name in names:
+                self.views[name].copy_(tensors[name])
+        self.header[1] = version
+        self.header[2] = self.checksum()
+        self.header[3] = self.layout.data_bytes
+        self.header[0] = _COMPLETE
+        seconds = time.perf_counter() - t0
+        return {"sync/publish_s": seconds, "sync/bytes": float(self.layout.payload_bytes)}
+
+    def verify(self, version: int) -> float:
+        """Check the block holds a complete write of ``version``; returns seconds spent."""
+        t0 = time.perf_counter()
+        state, got, expected_sum, nbytes = (int(x) for x in self.header[:4])
+        if state != _COMPLETE:
+            raise ChannelError(f"weights for version {version} are incomplete (a publish was interrupted)")
+        if got != version:
+            raise ChannelError(f"weight channel holds version {got}, expected {version}")
+        if nbytes != self.layout.data_bytes:
+            raise ChannelError(f"weight channel layout mismatch: {nbytes} bytes, expected "
+                               f"{self.layout.data_bytes}")
+        actual = self.checksum()
+        if actual != expected_sum:
+            raise ChannelError(f"weights for version {version} fail their checksum "
+                               f"({actual} != {expected_sum}): the shared block was modified or torn")
+        return time.perf_counter() - t0
+
     def close(self) -> None:
         self.header = self.words = None  # type: ignore[assignment]
         self.views = {}
-        self.shm.close()
+        if self.shm is not None:
+            self.shm.close()
+
+
+def _map(shm: shared_memory.SharedMemory, layout: Layout) -> _Block:
+    return _Block(torch.frombuffer(shm.buf, dtype=torch.uint8, count=layout.total_bytes), layout, shm)
 
 
 class WeightChannel:
@@ -97,7 +143,7 @@ class WeightChannel:
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
         shm = shared_memory.SharedMemory(create=True, size=layout.total_bytes)
-        self._block = _Block(shm, layout)
+        self._block = _map(shm, layout)
         self._block.header.zero_()
         self.name = shm.name
 
@@ -107,23 +153,7 @@ class WeightChannel:
 
     def publish(self, tensors: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         """Copy ``tensors`` in as ``version``; returns ``sync/publish_s``, ``sync/bytes``."""
-        block = self._block
-        names = [s.name for s in self.layout.slots]
-        if set(tensors) != set(names):
-            extra, missing = set(tensors) - set(names), set(names) - set(tensors)
-            raise ChannelError(f"published tensors do not match the channel layout "
-                               f"(missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]})")
-        t0 = time.perf_counter()
-        block.header[0] = _WRITING
-        with torch.no_grad():
-            for name in names:
-                block.views[name].copy_(tensors[name])
-        block.header[1] = version
-        block.header[2] = block.checksum()
-        block.header[3] = self.layout.data_bytes
-        block.header[0] = _COMPLETE
-        seconds = time.perf_counter() - t0
-        return {"sync/publish_s": seconds, "sync/bytes": float(self.layout.payload_bytes)}
+        return self._block.write(tensors, version)
 
     def views(self) -> dict[str, torch.Tensor]:
         return dict(self._block.views)
@@ -144,28 +174,53 @@ class WeightReader:
         # Worker processes are the publisher's children and share its resource tracker, where
         # registration is idempotent: attaching neither leaks the block nor unlinks it early.
         shm = shared_memory.SharedMemory(name=name)
-        self._block = _Block(shm, layout)
+        self._block = _map(shm, layout)
 
     def views(self) -> dict[str, torch.Tensor]:
         return dict(self._block.views)
 
     def verify(self, version: int) -> float:
         """Check the block holds a complete write of ``version``; returns seconds spent."""
-        t0 = time.perf_counter()
-        header = self._block.header
-        state, got, expected_sum, nbytes = (int(x) for x in header[:4])
-        if state != _COMPLETE:
-            raise ChannelError(f"weights for version {version} are incomplete (a publish was interrupted)")
-        if got != version:
-            raise ChannelError(f"weight channel holds version {got}, expected {version}")
-        if nbytes != self._block.layout.data_bytes:
-            raise ChannelError(f"weight channel layout mismatch: {nbytes} bytes, expected "
-                               f"{self._block.layout.data_bytes}")
-        actual = self._block.checksum()
-        if actual != expected_sum:
-            raise ChannelError(f"weights for version {version} fail their checksum "
-                               f"({actual} != {expected_sum}): the shared block was modified or torn")
-        return time.perf_counter() - t0
+        return self._block.verify(version)
 
     def close(self) -> None:
         self._block.close()
+
+
+class Snapshot:
+    """The publishing side for an object store: one staging block, allocated once, written per
+    version and handed out as a NumPy array (``array``) to put into the store as one object."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self._raw = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+        self._block = _Block(self._raw, layout)
+
+    @classmethod
+    def for_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> Snapshot:
+        return cls(Layout.of(tensors))
+
+    def write(self, tensors: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        return self._block.write(tensors, version)
+
+    @property
+    def array(self):
+        """The block's bytes as a NumPy array (shares memory with the staging block)."""
+        return self._raw.numpy()
+
+
+def open_snapshot(array, layout: Layout, version: int) -> tuple[dict[str, torch.Tensor], float]:
+    """Verify a snapshot fetched from an object store; returns its tensor views and the seconds
+    spent verifying. The views share the (possibly read-only) fetched memory: bind them, do not
+    write them."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        raw = torch.from_numpy(array)
+    if raw.dtype != torch.uint8 or raw.numel() != layout.total_bytes:
+        raise ChannelError(f"weight snapshot for version {version} has {raw.numel()} bytes of {raw.dtype}, "
+                           f"expected {layout.total_bytes} bytes of uint8")
+    block = _Block(raw, layout)
+    seconds = block.verify(version)
+    return dict(block.views), seconds

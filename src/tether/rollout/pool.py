@@ -1,13 +1,11 @@
 """A rollout pool of worker processes, implementing the driver loop's ``RolloutPool`` seam.
 
-Launches go to an idle worker (or wait in order for one); a collector thread watches every
-worker's result pipe and process sentinel, puts each complete scored batch into the completion
-FIFO, and turns a worker's error — or its death — into a ``RolloutError`` that names the worker,
-the batch and the cause, with the original traceback. Weights go through the shared-memory
-``WeightChannel``; workers load them only while the pool is quiesced.
-
-The same protocol is what a Ray-actor backend implements: launch, reap, wait, quiesce, publish,
-close.
+The protocol logic (dispatch, the completion FIFO, whole-batch checks) is ``DispatchingPool``'s;
+this backend adds processes. A collector thread watches every worker's result pipe and process
+sentinel, accepts each complete scored batch, and turns a worker's error — or its death — into a
+``RolloutError`` that names the worker, the batch and the cause, with the original traceback.
+Weights go through the shared-memory ``WeightChannel``; workers load them only while the pool is
+quiesced.
 """
 
 from __future__ import annotations
@@ -17,43 +15,23 @@ import logging
 import multiprocessing as mp
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
-from typing import Literal
 
 import torch
 
 from tether.control import BatchQueue
 from tether.data.types import Example
-from tether.decoding.sampling import SamplingParams
 from tether.errors import QueueTimeoutError, RolloutError
-from tether.loop.protocols import GenerationRequest, RolloutBatch
-from tether.loop.scored import ScoredBatch
 from tether.rollout.channel import WeightChannel
+from tether.rollout.dispatch import DispatchingPool, PoolSettings, WorkerSlot
 from tether.rollout.types import WorkItem
 from tether.rollout.worker import WorkerSpec, worker_main
 
+__all__ = ["PoolSettings", "ProcessPool"]
+
 log = logging.getLogger("tether.rollout")
-
-
-@dataclass(frozen=True)
-class PoolSettings:
-    """How the pool's workers run (see the ``rollout`` and ``reward`` recipe sections)."""
-
-    model_path: str
-    num_workers: int = 1
-    threads_per_worker: int = 1
-    group_size: int = 4
-    params: SamplingParams = SamplingParams()
-    reward: str = "task"
-    task: str | None = None
-    stop_text: str = "\n"
-    reward_on_error: Literal["raise", "zero"] = "raise"
-    seed: int = 0
-    startup_timeout_s: float = 300.0
 
 
 _PRELOAD = ["torch", "transformers", "tether.rollout.worker", "tether.rollout.torch_engine",
@@ -85,34 +63,23 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-class _Handle:
+class _Handle(WorkerSlot):
     def __init__(self, worker_id: int, process: mp.Process, requests: Connection, results: Connection):
-        self.id = worker_id
-        self.name = f"rollout-{worker_id}"
+        super().__init__(worker_id)
         self.process = process
         self.requests = requests
         self.results = results
-        self.batch: int | None = None  # the batch it is generating, if any
-        self.alive = True
 
 
-class ProcessPool:
+class ProcessPool(DispatchingPool):
     """N rollout worker processes behind the ``RolloutPool`` protocol."""
 
     def __init__(self, settings: PoolSettings, batches: Callable[[int], Sequence[tuple[int, Example]]],
                  initial_weights: Mapping[str, torch.Tensor], *, initial_version: int = 0) -> None:
-        self.settings = settings
-        self.batches = batches
+        super().__init__(settings, batches, initial_version=initial_version)
         self.channel = WeightChannel.for_tensors(initial_weights)
         self.channel.publish(initial_weights, initial_version)
-        self.version = initial_version
-        self._completed: BatchQueue[RolloutBatch] = BatchQueue(maxsize=1 << 16, name="rollout")
         self._acks: BatchQueue[tuple[int, int, float]] = BatchQueue(maxsize=1 << 10, name="weight-load")
-        self._lock = threading.Lock()
-        self._pending: deque[WorkItem] = deque()
-        self._launched_at: dict[int, float] = {}
-        self._inflight = 0
-        self._closing = False
         self._workers: list[_Handle] = []
         self._collector: threading.Thread | None = None
         try:
@@ -129,10 +96,10 @@ class ProcessPool:
         for i in range(s.num_workers):
             req_recv, req_send = ctx.Pipe(duplex=False)
             res_recv, res_send = ctx.Pipe(duplex=False)
-            spec = WorkerSpec(worker_id=i, model_path=s.model_path, channel_name=self.channel.name,
-                              channel_layout=self.channel.layout, reward=s.reward, task=s.task,
+            spec = WorkerSpec(worker_id=i, model_path=s.model_path, reward=s.reward, task=s.task,
                               stop_text=s.stop_text, num_threads=s.threads_per_worker,
-                              reward_on_error=s.reward_on_error, initial_version=self.version)
+                              reward_on_error=s.reward_on_error, initial_version=self.version,
+                              channel_name=self.channel.name, channel_layout=self.channel.layout)
             proc = ctx.Process(target=worker_main, args=(spec, req_recv, res_send), daemon=True,
                                name=f"tether-rollout-{i}")
             proc.start()
@@ -188,66 +155,17 @@ class ProcessPool:
         self._acks.close()
         self.channel.close()
 
-    def __enter__(self) -> ProcessPool:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     @property
     def pids(self) -> list[int]:
         return [w.process.pid for w in self._workers if w.process.pid is not None]
 
-    # -- the RolloutPool protocol -------------------------------------------------------------
+    # -- backend hooks ------------------------------------------------------------------------
 
-    @property
-    def inflight(self) -> int:
-        with self._lock:
-            return self._inflight
+    def _submit(self, w: _Handle, item: WorkItem) -> None:
+        self._send(w, ("generate", item))  # a failure is reported through the queues
 
-    def launch(self, request: GenerationRequest) -> None:
-        if request.version != self.version:
-            raise RolloutError(
-                f"launch stamped version {request.version} but the workers hold {self.version}",
-                batch_index=request.index,
-            )
-        s = self.settings
-        item = WorkItem(batch_index=request.index, version=request.version,
-                        examples=list(self.batches(request.index)), group_size=s.group_size,
-                        params=s.params, seed=s.seed * 1_000_003 + request.index)
-        with self._lock:
-            self._inflight += 1
-            self._launched_at[request.index] = time.monotonic()
-            self._pending.append(item)
-            self._dispatch()
-
-    def reap(self) -> list[RolloutBatch]:
-        return self._taken(self._completed.drain())
-
-    def wait(self, timeout: float | None) -> list[RolloutBatch]:
-        try:
-            first = self._completed.get(timeout=timeout)
-        except QueueTimeoutError:
-            raise self._timeout_error(timeout) from None
-        return self._taken([first, *self._completed.drain()])
-
-    def quiesce(self, timeout: float | None) -> list[RolloutBatch]:
-        out: list[RolloutBatch] = []
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.inflight - len(out) > 0:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                out.append(self._completed.get(timeout=remaining))
-            except QueueTimeoutError:
-                raise self._timeout_error(timeout) from None
-        return self._taken(out)
-
-    def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> Mapping[str, float]:
-        """Write ``weights`` to the channel and have every worker verify and load them."""
-        if self.inflight:
-            raise RolloutError(f"publish of version {version} while {self.inflight} batch(es) are in flight")
+    def _load_all(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         metrics = dict(self.channel.publish(weights, version))
-        t0 = time.perf_counter()
         for w in self._workers:
             err = self._send(w, ("load", version))
             if err is not None:
@@ -260,31 +178,14 @@ class ProcessPool:
                 raise RolloutError(f"workers did not load version {version} in time") from None
             assert got == version, (got, version)
             loads.append(seconds)
-        self.version = version
         metrics["sync/load_s"] = max(loads)
-        metrics["sync/load_wall_s"] = time.perf_counter() - t0
-        total = metrics["sync/publish_s"] + metrics["sync/load_s"]
-        metrics["sync/gbps"] = metrics["sync/bytes"] / total / 1e9 if total > 0 else 0.0
         return metrics
 
+    def _fail(self, err: RolloutError) -> None:
+        self._completed.report_error(err)
+        self._acks.report_error(err)
+
     # -- internals ----------------------------------------------------------------------------
-
-    def _taken(self, batches: list[RolloutBatch]) -> list[RolloutBatch]:
-        with self._lock:
-            self._inflight -= len(batches)
-            for b in batches:
-                self._launched_at.pop(b.index, None)
-        return batches
-
-    def _dispatch(self) -> None:
-        """Send pending items to idle workers, oldest first. Caller holds the lock."""
-        for w in self._workers:
-            if not self._pending:
-                return
-            if w.alive and w.batch is None:
-                item = self._pending.popleft()
-                w.batch = item.batch_index
-                self._send(w, ("generate", item))  # a failure is reported through the queues
 
     def _send(self, w: _Handle, msg: tuple) -> RolloutError | None:
         """Send to a worker; if its pipe is broken (it died), report that as its death."""
@@ -293,17 +194,6 @@ class ProcessPool:
             return None
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
             return self._bury(w, join_s=2)
-
-    def _timeout_error(self, timeout: float | None) -> RolloutError:
-        with self._lock:
-            running = [(w.batch, w.name) for w in self._workers if w.batch is not None]
-            oldest = min(self._launched_at, default=None)
-        where = next((name for b, name in running if b == oldest), "none (still queued)")
-        return RolloutError(
-            f"no rollout batch completed within async.wait_timeout_s={timeout:g}s; the oldest in "
-            f"flight is batch {oldest} on worker {where}",
-            worker=where if where.startswith("rollout") else None, batch_index=oldest,
-        )
 
     def _collect(self) -> None:
         """Collector thread: results and deaths, until the pool closes."""
@@ -335,30 +225,8 @@ class ProcessPool:
         elif kind == "loaded":
             self._acks.put((w.id, msg[1], msg[2]))
         elif kind == "error":
-            err = RolloutError(msg[2], worker=w.name, batch_index=msg[1], remote_traceback=msg[3])
-            self._completed.report_error(err)
-            self._acks.report_error(err)
+            self._fail(RolloutError(msg[2], worker=w.name, batch_index=msg[1], remote_traceback=msg[3]))
         return True
-
-    def _accept(self, w: _Handle, index: int, scored: ScoredBatch) -> None:
-        try:
-            scored.check()
-            expected = len(self.batches(index))
-            if scored.num_groups != expected or scored.group_size != self.settings.group_size:
-                raise ValueError(f"{scored.num_groups} groups of {scored.group_size}, expected "
-                                 f"{expected} of {self.settings.group_size}")
-        except ValueError as exc:
-            self._completed.report_error(RolloutError(f"incomplete rollout batch: {exc}", worker=w.name,
-                                                      batch_index=index))
-            return
-        metrics = {**scored.metrics, "async/newest_version": float(scored.newest_version)}
-        batch = RolloutBatch(index=index, behavior_version=scored.oldest_version,
-                             newest_version=scored.newest_version, num_groups=scored.num_groups,
-                             group_size=scored.group_size, payload=scored, metrics=metrics)
-        with self._lock:
-            w.batch = None
-            self._dispatch()
-        self._completed.put(batch)
 
     def _drain_then_bury(self, w: _Handle) -> None:
         while w.results.poll(0) and self._receive(w):  # what it sent before dying still counts
@@ -374,6 +242,5 @@ class ProcessPool:
             + (f" while generating batch {w.batch}" if w.batch is not None else ""),
             worker=w.name, batch_index=w.batch,
         )
-        self._completed.report_error(err)
-        self._acks.report_error(err)
+        self._fail(err)
         return err

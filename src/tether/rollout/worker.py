@@ -1,5 +1,9 @@
 """A rollout worker: a separate OS process hosting one engine and the reward function.
 
+``Rollout`` (engine + reward: generate and score one batch) is shared with the Ray backend's
+actors (``tether.rollout.ray_pool``); this module adds the process's message loop and its
+shared-memory weight reader.
+
 It receives whole rollout batches (prompts, group size, sampling parameters, behavior version),
 generates, scores every sample, and sends back one complete ``ScoredBatch`` — or an error with
 the original traceback, never a partial batch. It loads weights only when told to, between
@@ -37,21 +41,22 @@ class WorkerSpec:
 
     worker_id: int
     model_path: str
-    channel_name: str
-    channel_layout: Layout
     reward: str
     task: str | None
     stop_text: str
     num_threads: int = 1
     reward_on_error: Literal["raise", "zero"] = "raise"
     initial_version: int = 0
+    channel_name: str | None = None
+    """The shared-memory weight channel (process workers); None where weights come otherwise."""
+    channel_layout: Layout | None = None
 
 
 def worker_main(spec: WorkerSpec, requests: Connection, results: Connection) -> None:
     """Process entry point. Ctrl-C is the driver's to handle: workers ignore SIGINT."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        worker = _Worker(spec)
+        worker = _ChannelWorker(spec)
     except BaseException as exc:
         results.send(("error", None, f"worker {spec.worker_id} failed to start: {type(exc).__name__}: {exc}",
                       traceback.format_exc()))
@@ -77,7 +82,9 @@ def worker_main(spec: WorkerSpec, requests: Connection, results: Connection) -> 
             results.send(("error", index, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
 
 
-class _Worker:
+class Rollout:
+    """One engine and the reward function: generates and scores whole rollout batches."""
+
     def __init__(self, spec: WorkerSpec) -> None:
         import torch
 
@@ -85,22 +92,13 @@ class _Worker:
         from tether.data.rewards import scorer
         from tether.decoding.sampling import stop_ids_for
         from tether.modeling import load_causal_lm
-        from tether.rollout.channel import WeightReader
         from tether.rollout.torch_engine import TorchEngine
 
         self.spec = spec
         model, self.tokenizer = load_causal_lm(spec.model_path)
         self.engine = TorchEngine(model, pad_id=self.tokenizer.pad_token_id,
                                   stop_ids=stop_ids_for(self.tokenizer, spec.stop_text))
-        self.reader = WeightReader(spec.channel_name, spec.channel_layout)
-        self.engine.bind(self.reader.views())
-        self.load(spec.initial_version)
         self.score = scorer(spec.reward, task=spec.task)
-
-    def load(self, version: int) -> float:
-        seconds = self.reader.verify(version)
-        self.engine.load_weights(self.reader.views(), version)
-        return seconds
 
     def generate(self, item: WorkItem) -> ScoredBatch:
         t0 = time.perf_counter()
@@ -143,3 +141,21 @@ class _Worker:
             "memory/rollout_peak_mb": peak_rss_mb(),
         })
         return batch
+
+
+class _ChannelWorker(Rollout):
+    """A process worker: its parameters are bound to the shared-memory channel's views."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(spec)
+        from tether.rollout.channel import WeightReader
+
+        assert spec.channel_name is not None and spec.channel_layout is not None
+        self.reader = WeightReader(spec.channel_name, spec.channel_layout)
+        self.engine.bind(self.reader.views())
+        self.load(spec.initial_version)
+
+    def load(self, version: int) -> float:
+        seconds = self.reader.verify(version)
+        self.engine.load_weights(self.reader.views(), version)
+        return seconds

@@ -1,0 +1,201 @@
+"""What every rollout-pool backend shares: the ``RolloutPool`` protocol over N workers.
+
+Launches go to an idle worker, oldest first, or wait in order for one; each worker generates one
+batch at a time. Completed batches are checked whole and go into one completion FIFO, from which
+``reap``, ``wait`` and ``quiesce`` take them; the first error (a worker's failure, or its death)
+reaches whoever waits next. A backend supplies how an item reaches a worker (``_submit``), how
+weights reach every worker (``_load_all``) and how workers stop (``close``): ``ProcessPool``
+(``tether.rollout.pool``) with pipes and shared memory, ``RayPool`` (``tether.rollout.ray_pool``)
+with actors and the object store.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tether.control import BatchQueue
+from tether.data.types import Example
+from tether.decoding.sampling import SamplingParams
+from tether.errors import QueueTimeoutError, RolloutError
+from tether.loop.protocols import GenerationRequest, RolloutBatch
+from tether.loop.scored import ScoredBatch
+from tether.rollout.types import WorkItem
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """How the pool's workers run (see the ``rollout`` and ``reward`` recipe sections)."""
+
+    model_path: str
+    num_workers: int = 1
+    threads_per_worker: int = 1
+    group_size: int = 4
+    params: SamplingParams = SamplingParams()
+    reward: str = "task"
+    task: str | None = None
+    stop_text: str = "\n"
+    reward_on_error: Literal["raise", "zero"] = "raise"
+    seed: int = 0
+    startup_timeout_s: float = 300.0
+
+
+class WorkerSlot:
+    """The pool's view of one worker: its name, the batch it is generating, whether it lives."""
+
+    def __init__(self, worker_id: int) -> None:
+        self.id = worker_id
+        self.name = f"rollout-{worker_id}"
+        self.batch: int | None = None
+        self.alive = True
+
+
+class DispatchingPool:
+    """The protocol logic of a pool of ``WorkerSlot``s; backends subclass it."""
+
+    def __init__(self, settings: PoolSettings, batches: Callable[[int], Sequence[tuple[int, Example]]],
+                 *, initial_version: int = 0) -> None:
+        self.settings = settings
+        self.batches = batches
+        self.version = initial_version
+        self._completed: BatchQueue[RolloutBatch] = BatchQueue(maxsize=1 << 16, name="rollout")
+        self._lock = threading.Lock()
+        self._pending: deque[WorkItem] = deque()
+        self._launched_at: dict[int, float] = {}
+        self._inflight = 0
+        self._closing = False
+        self._workers: list[Any] = []  # WorkerSlot subclasses
+
+    # -- backend hooks ------------------------------------------------------------------------
+
+    def _submit(self, w: Any, item: WorkItem) -> None:
+        """Start ``item`` on idle worker ``w``; report failures through ``_fail``. Lock held."""
+        raise NotImplementedError
+
+    def _load_all(self, weights: Mapping[str, Any], version: int) -> dict[str, float]:
+        """Make every worker verify and load ``weights`` as ``version``; return sync metrics
+        including ``sync/publish_s``, ``sync/bytes`` and ``sync/load_s`` (the slowest load)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the RolloutPool protocol -------------------------------------------------------------
+
+    @property
+    def inflight(self) -> int:
+        with self._lock:
+            return self._inflight
+
+    def launch(self, request: GenerationRequest) -> None:
+        if request.version != self.version:
+            raise RolloutError(
+                f"launch stamped version {request.version} but the workers hold {self.version}",
+                batch_index=request.index,
+            )
+        s = self.settings
+        item = WorkItem(batch_index=request.index, version=request.version,
+                        examples=list(self.batches(request.index)), group_size=s.group_size,
+                        params=s.params, seed=s.seed * 1_000_003 + request.index)
+        with self._lock:
+            self._inflight += 1
+            self._launched_at[request.index] = time.monotonic()
+            self._pending.append(item)
+            self._dispatch()
+
+    def reap(self) -> list[RolloutBatch]:
+        return self._taken(self._completed.drain())
+
+    def wait(self, timeout: float | None) -> list[RolloutBatch]:
+        try:
+            first = self._completed.get(timeout=timeout)
+        except QueueTimeoutError:
+            raise self._timeout_error(timeout) from None
+        return self._taken([first, *self._completed.drain()])
+
+    def quiesce(self, timeout: float | None) -> list[RolloutBatch]:
+        out: list[RolloutBatch] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.inflight - len(out) > 0:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                out.append(self._completed.get(timeout=remaining))
+            except QueueTimeoutError:
+                raise self._timeout_error(timeout) from None
+        return self._taken(out)
+
+    def publish(self, weights: Mapping[str, Any], version: int) -> Mapping[str, float]:
+        """Have every worker verify and load ``weights`` as ``version`` (only while quiesced)."""
+        if self.inflight:
+            raise RolloutError(f"publish of version {version} while {self.inflight} batch(es) are in flight")
+        t0 = time.perf_counter()
+        metrics = self._load_all(weights, version)
+        self.version = version
+        metrics["sync/load_wall_s"] = time.perf_counter() - t0 - metrics["sync/publish_s"]
+        total = metrics["sync/publish_s"] + metrics["sync/load_s"]
+        metrics["sync/gbps"] = metrics["sync/bytes"] / total / 1e9 if total > 0 else 0.0
+        return metrics
+
+    # -- shared internals ---------------------------------------------------------------------
+
+    def _taken(self, batches: list[RolloutBatch]) -> list[RolloutBatch]:
+        with self._lock:
+            self._inflight -= len(batches)
+            for b in batches:
+                self._launched_at.pop(b.index, None)
+        return batches
+
+    def _dispatch(self) -> None:
+        """Send pending items to idle workers, oldest first. Caller holds the lock."""
+        for w in self._workers:
+            if not self._pending:
+                return
+            if w.alive and w.batch is None:
+                item = self._pending.popleft()
+                w.batch = item.batch_index
+                self._submit(w, item)
+
+    def _fail(self, err: RolloutError) -> None:
+        """Report ``err`` to whoever waits for a batch (and, in backends, for a weight load)."""
+        self._completed.report_error(err)
+
+    def _timeout_error(self, timeout: float | None) -> RolloutError:
+        with self._lock:
+            running = [(w.batch, w.name) for w in self._workers if w.batch is not None]
+            oldest = min(self._launched_at, default=None)
+        where = next((name for b, name in running if b == oldest), "none (still queued)")
+        return RolloutError(
+            f"no rollout batch completed within async.wait_timeout_s={timeout:g}s; the oldest in "
+            f"flight is batch {oldest} on worker {where}",
+            worker=where if where.startswith("rollout") else None, batch_index=oldest,
+        )
+
+    def _accept(self, w: Any, index: int, scored: ScoredBatch) -> None:
+        """A worker's finished batch: check it is whole, free the worker, queue the batch."""
+        try:
+            scored.check()
+            expected = len(self.batches(index))
+            if scored.num_groups != expected or scored.group_size != self.settings.group_size:
+                raise ValueError(f"{scored.num_groups} groups of {scored.group_size}, expected "
+                                 f"{expected} of {self.settings.group_size}")
+        except ValueError as exc:
+            self._fail(RolloutError(f"incomplete rollout batch: {exc}", worker=w.name, batch_index=index))
+            return
+        metrics = {**scored.metrics, "async/newest_version": float(scored.newest_version)}
+        batch = RolloutBatch(index=index, behavior_version=scored.oldest_version,
+                             newest_version=scored.newest_version, num_groups=scored.num_groups,
+                             group_size=scored.group_size, payload=scored, metrics=metrics)
+        with self._lock:
+            w.batch = None
+            self._dispatch()
+        self._completed.put(batch)
