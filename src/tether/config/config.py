@@ -20,6 +20,7 @@ from tether.config.schema import (
     EvalSection,
     ModelSection,
     PlanSection,
+    RaySection,
     RewardSection,
     RolloutSection,
     RunSection,
@@ -38,6 +39,7 @@ class Config:
     async_: AsyncSection = dataclasses.field(default_factory=AsyncSection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    ray: RaySection = dataclasses.field(default_factory=RaySection)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     correction: CorrectionSection = dataclasses.field(default_factory=CorrectionSection)
@@ -90,6 +92,12 @@ class Config:
             )
         if self.correction.mask_low >= self.correction.mask_high:
             raise ConfigError("correction.mask_low must be below correction.mask_high")
+        r = self.ray
+        if self.rollout.backend != "ray" and (r.address or r.local_cpus or r.cpus_per_worker
+                                              or r.gpus_per_worker):
+            raise ConfigError("the ray section is set but rollout.backend is "
+                              f"{self.rollout.backend!r}; set rollout.backend=ray to use it, or remove "
+                              "the ray keys")
         if self.reward.function == "task" and not d.task:
             raise ConfigError("reward.function=task scores with a built-in task's verifier, but "
                               "data.task is empty; choose exact_match, numeric_match, math or "

@@ -147,7 +147,13 @@ class RolloutSection:
 
     batch_size: int = knob(8, "Prompts per rollout batch.", min=1)
     group_size: int = knob(4, "Samples per prompt; advantages are relative within a group.", min=1)
-    num_workers: int = knob(1, "Rollout worker processes (engines) generating concurrently.", min=1)
+    num_workers: int = knob(1, "Rollout workers (engines) generating concurrently.", min=1)
+    backend: Literal["local", "ray"] = knob(
+        "local",
+        "Where rollout workers run: 'local' = worker processes on this machine, weights through "
+        "shared memory; 'ray' = Ray actors (see the ray section and docs/distributed.md), weights "
+        "through Ray's object store. The learner runs in the driver process either way.",
+    )
     threads_per_worker: int = knob(
         1, "torch threads in each rollout worker (on 2 cores: 1 for generation, 1 for training).", min=1
     )
@@ -293,11 +299,37 @@ class PlanSection:
     seed: int = knob(0, "Seed for the generation-time jitter.", min=0)
 
 
+@dataclass(frozen=True)
+class RaySection:
+    """The Ray backend (used when rollout.backend=ray)."""
+
+    address: str = knob(
+        "",
+        "Ray cluster to connect to ('auto', 'host:6379' or 'ray://host:10001'); empty = start a "
+        "local Ray instance for this run (no dashboard, no usage reporting, temp dir in the run "
+        "directory) and shut it down at the end.",
+    )
+    local_cpus: int = knob(
+        0, "CPUs the local Ray instance offers (0 = all of this machine's). Ignored with ray.address.",
+        min=0,
+    )
+    cpus_per_worker: float = knob(
+        0.0, "CPUs each rollout actor requests (0 = rollout.threads_per_worker).", min=0
+    )
+    gpus_per_worker: float = knob(
+        0.0,
+        "GPUs each rollout actor requests; above 0 the actor's engine runs on its GPU (needs a "
+        "CUDA build of torch on the workers).",
+        min=0,
+    )
+
+
 SECTIONS: dict[str, type] = {
     "run": RunSection,
     "async": AsyncSection,
     "train": TrainSection,
     "rollout": RolloutSection,
+    "ray": RaySection,
     "eval": EvalSection,
     "checkpoint": CheckpointSection,
     "correction": CorrectionSection,

@@ -69,6 +69,8 @@ class DispatchingPool:
         self._inflight = 0
         self._closing = False
         self._workers: list[Any] = []  # WorkerSlot subclasses
+        self.served: dict[str, int] = {}
+        """Batches each worker has completed, by worker name."""
 
     # -- backend hooks ------------------------------------------------------------------------
 
@@ -197,5 +199,6 @@ class DispatchingPool:
                              group_size=scored.group_size, payload=scored, metrics=metrics)
         with self._lock:
             w.batch = None
+            self.served[w.name] = self.served.get(w.name, 0) + 1
             self._dispatch()
         self._completed.put(batch)

@@ -69,6 +69,10 @@ def prepare(cfg: Config, *, progress_plain: bool | None = None) -> Prepared:
     from tether.runtime.progress import Progress
 
     score = scorer(cfg.reward.function, task=cfg.data.task or None)
+    if cfg.rollout.backend == "ray":
+        from tether.rollout.ray_pool import require_ray
+
+        require_ray()
     if (Path(cfg.model.path) / "config.json").is_file():
         model_path = ensure_model(cfg)
     else:
@@ -100,8 +104,8 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: b
     import torch
 
     from tether.data.stream import PromptStream
+    from tether.rollout.dispatch import PoolSettings
     from tether.rollout.notes import sampling_notes
-    from tether.rollout.pool import PoolSettings, ProcessPool
     from tether.runtime.checkpoint import Checkpointer
     from tether.runtime.evaluate import Evaluator
     from tether.runtime.progress import Progress
@@ -151,8 +155,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: b
             observer = Observers(trace, *sinks, ProgressSink(progress))
             if state is not None:
                 progress.update(state.trained_batches, {})
-            with ProcessPool(pool_settings, stream.batch, learner.export_weights(),
-                             initial_version=0) as pool:
+            with rollout_pool(cfg, pool_settings, stream.batch, learner.export_weights(), run_dir) as pool:
                 driver = Driver(AsyncControl(cfg.budget()), pool, learner, hooks=hooks, observer=observer,
                                 wait_timeout_s=cfg.async_.wait_timeout_s)
                 with _ctrl_c_stops(driver):
@@ -163,6 +166,21 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: b
     summary = summarize_run(cfg, trace, final, time.time() - wall_start, run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def rollout_pool(cfg: Config, settings, batches, weights, run_dir: Path):
+    """The recipe's rollout backend: local worker processes or Ray actors."""
+    if cfg.rollout.backend == "ray":
+        from tether.rollout.ray_pool import RayOptions, RayPool
+
+        r = cfg.ray
+        options = RayOptions(address=r.address, local_cpus=r.local_cpus,
+                             cpus_per_worker=r.cpus_per_worker or float(cfg.rollout.threads_per_worker),
+                             gpus_per_worker=r.gpus_per_worker)
+        return RayPool(settings, batches, weights, options=options, run_dir=run_dir)
+    from tether.rollout.pool import ProcessPool
+
+    return ProcessPool(settings, batches, weights, initial_version=0)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,340 @@
+"""The Ray backend: rollout workers as Ray actors, weights through Ray's object store.
+
+``RayPool`` implements the same ``RolloutPool`` protocol as ``ProcessPool`` (the dispatch logic is
+``DispatchingPool``'s), so the driver loop and the control plane run unchanged across a cluster:
+
+- Each worker is an actor (``_RolloutActor``) hosting the same ``Rollout`` (engine + reward) as a
+  local worker process, with its own resource request (``ray.cpus_per_worker``,
+  ``ray.gpus_per_worker``) and no restarts: a dead actor is a failed run, reported like a dead
+  process, never silently replaced mid-batch.
+- A publication writes the weights into one staging block (the channel's format: header with
+  state, version and checksum, then every tensor) and puts it into the object store as one
+  object. Each actor fetches it (zero-copy on its node), verifies version and checksum, and binds
+  its parameters to it. The pool holds a reference to the newest version only, and an actor
+  drops its old snapshot when it binds the next, so each version's object is released once no
+  worker needs it. A collective (NCCL) backend would replace ``_load_all`` on GPUs.
+- A collector thread waits on the actors' result references and accepts finished batches in
+  completion order (ties within one wake-up are ordered by the actors' finish times).
+
+``RaySession`` connects to ``ray.address`` or starts a local instance with no dashboard, no
+usage reporting, and its temporary directory inside the run directory; it shuts down only what
+it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tether.data.types import Example
+from tether.errors import ConfigError, RolloutError
+from tether.rollout.channel import Layout, Snapshot
+from tether.rollout.dispatch import DispatchingPool, PoolSettings, WorkerSlot
+from tether.rollout.types import WorkItem
+from tether.rollout.worker import WorkerSpec
+
+log = logging.getLogger("tether.rollout")
+
+# AF_UNIX socket paths are limited to 107 bytes; Ray puts its sockets at
+# <temp_dir>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store (about 62 bytes below temp_dir).
+_MAX_TEMP_DIR = 107 - 64
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """The ``ray`` recipe section, resolved."""
+
+    address: str = ""
+    local_cpus: int = 0
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    temp_dir: str = ""
+    """Where a local instance keeps its logs and sockets; empty = inside the run directory when
+    one is given (see ``ray_temp_dir``), else Ray's default."""
+
+
+def require_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("rollout.backend=ray needs Ray: pip install 'tether[ray]' (or set "
+                          "rollout.backend=local)") from None
+    return ray
+
+
+def ray_temp_dir(run_dir: Path) -> tuple[str, Path | None]:
+    """A temp dir for a local Ray instance: ``run_dir/ray`` when its path is short enough for
+    Ray's sockets, else a short directory under /tmp named after the run, linked from
+    ``run_dir/ray``. Returns (directory, the link to create or None)."""
+    inside = (run_dir / "ray").resolve()
+    if len(str(inside)) <= _MAX_TEMP_DIR:
+        return str(inside), None
+    digest = hashlib.sha1(str(inside).encode()).hexdigest()[:12]
+    return f"/tmp/tether-ray-{digest}", inside
+
+
+class RaySession:
+    """Connects to a cluster or starts a local instance; ``close`` undoes only what it did."""
+
+    def __init__(self, options: RayOptions, run_dir: Path | None = None) -> None:
+        self.ray = require_ray()
+        self.started = False
+        self.connected = False
+        if self.ray.is_initialized():
+            log.info("ray: using the Ray instance this process is already connected to")
+            return
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        common = dict(include_dashboard=False, configure_logging=False, log_to_driver=True)
+        if options.address:
+            try:
+                self.ray.init(address=options.address, **common)
+            except Exception as exc:  # Ray raises ConnectionError and others
+                raise ConfigError(f"could not connect to the Ray cluster at ray.address="
+                                  f"{options.address!r}: {exc}; start it with `ray start --head`, or "
+                                  "leave ray.address empty to start a local instance") from exc
+            self.connected = True
+            log.info("ray: connected to %s", options.address)
+            return
+        temp_dir = options.temp_dir or None
+        if temp_dir is None and run_dir is not None:
+            temp_dir, link = ray_temp_dir(run_dir)
+            if link is not None and not link.exists():
+                link.parent.mkdir(parents=True, exist_ok=True)
+                Path(temp_dir).mkdir(parents=True, exist_ok=True)
+                link.symlink_to(temp_dir)
+        self.ray.init(num_cpus=options.local_cpus or None, _temp_dir=temp_dir, **common)
+        self.started = True
+        log.info("ray: started a local instance (temp dir %s)", temp_dir or "Ray's default")
+
+    def close(self) -> None:
+        if self.started or self.connected:
+            self.ray.shutdown()
+            self.started = self.connected = False
+
+
+class _RolloutActor:
+    """A rollout worker as a Ray actor. Every method answers with a message tuple in the same
+    shapes as a worker process's, so failures carry the original traceback."""
+
+    def __init__(self, spec: WorkerSpec, layout: Layout, device: str) -> None:
+        self.spec = spec
+        self.layout = layout
+        self.device = device
+        self.rollout = None
+
+    def start(self) -> tuple:
+        try:
+            from tether.rollout.worker import Rollout
+
+            rollout = Rollout(self.spec)
+            if self.device != "cpu":
+                import torch
+
+                if not torch.cuda.is_available():
+                    raise RuntimeError("the actor was given a GPU (ray.gpus_per_worker > 0) but torch sees "
+                                       "no CUDA device; install a CUDA build of torch on the workers or "
+                                       "set ray.gpus_per_worker=0")
+                rollout.engine.model.to(self.device)
+            self.rollout = rollout
+        except BaseException as exc:
+            return ("error", None, f"failed to start: {type(exc).__name__}: {exc}", traceback.format_exc())
+        import ray
+
+        return ("ready", os.getpid(), ray.get_runtime_context().get_node_id())
+
+    def load(self, snapshot, version: int) -> tuple:
+        try:
+            from tether.rollout.channel import open_snapshot
+
+            views, seconds = open_snapshot(snapshot, self.layout, version)
+            engine = self.rollout.engine
+            if self.device == "cpu":
+                engine.bind(views)  # share the fetched object; the previous one is released
+            engine.load_weights(views, version)
+            return ("loaded", version, seconds)
+        except BaseException as exc:
+            return ("error", None, f"loading version {version}: {type(exc).__name__}: {exc}",
+                    traceback.format_exc())
+
+    def generate(self, item: WorkItem) -> tuple:
+        try:
+            batch = self.rollout.generate(item)
+            return ("batch", item.batch_index, batch, time.time())
+        except BaseException as exc:
+            return ("error", item.batch_index, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+
+
+class _Actor(WorkerSlot):
+    def __init__(self, worker_id: int, handle: Any) -> None:
+        super().__init__(worker_id)
+        self.handle = handle
+        self.pid: int | None = None
+        self.node: str | None = None
+
+
+class RayPool(DispatchingPool):
+    """N rollout actors behind the ``RolloutPool`` protocol."""
+
+    def __init__(self, settings: PoolSettings, batches: Callable[[int], Sequence[tuple[int, Example]]],
+                 initial_weights: Mapping[str, Any], *, options: RayOptions = RayOptions(),
+                 run_dir: Path | None = None, initial_version: int = 0) -> None:
+        super().__init__(settings, batches, initial_version=initial_version)
+        self.options = options
+        self._workers: list[_Actor] = []
+        self._running: dict[Any, _Actor] = {}  # result ref → the actor generating it
+        self._wake = threading.Event()
+        self._weights_ref = None
+        self._collector: threading.Thread | None = None
+        self.session = RaySession(options, run_dir)
+        self.ray = self.session.ray
+        try:
+            self.snapshot = Snapshot.for_tensors(initial_weights)
+            self._start_actors()
+            metrics = self._load_all(initial_weights, initial_version)
+            log.info("ray: %d rollout actor(s) ready; version %d loaded in %.2fs", len(self._workers),
+                     initial_version, metrics["sync/load_s"])
+        except BaseException:
+            self.close()
+            raise
+        self._collector = threading.Thread(target=self._collect, name="tether-ray-collector", daemon=True)
+        self._collector.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self._workers if w.pid is not None]
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _start_actors(self) -> None:
+        s, o, ray = self.settings, self.options, self.ray
+        remote = ray.remote(_RolloutActor)
+        device = "cuda" if o.gpus_per_worker > 0 else "cpu"
+        for i in range(s.num_workers):
+            spec = WorkerSpec(worker_id=i, model_path=s.model_path, reward=s.reward, task=s.task,
+                              stop_text=s.stop_text, num_threads=s.threads_per_worker,
+                              reward_on_error=s.reward_on_error, initial_version=self.version)
+            handle = remote.options(num_cpus=o.cpus_per_worker, num_gpus=o.gpus_per_worker, max_restarts=0,
+                                    name=f"tether-rollout-{i}-{os.getpid()}-{id(self):x}"
+                                    ).remote(spec, self.snapshot.layout, device)
+            self._workers.append(_Actor(i, handle))
+        pending = {w.handle.start.remote(): w for w in self._workers}
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=s.startup_timeout_s)
+        for ref, w in pending.items():
+            if ref not in ready:
+                raise RolloutError(
+                    f"did not start within {s.startup_timeout_s:.0f}s; the cluster may lack the "
+                    f"resources it asks for (ray.cpus_per_worker={o.cpus_per_worker:g}, "
+                    f"ray.gpus_per_worker={o.gpus_per_worker:g}; available: "
+                    f"{ray.available_resources()})", worker=w.name)
+            msg = self._get(w, ref, "while starting")
+            if msg[0] == "error":
+                raise RolloutError(msg[2], worker=w.name, remote_traceback=msg[3])
+            _, w.pid, w.node = msg
+
+    def close(self) -> None:
+        """Kill every actor, release the weights and shut down what the session started;
+        idempotent. A batch still generating is abandoned."""
+        self._closing = True
+        self._wake.set()
+        if self._collector is not None:
+            self._collector.join(5)
+            self._collector = None
+        for w in self._workers:
+            with contextlib.suppress(Exception):
+                self.ray.kill(w.handle, no_restart=True)
+            w.alive = False
+        self._running.clear()
+        self._weights_ref = None
+        self._completed.close()
+        self.session.close()
+
+    # -- backend hooks ------------------------------------------------------------------------
+
+    def _submit(self, w: _Actor, item: WorkItem) -> None:
+        self._running[w.handle.generate.remote(item)] = w
+        self._wake.set()
+
+    def _load_all(self, weights: Mapping[str, Any], version: int) -> dict[str, float]:
+        dead = [w.name for w in self._workers if not w.alive]
+        if dead:
+            raise RolloutError(f"cannot publish version {version}: {', '.join(dead)} died")
+        metrics = dict(self.snapshot.write(weights, version))
+        t0 = time.perf_counter()
+        ref = self.ray.put(self.snapshot.array)
+        metrics["sync/put_s"] = time.perf_counter() - t0
+        metrics["sync/publish_s"] += metrics["sync/put_s"]
+        loads = {w.handle.load.remote(ref, version): w for w in self._workers}
+        seconds = []
+        for call, w in loads.items():
+            msg = self._get(w, call, f"while loading version {version}",
+                            timeout=self.settings.startup_timeout_s)
+            if msg[0] == "error":
+                raise RolloutError(msg[2], worker=w.name, remote_traceback=msg[3])
+            seconds.append(msg[2])
+        self._weights_ref = ref  # the previous version's object goes once the actors rebind
+        metrics["sync/load_s"] = max(seconds)
+        return metrics
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _get(self, w: _Actor, ref: Any, doing: str, timeout: float | None = None) -> tuple:
+        """``ray.get`` one actor call; an actor's death becomes a ``RolloutError`` naming it."""
+        ray = self.ray
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise RolloutError(f"did not answer within {timeout:.0f}s {doing}", worker=w.name) from None
+        except ray.exceptions.RayActorError as exc:
+            raise self._death(w, exc, doing) from None
+
+    def _death(self, w: _Actor, exc: BaseException, doing: str) -> RolloutError:
+        w.alive = False
+        cause = str(exc).strip().splitlines()
+        where = f"pid {w.pid}, node {w.node[:8]}" if w.pid is not None and w.node else "not started"
+        return RolloutError(f"Ray actor ({where}) died {doing}: {type(exc).__name__}"
+                            + (f": {cause[0]}" if cause else ""), worker=w.name, batch_index=w.batch)
+
+    def _collect(self) -> None:
+        """Collector thread: finished generations, in completion order, until the pool closes."""
+        ray = self.ray
+        while not self._closing:
+            self._wake.clear()
+            with self._lock:
+                refs = list(self._running)
+            if not refs:
+                self._wake.wait(0.05)
+                continue
+            first, _ = ray.wait(refs, num_returns=1, timeout=0.05)
+            if not first:
+                continue
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            finished = []
+            for ref in ready:
+                with self._lock:
+                    w = self._running.pop(ref)
+                try:
+                    msg = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    self._fail(self._death(w, exc, f"while generating batch {w.batch}"))
+                    continue
+                except Exception as exc:  # a Ray-level failure of the call itself
+                    self._fail(RolloutError(f"{type(exc).__name__}: {exc}", worker=w.name,
+                                            batch_index=w.batch))
+                    continue
+                if msg[0] == "error":
+                    self._fail(RolloutError(msg[2], worker=w.name, batch_index=msg[1],
+                                            remote_traceback=msg[3]))
+                    continue
+                finished.append((msg[3], w, msg[1], msg[2]))
+            for _at, w, index, scored in sorted(finished, key=lambda f: f[0]):
+                self._accept(w, index, scored)
