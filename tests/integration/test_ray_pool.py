@@ -17,7 +17,7 @@ from procs import running, wait_gone  # noqa: E402
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
 from tether.decoding.sampling import SamplingParams  # noqa: E402
-from tether.errors import RolloutError  # noqa: E402
+from tether.errors import ConfigError, RolloutError  # noqa: E402
 from tether.loop.protocols import GenerationRequest  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
 from tether.rollout.dispatch import PoolSettings  # noqa: E402
@@ -143,7 +143,7 @@ def test_publish_to_a_dead_actor_and_missing_resources_are_clear_errors(tiny_mod
     model, _ = load_causal_lm(tiny_model_dir)
     settings = PoolSettings(model_path=str(tiny_model_dir), task="arithmetic", group_size=2,
                             params=SamplingParams(max_new_tokens=6), startup_timeout_s=8)
-    with pytest.raises(RolloutError, match="lack the resources it asks for"):
+    with pytest.raises(ConfigError, match="do not fit the Ray cluster's nodes"):
         RayPool(settings, STREAM.batch, unique_parameters(model),
                 options=RayOptions(local_cpus=2, cpus_per_worker=4), run_dir=tmp_path / "a")
     import ray

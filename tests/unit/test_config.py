@@ -114,6 +114,9 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
         (["data.eval_dataset=y.jsonl"], "data.eval_dataset is set but data.dataset is not"),
         (["model.init_size=huge"], "model.init_size must be one of 'tiny', 'small', 'base'"),
         (["warmstart.target_pass_rate=1.5"], "warmstart.target_pass_rate must be <= 1"),
+        (["ray.address=auto"], "the ray section is set but rollout.backend is 'local'"),
+        (["rollout.backend=ray", "ray.gpus_per_worker=1"], "the built-in engine samples on CPU"),
+        (["rollout.backend=slurm"], "rollout.backend must be one of 'local', 'ray'"),
     ],
 )
 def test_cross_key_rules(overrides, message):

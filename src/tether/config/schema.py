@@ -316,10 +316,17 @@ class RaySection:
     cpus_per_worker: float = knob(
         0.0, "CPUs each rollout actor requests (0 = rollout.threads_per_worker).", min=0
     )
+    learner: Literal["driver", "actor"] = knob(
+        "driver",
+        "Where the learner (and held-out evaluation) runs: 'driver' = in the `tether train` "
+        "process; 'actor' = in a Ray actor of its own requesting train.threads CPUs, its weights "
+        "going straight from it to the object store. With 'actor' on a cluster, the run directory "
+        "must be on a filesystem the learner's node sees (it writes the checkpoints).",
+    )
     gpus_per_worker: float = knob(
         0.0,
-        "GPUs each rollout actor requests; above 0 the actor's engine runs on its GPU (needs a "
-        "CUDA build of torch on the workers).",
+        "GPUs each rollout actor requests. Must stay 0 for now: the built-in engine samples on CPU, "
+        "and a run that reserved GPUs it does not use is refused rather than left to waste them.",
         min=0,
     )
 

@@ -4,8 +4,8 @@
 ``DispatchingPool``'s), so the driver loop and the control plane run unchanged across a cluster:
 
 - Each worker is an actor (``_RolloutActor``) hosting the same ``Rollout`` (engine + reward) as a
-  local worker process, with its own resource request (``ray.cpus_per_worker``,
-  ``ray.gpus_per_worker``) and no restarts: a dead actor is a failed run, reported like a dead
+  local worker process, with its own resource request (``ray.cpus_per_worker``; GPUs wait for an
+  engine that samples on them) and no restarts: a dead actor is a failed run, reported like a dead
   process, never silently replaced mid-batch.
 - A publication writes the weights into one staging block (the channel's format: header with
   state, version and checksum, then every tensor) and puts it into the object store as one
@@ -33,7 +33,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tether.data.types import Example
 from tether.errors import ConfigError, RolloutError
@@ -60,6 +60,30 @@ class RayOptions:
     temp_dir: str = ""
     """Where a local instance keeps its logs and sockets; empty = inside the run directory when
     one is given (see ``ray_temp_dir``), else Ray's default."""
+    reserved_cpus: float = 0.0
+    """CPUs other actors of the run take (the learner's), counted when checking the workers fit."""
+
+
+class RemoteWeights(Protocol):
+    """Weights that live elsewhere (a learner actor) and put themselves into the object store."""
+
+    layout: Layout
+
+    def put(self, version: int) -> tuple[Any, dict[str, float]]:
+        """Write and ``ray.put`` a snapshot of ``version``; return its reference and metrics."""
+        ...
+
+
+def put_snapshot(ray, snapshot: Snapshot, tensors: Mapping[str, Any], version: int) -> tuple[Any, dict]:
+    """Write ``tensors`` into the staging block as ``version`` and put it into the object store as
+    one object; returns its reference and ``sync/publish_s`` (write + put), ``sync/put_s``,
+    ``sync/bytes``."""
+    metrics = dict(snapshot.write(tensors, version))
+    t0 = time.perf_counter()
+    ref = ray.put(snapshot.array)
+    metrics["sync/put_s"] = time.perf_counter() - t0
+    metrics["sync/publish_s"] += metrics["sync/put_s"]
+    return ref, metrics
 
 
 def require_ray():
@@ -126,26 +150,16 @@ class _RolloutActor:
     """A rollout worker as a Ray actor. Every method answers with a message tuple in the same
     shapes as a worker process's, so failures carry the original traceback."""
 
-    def __init__(self, spec: WorkerSpec, layout: Layout, device: str) -> None:
+    def __init__(self, spec: WorkerSpec, layout: Layout) -> None:
         self.spec = spec
         self.layout = layout
-        self.device = device
         self.rollout = None
 
     def start(self) -> tuple:
         try:
             from tether.rollout.worker import Rollout
 
-            rollout = Rollout(self.spec)
-            if self.device != "cpu":
-                import torch
-
-                if not torch.cuda.is_available():
-                    raise RuntimeError("the actor was given a GPU (ray.gpus_per_worker > 0) but torch sees "
-                                       "no CUDA device; install a CUDA build of torch on the workers or "
-                                       "set ray.gpus_per_worker=0")
-                rollout.engine.model.to(self.device)
-            self.rollout = rollout
+            self.rollout = Rollout(self.spec)
         except BaseException as exc:
             return ("error", None, f"failed to start: {type(exc).__name__}: {exc}", traceback.format_exc())
         import ray
@@ -158,8 +172,7 @@ class _RolloutActor:
 
             views, seconds = open_snapshot(snapshot, self.layout, version)
             engine = self.rollout.engine
-            if self.device == "cpu":
-                engine.bind(views)  # share the fetched object; the previous one is released
+            engine.bind(views)  # share the fetched object; the previous one is released
             engine.load_weights(views, version)
             return ("loaded", version, seconds)
         except BaseException as exc:
@@ -186,8 +199,12 @@ class RayPool(DispatchingPool):
     """N rollout actors behind the ``RolloutPool`` protocol."""
 
     def __init__(self, settings: PoolSettings, batches: Callable[[int], Sequence[tuple[int, Example]]],
-                 initial_weights: Mapping[str, Any], *, options: RayOptions = RayOptions(),
-                 run_dir: Path | None = None, initial_version: int = 0) -> None:
+                 initial_weights: Mapping[str, Any] | RemoteWeights, *, options: RayOptions = RayOptions(),
+                 session: RaySession | None = None, run_dir: Path | None = None,
+                 initial_version: int = 0) -> None:
+        """``initial_weights``: tensors (the learner is in this process) or ``RemoteWeights``.
+        ``session``: a Ray session the caller owns; without one the pool starts its own (from
+        ``options`` and ``run_dir``) and closes it with the pool."""
         super().__init__(settings, batches, initial_version=initial_version)
         self.options = options
         self._workers: list[_Actor] = []
@@ -195,10 +212,15 @@ class RayPool(DispatchingPool):
         self._wake = threading.Event()
         self._weights_ref = None
         self._collector: threading.Thread | None = None
-        self.session = RaySession(options, run_dir)
+        self._own_session = session is None
+        self.session = RaySession(options, run_dir) if session is None else session
         self.ray = self.session.ray
         try:
-            self.snapshot = Snapshot.for_tensors(initial_weights)
+            if isinstance(initial_weights, Mapping):
+                self.snapshot: Snapshot | None = Snapshot.for_tensors(initial_weights)
+                self.layout = self.snapshot.layout
+            else:
+                self.snapshot, self.layout = None, initial_weights.layout
             self._start_actors()
             metrics = self._load_all(initial_weights, initial_version)
             log.info("ray: %d rollout actor(s) ready; version %d loaded in %.2fs", len(self._workers),
@@ -217,15 +239,15 @@ class RayPool(DispatchingPool):
 
     def _start_actors(self) -> None:
         s, o, ray = self.settings, self.options, self.ray
+        self._check_fits()
         remote = ray.remote(_RolloutActor)
-        device = "cuda" if o.gpus_per_worker > 0 else "cpu"
         for i in range(s.num_workers):
             spec = WorkerSpec(worker_id=i, model_path=s.model_path, reward=s.reward, task=s.task,
                               stop_text=s.stop_text, num_threads=s.threads_per_worker,
                               reward_on_error=s.reward_on_error, initial_version=self.version)
             handle = remote.options(num_cpus=o.cpus_per_worker, num_gpus=o.gpus_per_worker, max_restarts=0,
                                     name=f"tether-rollout-{i}-{os.getpid()}-{id(self):x}"
-                                    ).remote(spec, self.snapshot.layout, device)
+                                    ).remote(spec, self.layout)
             self._workers.append(_Actor(i, handle))
         pending = {w.handle.start.remote(): w for w in self._workers}
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=s.startup_timeout_s)
@@ -240,6 +262,20 @@ class RayPool(DispatchingPool):
             if msg[0] == "error":
                 raise RolloutError(msg[2], worker=w.name, remote_traceback=msg[3])
             _, w.pid, w.node = msg
+
+    def _check_fits(self) -> None:
+        """Refuse at once a request the cluster can never place (instead of waiting on it)."""
+        s, o = self.settings, self.options
+        nodes = [n["Resources"].get("CPU", 0.0) for n in self.ray.nodes() if n.get("Alive")]
+        need = s.num_workers * o.cpus_per_worker + o.reserved_cpus
+        if o.cpus_per_worker > max(nodes, default=0.0) or need > sum(nodes):
+            per_node = ", ".join(f"{c:g}" for c in nodes) or "none"
+            learner = f" plus {o.reserved_cpus:g} for the learner actor" if o.reserved_cpus else ""
+            raise ConfigError(
+                f"{s.num_workers} rollout actor(s) × ray.cpus_per_worker={o.cpus_per_worker:g} "
+                f"CPUs{learner} do not fit the Ray cluster's nodes (CPUs per node: {per_node}); lower "
+                "rollout.num_workers or ray.cpus_per_worker, or add nodes (with a local instance: raise "
+                "ray.local_cpus)")
 
     def close(self) -> None:
         """Kill every actor, release the weights and shut down what the session started;
@@ -256,7 +292,8 @@ class RayPool(DispatchingPool):
         self._running.clear()
         self._weights_ref = None
         self._completed.close()
-        self.session.close()
+        if self._own_session:
+            self.session.close()
 
     # -- backend hooks ------------------------------------------------------------------------
 
@@ -264,15 +301,16 @@ class RayPool(DispatchingPool):
         self._running[w.handle.generate.remote(item)] = w
         self._wake.set()
 
-    def _load_all(self, weights: Mapping[str, Any], version: int) -> dict[str, float]:
+    def _load_all(self, weights: Mapping[str, Any] | RemoteWeights, version: int) -> dict[str, float]:
         dead = [w.name for w in self._workers if not w.alive]
         if dead:
             raise RolloutError(f"cannot publish version {version}: {', '.join(dead)} died")
-        metrics = dict(self.snapshot.write(weights, version))
-        t0 = time.perf_counter()
-        ref = self.ray.put(self.snapshot.array)
-        metrics["sync/put_s"] = time.perf_counter() - t0
-        metrics["sync/publish_s"] += metrics["sync/put_s"]
+        if isinstance(weights, Mapping):
+            if self.snapshot is None:
+                raise RolloutError("this pool was started with remote weights; publish those")
+            ref, metrics = put_snapshot(self.ray, self.snapshot, weights, version)
+        else:
+            ref, metrics = weights.put(version)
         loads = {w.handle.load.remote(ref, version): w for w in self._workers}
         seconds = []
         for call, w in loads.items():

@@ -104,13 +104,10 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: b
     import torch
 
     from tether.data.stream import PromptStream
-    from tether.rollout.dispatch import PoolSettings
     from tether.rollout.notes import sampling_notes
     from tether.runtime.checkpoint import Checkpointer
-    from tether.runtime.evaluate import Evaluator
     from tether.runtime.progress import Progress
     from tether.runtime.sinks import JsonlSink, ProgressSink, TensorBoardSink, WandbSink, require_wandb
-    from tether.train.learner import TorchLearner
 
     if cfg.run.wandb_project:
         require_wandb()
@@ -119,65 +116,99 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: b
         new_run_dir(run_dir, cfg)
     torch.set_num_threads(cfg.train.threads)
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep)
-    learner = TorchLearner(prepared.model_path, learner_settings(cfg))
-    state = None
-    if resume:
-        from tether.runtime.checkpoint import trim_jsonl
-
-        state, ckpt = checkpointer.restore(learner)
-        log.info("resuming from %s: %d batches trained, train version %d", ckpt, state.trained_batches,
-                 state.train_version)
-        for name in ("metrics.jsonl", "eval.jsonl"):
-            trim_jsonl(run_dir / name, state.trained_batches)
-    stream = PromptStream(prepared.data.train, cfg.rollout.batch_size, seed=cfg.run.seed)
     params = sampling(cfg)
     for note in sampling_notes(params):
         log.info("note %s", note)
-    evaluator = Evaluator(learner.model, learner.tokenizer, prepared.data.eval, prepared.score,
-                          stop_text=prepared.data.stop_text, params=params, seed=cfg.run.seed)
-    pool_settings = PoolSettings(
-        model_path=str(prepared.model_path), num_workers=cfg.rollout.num_workers,
-        threads_per_worker=cfg.rollout.threads_per_worker, group_size=cfg.rollout.group_size, params=params,
-        reward=cfg.reward.function, task=cfg.data.task or None, stop_text=prepared.data.stop_text,
-        reward_on_error=cfg.reward.on_error, seed=cfg.run.seed,
-    )
-    hooks = _Hooks(evaluator, checkpointer, learner)
+    stream = PromptStream(prepared.data.train, cfg.rollout.batch_size, seed=cfg.run.seed)
     trace = TraceRecorder()
-    wall_start = time.time()
-    jsonl = JsonlSink(run_dir, wall_start=wall_start)
-    tensorboard = TensorBoardSink(run_dir)
-    sinks = [jsonl, tensorboard]
-    if cfg.run.wandb_project:
-        sinks.append(WandbSink(cfg.run.wandb_project, run_dir, cfg.to_dict()))
-    total = cfg.train.num_batches
-    try:
-        with Progress(total, "train", fields=ProgressSink.FIELDS, plain=progress_plain) as progress:
-            observer = Observers(trace, *sinks, ProgressSink(progress))
-            if state is not None:
-                progress.update(state.trained_batches, {})
-            with rollout_pool(cfg, pool_settings, stream.batch, learner.export_weights(), run_dir) as pool:
+    sinks: list = []
+    with contextlib.ExitStack() as stack:
+        session = None
+        if cfg.rollout.backend == "ray":
+            from tether.rollout.ray_pool import RaySession
+
+            session = stack.enter_context(contextlib.closing(RaySession(ray_options(cfg), run_dir)))
+        learner, evaluate = _learner(cfg, prepared, params, session, stack)
+        state = None
+        if resume:
+            from tether.runtime.checkpoint import trim_jsonl
+
+            state, ckpt = checkpointer.restore(learner)
+            log.info("resuming from %s: %d batches trained, train version %d", ckpt, state.trained_batches,
+                     state.train_version)
+            for name in ("metrics.jsonl", "eval.jsonl"):
+                trim_jsonl(run_dir / name, state.trained_batches)
+        hooks = _Hooks(evaluate, checkpointer, learner)
+        wall_start = time.time()
+        sinks += [JsonlSink(run_dir, wall_start=wall_start), TensorBoardSink(run_dir)]
+        if cfg.run.wandb_project:
+            sinks.append(WandbSink(cfg.run.wandb_project, run_dir, cfg.to_dict()))
+        try:
+            with Progress(cfg.train.num_batches, "train", fields=ProgressSink.FIELDS,
+                          plain=progress_plain) as progress:
+                observer = Observers(trace, *sinks, ProgressSink(progress))
+                if state is not None:
+                    progress.update(state.trained_batches, {})
+                pool = stack.enter_context(rollout_pool(cfg, _pool_settings(cfg, prepared, params),
+                                                        stream.batch, learner.export_weights(), session))
                 driver = Driver(AsyncControl(cfg.budget()), pool, learner, hooks=hooks, observer=observer,
                                 wait_timeout_s=cfg.async_.wait_timeout_s)
                 with _ctrl_c_stops(driver):
                     final = driver.run(state)
-    finally:
-        for sink in sinks:
-            sink.close()
+        finally:
+            for sink in sinks:
+                sink.close()
     summary = summarize_run(cfg, trace, final, time.time() - wall_start, run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def rollout_pool(cfg: Config, settings, batches, weights, run_dir: Path):
+def _learner(cfg: Config, prepared: Prepared, params, session, stack: contextlib.ExitStack):
+    """(learner, evaluate): a TorchLearner here, or one in a Ray actor (``ray.learner: actor``)."""
+    if cfg.ray.learner == "actor":
+        from tether.runtime.remote_learner import RemoteLearner
+
+        learner = RemoteLearner(session.ray, cfg, str(prepared.model_path), prepared.data.eval,
+                                prepared.data.stop_text)
+        stack.callback(learner.close)
+        log.info("ray: learner actor ready (pid %s)", learner.pid)
+        return learner, learner.evaluate
+    from tether.runtime.evaluate import Evaluator
+    from tether.train.learner import TorchLearner
+
+    learner = TorchLearner(prepared.model_path, learner_settings(cfg))
+    evaluator = Evaluator(learner.model, learner.tokenizer, prepared.data.eval, prepared.score,
+                          stop_text=prepared.data.stop_text, params=params, seed=cfg.run.seed)
+    return learner, evaluator
+
+
+def _pool_settings(cfg: Config, prepared: Prepared, params):
+    from tether.rollout.dispatch import PoolSettings
+
+    return PoolSettings(
+        model_path=str(prepared.model_path), num_workers=cfg.rollout.num_workers,
+        threads_per_worker=cfg.rollout.threads_per_worker, group_size=cfg.rollout.group_size, params=params,
+        reward=cfg.reward.function, task=cfg.data.task or None, stop_text=prepared.data.stop_text,
+        reward_on_error=cfg.reward.on_error, seed=cfg.run.seed,
+    )
+
+
+def ray_options(cfg: Config):
+    from tether.rollout.ray_pool import RayOptions
+
+    r = cfg.ray
+    return RayOptions(address=r.address, local_cpus=r.local_cpus,
+                      cpus_per_worker=r.cpus_per_worker or float(cfg.rollout.threads_per_worker),
+                      gpus_per_worker=r.gpus_per_worker,
+                      reserved_cpus=float(cfg.train.threads) if r.learner == "actor" else 0.0)
+
+
+def rollout_pool(cfg: Config, settings, batches, weights, session):
     """The recipe's rollout backend: local worker processes or Ray actors."""
     if cfg.rollout.backend == "ray":
-        from tether.rollout.ray_pool import RayOptions, RayPool
+        from tether.rollout.ray_pool import RayPool
 
-        r = cfg.ray
-        options = RayOptions(address=r.address, local_cpus=r.local_cpus,
-                             cpus_per_worker=r.cpus_per_worker or float(cfg.rollout.threads_per_worker),
-                             gpus_per_worker=r.gpus_per_worker)
-        return RayPool(settings, batches, weights, options=options, run_dir=run_dir)
+        return RayPool(settings, batches, weights, options=ray_options(cfg), session=session)
     from tether.rollout.pool import ProcessPool
 
     return ProcessPool(settings, batches, weights, initial_version=0)
@@ -206,13 +237,13 @@ def _ctrl_c_stops(driver: Driver):
 class _Hooks:
     """Evaluate and checkpoint at hard boundaries."""
 
-    def __init__(self, evaluator, checkpointer, learner) -> None:
-        self.evaluator = evaluator
+    def __init__(self, evaluate, checkpointer, learner) -> None:
+        self.evaluate_at = evaluate
         self.checkpointer = checkpointer
         self.learner = learner
 
     def evaluate(self, step: int, version: int):
-        return self.evaluator(step)
+        return self.evaluate_at(step)
 
     def save(self, step: int, state: LoopState) -> None:
         self.checkpointer.save(step, state, self.learner)
