@@ -1,7 +1,8 @@
 """How much of the ideal overlap speedup asynchrony buys, measured side by side in one run.
 
 The same model, task and settings are trained at S = 0 (synchronous) and at S = 1 and 2, one
-core for training and one for generation. From each run's metrics: mean generation time per
+core for training and one for generation, each S with the default (budget-driven) syncs and
+with ``async.sync_when_idle`` ("1+idle", "2+idle"). From each run's metrics: mean generation time per
 batch (``time/generate``), train time (``time/train``), sync time (``time/sync``) and step time
 (``time/step``). The ideal speedup of overlap, with the synchronous run's times and the sync
 amortised over a sync period of S + 1 batches, is
@@ -27,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 
-def run_one(model_dir: Path, s: int, batches: int, out: Path) -> dict:
+def run_one(model_dir: Path, s: int, batches: int, out: Path, idle: bool = False) -> dict:
     from tether.config import load_config
     from tether.runtime.run import train
 
@@ -36,23 +37,24 @@ def run_one(model_dir: Path, s: int, batches: int, out: Path) -> dict:
         "rollout.batch_size=8", "rollout.group_size=16", "rollout.max_new_tokens=6",
         f"async.max_staleness={s}", f"async.max_inflight={s + 1}", f"train.num_batches={batches}",
         "train.drop_zero_std=false", "train.lr=1e-4", "eval.interval=0", "checkpoint.interval=0",
+        f"async.sync_when_idle={str(idle).lower()}",
     ])
     train(cfg, out, progress_plain=True)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = rows[2:]  # the pipeline's first fill is not steady state
     mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731
+    publishes = sum(1 for r in rows if "sync/bytes" in r)
     return {"gen_s": mean("time/generate"), "train_s": mean("time/train"), "sync_s": mean("time/sync"),
-            "step_s": mean("time/step"), "wait_s": mean("time/generate_wait"), "cfg": cfg}
+            "step_s": mean("time/step"), "wait_s": mean("time/generate_wait"),
+            "publish_s": sum(r["time/sync"] for r in rows) / max(publishes, 1), "cfg": cfg}
 
 
 def predicted_step(m: dict) -> float:
     from tether.loop import Timings, simulate, summarize
 
     cfg = m["cfg"]
-    # sync_s is averaged over all batches; a publication happens every sync period
-    period = cfg.budget().sync_period_batches
     sim = simulate(cfg.budget(), Timings(gen_time=m["gen_s"], train_time=m["train_s"],
-                                         sync_time=m["sync_s"] * period))
+                                         sync_time=m["publish_s"]))
     return summarize(sim)["mean_step_time_s"]
 
 
@@ -64,20 +66,23 @@ def measure(batches: int) -> dict:
     hf_logging.disable_progress_bar()
     tmp = Path(tempfile.mkdtemp())
     init_model(tmp / "model", size="small", seed=0)
-    runs = {s: run_one(tmp / "model", s, batches, tmp / f"run-s{s}") for s in (0, 1, 2)}
-    base = runs[0]
+    settings = [("0", 0, False), ("1", 1, False), ("2", 2, False), ("1+idle", 1, True), ("2+idle", 2, True)]
+    runs = {key: run_one(tmp / "model", s, batches, tmp / f"run-{key}", idle) | {"s": s}
+            for key, s, idle in settings}
+    base = runs["0"]
     out: dict = {"batches": batches, "settings": {}, "fraction_of_ideal": {}, "plan_step_time_error": {}}
-    for s, m in runs.items():
+    for key, m in runs.items():
+        s = m.pop("s")
         ideal = (base["gen_s"] + base["train_s"] + base["sync_s"]) / (
             max(base["gen_s"], base["train_s"]) + base["sync_s"] / (s + 1))
         speedup = base["step_s"] / m["step_s"]
         plan = predicted_step(m)
-        out["settings"][str(s)] = {k: v for k, v in m.items() if k != "cfg"} | {
+        out["settings"][key] = {k: v for k, v in m.items() if k != "cfg"} | {
             "speedup": speedup, "ideal_speedup": ideal, "plan_step_s": plan,
             "trainer_idle_fraction": m["wait_s"] / m["step_s"]}
-        out["plan_step_time_error"][str(s)] = abs(plan - m["step_s"]) / m["step_s"]
+        out["plan_step_time_error"][key] = abs(plan - m["step_s"]) / m["step_s"]
         if s > 0:
-            out["fraction_of_ideal"][str(s)] = speedup / ideal
+            out["fraction_of_ideal"][key] = speedup / ideal
     return out
 
 
@@ -92,11 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(r))
         return 0
     print(f"{r['batches']} batches per setting, 8 prompts × 16 samples, 1 thread each side")
-    print(f"{'S':>2}{'gen s':>8}{'train s':>9}{'sync s':>8}{'step s':>8}{'speedup':>9}{'ideal':>7}"
+    print(f"{'S':>6}{'gen s':>8}{'train s':>9}{'sync s':>8}{'step s':>8}{'speedup':>9}{'ideal':>7}"
           f"{'of ideal':>10}{'plan s':>8}{'plan err':>10}")
     for s, m in r["settings"].items():
         frac = r["fraction_of_ideal"].get(s)
-        print(f"{s:>2}{m['gen_s']:>8.3f}{m['train_s']:>9.3f}{m['sync_s']:>8.4f}{m['step_s']:>8.3f}"
+        print(f"{s:>6}{m['gen_s']:>8.3f}{m['train_s']:>9.3f}{m['sync_s']:>8.4f}{m['step_s']:>8.3f}"
               f"{m['speedup']:>8.2f}×{m['ideal_speedup']:>6.2f}×{(f'{frac:.0%}' if frac else '—'):>10}"
               f"{m['plan_step_s']:>8.3f}{r['plan_step_time_error'][s]:>10.1%}")
     return 0

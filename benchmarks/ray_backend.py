@@ -65,9 +65,8 @@ def measure(size: str, repeats: int) -> dict:
         pools = _pools(tmp / model_size, weights, tmp / label)
         try:
             times: dict[str, list[float]] = {name: [] for name in pools}
-            version = 0
             for rep in range(repeats + 1):
-                version += 1
+                version = rep + 1
                 for name, pool in pools.items():
                     if label == "publish":
                         t0 = time.perf_counter()

@@ -190,3 +190,25 @@ def test_sync_due_for_eval_save_or_exhausted_budget():
     c.commit(2)
     assert "budget" not in c.sync_decision(8).reasons
     assert c.sync_decision(8).reasons == ("eval", "save")  # both run at the end too
+
+
+def test_idle_sync_only_when_asked_idle_ahead_and_nothing_else_due():
+    lazy = control(max_staleness=1, total_batches=8)
+    lazy.commit(1)
+    assert lazy.sync_decision(1, engines_idle=True).reasons == ()  # off by default
+    fresh = control(max_staleness=1, total_batches=8, sync_when_idle=True)
+    assert fresh.sync_decision(0, engines_idle=True).reasons == ()  # nothing new to publish
+    c = control(max_staleness=1, total_batches=8, eval_interval=4, sync_when_idle=True)
+    c.commit(1)
+    assert c.sync_decision(1, engines_idle=False).reasons == ()  # a generation is in flight
+    assert c.sync_decision(1, engines_idle=True).reasons == ("idle",)
+    c.commit(1)
+    assert c.sync_decision(2, engines_idle=True).reasons == ("budget",)  # due anyway
+    c.mark_published()
+    c.commit(1)
+    c.mark_published()
+    c.commit(1)
+    assert c.sync_decision(4, engines_idle=True).reasons == ("eval",)  # a boundary, not "idle"
+    c.mark_published()
+    c.commit(1)
+    assert c.sync_decision(8, engines_idle=True).reasons == ("eval",)  # never idle at the end

@@ -2,9 +2,11 @@
 
 Thousands of random settings — partially committed steps, random eval/save intervals, in-flight
 caps, worker counts and generation-time jitter — each run to the end in virtual time, checking:
-the queue is empty at every sync and hard boundary; consumed staleness (measured from the data)
-never exceeds the budget; admission never starves the queue while refusing to launch (the loop
-would raise); versions never decrease; every launched batch is accounted for exactly once.
+the queue is empty at every budget sync and hard boundary (an ``idle`` sync, with
+``sync_when_idle``, finds nothing in flight but may leave older batches queued); consumed
+staleness (measured from the data) never exceeds the budget; admission never starves the queue
+while refusing to launch (the loop would raise); versions never decrease; every launched batch
+is accounted for exactly once.
 """
 
 import random
@@ -32,7 +34,10 @@ class InvariantChecker(LoopObserver):
         driver = self.driver_ref[0]
         if event.kind == "sync":
             self.syncs += 1
-            if event.detail["outstanding"] != 0:
+            idle = event.detail["reasons"] == ("idle",)
+            if idle and self.pool.inflight:
+                self.violations.append("idle sync with generation in flight")
+            if not idle and event.detail["outstanding"] != 0:
                 self.violations.append(f"{event.detail['outstanding']} outstanding at sync")
         if event.kind in ("eval", "save") and (self.pool.inflight or driver.ready):
             self.violations.append(f"work outstanding at {event.kind}")
@@ -64,6 +69,7 @@ def random_trial(rng: random.Random) -> tuple[BudgetSettings, Timings]:
         total_batches=rng.randint(1, 40),
         eval_interval=rng.choice([0, 0, rng.randint(1, 12)]),
         save_interval=rng.choice([0, 0, rng.randint(1, 12)]),
+        sync_when_idle=rng.random() < 0.5,
     )
     timings = Timings(
         gen_time=rng.uniform(0.01, 3.0),

@@ -105,3 +105,18 @@ def test_event_trace_has_every_kind_in_time_order():
         seq = [e["kind"] for e in events if e["batch"] == b and e["kind"] in
                ("launch", "complete", "consume", "train")]
         assert seq == ["launch", "complete", "consume", "train"]
+
+
+@pytest.mark.parametrize(("gen", "train"), [(0.1, 0.35), (0.3, 0.3), (0.2, 0.3)])
+def test_idle_syncs_keep_the_pipeline_full_at_s1_within_budget(gen, train):
+    """With training the slower (or equal) side, lazy syncs at S = 1 idle the generator every
+    other step; idle syncs reach max(T_gen, T_train) plus the publish, and never exceed S."""
+    timings = Timings(gen_time=gen, train_time=train, sync_time=0.005)
+    runs = {}
+    for idle in (False, True):
+        settings = BudgetSettings(max_staleness=1, max_inflight=2, total_batches=100, sync_when_idle=idle)
+        sim = simulate(settings, timings)
+        runs[idle] = summarize(sim)["mean_step_time_s"]
+        assert max(r.staleness_batches for r in sim.trace.records) <= 1
+    ideal = max(gen, train)
+    assert runs[True] < 1.05 * (ideal + 0.005) < runs[False]

@@ -129,6 +129,7 @@ class Config:
             save_interval=self.checkpoint.interval,
             on_stale=self.async_.on_stale,
             max_consecutive_drops=self.async_.max_consecutive_drops,
+            sync_when_idle=self.async_.sync_when_idle,
         )
 
 

@@ -52,6 +52,13 @@ class AsyncSection:
         "dropping forever (admission makes stale batches impossible unless something is broken).",
         min=1,
     )
+    sync_when_idle: bool = knob(
+        False,
+        "Also publish weights after any step at which no generation is in flight and the trainer "
+        "has new weights (sync reason 'idle'), not only when the budget or an eval/save forces it. "
+        "It never waits for generation and lowers staleness; at S >= 1 with training the slower "
+        "side it keeps the generator busy (see docs/concepts.md). Costs one publication per such step.",
+    )
     wait_timeout_s: float = knob(
         600.0,
         "Seconds the trainer waits for a rollout batch before failing the run with an error that "

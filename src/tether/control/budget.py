@@ -44,6 +44,10 @@ class BudgetSettings:
     """What to do with a batch above budget at consumption: fail closed, or drop and count it."""
     max_consecutive_drops: int = 16
     """With ``on_stale=drop``: fail after this many stale batches in a row (a stuck engine)."""
+    sync_when_idle: bool = False
+    """Also publish after any step at which the engines are idle and there is something new
+    (an ``idle`` sync), not only when the budget or a boundary forces it. Never waits for
+    generation; keeps the pipeline full at S >= 1 when training is the slower side."""
 
     def __post_init__(self) -> None:
         _require_int("async.max_staleness", self.max_staleness, 0)

@@ -159,8 +159,14 @@ class AsyncControl:
 
     # -- sync rule ----------------------------------------------------------------------------
 
-    def sync_decision(self, step: int) -> SyncDecision:
-        """After ``step`` trained batches: publish for an eval, a save, or an exhausted budget."""
+    def sync_decision(self, step: int, *, engines_idle: bool = False) -> SyncDecision:
+        """After ``step`` trained batches: publish for an eval, a save, or an exhausted budget;
+        with ``sync_when_idle``, also whenever the engines are idle and the trainer is ahead
+        (reason ``idle``: nothing to drain, so publishing costs only the copy).
+
+        An idle sync is safe for the budget: admission bounds each launch by the batches then
+        outstanding, whatever version they were launched under, so batches still queued from an
+        older snapshot keep their own bound (DESIGN §2, rule 2)."""
         s = self.settings
         reasons = []
         if s.eval_due(step):
@@ -169,4 +175,7 @@ class AsyncControl:
             reasons.append("save")
         if step < s.total_batches and self.publish_lag > s.staleness_budget:
             reasons.append("budget")
+        if (not reasons and s.sync_when_idle and engines_idle and self.publish_lag > 0
+                and step < s.total_batches):
+            reasons.append("idle")
         return SyncDecision(tuple(reasons))

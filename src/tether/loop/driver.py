@@ -206,7 +206,9 @@ class Driver:
     def _boundaries(self, times: StepTimes) -> None:
         """Sync if due, then evaluate and save if due."""
         step = self.trained
-        decision = self.control.sync_decision(step)
+        if self.settings.sync_when_idle:
+            self._reap(self.pool.reap())  # a finished generation still counts as in flight until reaped
+        decision = self.control.sync_decision(step, engines_idle=self.pool.inflight == 0)
         if decision.due:
             times.sync, times.sync_metrics = self._publish(decision.reasons)
         if self.settings.eval_due(step):
@@ -267,7 +269,7 @@ class Driver:
         t0 = self.clock()
         outstanding = self.pool.inflight + len(self.ready)
         self._reap(self.pool.quiesce(self.drain_timeout_s))
-        if self.ready:
+        if self.ready and reasons != ("idle",):  # an idle sync may leave older batches queued
             raise ControlError(
                 f"{len(self.ready)} rollout batch(es) outstanding at a weight sync after "
                 f"{self.trained} batches (reasons: {', '.join(reasons)}); admission must leave "
