@@ -16,6 +16,7 @@ FLAG_KEYS = {
     "updates_per_batch": "train.updates_per_batch",
     "num_batches": "train.num_batches",
     "max_inflight": "async.max_inflight",
+    "sync_when_idle": "async.sync_when_idle",
     "eval_interval": "eval.interval",
     "save_interval": "checkpoint.interval",
     "workers": "rollout.num_workers",
@@ -42,6 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--updates-per-batch", type=int, help="U (train.updates_per_batch)")
     p.add_argument("--num-batches", type=int, help="rollout batches to train (train.num_batches)")
     p.add_argument("--max-inflight", type=int, help="concurrent generations (async.max_inflight)")
+    p.add_argument("--sync-when-idle", action="store_const", const="true",
+                   help="also publish whenever no generation is in flight (async.sync_when_idle)")
     p.add_argument("--eval-interval", type=int, help="eval every N batches, 0 = off (eval.interval)")
     p.add_argument("--save-interval", type=int,
                    help="checkpoint every N batches, 0 = off (checkpoint.interval)")
