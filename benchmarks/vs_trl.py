@@ -4,7 +4,8 @@ Same warm-started model (identical initial weights), tokenizer, prompts (2-digit
 group size, prompts per step, maximum completion length, learning rate (constant), loss (DAPO's
 token-mean clipped objective, ε 0.2 / 0.28, no KL), one update per batch, and number of steps.
 TRL runs in one process with both cores. Tether at S = 0 (nothing overlaps) also gives each phase
-both cores; at S = 1 training and generation get one core each and run at the same time. Time is
+both cores; at S = 1 training and generation get one core each and run at the same time, with
+idle syncs (``async.sync_when_idle``) so the generator is never starved. Time is
 the training loop's own (TRL: ``trainer.train()``; Tether: the sum of step times less
 evaluation), so start-up and evaluation count for neither. Zero-variance groups stay in the loss
 on both sides (TRL keeps them).
@@ -43,8 +44,10 @@ def run_tether(model_dir: Path, s: int, steps: int, seed: int, out: Path) -> dic
     from tether.runtime.run import train
 
     # Synchronous: nothing overlaps, so each phase may use both cores, as TRL's does.
+    # Asynchronous: one core each, publishing whenever generation is idle (async.sync_when_idle).
     threads = 2 if s == 0 else 1
     cfg = demo_config(model_dir, f"async.max_staleness={s}", f"async.max_inflight={s + 1}",
+                      f"async.sync_when_idle={'true' if s > 0 else 'false'}",
                       f"train.num_batches={steps}", f"eval.interval={steps}", f"run.seed={seed}",
                       f"train.threads={threads}", f"rollout.threads_per_worker={threads}")
     summary = train(cfg, out, progress_plain=True)
@@ -146,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         print("this benchmark needs TRL: pip install 'tether[bench]'", file=sys.stderr)
         return 2
     steps, seeds = (40, [0]) if a.quick else (a.steps, [int(s) for s in a.seeds.split(",")])
-    r = measure(steps, seeds)
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):  # TRL prints its logs; stdout is for the figures
+        r = measure(steps, seeds)
     if a.json:
         print(json.dumps(r))
         return 0

@@ -93,3 +93,25 @@ def test_engine_refuses_prompts_past_the_context(tiny_model_dir):
     engine = TorchEngine(model, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
     with pytest.raises(ConfigError, match="exceeds the model's context of 256 positions"):
         engine.generate([[5] * 250], samples_per_prompt=1, params=SamplingParams(max_new_tokens=10), seed=0)
+
+
+def test_an_object_store_snapshot_round_trips_and_is_verified(channel_and_params):
+    from tether.rollout.channel import Snapshot, open_snapshot
+
+    _channel, _reader, params, _ = channel_and_params
+    snap = Snapshot.for_tensors(params)
+    metrics = snap.write(params, 4)
+    assert metrics["sync/bytes"] == sum(t.numel() * 4 for t in params.values())
+    fetched = snap.array.copy()
+    fetched.flags.writeable = False  # as an object store hands it out
+    views, seconds = open_snapshot(fetched, snap.layout, 4)
+    assert seconds >= 0 and set(views) == set(params)
+    assert all(torch.equal(views[n], t) for n, t in params.items())
+    with pytest.raises(ChannelError, match="holds version 4, expected 5"):
+        open_snapshot(fetched, snap.layout, 5)
+    torn = snap.array.copy()
+    torn[-8] ^= 0xFF  # one flipped byte in the last tensor
+    with pytest.raises(ChannelError, match="fail their checksum"):
+        open_snapshot(torn, snap.layout, 4)
+    with pytest.raises(ChannelError, match=r"expected .* bytes of uint8"):
+        open_snapshot(fetched[:-64], snap.layout, 4)

@@ -1,5 +1,6 @@
 """The Ray backend: rollout actors behind the same RolloutPool protocol, on a local Ray instance."""
 
+import contextlib
 import os
 import signal
 import textwrap
@@ -155,3 +156,56 @@ def test_publish_to_a_dead_actor_and_missing_resources_are_clear_errors(tiny_mod
         with pytest.raises(RolloutError, match="rollout-0") as info:
             pool.publish(unique_parameters(model), 1)
         assert "died while loading version 1" in str(info.value)
+
+
+def test_an_existing_ray_instance_is_used_and_left_running(tiny_model_dir, tmp_path):
+    import ray
+
+    temp_dir = f"/tmp/tether-test-ray-{os.getpid()}"
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, configure_logging=False)
+    try:
+        pool, _ = make_pool(tiny_model_dir, None)
+        with pool:
+            assert not pool.session.started  # it joined the caller's instance
+            pool.launch(GenerationRequest(index=0, version=0))
+            assert collect(pool, 1)[0].index == 0
+        assert ray.is_initialized() and ray_processes(temp_dir)  # left running for its owner
+        assert wait_gone(pool.pids) == []  # but the pool's own actors are gone
+    finally:
+        ray.shutdown()
+
+
+def test_connects_to_a_cluster_by_address_and_leaves_it_running(tiny_model_dir, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    import ray
+
+    temp_dir = f"/tmp/tether-test-head-{os.getpid()}"
+    port = 6400 + os.getpid() % 500
+    ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable))
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2", f"--temp-dir={temp_dir}",
+                    "--include-dashboard=false", "--disable-usage-stats"], check=True, env=env,
+                   capture_output=True, timeout=120)
+    head = ray_processes(temp_dir)
+    try:
+        model, _ = load_causal_lm(tiny_model_dir)
+        settings = PoolSettings(model_path=str(tiny_model_dir), task="arithmetic", group_size=2,
+                                params=SamplingParams(max_new_tokens=6))
+        with RayPool(settings, STREAM.batch, unique_parameters(model),
+                     options=RayOptions(address=f"127.0.0.1:{port}")) as pool:
+            assert pool.session.connected and not pool.session.started
+            pool.launch(GenerationRequest(index=1, version=0))
+            assert collect(pool, 1)[0].index == 1
+        assert not ray.is_initialized()  # disconnected
+        assert head and all(running(p) for p in head)  # the cluster itself still runs
+    finally:
+        for pid in ray_processes(temp_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        wait_gone(ray_processes(temp_dir), timeout=20)
+        for pid in ray_processes(temp_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

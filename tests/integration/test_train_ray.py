@@ -1,5 +1,6 @@
 """`tether train` with rollout.backend=ray on a local Ray instance: same schedule, resume, faults."""
 
+import json
 import os
 import signal
 import subprocess
@@ -83,7 +84,7 @@ def test_a_killed_actor_fails_the_run_clearly_and_leaves_nothing_running(tiny_mo
     proc = subprocess.Popen(
         [sys.executable, "-m", "tether.cli.main", "train", "--run-dir", str(run_dir), "--plain",
          "--no-report",
-         *recipe(tiny_model_dir, "train.num_batches=400", "eval.interval=0", "checkpoint.interval=50", *RAY,
+         *recipe(tiny_model_dir, "train.num_batches=400", "eval.interval=0", "checkpoint.interval=1", *RAY,
                  "ray.learner=actor")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -104,3 +105,10 @@ def test_a_killed_actor_fails_the_run_clearly_and_leaves_nothing_running(tiny_mo
     assert message in err and "Ray actor" in err and "died" in err, err[-3000:]
     assert wait_gone(family, timeout=30) == []
     assert not (run_dir / "summary.json").exists()  # a failed run writes no summary
+    # the run resumes from its last checkpoint, on a fresh local instance
+    newest = sorted((run_dir / "checkpoints").iterdir())[-1]
+    trained = json.loads((newest / "state.json").read_text())["trained_batches"]
+    summary = train(load_config(run_dir / "config.yaml", [f"train.num_batches={trained + 2}"]), run_dir,
+                    resume=True, progress_plain=True)
+    assert summary["trained_batches"] == trained + 2
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == list(range(1, trained + 3))
