@@ -142,3 +142,25 @@ def test_truncated_sampling_is_noted_at_start():
     assert note.code == "truncated_sampling"
     assert "rollout.top_k=20 and rollout.top_p=0.9" in note.message
     assert "include the truncation" in note.message
+
+
+@pytest.mark.parametrize("stepper_kind", ["lean", "transformers"])
+def test_a_group_shares_its_prompt_prefill_and_samples_like_repeated_prompts(model_and_tok, stepper_kind):
+    from tether.decoding.fast_decoder import FastDecoder
+    from tether.decoding.sampling import _TransformersStepper
+
+    model, tok = model_and_tok
+    stepper = FastDecoder(model) if stepper_kind == "lean" else _TransformersStepper(model)
+    ps = prompts(tok, ["1+1=", "12+345=", "rev abcdef="])  # different lengths → left padding
+    params = SamplingParams(max_new_tokens=10, temperature=0.9)
+    kw = dict(stop_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, stepper=stepper)
+    grouped = sample(model, ps, params, generator=torch.Generator().manual_seed(5), samples_per_prompt=4,
+                     **kw)
+    flat = sample(model, [p for p in ps for _ in range(4)], params,
+                  generator=torch.Generator().manual_seed(5), **kw)
+    assert len(grouped.tokens) == 12 and grouped.tokens == flat.tokens  # prompt-major, same draws
+    assert len({tuple(t) for t in grouped.tokens[:4]}) > 1  # the group's samples differ
+    for p_index, p in enumerate(ps):
+        for row in range(4 * p_index, 4 * p_index + 4):
+            expected = teacher_forced(model, p, grouped.tokens[row], 0.9)
+            assert torch.allclose(torch.tensor(grouped.logprobs[row]), expected, atol=1e-5)

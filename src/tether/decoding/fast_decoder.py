@@ -4,7 +4,8 @@ At the sizes Tether runs on CPU, a transformers forward spends more time in per-
 and small ops than in matrix multiplies. This path reads the model's parameters (``refresh`` re-reads
 them after every weight load) and runs each step with:
 
-- a preallocated KV cache, written in place (no concatenation per step);
+- a preallocated KV cache, written in place (no concatenation per step), with each prompt's
+  prefill run once and shared by its group of samples;
 - q, k and v (and gate and up) as one matrix multiply each, from stacked copies rebuilt on
   every weight load;
 - one RMSNorm and one rotary embedding over q and k together;
@@ -134,37 +135,41 @@ class FastDecoder:
     # -- prefill and decode -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Run the (B, P) left-padded prompts; allocate the cache; return last logits (B, V)."""
-        b, p = ids.shape
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
+                repeats: int = 1) -> torch.Tensor:
+        """Run the (U, P) left-padded prompts once each, and set up a KV cache for ``repeats``
+        samples of each (B = U·repeats rows, prompt-major: prompt 0's samples first). Returns the
+        last logits, (B, V). A GRPO group shares its prompt, so its prefill is computed once."""
+        u, p = ids.shape
+        b = u * repeats
         self.batch, self.prompt_len = b, p
         self.capacity = p + max_new_tokens
         kvh, hd = self.kv_heads, self.head_dim
         self.k_cache = [torch.empty(b, kvh, self.capacity, hd) for _ in self.layers]  # (B, KV, S, D)
         self.v_cache = [torch.empty(b, kvh, self.capacity, hd) for _ in self.layers]
         self.key_ok = torch.zeros(b, self.capacity, dtype=torch.bool)  # (B, S)
-        self.key_ok[:, :p] = mask.bool()
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
-        self.next_pos = positions[:, -1] + 1  # (B,)
+        self.key_ok[:, :p] = mask.bool().repeat_interleave(repeats, 0)
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (U, P)
+        self.next_pos = (positions[:, -1] + 1).repeat_interleave(repeats, 0)  # (B,)
         self.length = p
         cos, sin = self._angles(positions.reshape(-1))
         causal = torch.ones(p, p, dtype=torch.bool).tril()
-        attend = (self.key_ok[:, None, None, :p] & causal)  # (B, 1, P, P)
-        x = F.embedding(ids, self.embed).reshape(b * p, -1)  # (B·P, hidden)
+        attend = (self.key_ok[::repeats, None, None, :p] & causal)  # (U, 1, P, P)
+        x = F.embedding(ids, self.embed).reshape(u * p, -1)  # (U·P, hidden)
         group = self.heads // kvh
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._rms(x, layer.ln1), cos, sin)
-            k4 = k.view(b, p, kvh, hd).transpose(1, 2)  # (B, KV, P, D)
-            v4 = v.view(b, p, kvh, hd).transpose(1, 2)
-            self.k_cache[i][:, :, :p] = k4
-            self.v_cache[i][:, :, :p] = v4
-            q4 = q.view(b, p, self.heads, hd).transpose(1, 2)  # (B, H, P, D)
+            k4 = k.view(u, p, kvh, hd).transpose(1, 2)  # (U, KV, P, D)
+            v4 = v.view(u, p, kvh, hd).transpose(1, 2)
+            self.k_cache[i].view(u, repeats, kvh, self.capacity, hd)[:, :, :, :p] = k4[:, None]
+            self.v_cache[i].view(u, repeats, kvh, self.capacity, hd)[:, :, :, :p] = v4[:, None]
+            q4 = q.view(u, p, self.heads, hd).transpose(1, 2)  # (U, H, P, D)
             att = F.scaled_dot_product_attention(q4, k4.repeat_interleave(group, 1),
                                                  v4.repeat_interleave(group, 1), attn_mask=attend)
-            x = x + F.linear(att.transpose(1, 2).reshape(b * p, -1), layer.o, layer.o_bias)
+            x = x + F.linear(att.transpose(1, 2).reshape(u * p, -1), layer.o, layer.o_bias)
             x = self._mlp(layer, x)
-        last = x.view(b, p, -1)[:, -1]  # (B, hidden)
-        return F.linear(self._rms(last, self.norm), self.head)
+        last = x.view(u, p, -1)[:, -1]  # (U, hidden)
+        return F.linear(self._rms(last, self.norm), self.head).repeat_interleave(repeats, 0)
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -107,7 +107,9 @@ class _TransformersStepper:
         self.model = model
         self.cache_kw = _cache_kwarg(type(model))
 
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
+                repeats: int = 1) -> torch.Tensor:
+        ids, mask = ids.repeat_interleave(repeats, 0), mask.repeat_interleave(repeats, 0)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         self.cache = _cache_of(out)
@@ -142,8 +144,10 @@ def sample(
     pad_id: int,
     generator: torch.Generator | None = None,
     stepper=None,
+    samples_per_prompt: int = 1,
 ) -> Completions:
-    """Sample one completion per prompt (repeat a prompt to get a group).
+    """Sample ``samples_per_prompt`` completions per prompt, prompt-major (prompt 0's samples
+    first); each prompt's prefill runs once for its whole group.
 
     ``stepper`` (from ``stepper_for``) can be reused across calls; it must be refreshed after the
     model's weights change.
@@ -151,9 +155,9 @@ def sample(
     stepper = stepper if stepper is not None else stepper_for(model)
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
-    batch = ids.shape[0]
+    batch = ids.shape[0] * samples_per_prompt
     stop = torch.as_tensor(list(stop_ids), dtype=torch.long, device=device)
-    logits = stepper.prefill(ids, mask, params.max_new_tokens)  # (B, V)
+    logits = stepper.prefill(ids, mask, params.max_new_tokens, samples_per_prompt)  # (B·n, V)
 
     tokens = torch.empty((batch, params.max_new_tokens), dtype=torch.long, device=device)  # (B, N)
     logps = torch.empty((batch, params.max_new_tokens), dtype=torch.float32, device=device)  # (B, N)

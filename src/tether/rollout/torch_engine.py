@@ -36,10 +36,10 @@ class TorchEngine:
                 f"the model's context of {self.max_positions} positions; lower data.max_prompt_tokens "
                 "or rollout.max_new_tokens"
             )
-        flat = [list(p) for p in prompts for _ in range(samples_per_prompt)]
         generator = torch.Generator().manual_seed(seed)
-        out = sample(self.model, flat, params, stop_ids=self.stop_ids, pad_id=self.pad_id,
-                     generator=generator, stepper=self.stepper)
+        out = sample(self.model, [list(p) for p in prompts], params, stop_ids=self.stop_ids,
+                     pad_id=self.pad_id, generator=generator, stepper=self.stepper,
+                     samples_per_prompt=samples_per_prompt)
         v = self._version
         completions = [
             Completion(token_ids=t, logprobs=lp, versions=[v] * len(t), finish_reason=f)  # type: ignore[arg-type]
