@@ -140,3 +140,42 @@ def test_bad_batches_are_refused(tiny_model_dir):
     scored.logprobs = [None] * len(scored.logprobs)
     with pytest.raises(ConfigError, match="carries no engine log-probs"):
         TorchLearner(tiny_model_dir, LearnerSettings()).train(batch, train_version=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_shared_prompt_forward_gives_the_model_forwards_logprobs_and_gradients(tmp_path, arch):
+    from tether.data.tiny_model import init_model
+    from tether.decoding.prefix_forward import SharedPrefixForward
+
+    init_model(tmp_path / arch, arch=arch, size="tiny", seed=2)
+    model, tok = load_causal_lm(tmp_path / arch)
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in ["1+1=", "123+45=", "rev abcdef="]]
+    lengths = torch.randint(0, 8, (12,), generator=g).tolist()  # 3 groups of 4, 0 to 7 tokens each
+    completions = [torch.randint(3, len(tok), (n,), generator=g).tolist() for n in lengths]
+    completions[5] = []  # an empty completion (nothing to predict)
+    scored = ScoredBatch(positions=[0, 1, 2], prompt_ids=prompts, completion_ids=completions,
+                         logprobs=[[-1.0] * len(c) for c in completions],
+                         versions=[[0] * len(c) for c in completions], rewards=[0.0] * 12,
+                         finish_reasons=["length"] * 12, completions=[""] * 12, group_size=4)
+    tb = to_train_batch(scored, tok.pad_token_id)
+    shared = SharedPrefixForward(model)
+    for rows in (slice(None), slice(2, 9)):  # the whole batch, and a slice that splits two groups
+        part = tb.rows(rows)
+        weights = torch.randn(part.mask.shape, generator=g) * part.mask
+
+        def run(fn, part=part, weights=weights):
+            model.zero_grad()
+            logp, entropy = fn(part)
+            (logp * weights).sum().backward()
+            return logp.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+        a_lp, a_ent, a_grad = run(lambda b: token_logprobs(model, b, 0.8, with_entropy=True))
+        b_lp, b_ent, b_grad = run(lambda b: token_logprobs(model, b, 0.8, with_entropy=True, forward=shared))
+        on = part.mask.bool()
+        assert torch.allclose(a_lp[on], b_lp[on], atol=1e-5)
+        assert torch.allclose(a_ent[on], b_ent[on], atol=1e-5)
+        assert (b_lp[~on] == 0).all()
+        for name, grad in a_grad.items():
+            assert torch.allclose(grad, b_grad[name], atol=1e-5, rtol=1e-4), name

@@ -124,6 +124,13 @@ class TrainSection:
         0, "Sequences per forward/backward inside a mini-batch (gradient accumulation); 0 = all.", min=0
     )
     threads: int = knob(1, "torch threads in the trainer process.", min=1)
+    shared_prefix: bool = knob(
+        True,
+        "Run each group's prompt once in the training forward (its samples attend to the shared "
+        "prompt's keys and values) instead of once per sample: same log-probs and gradients, the "
+        "prompt's work divided by the group size. Llama/Qwen2/Qwen3 models; others use their own "
+        "forward (logged at start).",
+    )
 
 
 @dataclass(frozen=True)

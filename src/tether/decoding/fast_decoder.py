@@ -75,9 +75,11 @@ class FastDecoder:
         self.act = {"silu": F.silu, "gelu": F.gelu}[getattr(cfg, "hidden_act", "silu")]
         self.refresh()
 
-    def refresh(self) -> None:
+    def refresh(self, *, detach: bool = True) -> None:
         """Re-read the parameters; call after every weight load (q/k norm weights are combined
-        into one table here, which a load makes stale)."""
+        into one table here, which a load makes stale). ``detach=False`` keeps the stacked
+        copies in the autograd graph, for a training forward."""
+        cut = (lambda t: t.detach()) if detach else (lambda t: t)
         inner = self.model.model
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
@@ -93,10 +95,10 @@ class FastDecoder:
             biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
             self.layers.append(_Layer(
                 ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-                qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
-                qkv_bias=torch.cat(biases).detach() if biases[0] is not None else None,
+                qkv=cut(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                qkv_bias=cut(torch.cat(biases)) if biases[0] is not None else None,
                 qk_norm=qk_norm, o=a.o_proj.weight, o_bias=a.o_proj.bias,
-                gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(),
+                gate_up=cut(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
                 down=m.down_proj.weight,
             ))
 

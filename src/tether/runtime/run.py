@@ -37,7 +37,8 @@ def learner_settings(cfg: Config):
         correction=CorrectionSettings(tis=c.tis, tis_cap=c.tis_cap, mask=c.mask, mask_low=c.mask_low,
                                       mask_high=c.mask_high, outlier_token=c.outlier_token),
         lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
-        grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, temperature=cfg.rollout.temperature,
+        grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, shared_prefix=t.shared_prefix,
+        temperature=cfg.rollout.temperature,
         max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed,
     )
 

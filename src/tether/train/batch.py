@@ -63,8 +63,15 @@ def to_train_batch(scored: ScoredBatch, pad_id: int) -> TrainBatch:
 
 
 def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float,
-                   *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(token_j | tokens_<j) at ``temperature``, (N, L − 1); and entropy if asked."""
+                   *, with_entropy: bool = False, forward=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(token_j | tokens_<j) at ``temperature``, (N, L − 1); and entropy if asked.
+
+    ``forward``: a ``SharedPrefixForward`` of ``model``, which computes the completion columns
+    with each group's prompt run once (the other columns are then 0: only completion columns are
+    ever used); None runs the model's own forward over every row."""
+    if forward is not None:
+        return forward(batch.input_ids, batch.attention_mask, batch.mask, temperature,
+                       with_entropy=with_entropy)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
     logits = logits.float() / temperature  # (N, L − 1, V)
     logp_all = torch.log_softmax(logits, dim=-1)

@@ -9,6 +9,7 @@ were committed, so the version clock stays honest.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from tether.train.advantages import group_advantages
 from tether.train.batch import TrainBatch, to_train_batch, token_logprobs
 from tether.train.corrections import CorrectionSettings, correct
 from tether.train.losses import LossInputs, LossSettings, aggregate, get_loss, kl_penalty
+
+log = logging.getLogger("tether.train")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class LearnerSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
     micro_batch_size: int = 0
+    shared_prefix: bool = True
+    """Forward each group's prompt once (``SharedPrefixForward``) where the architecture allows."""
     temperature: float = 1.0
     max_new_tokens: int = 32
     """Dr. GRPO's normalising constant for ``seq_mean_token_sum_norm``."""
@@ -87,6 +92,8 @@ class TorchLearner:
         if settings.kl_coef > 0:
             self.ref_model, _ = load_causal_lm(model_path)
             self.ref_model.eval().requires_grad_(False)
+        self.forward = self._forward_for(self.model)
+        self.ref_forward = self._forward_for(self.ref_model) if self.ref_model is not None else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=settings.lr, betas=settings.betas,
                                            weight_decay=settings.weight_decay)
@@ -133,9 +140,23 @@ class TorchLearner:
     def _micro(self, n: int) -> Iterator[torch.Tensor]:
         yield from torch.arange(n).tensor_split(self._micro_count(n))
 
+    def _forward_for(self, model):
+        """The shared-prompt forward when asked for and the architecture has one, else None
+        (the model's own forward); the choice is logged once."""
+        from tether.decoding.prefix_forward import SharedPrefixForward, supports
+
+        if not self.s.shared_prefix:
+            return None
+        if not supports(model):
+            log.info("train.shared_prefix: %s has no shared-prompt forward; using its own forward",
+                     getattr(model.config, "model_type", type(model).__name__))
+            return None
+        return SharedPrefixForward(model)
+
     def _no_grad_logp(self, model, tb: TrainBatch) -> torch.Tensor:
+        forward = self.forward if model is self.model else self.ref_forward
         with torch.no_grad():
-            parts = [token_logprobs(model, tb.rows(rows), self.s.temperature)[0]
+            parts = [token_logprobs(model, tb.rows(rows), self.s.temperature, forward=forward)[0]
                      for rows in self._micro(tb.size)]
         return torch.cat(parts)
 
@@ -154,7 +175,8 @@ class TorchLearner:
                 stats.add(key, value)
         for rows in self._micro(tb.size):
             mb = tb.rows(rows)
-            logp, entropy = token_logprobs(self.model, mb, s.temperature, with_entropy=True)
+            logp, entropy = token_logprobs(self.model, mb, s.temperature, with_entropy=True,
+                                           forward=self.forward)
             if corr_all is None:
                 old_mb = logp.detach()
                 corr = correct(old_mb, mb.behavior_logp, mask[rows], s.correction, weigh=weigh)
