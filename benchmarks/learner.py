@@ -5,7 +5,9 @@ policy-gradient loss (−A·log π, token mean), backward, gradient clipping, Ad
 ``TorchLearner.train`` on the scored rollout batch with U = 1 — batch assembly, advantages, the
 proximal anchor with truncated IS, the DAPO loss, and every metric (ratios, clip fractions, IS
 weights, ESS, mismatch, entropy). Same model (the `small` preset), same 8 prompts × 4 samples,
-interleaved repeats, medians.
+interleaved repeats, medians. The overhead compares like with like: the learner with
+``train.shared_prefix`` off (the model's own forward, as the bare step). The learner with its
+default shared-prompt forward is reported beside it (``shared_prefix_s``, ``speedup_shared_prefix``).
 
 Target (issue 4): at most 15% overhead.
 
@@ -72,9 +74,12 @@ def measure(repeats: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     path, batch, tok = setup()
-    learner = TorchLearner(path, LearnerSettings(lr=1e-6, loss="ppo_clip", aggregation="token_mean",
-                                                 clip_high=0.28, anchor="proximal",
-                                                 correction=CorrectionSettings(tis="token")))
+    def make(shared: bool) -> TorchLearner:
+        return TorchLearner(path, LearnerSettings(lr=1e-6, loss="ppo_clip", aggregation="token_mean",
+                                                  clip_high=0.28, anchor="proximal", shared_prefix=shared,
+                                                  correction=CorrectionSettings(tis="token")))
+
+    learner, shared = make(False), make(True)
     model, _ = load_causal_lm(path)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -83,15 +88,18 @@ def measure(repeats: int, threads: int) -> dict:
     for _ in range(3):  # warm up
         bare_step(model, optimizer, tb, adv)
         learner.train(batch, train_version=0)
-    bare, ours = [], []
+        shared.train(batch, train_version=0)
+    bare, ours, fast = [], [], []
     for _ in range(repeats):
         bare.append(bare_step(model, optimizer, tb, adv))
-        t0 = time.perf_counter()
-        learner.train(batch, train_version=0)
-        ours.append(time.perf_counter() - t0)
-    b, o = statistics.median(bare), statistics.median(ours)
+        for who, out in ((learner, ours), (shared, fast)):
+            t0 = time.perf_counter()
+            who.train(batch, train_version=0)
+            out.append(time.perf_counter() - t0)
+    b, o, f = statistics.median(bare), statistics.median(ours), statistics.median(fast)
     return {"threads": threads, "repeats": repeats, "sequences": tb.size, "bare_s": b, "learner_s": o,
-            "overhead": o / b - 1, "target": 0.15, "meets_target": o / b - 1 <= 0.15}
+            "overhead": o / b - 1, "target": 0.15, "meets_target": o / b - 1 <= 0.15,
+            "shared_prefix_s": f, "speedup_shared_prefix": o / f}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{r['sequences']} sequences, {a.threads} thread(s), median of {a.repeats}")
     print(f"  bare forward/backward/AdamW  {r['bare_s'] * 1e3:8.2f} ms")
-    print(f"  TorchLearner.train (U=1)     {r['learner_s'] * 1e3:8.2f} ms")
+    print(f"  TorchLearner.train (U=1)     {r['learner_s'] * 1e3:8.2f} ms   (train.shared_prefix=false)")
+    print(f"  the same, shared prefix      {r['shared_prefix_s'] * 1e3:8.2f} ms   "
+          f"({r['speedup_shared_prefix']:.2f}× faster)")
     print(f"overhead: {r['overhead']:.1%} (target ≤ 15%: {'met' if r['meets_target'] else 'MISSED'})")
     return 0
 

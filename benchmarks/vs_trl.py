@@ -4,8 +4,10 @@ Same warm-started model (identical initial weights), tokenizer, prompts (2-digit
 group size, prompts per step, maximum completion length, learning rate (constant), loss (DAPO's
 token-mean clipped objective, ε 0.2 / 0.28, no KL), one update per batch, and number of steps.
 TRL runs in one process with both cores. Tether at S = 0 (nothing overlaps) also gives each phase
-both cores; at S = 1 training and generation get one core each and run at the same time, with
-idle syncs (``async.sync_when_idle``) so the generator is never starved. Time is
+both cores. At S = 1 (with idle syncs, ``async.sync_when_idle``, so the generator is never
+starved) training and generation run at the same time: ``tether_async`` gives the trainer two
+threads and the worker one (the faster split here: the worker is busy for a small part of each
+step), ``tether_async_1_1`` one core each. Time is
 the training loop's own (TRL: ``trainer.train()``; Tether: the sum of step times less
 evaluation), so start-up and evaluation count for neither. Zero-variance groups stay in the loss
 on both sides (TRL keeps them).
@@ -40,16 +42,14 @@ def demo_config(model_dir: Path, *extra: str):
         "checkpoint.interval=0", *extra])
 
 
-def run_tether(model_dir: Path, s: int, steps: int, seed: int, out: Path) -> dict:
+def run_tether(model_dir: Path, s: int, steps: int, seed: int, out: Path, *, train_threads: int,
+               worker_threads: int) -> dict:
     from tether.runtime.run import train
 
-    # Synchronous: nothing overlaps, so each phase may use both cores, as TRL's does.
-    # Asynchronous: one core each, publishing whenever generation is idle (async.sync_when_idle).
-    threads = 2 if s == 0 else 1
     cfg = demo_config(model_dir, f"async.max_staleness={s}", f"async.max_inflight={s + 1}",
                       f"async.sync_when_idle={'true' if s > 0 else 'false'}",
                       f"train.num_batches={steps}", f"eval.interval={steps}", f"run.seed={seed}",
-                      f"train.threads={threads}", f"rollout.threads_per_worker={threads}")
+                      f"train.threads={train_threads}", f"rollout.threads_per_worker={worker_threads}")
     summary = train(cfg, out, progress_plain=True)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # The training loop's own time, like TRL's trainer.train(): no start-up, no evaluation.
@@ -116,11 +116,19 @@ def measure(steps: int, seeds: list[int]) -> dict:
     hf_logging.set_verbosity_error()
     tmp = Path(tempfile.mkdtemp())
     model_dir = ensure_model(demo_config(tmp / "model", "model.create_if_missing=true"))
-    systems: dict[str, list[dict]] = {"trl": [], "tether_sync": [], "tether_async": []}
+    systems: dict[str, list[dict]] = {"trl": [], "tether_sync": [], "tether_async": [],
+                                      "tether_async_1_1": []}
     for seed in seeds:
         systems["trl"].append(run_trl(model_dir, steps, seed, tmp / f"trl-{seed}"))
-        systems["tether_sync"].append(run_tether(model_dir, 0, steps, seed, tmp / f"s0-{seed}"))
-        systems["tether_async"].append(run_tether(model_dir, 1, steps, seed, tmp / f"s1-{seed}"))
+        # S = 0: nothing overlaps, so each phase uses both cores, as TRL's does.
+        systems["tether_sync"].append(run_tether(model_dir, 0, steps, seed, tmp / f"s0-{seed}",
+                                                 train_threads=2, worker_threads=2))
+        # S = 1 with idle syncs: the trainer on both cores and the worker on one (the faster
+        # split, measured), and the one-core-each split beside it.
+        systems["tether_async"].append(run_tether(model_dir, 1, steps, seed, tmp / f"s1-{seed}",
+                                                  train_threads=2, worker_threads=1))
+        systems["tether_async_1_1"].append(run_tether(model_dir, 1, steps, seed, tmp / f"s1-11-{seed}",
+                                                      train_threads=1, worker_threads=1))
     out: dict = {"steps": steps, "seeds": seeds, "samples_per_step": PROMPTS_PER_STEP * GROUP, "systems": {}}
     for name, runs in systems.items():
         out["systems"][name] = {
