@@ -79,3 +79,18 @@ def test_config_show_and_reference(capsys):
     assert "max_staleness: 3" in capsys.readouterr().out
     assert main(["config", "reference"]) == 0
     assert "`async.max_staleness`" in capsys.readouterr().out
+
+
+def test_overrides_may_follow_flags(capsys, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  num_batches: 6\n")
+    doc = plan_json(capsys, str(recipe), "--max-inflight", "3", "async.max_staleness=2",
+                    "train.num_batches=9")
+    assert doc["settings"]["max_staleness"] == 2 and doc["settings"]["num_batches"] == 9
+    assert doc["settings"]["max_inflight"] == 3
+    with pytest.raises(SystemExit) as info:
+        main(["plan", str(recipe), "--json", "--no-such-flag"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["tasks", "x=1"])  # a command without overrides refuses them

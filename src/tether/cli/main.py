@@ -28,7 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, extra = parser.parse_known_args(argv)
+    # `tether train recipe.yaml --run-dir X key=value`: overrides after a flag are still overrides
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(ns, "args")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        ns.args = [*ns.args, *extra]
     if not getattr(ns, "func", None):
         parser.print_help()
         return 2
