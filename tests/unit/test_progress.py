@@ -28,3 +28,11 @@ def test_terminal_display_puts_bar_and_eta_first_and_figures_below():
     assert first.startswith("train") and "40/100" in first and "ETA" in first
     assert second.strip() == "reward 0.5"
     p.close()
+
+
+def test_work_that_may_stop_early_shows_its_eta_as_a_bound():
+    out = io.StringIO()
+    with Progress(100, "warm start", fields=("loss",), stream=out, plain=True, eta_label="at most") as p:
+        p.update(10, {"loss": 1.5})
+    line = out.getvalue().splitlines()[-1]
+    assert "at most" in line and "ETA" not in line

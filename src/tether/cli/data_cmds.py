@@ -94,7 +94,7 @@ def _warmstart(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--out {out} exists and is not empty; choose another path or pass --overwrite")
     cfg = replace(cfg, model=replace(cfg.model, path=str(model)))
     w = cfg.warmstart
-    with Progress(w.max_steps, "warmstart", fields=("loss", "pass_at_1")) as progress:
+    with Progress(w.max_steps, "warmstart", fields=("loss", "pass_at_1"), eta_label="at most") as progress:
         result = run_warmstart(cfg, model, out, progress.update)
     print(f"warm start on {result.data}: held-out pass@1 {result.pass_at_1_before:.1%} → "
           f"{result.pass_at_1_after:.1%} in {result.steps} steps, {result.seconds:.0f}s "

@@ -23,8 +23,11 @@ class Progress:
 
     def __init__(self, total: int, description: str, *, fields: tuple[str, ...] = (),
                  stream: TextIO | None = None, plain: bool | None = None, every_s: float = 5.0,
-                 console=None) -> None:
+                 console=None, eta_label: str = "ETA") -> None:
+        """``eta_label``: what precedes the time remaining; "at most" for work that may stop
+        before ``total`` (a warm start ends at its target pass rate)."""
         self.total = total
+        self.eta_label = eta_label
         self.description = description
         self.fields = fields
         self.stream = stream or sys.stderr
@@ -53,7 +56,7 @@ class Progress:
 
                 self._rich = TwoLines(
                     TextColumn("[bold]{task.description}"), BarColumn(),
-                    TextColumn("{task.completed}/{task.total}"), TextColumn("ETA"),
+                    TextColumn("{task.completed}/{task.total}"), TextColumn(eta_label),
                     TimeRemainingColumn(), transient=False, console=console,
                 )
                 self._task = self._rich.add_task(description, total=total, status="")
@@ -83,7 +86,7 @@ class Progress:
             elapsed = now - self._t0
             eta = elapsed / step * (self.total - step) if step else 0.0
             print(f"{self.description}: {step}/{self.total}  {self.status()}  "
-                  f"[{elapsed:.0f}s elapsed, ETA {eta:.0f}s]", file=self.stream, flush=True)
+                  f"[{elapsed:.0f}s elapsed, {self.eta_label} {eta:.0f}s]", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._rich is not None:

@@ -78,7 +78,7 @@ def prepare(cfg: Config, *, progress_plain: bool | None = None) -> Prepared:
         model_path = ensure_model(cfg)
     else:
         with Progress(cfg.warmstart.max_steps, "warm start", fields=("loss", "pass_at_1"),
-                      plain=progress_plain) as progress:
+                      plain=progress_plain, eta_label="at most") as progress:
             model_path = ensure_model(cfg, progress.update)
         warm = json.loads((model_path / "warmstart.json").read_text())
         log.info("warm start: held-out pass@1 %.1f%% → %.1f%% in %d steps, %.0fs",
