@@ -8,6 +8,7 @@
     ├── QueueClosedError          a rollout-batch queue was closed while someone used it
     ├── QueueTimeoutError         a blocking queue call ran past its timeout
     ├── RolloutError              generation or scoring failed; carries the worker, batch and cause
+    ├── LearnerLostError          the learner's Ray actor died or stopped answering (ray.learner=actor)
     ├── DataError                 a dataset file, row or column is unusable; names file, row, expectation
     └── RewardError               a reward function is missing, has the wrong signature, or returned junk
 
@@ -73,6 +74,10 @@ class RolloutError(TetherError):
             text = f"{text}\n\nOriginal traceback:\n{remote_traceback.rstrip()}"
         super().__init__(text)
         self.message = message
+
+
+class LearnerLostError(TetherError):
+    """The learner's Ray actor (``ray.learner: actor``) died or stopped answering."""
 
 
 class DataError(TetherError, ValueError):

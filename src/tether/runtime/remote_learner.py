@@ -20,12 +20,8 @@ from typing import Any
 
 from tether.config import Config
 from tether.data.types import Example
-from tether.errors import TetherError
+from tether.errors import LearnerLostError
 from tether.loop.protocols import RolloutBatch, TrainResult
-
-
-class LearnerLostError(TetherError):
-    """The learner's Ray actor died or stopped answering."""
 
 
 class _LearnerActor:
