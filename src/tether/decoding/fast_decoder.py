@@ -46,6 +46,29 @@ def supports(model: torch.nn.Module) -> bool:
     )
 
 
+def _stacked(parts: list[torch.Tensor], *, differentiable: bool) -> torch.Tensor:
+    """``torch.cat(parts)`` along rows; unless ``differentiable``, a view instead of a copy when
+    the parts already lie back to back in one storage (a worker's parameters bound to the weight
+    channel's block, where q, k, v and gate, up are adjacent), so a weight load re-stacks
+    nothing."""
+    first = parts[0]
+    if differentiable:
+        return torch.cat(parts)
+    adjacent = all(t.is_contiguous() and t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
+                   and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                   for t in parts)
+    offset = first.storage_offset()
+    for t in parts:
+        adjacent = adjacent and t.storage_offset() == offset
+        offset += t.numel()
+    if not adjacent:
+        return torch.cat(parts)
+    rows = sum(t.shape[0] for t in parts)
+    with torch.no_grad():
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
+                                       (rows, *first.shape[1:]))
+
+
 @dataclass
 class _Layer:
     ln1: torch.Tensor
@@ -80,6 +103,7 @@ class FastDecoder:
         into one table here, which a load makes stale). ``detach=False`` keeps the stacked
         copies in the autograd graph, for a training forward."""
         cut = (lambda t: t.detach()) if detach else (lambda t: t)
+        grad = not detach
         inner = self.model.model
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
@@ -95,10 +119,10 @@ class FastDecoder:
             biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
             self.layers.append(_Layer(
                 ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-                qkv=cut(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                qkv=cut(_stacked([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], differentiable=grad)),
                 qkv_bias=cut(torch.cat(biases)) if biases[0] is not None else None,
                 qk_norm=qk_norm, o=a.o_proj.weight, o_bias=a.o_proj.bias,
-                gate_up=cut(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                gate_up=cut(_stacked([m.gate_proj.weight, m.up_proj.weight], differentiable=grad)),
                 down=m.down_proj.weight,
             ))
 
