@@ -94,3 +94,14 @@ def test_overrides_may_follow_flags(capsys, tmp_path):
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["tasks", "x=1"])  # a command without overrides refuses them
+
+
+def test_sync_when_idle_flag_adds_idle_publications(capsys):
+    common = ["--max-staleness", "1", "--num-batches", "8", "--gen-time", "0.3", "--train-time", "0.3"]
+    lazy = plan_json(capsys, *common)
+    idle = plan_json(capsys, *common, "--sync-when-idle")
+    assert lazy["syncs_after"] == [2, 4, 6]
+    assert idle["syncs_after"] == [1, 2, 3, 4, 5, 6, 7]
+    assert {r for reasons in idle["summary"]["sync_reasons"] for r in reasons} == {"idle"}
+    assert idle["summary"]["mean_step_time_s"] < lazy["summary"]["mean_step_time_s"]
+    assert max(b["staleness_batches"] for b in idle["batches"]) == 1
