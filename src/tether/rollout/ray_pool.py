@@ -136,7 +136,11 @@ class RaySession:
                 link.parent.mkdir(parents=True, exist_ok=True)
                 Path(temp_dir).mkdir(parents=True, exist_ok=True)
                 link.symlink_to(temp_dir)
-        self.ray.init(num_cpus=options.local_cpus or None, _temp_dir=temp_dir, **common)
+        try:
+            self.ray.init(num_cpus=options.local_cpus or None, _temp_dir=temp_dir, **common)
+        except Exception as exc:
+            raise RolloutError(f"could not start a local Ray instance (temp dir {temp_dir or 'default'}): "
+                               f"{type(exc).__name__}: {exc}") from exc
         self.started = True
         log.info("ray: started a local instance (temp dir %s)", temp_dir or "Ray's default")
 
