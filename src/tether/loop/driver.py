@@ -225,7 +225,9 @@ class Driver:
     def _reap(self, batches: list[RolloutBatch]) -> None:
         for batch in batches:
             self.ready.append(batch)
-            self._emit("ready", batch=batch.index, version=batch.behavior_version)
+            detail = {} if batch.completed_at is None else {"completed_at": batch.completed_at,
+                                                             "work_s": batch.work_s}
+            self._emit("ready", batch=batch.index, version=batch.behavior_version, detail=detail)
 
     def _launch(self) -> None:
         slots = self.control.launch_slots(

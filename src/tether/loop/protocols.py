@@ -40,6 +40,12 @@ class RolloutBatch:
     payload: Any = None
     newest_version: int | None = None
     metrics: Mapping[str, float] = field(default_factory=dict)
+    completed_at: float | None = None
+    """When the pool received the finished batch, in the driver's clock (``time.monotonic`` for
+    real pools, virtual time for the simulated one); None if the pool does not say."""
+    work_s: float | None = None
+    """Seconds the worker spent generating and scoring it (the rest of launch → ready is queueing
+    behind other batches and waiting to be reaped); None if unknown."""
 
     def __post_init__(self) -> None:
         if self.num_groups < 1 or self.group_size < 1:

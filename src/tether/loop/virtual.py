@@ -122,7 +122,8 @@ class SimPool:
         payload = {"versions": [g.request.version] * n, "start": g.start, "complete": g.complete}
         return RolloutBatch(index=g.request.index, behavior_version=g.request.version,
                             num_groups=self.num_groups, group_size=self.group_size,
-                            payload=payload, newest_version=g.request.version)
+                            payload=payload, newest_version=g.request.version,
+                            completed_at=g.complete, work_s=g.complete - g.start)
 
     def reap(self) -> list[RolloutBatch]:
         out = []

@@ -196,7 +196,9 @@ class DispatchingPool:
         metrics = {**scored.metrics, "async/newest_version": float(scored.newest_version)}
         batch = RolloutBatch(index=index, behavior_version=scored.oldest_version,
                              newest_version=scored.newest_version, num_groups=scored.num_groups,
-                             group_size=scored.group_size, payload=scored, metrics=metrics)
+                             group_size=scored.group_size, payload=scored, metrics=metrics,
+                             completed_at=time.monotonic(),
+                             work_s=metrics.get("time/generate", 0.0) + metrics.get("time/score", 0.0))
         with self._lock:
             w.batch = None
             self.served[w.name] = self.served.get(w.name, 0) + 1

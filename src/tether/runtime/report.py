@@ -98,25 +98,35 @@ def write_report(run_dir: Path) -> list[Path]:
 
 
 def _timeline(plt, events: list[dict[str, Any]], path: Path) -> Path:
-    """Lanes: generation (launch → ready), training, sync, eval — in the loop's clock."""
+    """Lanes: generation, training, sync, eval — in the loop's clock. A batch's generation is
+    drawn solid for the worker's own work (generate + score, ending when the pool received it)
+    and faint from launch to ready around it (queued behind other batches, or finished and
+    waiting to be reaped)."""
     fig, ax = plt.subplots(figsize=(11, 3))
     launched = {e["batch"]: e["t"] for e in events if e.get("kind") == "launch"}
     lanes = {"generate": 3, "train": 2, "sync": 1, "eval": 0}
     colors = {"generate": "C0", "train": "C1", "sync": "C2", "eval": "C3"}
     t0 = min((e["t"] for e in events), default=0.0)
+
+    def bar(start: float, end: float, lane: str, alpha: float) -> None:
+        ax.broken_barh([(start - t0, max(end - start, 1e-3))], (lanes[lane] - 0.4, 0.8),
+                       color=colors[lane], alpha=alpha, linewidth=0)
+
     for e in events:
         kind = e.get("kind")
         if kind == "ready" and e.get("batch") in launched:
-            start, end, lane = launched[e["batch"]], e["t"], "generate"
+            start, end = launched[e["batch"]], e["t"]
+            done, work = e.get("completed_at"), e.get("work_s")  # the event's detail, flattened
+            if done is not None and work is not None and start <= done <= end + 1e-6:
+                bar(start, end, "generate", 0.15)
+                bar(max(start, done - work), done, "generate", 0.6)
+            else:
+                bar(start, end, "generate", 0.5)
         elif kind in ("train", "sync", "eval") and e.get("end") is not None:
-            start, end, lane = e["t"], e["end"], kind
-        else:
-            continue
-        ax.broken_barh([(start - t0, max(end - start, 1e-3))], (lanes[lane] - 0.4, 0.8),
-                       color=colors[lane], alpha=0.5)
+            bar(e["t"], e["end"], kind, 0.5)
     ax.set_yticks(list(lanes.values()), list(lanes))
     ax.set_xlabel("time since start (s)")
-    ax.set_title("Timeline: generation (launch → ready) overlapping training")
+    ax.set_title("Timeline: generation (solid: the worker's work; faint: launch → ready) and training")
     ax.grid(axis="x", alpha=0.3)
     return _save(fig, path)
 
