@@ -175,6 +175,31 @@ def test_a_requested_stop_finishes_the_step_saves_and_lists_pending_batches(make
     assert set(final.pending) == set(range(final.launched_batches)) - trained
 
 
+def test_a_stop_while_a_step_is_reported_still_reports_it_before_saving(make_pool):
+    """Ctrl-C arriving after the optimizer step but while the step's metrics are written must not
+    raise there: the final checkpoint would count a batch with no metrics row."""
+    from tether.loop.observe import LoopObserver
+
+    class CtrlCWhileReporting(LoopObserver):
+        def __init__(self):
+            self.records = []
+
+        def on_batch(self, record):
+            if len(self.records) == 1 and driver.request_stop():  # as the SIGINT handler does
+                raise KeyboardInterrupt
+            self.records.append(record)
+
+    pool = make_pool(workers=2, gen_time=0.005)
+    hooks = RecordingHooks(pool)
+    observer = CtrlCWhileReporting()
+    driver = Driver(AsyncControl(BudgetSettings(max_staleness=1, total_batches=10, save_interval=5)),
+                    pool, FakeLearner(), hooks=hooks, observer=observer, wait_timeout_s=10)
+    with pytest.raises(KeyboardInterrupt):
+        driver.run()
+    (final,) = hooks.saves
+    assert final.trained_batches == len(observer.records) == 2
+
+
 def test_an_interrupt_inside_a_training_step_never_saves_that_state(make_pool):
     class InterruptedMidStep(FakeLearner):
         def train(self, batch, *, train_version):

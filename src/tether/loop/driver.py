@@ -100,9 +100,7 @@ class Driver:
             while self.trained < self.settings.total_batches:
                 times = StepTimes(start=self.clock())
                 batch, staleness = self._next_batch(times)
-                train_metrics = self._critical(self._train, batch, times)
-                self._critical(self._boundaries, times)
-                self._report(batch, staleness, train_metrics, times)
+                self._critical(self._step, batch, staleness, times)
                 if self.stop_requested:
                     raise KeyboardInterrupt
         except KeyboardInterrupt:
@@ -188,6 +186,13 @@ class Driver:
                 self.consecutive_drops = 0
                 return batch, staleness
             self._drop(batch, staleness)
+
+    def _step(self, batch: RolloutBatch, staleness: Staleness, times: StepTimes) -> None:
+        """Train, sync / evaluate / save if due, report: one unit that a first Ctrl-C never
+        splits, so a checkpoint never counts a batch whose metrics were not written."""
+        train_metrics = self._train(batch, times)
+        self._boundaries(times)
+        self._report(batch, staleness, train_metrics, times)
 
     def _train(self, batch: RolloutBatch, times: StepTimes) -> Mapping[str, float]:
         t0 = self.clock()
