@@ -59,7 +59,8 @@ def measure(size: str, repeats: int) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="tether-bench-"))
     out: dict = {"size": size, "repeats": repeats}
     for label, model_size in (("publish", size), ("batch", "tiny")):
-        init_model(tmp / model_size, size=model_size, seed=0)
+        if not (tmp / model_size).exists():
+            init_model(tmp / model_size, size=model_size, seed=0)
         model, _ = load_causal_lm(tmp / model_size)
         weights = unique_parameters(model)
         pools = _pools(tmp / model_size, weights, tmp / label)

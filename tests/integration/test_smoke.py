@@ -55,3 +55,17 @@ def test_engine_and_channel_benchmarks_run_at_a_tiny_size():
     out = subprocess.run([sys.executable, "benchmarks/weight_channel.py", "--size", "tiny", "--repeats", "2",
                           "--json"], cwd=ROOT, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["fraction_of_memcpy"] > 0
+
+
+def test_overlap_and_ray_backend_benchmarks_run_at_a_tiny_size():
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, "benchmarks/overlap.py", "--batches", "4", "--json"], cwd=ROOT,
+                         capture_output=True, text=True, check=True, timeout=400)
+    figures = json.loads(out.stdout)  # progress goes to stderr: stdout is the figures only
+    assert set(figures["fraction_of_ideal"]) == {"1", "2", "1+idle", "2+idle"}
+    assert all(0 <= m["trainer_idle_fraction"] <= 1 for m in figures["settings"].values())
+    pytest.importorskip("ray")
+    out = subprocess.run([sys.executable, "benchmarks/ray_backend.py", "--size", "tiny", "--repeats", "2",
+                          "--json"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=400)
+    figures = json.loads(out.stdout)
+    assert figures["publish_ratio_ray_vs_local"] > 0 and figures["batch_overhead_ratio_ray_vs_local"] > 0
