@@ -6,8 +6,9 @@ them after every weight load) and runs each step with:
 
 - a preallocated KV cache, written in place (no concatenation per step), with each prompt's
   prefill run once and shared by its group of samples;
-- q, k and v (and gate and up) as one matrix multiply each, from stacked copies rebuilt on
-  every weight load;
+- q, k and v (and gate and up) as one matrix multiply each, from stacked weights: views when
+  the parts already lie back to back (a worker bound to the weight channel), else copies
+  rebuilt on every weight load;
 - one RMSNorm and one rotary embedding over q and k together;
 - decode attention as two flat batched matmuls over (batch × kv-heads);
 - 2-D activations in decode, so every linear is one GEMM.
@@ -102,8 +103,8 @@ class FastDecoder:
         """Re-read the parameters; call after every weight load (q/k norm weights are combined
         into one table here, which a load makes stale). ``detach=False`` keeps the stacked
         copies in the autograd graph, for a training forward."""
-        cut = (lambda t: t.detach()) if detach else (lambda t: t)
         grad = not detach
+        cut = (lambda t: t) if grad else (lambda t: t.detach())
         inner = self.model.model
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight

@@ -175,9 +175,8 @@ class _RolloutActor:
             from tether.rollout.channel import open_snapshot
 
             views, seconds = open_snapshot(snapshot, self.layout, version)
-            engine = self.rollout.engine
-            engine.bind(views)  # share the fetched object; the previous one is released
-            engine.load_weights(views, version)
+            # share the fetched object; the previous version's is released
+            self.rollout.engine.bind(views, version)
             return ("loaded", version, seconds)
         except BaseException as exc:
             return ("error", None, f"loading version {version}: {type(exc).__name__}: {exc}",

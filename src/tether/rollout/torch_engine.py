@@ -67,8 +67,9 @@ class TorchEngine:
         if refresh is not None:
             refresh()
 
-    def bind(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Use ``weights`` (e.g. shared-memory views) as the model's parameters, without copying."""
+    def bind(self, weights: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        """Use ``weights`` (e.g. shared-memory views) as the model's parameters, without copying;
+        with ``version``, they are that version from now on (a new object per version)."""
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 src = weights[name]
@@ -77,3 +78,5 @@ class TorchEngine:
                                       f"{tuple(p.shape)} {p.dtype}")
                 p.data = src
         self._refresh()
+        if version is not None:
+            self._version = version

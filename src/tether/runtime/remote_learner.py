@@ -31,15 +31,12 @@ class _LearnerActor:
 
         from tether.data.rewards import scorer
         from tether.rollout.channel import Snapshot
-        from tether.runtime.evaluate import Evaluator
-        from tether.runtime.run import learner_settings, sampling
-        from tether.train.learner import TorchLearner
+        from tether.runtime.run import local_learner
 
         torch.set_num_threads(cfg.train.threads)
-        self.learner = TorchLearner(model_path, learner_settings(cfg))
-        self.evaluator = Evaluator(self.learner.model, self.learner.tokenizer, eval_examples,
-                                   scorer(cfg.reward.function, task=cfg.data.task or None),
-                                   stop_text=stop_text, params=sampling(cfg), seed=cfg.run.seed)
+        # the scorer is rebuilt here: a user's reward file is loaded by path, not pickled
+        score = scorer(cfg.reward.function, task=cfg.data.task or None)
+        self.learner, self.evaluator = local_learner(cfg, model_path, eval_examples, score, stop_text)
         self.snapshot = Snapshot.for_tensors(self.learner.export_weights())
 
     def describe(self) -> tuple:

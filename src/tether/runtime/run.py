@@ -129,7 +129,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: b
             from tether.rollout.ray_pool import RaySession
 
             session = stack.enter_context(contextlib.closing(RaySession(ray_options(cfg), run_dir)))
-        learner, evaluate = _learner(cfg, prepared, params, session, stack)
+        learner, evaluate = _learner(cfg, prepared, session, stack)
         state = None
         if resume:
             from tether.runtime.checkpoint import trim_jsonl
@@ -164,7 +164,7 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: b
     return summary
 
 
-def _learner(cfg: Config, prepared: Prepared, params, session, stack: contextlib.ExitStack):
+def _learner(cfg: Config, prepared: Prepared, session, stack: contextlib.ExitStack):
     """(learner, evaluate): a TorchLearner here, or one in a Ray actor (``ray.learner: actor``)."""
     if cfg.ray.learner == "actor":
         from tether.runtime.remote_learner import RemoteLearner
@@ -174,12 +174,19 @@ def _learner(cfg: Config, prepared: Prepared, params, session, stack: contextlib
         stack.callback(learner.close)
         log.info("ray: learner actor ready (pid %s)", learner.pid)
         return learner, learner.evaluate
+    data = prepared.data
+    return local_learner(cfg, prepared.model_path, data.eval, prepared.score, data.stop_text)
+
+
+def local_learner(cfg: Config, model_path, eval_examples, score, stop_text: str):
+    """A TorchLearner and the held-out evaluator that runs on its model (in this process, or in
+    the learner's Ray actor)."""
     from tether.runtime.evaluate import Evaluator
     from tether.train.learner import TorchLearner
 
-    learner = TorchLearner(prepared.model_path, learner_settings(cfg))
-    evaluator = Evaluator(learner.model, learner.tokenizer, prepared.data.eval, prepared.score,
-                          stop_text=prepared.data.stop_text, params=params, seed=cfg.run.seed)
+    learner = TorchLearner(model_path, learner_settings(cfg))
+    evaluator = Evaluator(learner.model, learner.tokenizer, eval_examples, score, stop_text=stop_text,
+                          params=sampling(cfg), seed=cfg.run.seed)
     return learner, evaluator
 
 
