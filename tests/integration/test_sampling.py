@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tether.decoding.sampling import SamplingParams, sample, truncate_logits  # noqa: E402
+from tether.decoding.sampling import SamplingParams, categorical, sample, truncate_logits  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -85,6 +85,23 @@ def test_truncation_keeps_exactly_top_k_and_the_top_p_nucleus():
     assert torch.isinf(p).tolist() == [[False, False, True, True]]
     p = truncate_logits(logits.clone(), top_k=0, top_p=0.81)
     assert torch.isinf(p).tolist() == [[False, False, False, True]]
+
+
+def test_categorical_draws_follow_the_distribution_and_never_pick_a_truncated_token():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    logp = torch.log(probs).expand(4000, -1).contiguous()  # 4000 rows, one draw each
+    g = torch.Generator().manual_seed(0)
+    draws = torch.cat([categorical(logp, g) for _ in range(25)])  # 100,000 draws
+    counts = torch.bincount(draws, minlength=5).double()
+    assert counts[4] == 0  # probability 0 (log p = −inf) is never drawn
+    expected = probs[:4].double() * len(draws)
+    chi2 = float(((counts[:4] - expected) ** 2 / expected).sum())
+    assert chi2 < 16.3  # χ²(3 d.o.f.) at p = 0.001
+    # and it is not a constant: a uniform distribution spreads the draws
+    uniform = categorical(torch.zeros(1000, 4), g)
+    assert set(uniform.tolist()) == {0, 1, 2, 3}
+    assert categorical(logp[:8], torch.Generator().manual_seed(1)).tolist() == \
+        categorical(logp[:8], torch.Generator().manual_seed(1)).tolist()
 
 
 def test_truncated_logprobs_are_of_the_renormalised_distribution(model_and_tok):

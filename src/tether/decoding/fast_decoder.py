@@ -6,9 +6,14 @@ them after every weight load) and runs each step with:
 
 - a preallocated KV cache, written in place (no concatenation per step), with each prompt's
   prefill run once and shared by its group of samples;
-- q, k and v (and gate and up) as one matrix multiply each, from stacked weights: views when
-  the parts already lie back to back (a worker bound to the weight channel), else copies
-  rebuilt on every weight load;
+- every weight matrix held transposed, (in, out) and contiguous, so a linear layer is
+  ``x @ Wᵀ`` with a plain row-major right operand: MKL runs these 15–35% faster than
+  ``F.linear``'s transposed operand at decode sizes (M = 16–64 rows, benchmarks/engine.py).
+  For sampling these are copies, rebuilt lazily at the first prefill after a weight load
+  (``invalidate``), so a load costs nothing until the next generation; they double the memory of
+  the linear weights. For a training forward they are views (``refresh(contiguous=False)``),
+  in the autograd graph, and the arithmetic is ``F.linear``'s;
+- q, k and v (and gate and up) as one matrix multiply each;
 - one RMSNorm and one rotary embedding over q and k together;
 - decode attention as two flat batched matmuls over (batch × kv-heads);
 - 2-D activations in decode, so every linear is one GEMM.
@@ -47,40 +52,33 @@ def supports(model: torch.nn.Module) -> bool:
     )
 
 
-def _stacked(parts: list[torch.Tensor], *, differentiable: bool) -> torch.Tensor:
-    """``torch.cat(parts)`` along rows; unless ``differentiable``, a view instead of a copy when
-    the parts already lie back to back in one storage (a worker's parameters bound to the weight
-    channel's block, where q, k, v and gate, up are adjacent), so a weight load re-stacks
-    nothing."""
+def _joined_t(parts: list[torch.Tensor], *, contiguous: bool) -> torch.Tensor:
+    """The row-stacked ``parts`` (out_i, in), transposed to (in, Σ out_i): one contiguous copy
+    written straight in transposed order, or (``contiguous=False``) ``torch.cat(parts).t()``,
+    a view of the concatenation that autograd can follow."""
+    if not contiguous:
+        return (torch.cat(parts) if len(parts) > 1 else parts[0]).t()
     first = parts[0]
-    if differentiable:
-        return torch.cat(parts)
-    adjacent = all(t.is_contiguous() and t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
-                   and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-                   for t in parts)
-    offset = first.storage_offset()
-    for t in parts:
-        adjacent = adjacent and t.storage_offset() == offset
-        offset += t.numel()
-    if not adjacent:
-        return torch.cat(parts)
-    rows = sum(t.shape[0] for t in parts)
+    out = first.new_empty(first.shape[1], sum(t.shape[0] for t in parts))
+    col = 0
     with torch.no_grad():
-        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
-                                       (rows, *first.shape[1:]))
+        for t in parts:
+            out[:, col: col + t.shape[0]].copy_(t.t())
+            col += t.shape[0]
+    return out
 
 
 @dataclass
 class _Layer:
     ln1: torch.Tensor
     ln2: torch.Tensor
-    qkv: torch.Tensor  # (H·D + 2·KV·D, hidden): q, k and v projections stacked
+    qkv_t: torch.Tensor  # (hidden, H·D + 2·KV·D): q, k and v projections, transposed
     qkv_bias: torch.Tensor | None
     qk_norm: torch.Tensor | None  # (H + KV, D) for Qwen3, else None
-    o: torch.Tensor
+    o_t: torch.Tensor  # (H·D, hidden)
     o_bias: torch.Tensor | None
-    gate_up: torch.Tensor  # (2·I, hidden): gate and up projections stacked
-    down: torch.Tensor
+    gate_up_t: torch.Tensor  # (hidden, 2·I): gate and up projections, transposed
+    down_t: torch.Tensor  # (I, hidden)
 
 
 class FastDecoder:
@@ -97,20 +95,28 @@ class FastDecoder:
         self.eps = cfg.rms_norm_eps
         self.scale = self.head_dim ** -0.5
         self.act = {"silu": F.silu, "gelu": F.gelu}[getattr(cfg, "hidden_act", "silu")]
-        self.refresh()
+        self.layers: list[_Layer] | None = None  # read at the first prefill
 
-    def refresh(self, *, detach: bool = True) -> None:
-        """Re-read the parameters; call after every weight load (q/k norm weights are combined
-        into one table here, which a load makes stale). ``detach=False`` keeps the stacked
-        copies in the autograd graph, for a training forward."""
-        grad = not detach
-        cut = (lambda t: t) if grad else (lambda t: t.detach())
+    def invalidate(self) -> None:
+        """The weights changed (a load); re-read them at the next prefill."""
+        self.layers = None
+
+    def refresh(self, *, detach: bool = True, contiguous: bool = True) -> None:
+        """Re-read the parameters now. ``detach=False`` keeps the (transposed, stacked) weights
+        in the autograd graph, for a training forward. ``contiguous=False`` makes the transposed
+        weights views rather than copies: a training forward's many rows gain nothing from the
+        copies' layout, and the copies would cost a transpose of every weight per call."""
+        cut = (lambda t: t.detach()) if detach else (lambda t: t)
+
+        def joined(*parts: torch.Tensor) -> torch.Tensor:
+            return _joined_t([cut(t) for t in parts], contiguous=contiguous and detach)
+
         inner = self.model.model
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
-        self.head = self.model.lm_head.weight
+        self.head_t = joined(self.model.lm_head.weight)  # (hidden, V)
         self.inv_freq = inner.rotary_emb.inv_freq.float()
-        self.layers = []
+        layers = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             qk_norm = None
@@ -118,16 +124,24 @@ class FastDecoder:
                 qk_norm = torch.cat([a.q_norm.weight.expand(self.heads, -1),
                                      a.k_norm.weight.expand(self.kv_heads, -1)])  # (H + KV, D)
             biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-            self.layers.append(_Layer(
+            layers.append(_Layer(
                 ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-                qkv=cut(_stacked([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], differentiable=grad)),
+                qkv_t=joined(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
                 qkv_bias=cut(torch.cat(biases)) if biases[0] is not None else None,
-                qk_norm=qk_norm, o=a.o_proj.weight, o_bias=a.o_proj.bias,
-                gate_up=cut(_stacked([m.gate_proj.weight, m.up_proj.weight], differentiable=grad)),
-                down=m.down_proj.weight,
+                qk_norm=qk_norm, o_t=joined(a.o_proj.weight), o_bias=a.o_proj.bias,
+                gate_up_t=joined(m.gate_proj.weight, m.up_proj.weight),
+                down_t=joined(m.down_proj.weight),
             ))
+        self.layers = layers
 
     # -- pieces -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, w, bias)`` with ``w_t`` = wᵀ."""
+        if bias is None:
+            return x @ w_t
+        return torch.addmm(bias, x, w_t) if x.dim() == 2 else x @ w_t + bias
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
@@ -142,7 +156,7 @@ class FastDecoder:
     def _qkv(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Projections, q/k norm and rotary. h: (N, hidden) → q (N, H, D), k, v (N, KV, D)."""
         n, hd, kvh = h.shape[0], self.head_dim, self.kv_heads
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(n, self.heads + 2 * kvh, hd)
+        qkv = self._linear(h, layer.qkv_t, layer.qkv_bias).view(n, self.heads + 2 * kvh, hd)
         qk, v = qkv[:, : self.heads + kvh], qkv[:, self.heads + kvh:]  # (N, H + KV, D), (N, KV, D)
         if layer.qk_norm is not None:
             qk = F.rms_norm(qk, (hd,), None, self.eps) * layer.qk_norm
@@ -150,8 +164,8 @@ class FastDecoder:
         return qk[:, : self.heads], qk[:, self.heads:], v
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(self._rms(x, layer.ln2), layer.gate_up).chunk(2, dim=-1)
-        return torch.addmm(x, self.act(gate).mul_(up), layer.down.t())  # x + (act(g)·u) Wdᵀ
+        gate, up = (self._rms(x, layer.ln2) @ layer.gate_up_t).chunk(2, dim=-1)
+        return torch.addmm(x, self.act(gate).mul_(up), layer.down_t)  # x + (act(g)·u) Wdᵀ
 
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-width (…, 1, D) cos and sign-folded sin for ``_rope``."""
@@ -167,6 +181,8 @@ class FastDecoder:
         """Run the (U, P) left-padded prompts once each, and set up a KV cache for ``repeats``
         samples of each (B = U·repeats rows, prompt-major: prompt 0's samples first). Returns the
         last logits, (B, V). A GRPO group shares its prompt, so its prefill is computed once."""
+        if self.layers is None:
+            self.refresh()
         u, p = ids.shape
         b = u * repeats
         self.batch, self.prompt_len = b, p
@@ -174,14 +190,19 @@ class FastDecoder:
         kvh, hd = self.kv_heads, self.head_dim
         self.k_cache = [torch.empty(b, kvh, self.capacity, hd) for _ in self.layers]  # (B, KV, S, D)
         self.v_cache = [torch.empty(b, kvh, self.capacity, hd) for _ in self.layers]
-        self.key_ok = torch.zeros(b, self.capacity, dtype=torch.bool)  # (B, S)
-        self.key_ok[:, :p] = mask.bool().repeat_interleave(repeats, 0)
+        key_ok = mask.bool()  # (U, P)
+        # additive key mask per (sequence, kv head), -inf on padding: (B·KV, 1, S); decode
+        # steps extend it for free (the new columns are 0) and read a slice
+        self.key_bias = torch.zeros(b * kvh, 1, self.capacity)
+        self.key_bias[:, 0, :p].masked_fill_(~key_ok.repeat_interleave(repeats * kvh, 0), float("-inf"))
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (U, P)
         self.next_pos = (positions[:, -1] + 1).repeat_interleave(repeats, 0)  # (B,)
         self.length = p
-        cos, sin = self._angles(positions.reshape(-1))
+        # cos and sign-folded sin of every position this batch can reach: (S, 2, 1, D)
+        self.rotary = torch.stack(self._angles(torch.arange(self.capacity)), dim=1)
+        cos, sin = self.rotary[positions.reshape(-1)].unbind(1)
         causal = torch.ones(p, p, dtype=torch.bool).tril()
-        attend = (self.key_ok[::repeats, None, None, :p] & causal)  # (U, 1, P, P)
+        attend = key_ok[:, None, None, :] & causal  # (U, 1, P, P)
         x = F.embedding(ids, self.embed).reshape(u * p, -1)  # (U·P, hidden)
         group = self.heads // kvh
         for i, layer in enumerate(self.layers):
@@ -193,10 +214,10 @@ class FastDecoder:
             q4 = q.view(u, p, self.heads, hd).transpose(1, 2)  # (U, H, P, D)
             att = F.scaled_dot_product_attention(q4, k4.repeat_interleave(group, 1),
                                                  v4.repeat_interleave(group, 1), attn_mask=attend)
-            x = x + F.linear(att.transpose(1, 2).reshape(u * p, -1), layer.o, layer.o_bias)
+            x = x + self._linear(att.transpose(1, 2).reshape(u * p, -1), layer.o_t, layer.o_bias)
             x = self._mlp(layer, x)
         last = x.view(u, p, -1)[:, -1]  # (U, hidden)
-        return F.linear(self._rms(last, self.norm), self.head).repeat_interleave(repeats, 0)
+        return (self._rms(last, self.norm) @ self.head_t).repeat_interleave(repeats, 0)
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -205,11 +226,8 @@ class FastDecoder:
         if t >= self.capacity:
             raise RuntimeError("KV cache is full")
         kvh, hd, group = self.kv_heads, self.head_dim, self.heads // self.kv_heads
-        self.key_ok[:, t] = True
-        # additive key mask per (sequence, kv head): (B·KV, 1, S)
-        bias = torch.zeros(b, 1, t + 1).masked_fill_(~self.key_ok[:, None, : t + 1], float("-inf"))
-        bias = bias.repeat_interleave(kvh, dim=0)
-        cos, sin = self._angles(self.next_pos)
+        bias = self.key_bias[:, :, : t + 1]  # (B·KV, 1, t + 1)
+        cos, sin = self.rotary[self.next_pos].unbind(1)  # (B, 1, D) each
         x = F.embedding(tokens, self.embed)  # (B, hidden)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._rms(x, layer.ln1), cos, sin)
@@ -223,9 +241,9 @@ class FastDecoder:
                                    alpha=self.scale)
             probs = torch.softmax(scores, dim=-1)
             att = torch.bmm(probs, vals).view(b, self.heads * hd)  # (B, H·D)
-            x = (torch.addmm(x, att, layer.o.t()) if layer.o_bias is None
-                 else x + F.linear(att, layer.o, layer.o_bias))
+            x = (torch.addmm(x, att, layer.o_t) if layer.o_bias is None
+                 else x + self._linear(att, layer.o_t, layer.o_bias))
             x = self._mlp(layer, x)
         self.length = t + 1
         self.next_pos = self.next_pos + 1
-        return F.linear(self._rms(x, self.norm), self.head)
+        return self._rms(x, self.norm) @ self.head_t

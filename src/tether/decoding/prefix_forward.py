@@ -34,7 +34,7 @@ class SharedPrefixForward(FastDecoder):
         ``mask``: (N, L − 1), 1 on the columns that predict completion tokens (TrainBatch's
         layout). Returns log π at ``temperature`` in that layout (0 off the completion columns),
         and the entropy of each predicting distribution if asked."""
-        self.refresh(detach=not torch.is_grad_enabled())
+        self.refresh(detach=not torch.is_grad_enabled(), contiguous=False)
         n, width = input_ids.shape
         seq_len = attention_mask.sum(1)  # (N,)
         has_completion = mask.sum(1) > 0
@@ -84,8 +84,8 @@ class SharedPrefixForward(FastDecoder):
             qc4 = qc.view(n, c_max, heads, hd).transpose(1, 2)  # (N, H, Cmax, D)
             att_c = F.scaled_dot_product_attention(qc4, keys.repeat_interleave(group_heads, 1),
                                                    vals.repeat_interleave(group_heads, 1), attn_mask=attend)
-            xp = xp + F.linear(att_p.transpose(1, 2).reshape(u * p_max, -1), layer.o, layer.o_bias)
-            xc = xc + F.linear(att_c.transpose(1, 2).reshape(n * c_max, -1), layer.o, layer.o_bias)
+            xp = xp + self._linear(att_p.transpose(1, 2).reshape(u * p_max, -1), layer.o_t, layer.o_bias)
+            xc = xc + self._linear(att_c.transpose(1, 2).reshape(n * c_max, -1), layer.o_t, layer.o_bias)
             xp = self._train_mlp(layer, xp)
             xc = self._train_mlp(layer, xc)
 
@@ -93,7 +93,7 @@ class SharedPrefixForward(FastDecoder):
         hidden_p = xp.view(u, p_max, -1)[group, prompt_len - 1]  # (N, hidden)
         hidden_c = xc.view(n, c_max, -1)
         predicting = torch.cat([hidden_p[:, None], hidden_c[:, :-1]], dim=1)  # (N, Cmax, hidden)
-        logits = F.linear(self._rms(predicting, self.norm), self.head).float() / temperature
+        logits = (self._rms(predicting, self.norm) @ self.head_t).float() / temperature
         logp_all = torch.log_softmax(logits, dim=-1)  # (N, Cmax, V)
         logp_c = logp_all.gather(-1, comp_ids[..., None]).squeeze(-1) * comp_ok  # (N, Cmax)
         # scatter into the (N, L − 1) layout: completion token k sits in column prompt_len − 1 + k
@@ -108,5 +108,5 @@ class SharedPrefixForward(FastDecoder):
         return logp, entropy
 
     def _train_mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(self._rms(x, layer.ln2), layer.gate_up).chunk(2, dim=-1)
-        return torch.addmm(x, self.act(gate) * up, layer.down.t())
+        gate, up = (self._rms(x, layer.ln2) @ layer.gate_up_t).chunk(2, dim=-1)
+        return torch.addmm(x, self.act(gate) * up, layer.down_t)

@@ -63,9 +63,9 @@ class TorchEngine:
         self._version = version
 
     def _refresh(self) -> None:
-        refresh = getattr(self.stepper, "refresh", None)
-        if refresh is not None:
-            refresh()
+        invalidate = getattr(self.stepper, "invalidate", None)
+        if invalidate is not None:
+            invalidate()
 
     def bind(self, weights: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Use ``weights`` (e.g. shared-memory views) as the model's parameters, without copying;
