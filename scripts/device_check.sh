@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, for a machine that has one (the development and CI machines
+# do not; there these tests skip). Runs from the repository root with that machine's own Python,
+# torch and transformers, importing Tether from src/ (nothing is installed):
+#
+#   bash scripts/device_check.sh          # log to $OUT/device_check.log, or ./device-check/
+#
+# What it checks: the engine on CUDA (log-probs against a teacher-forced forward, seeding, a
+# weight load from CPU tensors, the lean decoder against the transformers forward) and a rollout
+# worker on CUDA, i.e. what a Ray actor with ray.gpus_per_worker > 0 runs (tests marked `gpu`).
+set -uo pipefail
+out="${OUT:-device-check}"
+mkdir -p "$out"
+py="${PYTHON:-python3}"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+{
+  nvidia-smi -L || true
+  "$py" -c "import torch, transformers; print('torch', torch.__version__, '| cuda', torch.cuda.is_available(), '| transformers', transformers.__version__)"
+  "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra -m gpu tests/integration/test_gpu.py
+} 2>&1 | tee "$out/device_check.log"
+exit "${PIPESTATUS[0]}"

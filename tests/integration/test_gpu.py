@@ -1,0 +1,123 @@
+"""The engine on a CUDA device: what a Ray rollout actor with ``ray.gpus_per_worker > 0`` runs.
+
+The development and CI machines have no GPU, so these skip there; ``scripts/device_check.sh``
+runs them on a GPU machine (``pytest -m gpu``). What a machine without CUDA can check — the clear
+errors when a GPU is asked for and none is there — is tested at the end, everywhere.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from tether.data.tasks import get_task  # noqa: E402
+from tether.decoding.sampling import SamplingParams, sample  # noqa: E402
+from tether.errors import ConfigError  # noqa: E402
+from tether.modeling import load_causal_lm  # noqa: E402
+from tether.rollout.torch_engine import TorchEngine  # noqa: E402
+from tether.rollout.types import WorkItem  # noqa: E402
+from tether.rollout.worker import Rollout, WorkerSpec  # noqa: E402
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def on_cuda(model_dir):
+    model, tok = load_causal_lm(model_dir)
+    return model.to("cuda").eval(), tok
+
+
+def prompt_ids(tok, texts):
+    return [tok(t, add_special_tokens=False).input_ids for t in texts]
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    """TF32 would change fp32 matmuls on Ampere and later; the engine's promise is about fp32."""
+    if torch.cuda.is_available():
+        before = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        yield
+        torch.backends.cuda.matmul.allow_tf32 = before
+    else:
+        yield
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_logprobs_on_cuda_match_a_teacher_forced_forward(tiny_model_dir, temperature):
+    model, tok = on_cuda(tiny_model_dir)
+    ps = prompt_ids(tok, ["1+1=", "12+345=", "rev abcdef="])  # different lengths → left padding
+    engine = TorchEngine(model, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
+    groups = engine.generate(ps, samples_per_prompt=2, params=SamplingParams(max_new_tokens=12,
+                             temperature=temperature), seed=0)
+    for p, group in zip(ps, groups, strict=True):
+        for c in group:
+            ids = torch.tensor([p + c.token_ids], device="cuda")
+            logits = model(ids).logits[0, len(p) - 1: -1].float() / temperature
+            expected = torch.log_softmax(logits, -1).gather(
+                -1, torch.tensor(c.token_ids, device="cuda")[:, None]).squeeze(-1)
+            assert torch.allclose(torch.tensor(c.logprobs), expected.cpu(), atol=1e-5)
+
+
+@cuda
+@pytest.mark.gpu
+def test_engine_on_cuda_is_seeded_and_a_weight_load_changes_samples_and_versions(tiny_model_dir):
+    model, tok = on_cuda(tiny_model_dir)
+    engine = TorchEngine(model, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
+    ps = prompt_ids(tok, ["12+34="] * 4)
+    params = SamplingParams(max_new_tokens=8)
+
+    def tokens(seed):
+        return [c.token_ids for g in engine.generate(ps, samples_per_prompt=2, params=params, seed=seed)
+                for c in g]
+
+    assert tokens(1) == tokens(1)
+    assert tokens(1) != tokens(2)
+    before = tokens(1)
+    # the weights a publication brings arrive as CPU tensors; the engine copies them to its GPU
+    new = {n: (p.detach().cpu() + 0.05 * torch.randn_like(p.cpu())) for n, p in model.named_parameters()}
+    engine.load_weights(new, version=3)
+    assert next(model.parameters()).is_cuda
+    after = engine.generate(ps, samples_per_prompt=2, params=params, seed=1)
+    assert [c.token_ids for g in after for c in g] != before
+    assert all(v == 3 for g in after for c in g for v in c.versions)
+
+
+@cuda
+@pytest.mark.gpu
+def test_lean_decoder_on_cuda_agrees_with_the_transformers_forward(tiny_model_dir):
+    from tether.decoding.fast_decoder import FastDecoder
+    from tether.decoding.sampling import _TransformersStepper
+
+    model, tok = on_cuda(tiny_model_dir)
+    ps = prompt_ids(tok, ["7+8=", "rev abcdefgh=", "100+1="])
+    outs = [sample(model, ps, SamplingParams(max_new_tokens=10), stop_ids=[tok.eos_token_id],
+                   pad_id=tok.pad_token_id, generator=torch.Generator(device="cuda").manual_seed(0),
+                   stepper=stepper, samples_per_prompt=3)
+            for stepper in (FastDecoder(model), _TransformersStepper(model))]
+    assert outs[0].tokens == outs[1].tokens
+    for a, b in zip(outs[0].logprobs, outs[1].logprobs, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
+@cuda
+@pytest.mark.gpu
+def test_a_rollout_worker_on_cuda_returns_a_whole_scored_batch(tiny_model_dir):
+    rollout = Rollout(WorkerSpec(worker_id=0, model_path=str(tiny_model_dir), reward="task",
+                                 task="arithmetic", stop_text="\n", device="cuda"))
+    assert next(rollout.engine.model.parameters()).is_cuda
+    examples = list(enumerate(get_task("arithmetic").examples("train", 3, seed=0)))
+    batch = rollout.generate(WorkItem(batch_index=0, examples=examples, group_size=4,
+                                      params=SamplingParams(max_new_tokens=6), version=0, seed=0))
+    assert len(batch.rewards) == 12 and batch.group_size == 4
+    assert all(len(lp) == len(t) for lp, t in zip(batch.logprobs, batch.completion_ids, strict=True))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_asking_for_cuda_without_it_is_a_clear_error(tiny_model_dir):
+    with pytest.raises(ConfigError, match="no CUDA device") as info:
+        Rollout(WorkerSpec(worker_id=0, model_path=str(tiny_model_dir), reward="task", task="arithmetic",
+                           stop_text="\n", device="cuda"))
+    assert "ray.gpus_per_worker=0" in str(info.value)
