@@ -115,7 +115,7 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
         (["model.init_size=huge"], "model.init_size must be one of 'tiny', 'small', 'base'"),
         (["warmstart.target_pass_rate=1.5"], "warmstart.target_pass_rate must be <= 1"),
         (["ray.address=auto"], "the ray section is set but rollout.backend is 'local'"),
-        (["rollout.backend=ray", "ray.gpus_per_worker=1"], "the built-in engine samples on CPU"),
+        (["ray.gpus_per_worker=1"], "the ray section is set but rollout.backend is 'local'"),
         (["rollout.backend=slurm"], "rollout.backend must be one of 'local', 'ray'"),
     ],
 )
@@ -123,6 +123,11 @@ def test_cross_key_rules(overrides, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert message in str(info.value)
+
+
+def test_gpu_rollout_actors_are_accepted_with_the_ray_backend():
+    c = load_config(None, ["rollout.backend=ray", "ray.gpus_per_worker=0.5"])
+    assert c.ray.gpus_per_worker == 0.5
 
 
 def test_a_dataset_recipe_is_accepted():

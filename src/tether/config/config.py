@@ -98,10 +98,6 @@ class Config:
             raise ConfigError("the ray section is set but rollout.backend is "
                               f"{self.rollout.backend!r}; set rollout.backend=ray to use it, or remove "
                               "the ray keys")
-        if r.gpus_per_worker > 0:
-            raise ConfigError(f"ray.gpus_per_worker={r.gpus_per_worker:g}: the built-in engine samples on "
-                              "CPU, so a GPU per actor would sit idle; set ray.gpus_per_worker=0 (GPU "
-                              "engines are future work, see docs/distributed.md)")
         if self.reward.function == "task" and not d.task:
             raise ConfigError("reward.function=task scores with a built-in task's verifier, but "
                               "data.task is empty; choose exact_match, numeric_match, math or "

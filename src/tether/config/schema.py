@@ -339,8 +339,9 @@ class RaySection:
     )
     gpus_per_worker: float = knob(
         0.0,
-        "GPUs each rollout actor requests. Must stay 0 for now: the built-in engine samples on CPU, "
-        "and a run that reserved GPUs it does not use is refused rather than left to waste them.",
+        "GPUs each rollout actor requests; above 0 the actor's engine samples on its GPU (CUDA, "
+        "float32 weights copied in at every publication; fractions share a GPU). 0 = sample on "
+        "CPUs. The learner stays on CPU.",
         min=0,
     )
 

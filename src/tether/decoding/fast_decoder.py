@@ -188,20 +188,23 @@ class FastDecoder:
         self.batch, self.prompt_len = b, p
         self.capacity = p + max_new_tokens
         kvh, hd = self.kv_heads, self.head_dim
-        self.k_cache = [torch.empty(b, kvh, self.capacity, hd) for _ in self.layers]  # (B, KV, S, D)
-        self.v_cache = [torch.empty(b, kvh, self.capacity, hd) for _ in self.layers]
+        like = dict(device=ids.device, dtype=self.embed.dtype)
+        self.k_cache = [torch.empty(b, kvh, self.capacity, hd, **like) for _ in self.layers]  # (B, KV, S, D)
+        self.v_cache = [torch.empty(b, kvh, self.capacity, hd, **like) for _ in self.layers]
         key_ok = mask.bool()  # (U, P)
         # additive key mask per (sequence, kv head), -inf on padding: (B·KV, 1, S); decode
         # steps extend it for free (the new columns are 0) and read a slice
-        self.key_bias = torch.zeros(b * kvh, 1, self.capacity)
+        self.key_bias = torch.zeros(b * kvh, 1, self.capacity, **like)
         self.key_bias[:, 0, :p].masked_fill_(~key_ok.repeat_interleave(repeats * kvh, 0), float("-inf"))
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (U, P)
         self.next_pos = (positions[:, -1] + 1).repeat_interleave(repeats, 0)  # (B,)
         self.length = p
-        # cos and sign-folded sin of every position this batch can reach: (S, 2, 1, D)
-        self.rotary = torch.stack(self._angles(torch.arange(self.capacity)), dim=1)
+        # cos and sign-folded sin of every position this batch can reach: (S, 2, 1, D), computed
+        # in float32 and cast to the weights' dtype, as the reference does
+        angles = self._angles(torch.arange(self.capacity, device=ids.device))
+        self.rotary = torch.stack(angles, dim=1).to(self.embed.dtype)
         cos, sin = self.rotary[positions.reshape(-1)].unbind(1)
-        causal = torch.ones(p, p, dtype=torch.bool).tril()
+        causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
         attend = key_ok[:, None, None, :] & causal  # (U, 1, P, P)
         x = F.embedding(ids, self.embed).reshape(u * p, -1)  # (U·P, hidden)
         group = self.heads // kvh
@@ -217,7 +220,7 @@ class FastDecoder:
             x = x + self._linear(att.transpose(1, 2).reshape(u * p, -1), layer.o_t, layer.o_bias)
             x = self._mlp(layer, x)
         last = x.view(u, p, -1)[:, -1]  # (U, hidden)
-        return (self._rms(last, self.norm) @ self.head_t).repeat_interleave(repeats, 0)
+        return (self._rms(last, self.norm) @ self.head_t).float().repeat_interleave(repeats, 0)
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -246,4 +249,4 @@ class FastDecoder:
             x = self._mlp(layer, x)
         self.length = t + 1
         self.next_pos = self.next_pos + 1
-        return self._rms(x, self.norm) @ self.head_t
+        return (self._rms(x, self.norm) @ self.head_t).float()

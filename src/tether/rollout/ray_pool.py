@@ -4,15 +4,16 @@
 ``DispatchingPool``'s), so the driver loop and the control plane run unchanged across a cluster:
 
 - Each worker is an actor (``_RolloutActor``) hosting the same ``Rollout`` (engine + reward) as a
-  local worker process, with its own resource request (``ray.cpus_per_worker``; GPUs wait for an
-  engine that samples on them) and no restarts: a dead actor is a failed run, reported like a dead
-  process, never silently replaced mid-batch.
+  local worker process, with its own resource request (``ray.cpus_per_worker``, and
+  ``ray.gpus_per_worker``: an actor given a GPU samples on it) and no restarts: a dead actor is a
+  failed run, reported like a dead process, never silently replaced mid-batch.
 - A publication writes the weights into one staging block (the channel's format: header with
   state, version and checksum, then every tensor) and puts it into the object store as one
   object. Each actor fetches it (zero-copy on its node), verifies version and checksum, and binds
-  its parameters to it. The pool holds a reference to the newest version only, and an actor
-  drops its old snapshot when it binds the next, so each version's object is released once no
-  worker needs it. A collective (NCCL) backend would replace ``_load_all`` on GPUs.
+  its parameters to it (an actor on a GPU copies it to the device instead). The pool holds a
+  reference to the newest version only, and an actor drops its old snapshot when it binds the
+  next, so each version's object is released once no worker needs it. A collective (NCCL)
+  backend would replace ``_load_all`` on GPUs.
 - A collector thread waits on the actors' result references and accepts finished batches in
   completion order (ties within one wake-up are ordered by the actors' finish times).
 
@@ -247,7 +248,8 @@ class RayPool(DispatchingPool):
         for i in range(s.num_workers):
             spec = WorkerSpec(worker_id=i, model_path=s.model_path, reward=s.reward, task=s.task,
                               stop_text=s.stop_text, num_threads=s.threads_per_worker,
-                              reward_on_error=s.reward_on_error, initial_version=self.version)
+                              reward_on_error=s.reward_on_error, initial_version=self.version,
+                              device="cuda" if o.gpus_per_worker > 0 else "cpu")
             handle = remote.options(num_cpus=o.cpus_per_worker, num_gpus=o.gpus_per_worker, max_restarts=0,
                                     name=f"tether-rollout-{i}-{os.getpid()}-{id(self):x}"
                                     ).remote(spec, self.layout)
@@ -269,7 +271,8 @@ class RayPool(DispatchingPool):
     def _check_fits(self) -> None:
         """Refuse at once a request the cluster can never place (instead of waiting on it)."""
         s, o = self.settings, self.options
-        nodes = [n["Resources"].get("CPU", 0.0) for n in self.ray.nodes() if n.get("Alive")]
+        alive = [n["Resources"] for n in self.ray.nodes() if n.get("Alive")]
+        nodes = [r.get("CPU", 0.0) for r in alive]
         need = s.num_workers * o.cpus_per_worker + o.reserved_cpus
         if o.cpus_per_worker > max(nodes, default=0.0) or need > sum(nodes):
             per_node = ", ".join(f"{c:g}" for c in nodes) or "none"
@@ -279,6 +282,14 @@ class RayPool(DispatchingPool):
                 f"CPUs{learner} do not fit the Ray cluster's nodes (CPUs per node: {per_node}); lower "
                 "rollout.num_workers or ray.cpus_per_worker, or add nodes (with a local instance: raise "
                 "ray.local_cpus)")
+        if o.gpus_per_worker > 0:
+            gpus = [r.get("GPU", 0.0) for r in alive]
+            if o.gpus_per_worker > max(gpus, default=0.0) or s.num_workers * o.gpus_per_worker > sum(gpus):
+                raise ConfigError(
+                    f"{s.num_workers} rollout actor(s) × ray.gpus_per_worker={o.gpus_per_worker:g} GPUs do "
+                    f"not fit the Ray cluster's nodes (GPUs per node: "
+                    f"{', '.join(f'{g:g}' for g in gpus) or 'none'}); set ray.gpus_per_worker=0 to sample "
+                    "on CPUs, lower rollout.num_workers, or start Ray on nodes with GPUs")
 
     def close(self) -> None:
         """Kill every actor, release the weights and shut down what the session started;

@@ -21,6 +21,7 @@ class TorchEngine:
         self.stop_ids = list(stop_ids)
         self.max_positions = max_positions or getattr(model.config, "max_position_embeddings", None)
         self._version = version
+        self.device = next(self.model.parameters()).device
         self.stepper = stepper_for(self.model)
 
     @property
@@ -36,7 +37,9 @@ class TorchEngine:
                 f"the model's context of {self.max_positions} positions; lower data.max_prompt_tokens "
                 "or rollout.max_new_tokens"
             )
-        generator = torch.Generator().manual_seed(seed)
+        # one generator per batch on the engine's device: the same seed draws the same tokens on
+        # the same kind of device (CPU and CUDA streams differ)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         out = sample(self.model, [list(p) for p in prompts], params, stop_ids=self.stop_ids,
                      pad_id=self.pad_id, generator=generator, stepper=self.stepper,
                      samples_per_prompt=samples_per_prompt)
@@ -49,7 +52,8 @@ class TorchEngine:
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy ``weights`` into the model, unless the model already uses them (bound views)."""
+        """Copy ``weights`` into the model (from any device to the engine's), unless the model
+        already uses them (bound views)."""
         params = dict(self.model.named_parameters())
         missing = [name for name in params if name not in weights]
         if missing:
@@ -69,7 +73,11 @@ class TorchEngine:
 
     def bind(self, weights: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Use ``weights`` (e.g. shared-memory views) as the model's parameters, without copying;
-        with ``version``, they are that version from now on (a new object per version)."""
+        with ``version``, they are that version from now on (a new object per version). An engine
+        on a GPU cannot sample from host memory, so there they are copied in instead."""
+        if self.device.type != "cpu":
+            self.load_weights(weights, self._version if version is None else version)
+            return
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 src = weights[name]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Literal
 
+from tether.errors import ConfigError
 from tether.loop.scored import ScoredBatch
 from tether.procinfo import peak_rss_mb
 from tether.rollout.types import WorkItem
@@ -50,6 +51,8 @@ class WorkerSpec:
     channel_name: str | None = None
     """The shared-memory weight channel (process workers); None where weights come otherwise."""
     channel_layout: Layout | None = None
+    device: str = "cpu"
+    """Where the engine samples: ``cpu``, or ``cuda`` for a Ray actor given a GPU."""
 
 
 def worker_main(spec: WorkerSpec, requests: Connection, results: Connection) -> None:
@@ -95,7 +98,14 @@ class Rollout:
         from tether.rollout.torch_engine import TorchEngine
 
         self.spec = spec
+        device = torch.device(spec.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                f"worker {spec.worker_id} is to sample on {spec.device} but sees no CUDA device (torch "
+                f"{torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                "give its Ray actor a GPU and a CUDA build of torch, or set ray.gpus_per_worker=0")
         model, self.tokenizer = load_causal_lm(spec.model_path)
+        model = model.to(device)
         self.engine = TorchEngine(model, pad_id=self.tokenizer.pad_token_id,
                                   stop_ids=stop_ids_for(self.tokenizer, spec.stop_text))
         self.score = scorer(spec.reward, task=spec.task)
