@@ -8,7 +8,10 @@ which is what an RL engine needs. Interleaved repeats; the median of each is rep
 
 Target (issue 3): at least 1.5× transformers' tokens/s at 1 thread.
 
-    python benchmarks/engine.py [--prompts 64] [--new-tokens 32] [--repeats 5] [--json]
+With ``--device cuda`` both run on the GPU instead (one measurement; thread counts do not
+apply), for a machine that has one (scripts/device_check.sh).
+
+    python benchmarks/engine.py [--prompts 64] [--new-tokens 32] [--repeats 5] [--device cpu] [--json]
 """
 
 from __future__ import annotations
@@ -42,20 +45,29 @@ def prompts_of(tok, n: int) -> list[list[int]]:
     return [tok(e.prompt, add_special_tokens=False).input_ids for e in examples]
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_tether(model, tok, prompts, new_tokens: int) -> float:
     from tether.decoding.sampling import SamplingParams, sample
 
+    device = next(model.parameters()).device
+    _sync(device)
     t0 = time.perf_counter()
     out = sample(model, prompts, SamplingParams(max_new_tokens=new_tokens), stop_ids=[],
-                 pad_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0))
-    elapsed = time.perf_counter() - t0
+                 pad_id=tok.pad_token_id, generator=torch.Generator(device=device).manual_seed(0))
+    elapsed = time.perf_counter() - t0  # the tokens come back as lists: already synchronised
     assert sum(len(t) for t in out.tokens) == len(prompts) * new_tokens
     return elapsed
 
 
 def time_hf(model, tok, prompts, new_tokens: int) -> float:
-    batch = tok.pad({"input_ids": prompts}, return_tensors="pt")
+    device = next(model.parameters()).device
+    batch = tok.pad({"input_ids": prompts}, return_tensors="pt").to(device)
     torch.manual_seed(0)
+    _sync(device)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(**batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
@@ -63,19 +75,21 @@ def time_hf(model, tok, prompts, new_tokens: int) -> float:
                              output_scores=True, return_dict_in_generate=True,
                              pad_token_id=tok.pad_token_id, eos_token_id=None)
         scores = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    _sync(device)
     elapsed = time.perf_counter() - t0
     assert scores.shape == (len(prompts), new_tokens)
     return elapsed
 
 
-def measure(n_prompts: int, new_tokens: int, repeats: int, size: str = "small") -> dict:
+def measure(n_prompts: int, new_tokens: int, repeats: int, size: str = "small", device: str = "cpu") -> dict:
     model, tok = build(size)
-    model.eval()
+    model.to(device).eval()
     prompts = prompts_of(tok, n_prompts)
     tokens = n_prompts * new_tokens
-    result: dict = {"prompts": n_prompts, "new_tokens": new_tokens, "repeats": repeats,
+    result: dict = {"prompts": n_prompts, "new_tokens": new_tokens, "repeats": repeats, "device": device,
                     "parameters": sum(p.numel() for p in model.parameters()), "threads": {}}
-    for threads in (1, 2):
+    on_gpu = torch.device(device).type == "cuda"
+    for threads in ((1,) if on_gpu else (1, 2)):
         torch.set_num_threads(threads)
         time_tether(model, tok, prompts, new_tokens)  # warm up both
         time_hf(model, tok, prompts, new_tokens)
@@ -98,14 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--size", default="small", choices=["tiny", "small", "base"])
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    r = measure(a.prompts, a.new_tokens, a.repeats, a.size)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda: this machine has no CUDA device")
+    r = measure(a.prompts, a.new_tokens, a.repeats, a.size, a.device)
     if a.json:
         print(json.dumps(r))
         return 0
     print(f"{a.prompts} prompts × {a.new_tokens} new tokens, {r['parameters']:,}-parameter model, "
-          f"median of {a.repeats}")
+          f"median of {a.repeats}, on {a.device}")
     print(f"{'threads':>8}{'tether tok/s':>16}{'hf generate tok/s':>20}{'speedup':>10}")
     for threads, row in r["threads"].items():
         print(f"{threads:>8}{row['tether_tokens_per_s']:>16.0f}{row['hf_generate_tokens_per_s']:>20.0f}"

@@ -7,7 +7,9 @@
 #
 # What it checks: the engine on CUDA (log-probs against a teacher-forced forward, seeding, a
 # weight load from CPU tensors, the lean decoder against the transformers forward) and a rollout
-# worker on CUDA, i.e. what a Ray actor with ray.gpus_per_worker > 0 runs (tests marked `gpu`).
+# worker on CUDA, i.e. what a Ray actor with ray.gpus_per_worker > 0 runs (tests marked `gpu`);
+# then the engine benchmark on the GPU (engine_cuda.json beside the log). Ray itself is not needed
+# (its wheel is larger than what can travel to the device machine here).
 set -uo pipefail
 out="${OUT:-device-check}"
 mkdir -p "$out"
@@ -15,7 +17,11 @@ py="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 {
   nvidia-smi -L || true
-  "$py" -c "import torch, transformers; print('torch', torch.__version__, '| cuda', torch.cuda.is_available(), '| transformers', transformers.__version__)"
+  "$py" -c "import sys, torch, transformers; print('torch', torch.__version__, '| cuda', torch.cuda.is_available(), '| transformers', transformers.__version__); sys.exit(0 if torch.cuda.is_available() else 'no CUDA device here: nothing to check')" || exit 1
   "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra -m gpu tests/integration/test_gpu.py
+  status=$?
+  "$py" benchmarks/engine.py --device cuda --size small --repeats 5
+  "$py" benchmarks/engine.py --device cuda --size base --repeats 5 --json | tee "$out/engine_cuda.json"
+  exit "$status"
 } 2>&1 | tee "$out/device_check.log"
 exit "${PIPESTATUS[0]}"
