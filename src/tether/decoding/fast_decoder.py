@@ -1,8 +1,9 @@
 """A lean decode path for Llama-family models (Llama, Qwen2, Qwen3): same weights, fewer ops.
 
 At the sizes Tether runs on CPU, a transformers forward spends more time in per-module Python
-and small ops than in matrix multiplies. This path reads the model's parameters (``refresh`` re-reads
-them after every weight load) and runs each step with:
+and small ops than in matrix multiplies. This path reads the model's parameters (at the first
+prefill, and again at the first prefill after ``invalidate``, which every weight load calls) and
+runs each step with:
 
 - a preallocated KV cache, written in place (no concatenation per step), with each prompt's
   prefill run once and shared by its group of samples;
@@ -14,7 +15,8 @@ them after every weight load) and runs each step with:
   the linear weights. For a training forward they are views (``refresh(contiguous=False)``),
   in the autograd graph, and the arithmetic is ``F.linear``'s;
 - q, k and v (and gate and up) as one matrix multiply each;
-- one RMSNorm and one rotary embedding over q and k together;
+- one RMSNorm and one rotary embedding over q and k together, from a table of the batch's
+  positions built at prefill, and an additive key mask built once per batch;
 - decode attention as two flat batched matmuls over (batch × kv-heads);
 - 2-D activations in decode, so every linear is one GEMM.
 

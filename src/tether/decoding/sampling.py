@@ -117,6 +117,9 @@ class _TransformersStepper:
         self.model = model
         self.cache_kw = _cache_kwarg(type(model))
 
+    def invalidate(self) -> None:
+        """Nothing to do: the model's own forward always reads its current weights."""
+
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
                 repeats: int = 1) -> torch.Tensor:
         ids, mask = ids.repeat_interleave(repeats, 0), mask.repeat_interleave(repeats, 0)
@@ -159,8 +162,8 @@ def sample(
     """Sample ``samples_per_prompt`` completions per prompt, prompt-major (prompt 0's samples
     first); each prompt's prefill runs once for its whole group.
 
-    ``stepper`` (from ``stepper_for``) can be reused across calls; it must be refreshed after the
-    model's weights change.
+    ``stepper`` (from ``stepper_for``) can be reused across calls; after the model's weights
+    change, call its ``invalidate()`` (the lean decoder keeps transposed copies of them).
     """
     stepper = stepper if stepper is not None else stepper_for(model)
     device = next(model.parameters()).device

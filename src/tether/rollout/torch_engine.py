@@ -63,13 +63,8 @@ class TorchEngine:
                 src = weights[name]
                 if src.data_ptr() != p.data_ptr():
                     p.copy_(src)
-        self._refresh()
+        self.stepper.invalidate()
         self._version = version
-
-    def _refresh(self) -> None:
-        invalidate = getattr(self.stepper, "invalidate", None)
-        if invalidate is not None:
-            invalidate()
 
     def bind(self, weights: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Use ``weights`` (e.g. shared-memory views) as the model's parameters, without copying;
@@ -85,6 +80,6 @@ class TorchEngine:
                     raise ConfigError(f"cannot bind {name}: {tuple(src.shape)} {src.dtype} vs "
                                       f"{tuple(p.shape)} {p.dtype}")
                 p.data = src
-        self._refresh()
+        self.stepper.invalidate()
         if version is not None:
             self._version = version
