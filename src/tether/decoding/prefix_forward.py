@@ -8,6 +8,11 @@ keys and values (gathered from the shared prompt pass) and causally to each othe
 into the shared prompt pass from every row of its group, so the result — log-probs and their
 gradients — is the plain forward's, with the prompt work divided by G.
 
+Completions are packed: every linear layer, norm and activation runs on the real completion
+tokens only (T of them), not on a (rows × longest completion) grid, so rows shorter than the
+longest cost nothing for their padding; only attention lays them out as a grid. With the short,
+varied answers of verifiable-reward tasks the padding was about a third of the grid.
+
 It uses the lean decoder's arithmetic (``FastDecoder``: the same Llama/Qwen math as the
 transformers forward, op for op in float32), with its stacked weights kept in the autograd
 graph. Rows sharing a prompt must be adjacent (a TrainBatch is prompt-major); any run of equal
@@ -52,25 +57,36 @@ class SharedPrefixForward(FastDecoder):
         firsts = new_group.nonzero().squeeze(1)  # (U,)
         u_ids = input_ids[firsts, :p_max]  # (U, Pmax), right-padded (pads are never attended to)
 
-        # completions: (N, Cmax) tokens at positions prompt_len + k
+        # completions: token k of row n sits at position prompt_len + k. Only the real ones are
+        # computed ("packed", T of them, row-major so a row's tokens are consecutive); attention
+        # alone sees them laid out as (N, Cmax), padding at the end of each row.
         k = torch.arange(c_max)
         comp_pos = prompt_len[:, None] + k  # (N, Cmax)
         comp_ok = k < comp_len[:, None]  # (N, Cmax)
-        comp_ids = input_ids.gather(1, comp_pos.clamp(max=width - 1))  # (N, Cmax)
+        packed = comp_ok.reshape(-1).nonzero().squeeze(1)  # (T,) indices into the N·Cmax grid
+        row_of, k_of = packed // c_max, packed % c_max  # (T,) each
+        pos_t = comp_pos.reshape(-1)[packed]  # (T,)
+        tok_t = input_ids.gather(1, comp_pos.clamp(max=width - 1)).reshape(-1)[packed]  # (T,)
 
         kvh, hd, heads = self.kv_heads, self.head_dim, self.heads
         group_heads = heads // kvh
         u = u_ids.shape[0]
         cos_p, sin_p = self._angles(cols.repeat(u))
-        cos_c, sin_c = self._angles(comp_pos.reshape(-1))
-        # completion queries see their prompt's real tokens and earlier completion tokens
+        cos_c, sin_c = self._angles(pos_t)
+        # completion queries see their prompt's real tokens and earlier completion tokens; padded
+        # completion keys come after every real one of their row, so the causal part hides them
         see_prompt = cols < prompt_len[:, None]  # (N, Pmax)
         see_comp = torch.ones(c_max, c_max, dtype=torch.bool).tril()  # (Cmax, Cmax)
         attend = torch.cat([see_prompt[:, None, None, :].expand(n, 1, c_max, p_max),
                             see_comp.expand(n, 1, c_max, c_max)], dim=-1)  # (N, 1, Cmax, Pmax + Cmax)
 
+        def grid(x: torch.Tensor) -> torch.Tensor:
+            """(T, h, D) packed → (N, h, Cmax, D), zeros where there is no token."""
+            full = x.new_zeros(n * c_max, *x.shape[1:]).index_copy(0, packed, x)
+            return full.view(n, c_max, *x.shape[1:]).transpose(1, 2)
+
         xp = F.embedding(u_ids, self.embed).reshape(u * p_max, -1)  # (U·Pmax, hidden)
-        xc = F.embedding(comp_ids, self.embed).reshape(n * c_max, -1)  # (N·Cmax, hidden)
+        xc = F.embedding(tok_t, self.embed)  # (T, hidden)
         for layer in self.layers:
             qp, kp, vp = self._qkv(layer, self._rms(xp, layer.ln1), cos_p, sin_p)
             qc, kc, vc = self._qkv(layer, self._rms(xc, layer.ln1), cos_c, sin_c)
@@ -79,32 +95,32 @@ class SharedPrefixForward(FastDecoder):
             qp4 = qp.view(u, p_max, heads, hd).transpose(1, 2)  # (U, H, Pmax, D)
             att_p = F.scaled_dot_product_attention(qp4, kp4.repeat_interleave(group_heads, 1),
                                                    vp4.repeat_interleave(group_heads, 1), is_causal=True)
-            keys = torch.cat([kp4[group], kc.view(n, c_max, kvh, hd).transpose(1, 2)], dim=2)
-            vals = torch.cat([vp4[group], vc.view(n, c_max, kvh, hd).transpose(1, 2)], dim=2)
-            qc4 = qc.view(n, c_max, heads, hd).transpose(1, 2)  # (N, H, Cmax, D)
-            att_c = F.scaled_dot_product_attention(qc4, keys.repeat_interleave(group_heads, 1),
+            keys = torch.cat([kp4[group], grid(kc)], dim=2)  # (N, KV, Pmax + Cmax, D)
+            vals = torch.cat([vp4[group], grid(vc)], dim=2)
+            att_c = F.scaled_dot_product_attention(grid(qc), keys.repeat_interleave(group_heads, 1),
                                                    vals.repeat_interleave(group_heads, 1), attn_mask=attend)
+            att_c = att_c.transpose(1, 2).reshape(n * c_max, -1).index_select(0, packed)  # (T, H·D)
             xp = xp + self._linear(att_p.transpose(1, 2).reshape(u * p_max, -1), layer.o_t, layer.o_bias)
-            xc = xc + self._linear(att_c.transpose(1, 2).reshape(n * c_max, -1), layer.o_t, layer.o_bias)
+            xc = xc + self._linear(att_c, layer.o_t, layer.o_bias)
             xp = self._train_mlp(layer, xp)
             xc = self._train_mlp(layer, xc)
 
-        # completion token 0 is predicted by the prompt's last position, token k by completion k − 1
+        # completion token 0 is predicted by the prompt's last position, token k by completion
+        # k − 1, which is the packed row just before it
         hidden_p = xp.view(u, p_max, -1)[group, prompt_len - 1]  # (N, hidden)
-        hidden_c = xc.view(n, c_max, -1)
-        predicting = torch.cat([hidden_p[:, None], hidden_c[:, :-1]], dim=1)  # (N, Cmax, hidden)
+        previous = torch.cat([xc.new_zeros(1, xc.shape[1]), xc])[:-1]  # (T, hidden)
+        predicting = torch.where((k_of == 0)[:, None], hidden_p[row_of], previous)  # (T, hidden)
         logits = (self._rms(predicting, self.norm) @ self.head_t).float() / temperature
-        logp_all = torch.log_softmax(logits, dim=-1)  # (N, Cmax, V)
-        logp_c = logp_all.gather(-1, comp_ids[..., None]).squeeze(-1) * comp_ok  # (N, Cmax)
-        # scatter into the (N, L − 1) layout: completion token k sits in column prompt_len − 1 + k
-        where = prompt_len[:, None] - 1 + k  # (N, Cmax); invalid k land past the row's end
-        out = torch.zeros(n, width - 1 + c_max, dtype=logp_c.dtype).scatter(1, where, logp_c)
-        logp = out[:, : width - 1]
+        logp_all = torch.log_softmax(logits, dim=-1)  # (T, V)
+        logp_t = logp_all.gather(-1, tok_t[:, None]).squeeze(-1)  # (T,)
+        # into the (N, L − 1) layout: completion token k sits in column prompt_len − 1 + k
+        column = prompt_len[row_of] - 1 + k_of  # (T,)
+        logp = torch.zeros(n, width - 1, dtype=logp_t.dtype).index_put((row_of, column), logp_t)
         entropy = None
         if with_entropy:
             with torch.no_grad():
-                ent_c = -(logp_all.exp() * logp_all).sum(-1) * comp_ok
-                entropy = torch.zeros(n, width - 1 + c_max).scatter(1, where, ent_c)[:, : width - 1]
+                ent_t = -(logp_all.exp() * logp_all).sum(-1)
+                entropy = torch.zeros(n, width - 1).index_put((row_of, column), ent_t)
         return logp, entropy
 
     def _train_mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
