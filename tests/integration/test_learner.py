@@ -1,5 +1,7 @@
 """The torch learner on a real tiny model and real engine samples."""
 
+import math
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -68,6 +70,7 @@ def test_updates_raise_positive_and_lower_negative_completions(tiny_model_dir, a
                 "ratio/std", "ratio/min", "ratio/max", "ratio/clip_frac_low", "ratio/clip_frac_high",
                 "ratio/is_weight_mean", "ratio/is_weight_max", "ratio/masked_frac", "ratio/ess",
                 "mismatch/logprob_abs_diff_mean", "mismatch/logprob_abs_diff_max", "mismatch/k3",
+                "mismatch/numeric_token_frac", "mismatch/numeric_logprob_abs_diff_max",
                 "train/skipped_updates", "reward/frac_zero_std", "loss/kl"):
         assert key in result.metrics, key
 
@@ -77,6 +80,13 @@ def test_trainer_logprobs_match_the_engine_at_the_sampling_temperature(tiny_mode
     learner = TorchLearner(tiny_model_dir, LearnerSettings(temperature=0.7))
     metrics = learner.train(batch, train_version=0).metrics
     assert metrics["mismatch/logprob_abs_diff_max"] < 1e-5
+    # every token was sampled with the weights being trained: the whole difference is numerics
+    assert metrics["mismatch/numeric_token_frac"] == 1.0
+    assert metrics["mismatch/numeric_logprob_abs_diff_max"] < 1e-5
+    # the same tokens counted as sampled by an older policy: nothing to measure numerics on
+    stale = TorchLearner(tiny_model_dir, LearnerSettings(temperature=0.7)).train(batch, train_version=1)
+    assert stale.metrics["mismatch/numeric_token_frac"] == 0.0
+    assert math.isnan(stale.metrics["mismatch/numeric_logprob_abs_diff_max"])
     wrong_t = TorchLearner(tiny_model_dir, LearnerSettings(temperature=1.0)).train(batch, train_version=0)
     assert wrong_t.metrics["mismatch/logprob_abs_diff_max"] > 1e-2  # the ratio would measure T
 

@@ -58,3 +58,19 @@ def test_tokens_off_the_mask_are_ignored():
     c = correct(OLD, MU, mask, CorrectionSettings(mask="token"), weigh=True)
     assert c.keep.tolist() == [[0.0, 0.0]]
     assert c.metrics["mismatch/logprob_abs_diff_max"] == pytest.approx(math.log(3))
+
+
+def test_numeric_mismatch_counts_only_tokens_sampled_with_the_same_weights():
+    old = torch.tensor([[0.0, -1.0, -2.0]])
+    mu = torch.tensor([[1e-6, -1.5, -2.0]])  # token 0: numerics only; token 1: a stale token
+    mask = torch.ones(1, 3)
+    same = torch.tensor([[True, False, True]])
+    m = correct(old, mu, mask, CorrectionSettings(), weigh=True, same_weights=same).metrics
+    assert m["mismatch/logprob_abs_diff_max"] == pytest.approx(0.5)  # staleness and numerics mixed
+    assert m["mismatch/numeric_logprob_abs_diff_max"] == pytest.approx(1e-6)  # numerics alone
+    assert m["mismatch/numeric_logprob_abs_diff_mean"] == pytest.approx(0.5e-6)
+    assert m["mismatch/numeric_token_frac"] == pytest.approx(2 / 3)
+    none = correct(old, mu, mask, CorrectionSettings(), weigh=True,
+                   same_weights=torch.zeros(1, 3, dtype=torch.bool)).metrics
+    assert none["mismatch/numeric_token_frac"] == 0.0
+    assert "mismatch/numeric_logprob_abs_diff_max" not in none  # undefined: the learner reports NaN

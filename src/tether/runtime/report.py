@@ -76,7 +76,7 @@ def write_report(run_dir: Path) -> list[Path]:
     ax.set_title("Staleness per batch and weight publications")
     paths.append(_save(fig, out / "staleness.png"))
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     stale = _col(metrics, "staleness/batches")
     axes[0].scatter(stale, _col(metrics, "ratio/clip_frac_high"), s=8, label="clip fraction (high)")
     axes[0].scatter(stale, _col(metrics, "ratio/clip_frac_low"), s=8, label="clip fraction (low)")
@@ -89,6 +89,15 @@ def write_report(run_dir: Path) -> list[Path]:
     axes[1].set_xlabel("staleness (batches)")
     axes[1].legend()
     axes[1].set_title("Ratios against staleness")
+    # |log π_old − log μ|: all tokens (staleness and numerics) and only the tokens sampled with
+    # the trained weights themselves (numerics alone, where a batch has any)
+    axes[2].scatter(stale, _col(metrics, "mismatch/logprob_abs_diff_max"), s=8, label="all tokens")
+    axes[2].scatter(stale, _col(metrics, "mismatch/numeric_logprob_abs_diff_max"), s=8,
+                    label="same weights (numerics)")
+    axes[2].set_yscale("log")
+    axes[2].set_xlabel("staleness (batches)")
+    axes[2].legend()
+    axes[2].set_title("max |log π_old − log μ|")
     for ax in axes:
         ax.grid(alpha=0.3)
     paths.append(_save(fig, out / "ratios.png"))

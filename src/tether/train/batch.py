@@ -25,6 +25,7 @@ class TrainBatch:
     behavior_logp: torch.Tensor  # (N, L − 1) log μ from the engine, 0 off the mask
     rewards: torch.Tensor  # (N,)
     group_size: int
+    behavior_versions: torch.Tensor  # (N, L − 1) the policy version that sampled each token, −1 off the mask
 
     @property
     def size(self) -> int:
@@ -32,7 +33,8 @@ class TrainBatch:
 
     def rows(self, index: torch.Tensor | slice) -> TrainBatch:
         return TrainBatch(self.input_ids[index], self.attention_mask[index], self.targets[index],
-                          self.mask[index], self.behavior_logp[index], self.rewards[index], self.group_size)
+                          self.mask[index], self.behavior_logp[index], self.rewards[index], self.group_size,
+                          self.behavior_versions[index])
 
 
 def to_train_batch(scored: ScoredBatch, pad_id: int) -> TrainBatch:
@@ -48,18 +50,21 @@ def to_train_batch(scored: ScoredBatch, pad_id: int) -> TrainBatch:
     attn = torch.zeros((n, width), dtype=torch.long)
     mask = torch.zeros((n, width - 1))
     behavior = torch.zeros((n, width - 1))
-    for i, (seq, p, lps) in enumerate(zip(seqs, prompts, scored.logprobs, strict=True)):
-        if len(lps) != len(seq) - len(p):
-            raise ValueError(f"sample {i}: {len(lps)} log-probs for {len(seq) - len(p)} completion tokens")
+    versions = torch.full((n, width - 1), -1, dtype=torch.long)
+    for i, (seq, p, lps, vs) in enumerate(zip(seqs, prompts, scored.logprobs, scored.versions, strict=True)):
+        if len(lps) != len(seq) - len(p) or len(vs) != len(lps):
+            raise ValueError(f"sample {i}: {len(lps)} log-probs and {len(vs)} versions for "
+                             f"{len(seq) - len(p)} completion tokens")
         ids[i, : len(seq)] = torch.as_tensor(seq)
         attn[i, : len(seq)] = 1
         start, end = len(p) - 1, len(seq) - 1
         mask[i, start:end] = 1.0
         behavior[i, start:end] = torch.as_tensor(lps, dtype=torch.float32)
+        versions[i, start:end] = torch.as_tensor(vs, dtype=torch.long)
     if not torch.isfinite(behavior).all():
         raise ValueError("the engine's log-probs contain non-finite values")
     return TrainBatch(ids, attn, ids[:, 1:], mask, behavior,
-                      torch.as_tensor(scored.rewards, dtype=torch.float32), g)
+                      torch.as_tensor(scored.rewards, dtype=torch.float32), g, versions)
 
 
 def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float,

@@ -13,7 +13,11 @@ recomputation with the weights it held when the batch arrived (the proximal poli
 Reported: ``ratio/is_weight_mean|max``, ``ratio/masked_frac``, ``ratio/ess`` (effective sample
 size of the final weights over valid tokens, (Σw)²/(n·Σw²), 1 when all equal),
 ``mismatch/logprob_abs_diff_mean|max`` and ``mismatch/k3`` (an estimate of KL(μ ‖ π_old) from the
-sampled tokens: ρ − 1 − log ρ).
+sampled tokens: ρ − 1 − log ρ). Those mix the two causes; ``mismatch/numeric_*`` separates the
+first: the same difference over only the tokens the engine sampled with the very weights π_old is
+computed with (``same_weights``), where staleness is zero and what remains is numerics — the
+engine's kernels, precision and sampling path against the trainer's forward
+(``mismatch/numeric_token_frac`` says how many tokens that is; the mean and max are NaN when none).
 """
 
 from __future__ import annotations
@@ -45,22 +49,32 @@ class Correction:
 
 
 def mismatch_metrics(old_logp: torch.Tensor, behavior_logp: torch.Tensor,
-                     mask: torch.Tensor) -> dict[str, float]:
+                     mask: torch.Tensor, same_weights: torch.Tensor | None = None) -> dict[str, float]:
+    """|log π_old − log μ| over ``mask``; with ``same_weights`` ((N, T) bool: the token was
+    sampled with the weights π_old comes from), also over those tokens alone."""
     m = mask.bool()
     if not m.any():
         return {}
     diff = (old_logp - behavior_logp)[m]
-    return {
+    out = {
         "mismatch/logprob_abs_diff_mean": float(diff.abs().mean()),
         "mismatch/logprob_abs_diff_max": float(diff.abs().max()),
         "mismatch/k3": float((torch.exp(diff) - 1 - diff).mean()),
     }
+    if same_weights is not None:
+        fresh = (old_logp - behavior_logp)[m & same_weights].abs()
+        out["mismatch/numeric_token_frac"] = fresh.numel() / diff.numel()
+        if fresh.numel():
+            out["mismatch/numeric_logprob_abs_diff_mean"] = float(fresh.mean())
+            out["mismatch/numeric_logprob_abs_diff_max"] = float(fresh.max())
+    return out
 
 
 def correct(old_logp: torch.Tensor, behavior_logp: torch.Tensor, mask: torch.Tensor,
-            s: CorrectionSettings, *, weigh: bool) -> Correction:
+            s: CorrectionSettings, *, weigh: bool, same_weights: torch.Tensor | None = None) -> Correction:
     """Weights and masks from ρ = π_old/μ. ``weigh`` applies the weight ρ itself (the proximal
-    anchor's decoupled objective), truncated when ``s.tis`` is set; masks apply either way."""
+    anchor's decoupled objective), truncated when ``s.tis`` is set; masks apply either way.
+    ``same_weights`` marks tokens sampled with π_old's own weights (for ``mismatch/numeric_*``)."""
     with torch.no_grad():
         log_rho = (old_logp - behavior_logp) * mask  # (N, T)
         lengths = mask.sum(dim=1).clamp(min=1)  # (N,)
@@ -95,5 +109,5 @@ def correct(old_logp: torch.Tensor, behavior_logp: torch.Tensor, mask: torch.Ten
                 "ratio/ess": float(total * total
                                    / (effective.numel() * (effective * effective).sum()).clamp(min=1e-12)),
             }
-        metrics.update(mismatch_metrics(old_logp, behavior_logp, mask))
+        metrics.update(mismatch_metrics(old_logp, behavior_logp, mask, same_weights))
     return Correction(weights=weights.contiguous(), keep=keep, metrics=metrics)

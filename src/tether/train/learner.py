@@ -121,12 +121,13 @@ class TorchLearner:
         mask = tb.mask * adv.keep.float()[:, None]  # (N, L − 1)
         minibatches = torch.arange(tb.size).tensor_split(u)  # U contiguous mini-batches
         inline_old = u == 1 and self._micro_count(tb.size) == 1
+        same = tb.behavior_versions == train_version  # sampled with the weights π_old comes from
         old = None if inline_old else self._no_grad_logp(self.model, tb)
         ref = self._no_grad_logp(self.ref_model, tb) if self.ref_model is not None else None
         stats = _Stats()
         committed = 0
         for rows in minibatches:
-            committed += self._update(tb.rows(rows), adv.values[rows], mask[rows],
+            committed += self._update(tb.rows(rows), adv.values[rows], mask[rows], same[rows],
                                       None if old is None else old[rows],
                                       None if ref is None else ref[rows], stats)
         return TrainResult(committed, u, self._metrics(stats, adv.frac_zero_std, u - committed))
@@ -160,15 +161,16 @@ class TorchLearner:
                      for rows in self._micro(tb.size)]
         return torch.cat(parts)
 
-    def _update(self, tb: TrainBatch, adv: torch.Tensor, mask: torch.Tensor, old: torch.Tensor | None,
-                ref: torch.Tensor | None, stats: _Stats) -> int:
+    def _update(self, tb: TrainBatch, adv: torch.Tensor, mask: torch.Tensor, same: torch.Tensor,
+                old: torch.Tensor | None, ref: torch.Tensor | None, stats: _Stats) -> int:
         s = self.s
         weigh = s.anchor == "proximal"
         settings = LossSettings(s.clip_low, s.clip_high, s.dual_clip)
         self.optimizer.zero_grad(set_to_none=True)
         # With π_old known, the corrections (and so the mini-batch's loss denominators) are fixed
         # before any forward pass; otherwise (U = 1, one micro-batch) the forward provides π_old.
-        corr_all = None if old is None else correct(old, tb.behavior_logp, mask, s.correction, weigh=weigh)
+        corr_all = None if old is None else correct(old, tb.behavior_logp, mask, s.correction, weigh=weigh,
+                                                    same_weights=same)
         if corr_all is not None:
             total_tokens, total_seqs = _denominators(corr_all.keep)
             for key, value in corr_all.metrics.items():
@@ -179,7 +181,8 @@ class TorchLearner:
                                            forward=self.forward)
             if corr_all is None:
                 old_mb = logp.detach()
-                corr = correct(old_mb, mb.behavior_logp, mask[rows], s.correction, weigh=weigh)
+                corr = correct(old_mb, mb.behavior_logp, mask[rows], s.correction, weigh=weigh,
+                               same_weights=same[rows])
                 total_tokens, total_seqs = _denominators(corr.keep)
                 weights, keep = corr.weights, corr.keep
                 for key, value in corr.metrics.items():
@@ -224,7 +227,8 @@ class TorchLearner:
     ALWAYS = ("loss/policy", "loss/total", "train/grad_norm", "train/entropy", "ratio/mean", "ratio/std",
               "ratio/min", "ratio/max", "ratio/clip_frac_low", "ratio/clip_frac_high", "ratio/is_weight_mean",
               "ratio/is_weight_max", "ratio/masked_frac", "ratio/ess", "mismatch/logprob_abs_diff_mean",
-              "mismatch/logprob_abs_diff_max", "mismatch/k3")
+              "mismatch/logprob_abs_diff_max", "mismatch/k3", "mismatch/numeric_token_frac",
+              "mismatch/numeric_logprob_abs_diff_mean", "mismatch/numeric_logprob_abs_diff_max")
     """Reported for every batch; NaN when undefined (e.g. every group dropped for zero variance)."""
 
     def _metrics(self, stats: _Stats, frac_zero_std: float, skipped: int) -> dict[str, float]:
