@@ -1,8 +1,10 @@
 """The engine on a CUDA device: what a Ray rollout actor with ``ray.gpus_per_worker > 0`` runs.
 
-The development and CI machines have no GPU, so these skip there; ``scripts/device_check.sh``
-runs them on a GPU machine (``pytest -m gpu``). What a machine without CUDA can check — the clear
-errors when a GPU is asked for and none is there — is tested at the end, everywhere.
+Each test runs on ``cpu`` and on ``cuda``; the CUDA cases (marked ``gpu``) skip on the development
+and CI machines, which have no GPU, and ``scripts/device_check.sh`` runs them on a GPU machine
+(``pytest -m gpu``). The CPU cases check the tests themselves wherever they run. What a machine
+without CUDA can check — the clear error when a GPU is asked for and none is there — is tested
+at the end.
 """
 
 import pytest
@@ -18,13 +20,17 @@ from tether.rollout.torch_engine import TorchEngine  # noqa: E402
 from tether.rollout.types import WorkItem  # noqa: E402
 from tether.rollout.worker import Rollout, WorkerSpec  # noqa: E402
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                    reason="needs a CUDA device")]),
+]
 
 
-def on_cuda(model_dir):
+def on(device, model_dir):
     model, tok = load_causal_lm(model_dir)
-    return model.to("cuda").eval(), tok
+    return model.to(device).eval(), tok
 
 
 def prompt_ids(tok, texts):
@@ -43,28 +49,28 @@ def exact_fp32():
         yield
 
 
-@cuda
-@pytest.mark.gpu
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_engine_logprobs_on_cuda_match_a_teacher_forced_forward(tiny_model_dir, temperature):
-    model, tok = on_cuda(tiny_model_dir)
+def test_engine_logprobs_on_the_device_match_a_teacher_forced_forward(tiny_model_dir, device, temperature):
+    model, tok = on(device, tiny_model_dir)
     ps = prompt_ids(tok, ["1+1=", "12+345=", "rev abcdef="])  # different lengths → left padding
     engine = TorchEngine(model, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
     groups = engine.generate(ps, samples_per_prompt=2, params=SamplingParams(max_new_tokens=12,
                              temperature=temperature), seed=0)
     for p, group in zip(ps, groups, strict=True):
         for c in group:
-            ids = torch.tensor([p + c.token_ids], device="cuda")
-            logits = model(ids).logits[0, len(p) - 1: -1].float() / temperature
+            ids = torch.tensor([p + c.token_ids], device=device)
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(p) - 1: -1].float() / temperature
             expected = torch.log_softmax(logits, -1).gather(
-                -1, torch.tensor(c.token_ids, device="cuda")[:, None]).squeeze(-1)
+                -1, torch.tensor(c.token_ids, device=device)[:, None]).squeeze(-1)
             assert torch.allclose(torch.tensor(c.logprobs), expected.cpu(), atol=1e-5)
 
 
-@cuda
-@pytest.mark.gpu
-def test_engine_on_cuda_is_seeded_and_a_weight_load_changes_samples_and_versions(tiny_model_dir):
-    model, tok = on_cuda(tiny_model_dir)
+@pytest.mark.parametrize("device", DEVICES)
+def test_engine_on_the_device_is_seeded_and_a_weight_load_changes_samples_and_versions(tiny_model_dir,
+                                                                                      device):
+    model, tok = on(device, tiny_model_dir)
     engine = TorchEngine(model, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
     ps = prompt_ids(tok, ["12+34="] * 4)
     params = SamplingParams(max_new_tokens=8)
@@ -76,25 +82,24 @@ def test_engine_on_cuda_is_seeded_and_a_weight_load_changes_samples_and_versions
     assert tokens(1) == tokens(1)
     assert tokens(1) != tokens(2)
     before = tokens(1)
-    # the weights a publication brings arrive as CPU tensors; the engine copies them to its GPU
+    # the weights a publication brings arrive as host tensors; a GPU engine copies them in
     new = {n: (p.detach().cpu() + 0.05 * torch.randn_like(p.cpu())) for n, p in model.named_parameters()}
-    engine.load_weights(new, version=3)
-    assert next(model.parameters()).is_cuda
+    engine.bind(new, version=3)
+    assert next(model.parameters()).device.type == device
     after = engine.generate(ps, samples_per_prompt=2, params=params, seed=1)
     assert [c.token_ids for g in after for c in g] != before
     assert all(v == 3 for g in after for c in g for v in c.versions)
 
 
-@cuda
-@pytest.mark.gpu
-def test_lean_decoder_on_cuda_agrees_with_the_transformers_forward(tiny_model_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_lean_decoder_on_the_device_agrees_with_the_transformers_forward(tiny_model_dir, device):
     from tether.decoding.fast_decoder import FastDecoder
     from tether.decoding.sampling import _TransformersStepper
 
-    model, tok = on_cuda(tiny_model_dir)
+    model, tok = on(device, tiny_model_dir)
     ps = prompt_ids(tok, ["7+8=", "rev abcdefgh=", "100+1="])
     outs = [sample(model, ps, SamplingParams(max_new_tokens=10), stop_ids=[tok.eos_token_id],
-                   pad_id=tok.pad_token_id, generator=torch.Generator(device="cuda").manual_seed(0),
+                   pad_id=tok.pad_token_id, generator=torch.Generator(device=device).manual_seed(0),
                    stepper=stepper, samples_per_prompt=3)
             for stepper in (FastDecoder(model), _TransformersStepper(model))]
     assert outs[0].tokens == outs[1].tokens
@@ -102,12 +107,11 @@ def test_lean_decoder_on_cuda_agrees_with_the_transformers_forward(tiny_model_di
         assert a == pytest.approx(b, abs=1e-5)
 
 
-@cuda
-@pytest.mark.gpu
-def test_a_rollout_worker_on_cuda_returns_a_whole_scored_batch(tiny_model_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_rollout_worker_on_the_device_returns_a_whole_scored_batch(tiny_model_dir, device):
     rollout = Rollout(WorkerSpec(worker_id=0, model_path=str(tiny_model_dir), reward="task",
-                                 task="arithmetic", stop_text="\n", device="cuda"))
-    assert next(rollout.engine.model.parameters()).is_cuda
+                                 task="arithmetic", stop_text="\n", device=device))
+    assert next(rollout.engine.model.parameters()).device.type == device
     examples = list(enumerate(get_task("arithmetic").examples("train", 3, seed=0)))
     batch = rollout.generate(WorkItem(batch_index=0, examples=examples, group_size=4,
                                       params=SamplingParams(max_new_tokens=6), version=0, seed=0))
