@@ -75,6 +75,16 @@ def test_run_directory_evals_at_boundaries_and_checkpoints(tiny_model_dir, tmp_p
     assert 50 < summary["memory_peak_mb"]["trainer"] < 20_000
     assert 50 < summary["memory_peak_mb"]["rollout_worker"] < 20_000
     assert "memory/rollout_peak_mb" in metrics[0] and "memory/trainer_peak_mb" in metrics[0]
+    # how off-policy the run was: the largest log-prob differences over the run, overall and on
+    # the tokens sampled with the trained weights (numerics alone, tiny in float32)
+    overall = max(m["mismatch/logprob_abs_diff_max"] for m in metrics
+                  if m["mismatch/logprob_abs_diff_max"] is not None)  # None: no token in the loss
+    assert summary["logprob_abs_diff_max"] == pytest.approx(overall)
+    numeric = [m["mismatch/numeric_logprob_abs_diff_max"] for m in metrics
+               if m["mismatch/numeric_logprob_abs_diff_max"] is not None]
+    assert numeric, "some batch was sampled with the weights it trained on"
+    assert summary["numeric_logprob_abs_diff_max"] == pytest.approx(max(numeric))
+    assert summary["numeric_logprob_abs_diff_max"] < 1e-4
     from tether.runtime.report import write_report
 
     plots = write_report(run_dir)

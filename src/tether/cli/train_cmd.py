@@ -82,6 +82,11 @@ def run(ns: argparse.Namespace) -> int:
     print(f"trained {summary['trained_batches']} batches in {summary['wall_s']:.0f}s "
           f"({summary['samples_per_s']:.0f} samples/s); max staleness "
           f"{summary['staleness_batches_max']:g} batches")
+    numeric, overall = summary.get("numeric_logprob_abs_diff_max"), summary.get("logprob_abs_diff_max")
+    if overall is not None:
+        print(f"engine vs trainer log-probs: max |Δ| {overall:.3g} over all tokens (staleness included)"
+              + (f", {numeric:.2g} on tokens sampled with the trained weights (numerics)"
+                 if numeric is not None else ""))
     if first is not None:
         print(f"held-out pass@1: {first:.1%} → {last:.1%} ({(last - first) * 100:+.1f} points)")
     print(f"run directory: {run_dir}")

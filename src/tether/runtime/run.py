@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import signal
 import threading
 import time
@@ -257,6 +258,11 @@ class _Hooks:
         self.checkpointer.save(step, state, self.learner)
 
 
+def _finite_max(values) -> float | None:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return max(finite) if finite else None
+
+
 def summarize_run(cfg: Config, trace: TraceRecorder, final: LoopState, wall_s: float, run_dir: Path) -> dict:
     records = trace.records
     evals = trace.evals
@@ -280,6 +286,12 @@ def summarize_run(cfg: Config, trace: TraceRecorder, final: LoopState, wall_s: f
             "rollout_worker": max((r.metrics.get("memory/rollout_peak_mb", 0.0) for r in records),
                                   default=0.0),
         },
+        # how off-policy the run was, beyond staleness: the largest engine-vs-trainer log-prob
+        # difference overall (staleness and numerics) and on same-weight tokens (numerics alone)
+        "logprob_abs_diff_max": _finite_max(r.metrics.get("mismatch/logprob_abs_diff_max") for r in records),
+        "numeric_logprob_abs_diff_max": _finite_max(
+            r.metrics.get("mismatch/numeric_logprob_abs_diff_max") for r in records),
+        "is_weight_max": _finite_max(r.metrics.get("ratio/is_weight_max") for r in records),
         "staleness_batches_max": max(staleness, default=0.0),
         "staleness_batches_mean": sum(staleness) / len(staleness) if staleness else 0.0,
         "syncs_after": [e.detail["step"] for e in trace.of_kind("sync") if e.detail.get("published")],
