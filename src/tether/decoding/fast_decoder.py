@@ -10,9 +10,9 @@ runs each step with:
 - every weight matrix held transposed, (in, out) and contiguous, so a linear layer is
   ``x @ Wᵀ`` with a plain row-major right operand: MKL runs these 15–35% faster than
   ``F.linear``'s transposed operand at decode sizes (M = 16–64 rows, benchmarks/engine.py).
-  For sampling these are copies, rebuilt lazily at the first prefill after a weight load
+  For sampling on CPU these are copies, rebuilt lazily at the first prefill after a weight load
   (``invalidate``), so a load costs nothing until the next generation; they double the memory of
-  the linear weights. For a training forward they are views (``refresh(contiguous=False)``),
+  the linear weights. On a GPU (cuBLAS takes either layout at full speed) they are views. For a training forward they are views (``refresh(contiguous=False)``),
   in the autograd graph, and the arithmetic is ``F.linear``'s;
 - q, k and v (and gate and up) as one matrix multiply each;
 - one RMSNorm and one rotary embedding over q and k together, from a table of the batch's
@@ -110,8 +110,12 @@ class FastDecoder:
         copies' layout, and the copies would cost a transpose of every weight per call."""
         cut = (lambda t: t.detach()) if detach else (lambda t: t)
 
+        # the copies pay on CPU (MKL); cuBLAS takes a transposed operand at full speed, so on a
+        # GPU they would only cost memory
+        on_cpu = self.model.model.embed_tokens.weight.device.type == "cpu"
+
         def joined(*parts: torch.Tensor) -> torch.Tensor:
-            return _joined_t([cut(t) for t in parts], contiguous=contiguous and detach)
+            return _joined_t([cut(t) for t in parts], contiguous=contiguous and detach and on_cpu)
 
         inner = self.model.model
         self.embed = inner.embed_tokens.weight
