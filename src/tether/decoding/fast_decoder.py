@@ -7,13 +7,14 @@ runs each step with:
 
 - a preallocated KV cache, written in place (no concatenation per step), with each prompt's
   prefill run once and shared by its group of samples;
-- every weight matrix held transposed, (in, out) and contiguous, so a linear layer is
-  ``x @ Wᵀ`` with a plain row-major right operand: MKL runs these 15–35% faster than
-  ``F.linear``'s transposed operand at decode sizes (M = 16–64 rows, benchmarks/engine.py).
-  For sampling on CPU these are copies, rebuilt lazily at the first prefill after a weight load
-  (``invalidate``), so a load costs nothing until the next generation; they double the memory of
-  the linear weights. On a GPU (cuBLAS takes either layout at full speed) they are views. For a training forward they are views (``refresh(contiguous=False)``),
-  in the autograd graph, and the arithmetic is ``F.linear``'s;
+- every weight matrix held transposed, (in, out), so a linear layer is ``x @ Wᵀ``. For sampling
+  on CPU these are contiguous copies, a plain row-major right operand that MKL multiplies 15–35%
+  faster than ``F.linear``'s transposed one at decode sizes (M = 16–64 rows,
+  benchmarks/engine.py); they are rebuilt lazily at the first prefill after a weight load
+  (``invalidate``), so a load costs nothing until the next generation, and they double the
+  memory of the linear weights. On a GPU (cuBLAS takes either layout at full speed) and for a
+  training forward (``refresh(contiguous=False)``, in the autograd graph) they are views, and the
+  arithmetic is ``F.linear``'s;
 - q, k and v (and gate and up) as one matrix multiply each;
 - one RMSNorm and one rotary embedding over q and k together, from a table of the batch's
   positions built at prefill, and an additive key mask built once per batch;
