@@ -127,7 +127,7 @@ def warmstart(
     def evaluate() -> float:
         return pass_at_1(model, tokenizer, score, held_out, stop_text=stop_text)
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0, fused=True)
     rng = random.Random(s.seed)
 
     t0 = time.monotonic()
