@@ -192,7 +192,7 @@ class FastDecoder:
             self.refresh()
         u, p = ids.shape
         b = u * repeats
-        self.batch, self.prompt_len = b, p
+        self.batch = b
         self.capacity = p + max_new_tokens
         kvh, hd = self.kv_heads, self.head_dim
         like = dict(device=ids.device, dtype=self.embed.dtype)

@@ -55,14 +55,15 @@ def mismatch_metrics(old_logp: torch.Tensor, behavior_logp: torch.Tensor,
     m = mask.bool()
     if not m.any():
         return {}
-    diff = (old_logp - behavior_logp)[m]
+    delta = old_logp - behavior_logp  # (N, T)
+    diff = delta[m]
     out = {
         "mismatch/logprob_abs_diff_mean": float(diff.abs().mean()),
         "mismatch/logprob_abs_diff_max": float(diff.abs().max()),
         "mismatch/k3": float((torch.exp(diff) - 1 - diff).mean()),
     }
     if same_weights is not None:
-        fresh = (old_logp - behavior_logp)[m & same_weights].abs()
+        fresh = delta[m & same_weights].abs()
         out["mismatch/numeric_token_frac"] = fresh.numel() / diff.numel()
         if fresh.numel():
             out["mismatch/numeric_logprob_abs_diff_mean"] = float(fresh.mean())
