@@ -142,6 +142,26 @@ def test_save_and_load_resume_exactly(tiny_model_dir, tmp_path):
         assert torch.equal(pa, pb)
 
 
+def test_cosine_schedule_follows_the_update_count_across_a_resume(tiny_model_dir, tmp_path):
+    batch, _tok = sampled_batch(tiny_model_dir)
+    settings = LearnerSettings(lr=1e-3, updates_per_batch=2, lr_schedule="cosine", min_lr_ratio=0.2,
+                               total_updates=4)
+    a = TorchLearner(tiny_model_dir, settings)
+    rates = []
+    for version in range(2):
+        metrics = a.train(batch, train_version=version).metrics
+        rates.append(metrics["train/lr"])
+        if version == 0:
+            a.save(tmp_path / "ckpt")
+    # the rate reported after a batch is the next update's: k = 2 → p = ½ → 0.6; k = 4 → the floor
+    assert rates == pytest.approx([1e-3 * 0.6, 1e-3 * 0.2])
+    b = TorchLearner(tiny_model_dir, settings)
+    b.load(tmp_path / "ckpt")
+    assert b.train(batch, train_version=1).metrics["train/lr"] == pytest.approx(rates[1])
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
 def test_bad_batches_are_refused(tiny_model_dir):
     batch, _tok = sampled_batch(tiny_model_dir)
     with pytest.raises(ConfigError, match="exceeds the 16 sequences"):

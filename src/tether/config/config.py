@@ -90,6 +90,16 @@ class Config:
                 "train.anchor=proximal; with train.anchor=behavior the ratio is already taken "
                 "against μ. Set correction.tis=none or train.anchor=proximal"
             )
+        t = self.train
+        if t.min_lr_ratio and t.lr_schedule == "constant":
+            raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} has no effect with "
+                              "train.lr_schedule=constant; set train.lr_schedule=linear or cosine, or "
+                              "remove train.min_lr_ratio")
+        if t.warmup_steps > t.num_batches * t.updates_per_batch:
+            raise ConfigError(f"train.warmup_steps={t.warmup_steps} is longer than the run's "
+                              f"{t.num_batches * t.updates_per_batch} optimizer updates "
+                              "(train.num_batches × train.updates_per_batch), so the rate would never "
+                              "reach train.lr; lower train.warmup_steps")
         if self.correction.mask_low >= self.correction.mask_high:
             raise ConfigError("correction.mask_low must be below correction.mask_high")
         r = self.ray

@@ -116,6 +116,15 @@ class TrainSection:
     )
     lr: float = knob(1e-6, "AdamW learning rate after warm-up.", min=0)
     warmup_steps: int = knob(0, "Optimizer updates of linear warm-up from 0 to train.lr.", min=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = knob(
+        "constant",
+        "Learning rate after warm-up: 'constant' at train.lr, or decayed 'linear'ly or along a "
+        "'cosine' to train.lr × train.min_lr_ratio at the run's last planned update "
+        "(train.num_batches × train.updates_per_batch).",
+    )
+    min_lr_ratio: float = knob(
+        0.0, "Where a decaying train.lr_schedule ends, as a fraction of train.lr.", min=0, max=1
+    )
     weight_decay: float = knob(0.0, "AdamW weight decay.", min=0)
     adam_beta1: float = knob(0.9, "AdamW β1.", min=0, max=1)
     adam_beta2: float = knob(0.999, "AdamW β2.", min=0, max=1)

@@ -1,0 +1,61 @@
+"""The learning-rate schedule: warm-up, then constant, linear or cosine decay to a floor."""
+
+import itertools
+import math
+
+import pytest
+
+from tether.config import load_config
+from tether.errors import ConfigError
+from tether.train.schedule import lr_factor
+
+
+def factors(kind, *, warmup=2, total=10, min_ratio=0.1):
+    return [lr_factor(k, kind=kind, warmup_steps=warmup, total_steps=total, min_ratio=min_ratio)
+            for k in range(12)]
+
+
+def test_warm_up_is_linear_from_the_first_update():
+    # W = 2: updates 0 and 1 run at 1/2 and 2/2 of the rate, whatever the decay after
+    for kind in ("constant", "linear", "cosine"):
+        assert factors(kind)[:2] == [0.5, 1.0]
+
+
+def test_constant_holds_the_rate():
+    assert factors("constant", min_ratio=0.0)[2:] == [1.0] * 10
+
+
+def test_linear_reaches_the_floor_at_the_last_planned_update():
+    # p = (k − 2) / 8; f = 0.1 + 0.9 (1 − p): k = 6 → p = ½ → 0.55; k = 10 → 0.1, and it stays there
+    f = factors("linear")
+    assert f[2] == pytest.approx(1.0) and f[6] == pytest.approx(0.55)
+    assert f[10] == pytest.approx(0.1) and f[11] == pytest.approx(0.1)
+    assert all(a >= b for a, b in itertools.pairwise(f[2:]))
+
+
+def test_cosine_is_half_way_at_mid_run():
+    # k = 6 → p = ½ → cos(π/2) = 0 → f = 0.1 + 0.9 · ½ = 0.55; k = 4 → p = ¼ → 0.1 + 0.45 (1 + √½)
+    f = factors("cosine")
+    assert f[6] == pytest.approx(0.55)
+    assert f[4] == pytest.approx(0.1 + 0.45 * (1 + math.sqrt(0.5)))
+    assert f[10] == pytest.approx(0.1) and f[11] == pytest.approx(0.1)
+
+
+def test_no_warm_up_starts_at_the_full_rate():
+    assert lr_factor(0, kind="cosine", warmup_steps=0, total_steps=4, min_ratio=0.0) == 1.0
+    assert lr_factor(4, kind="cosine", warmup_steps=0, total_steps=4, min_ratio=0.0) == pytest.approx(0.0)
+
+
+def test_unknown_schedule_names_the_valid_ones():
+    with pytest.raises(ValueError, match="valid: constant, linear, cosine"):
+        lr_factor(0, kind="step", warmup_steps=0, total_steps=1, min_ratio=0.0)
+
+
+def test_config_refuses_keys_that_would_do_nothing():
+    assert load_config(None, ["train.lr_schedule=cosine", "train.min_lr_ratio=0.1"]).train.min_lr_ratio == 0.1
+    with pytest.raises(ConfigError, match=r"no effect with train\.lr_schedule=constant"):
+        load_config(None, ["train.min_lr_ratio=0.1"])
+    with pytest.raises(ConfigError, match=r"would never reach train\.lr"):
+        load_config(None, ["train.num_batches=5", "train.updates_per_batch=2", "train.warmup_steps=11"])
+    with pytest.raises(ConfigError, match="must be one of 'constant', 'linear', 'cosine'"):
+        load_config(None, ["train.lr_schedule=exp"])
