@@ -1,5 +1,6 @@
 """The torch learner on a real tiny model and real engine samples."""
 
+import copy
 import math
 
 import pytest
@@ -160,6 +161,58 @@ def test_cosine_schedule_follows_the_update_count_across_a_resume(tiny_model_dir
     assert b.train(batch, train_version=1).metrics["train/lr"] == pytest.approx(rates[1])
     for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(pa, pb)
+
+
+def with_lengths(batch, lengths, max_new_tokens=6):
+    """``batch`` with sample i cut to its first ``lengths[i]`` tokens (a prefix of a sample is a
+    sample, with the same log-probs); those at ``max_new_tokens`` finish by 'length'."""
+    s = batch.payload
+    assert all(len(c) >= n for c, n in zip(s.completion_ids, lengths, strict=True))
+    s.completion_ids = [c[:n] for c, n in zip(s.completion_ids, lengths, strict=True)]
+    s.logprobs = [lp[:n] for lp, n in zip(s.logprobs, lengths, strict=True)]
+    s.versions = [v[:n] for v, n in zip(s.versions, lengths, strict=True)]
+    s.finish_reasons = ["length" if n == max_new_tokens else "stop" for n in lengths]
+    return batch
+
+
+def grads_after_one_batch(model_dir, batch, **settings):
+    learner = TorchLearner(model_dir, LearnerSettings(lr=0.0, grad_clip=0.0, **settings))
+    result = learner.train(batch, train_version=0)
+    return [p.grad.detach().clone() for p in learner.model.parameters()], result.metrics
+
+
+def test_truncated_completions_are_left_out_of_the_loss(tiny_model_dir):
+    batch, _tok = sampled_batch(tiny_model_dir, seed=3)
+    # group 0 stops early; groups 1–3 are all cut off at max_new_tokens
+    batch = with_lengths(batch, [2, 3, 4, 5] + [6] * 12)
+    masked, _ = grads_after_one_batch(tiny_model_dir, batch, mask_truncated=True)
+    # the same update as training on group 0 alone (token_mean: the same tokens in the denominator)
+    alone = copy.deepcopy(batch)
+    s = alone.payload
+    s.prompt_ids, s.positions = s.prompt_ids[:1], s.positions[:1]
+    for name in ("completion_ids", "logprobs", "versions", "rewards", "finish_reasons", "completions"):
+        setattr(s, name, getattr(s, name)[:4])
+    group0, _ = grads_after_one_batch(tiny_model_dir, alone)
+    full, _ = grads_after_one_batch(tiny_model_dir, batch)
+    for a, b in zip(masked, group0, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-4)
+    assert any(not torch.allclose(a, b, atol=1e-6) for a, b in zip(masked, full, strict=True))
+
+
+def test_overlong_penalty_shapes_rewards_before_advantages(tiny_model_dir):
+    batch, _tok = sampled_batch(tiny_model_dir, seed=3)
+    lengths = [1, 2, 3, 4, 5, 6, 6, 6, 3, 4, 5, 6, 1, 1, 2, 2]
+    batch = with_lengths(batch, lengths)
+    batch.payload.rewards = [1.0] * len(lengths)  # equal rewards: no signal without the penalty
+    plain, _ = grads_after_one_batch(tiny_model_dir, batch)
+    assert all(float(g.abs().max()) == 0.0 for g in plain)
+    shaped, metrics = grads_after_one_batch(tiny_model_dir, batch, overlong_buffer=3, overlong_penalty=0.5,
+                                            max_new_tokens=6)
+    # L_max = 6, L_c = 3: lengths 4, 5, 6 lose 0.5·⅓, 0.5·⅔, 0.5; 8 of the 16 samples are past 3 tokens
+    expected = sum({4: 1 / 6, 5: 1 / 3, 6: 0.5}.get(n, 0.0) for n in lengths) / len(lengths)
+    assert metrics["reward/overlong_penalty_mean"] == pytest.approx(-expected)
+    assert metrics["reward/overlong_frac"] == pytest.approx(8 / 16)
+    assert any(float(g.abs().max()) > 0.0 for g in shaped)
 
 
 def test_bad_batches_are_refused(tiny_model_dir):

@@ -163,3 +163,14 @@ def test_an_explicit_key_wins_over_the_preset_and_is_recorded():
         load_config(None, ["train.algorithm=ppo"])
     with pytest.raises(ConfigError, match="valid ones are: grpo, dapo"):
         preset("ppo")
+
+
+def test_overlong_keys_are_checked_against_the_completion_budget():
+    cfg = load_config(None, ["rollout.max_new_tokens=16", "reward.overlong_buffer=4",
+                             "reward.overlong_penalty=0.5", "train.mask_truncated=true"])
+    r, t = cfg.reward, cfg.train
+    assert (r.overlong_buffer, r.overlong_penalty, t.mask_truncated) == (4, 0.5, True)
+    with pytest.raises(ConfigError, match=r"overlong_buffer=20 is longer than rollout\.max_new_tokens=16"):
+        load_config(None, ["rollout.max_new_tokens=16", "reward.overlong_buffer=20"])
+    with pytest.raises(ConfigError, match=r"overlong_penalty=0\.5 has no effect"):
+        load_config(None, ["reward.overlong_penalty=0.5"])

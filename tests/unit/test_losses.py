@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tether.errors import ConfigError  # noqa: E402
-from tether.train.advantages import group_advantages  # noqa: E402
+from tether.train.advantages import group_advantages, overlong_penalty  # noqa: E402
 from tether.train.losses import (  # noqa: E402
     LossInputs,
     LossSettings,
@@ -111,6 +111,15 @@ def test_kl_estimators():
     assert kl_penalty(logp, logp, "k3").item() == 0.0
     with pytest.raises(ConfigError, match="k1, k2, k3"):
         kl_penalty(logp, ref, "k4")
+
+
+def test_overlong_penalty_falls_over_the_buffer():
+    # L_max = 8, L_c = 4, f = 0.5: up to 4 tokens 0; 5 → −0.5·¼; 6 → −0.5·½; 8 → −0.5
+    lengths = torch.tensor([1, 4, 5, 6, 8])
+    got = overlong_penalty(lengths, max_len=8, buffer=4, factor=0.5)
+    assert got.tolist() == pytest.approx([0.0, 0.0, -0.125, -0.25, -0.5])
+    with pytest.raises(ValueError, match=r"must be 1\.\.8 tokens, got 9"):
+        overlong_penalty(lengths, max_len=8, buffer=9, factor=1.0)
 
 
 def test_group_advantages():

@@ -90,7 +90,14 @@ class Config:
                 "train.anchor=proximal; with train.anchor=behavior the ratio is already taken "
                 "against μ. Set correction.tis=none or train.anchor=proximal"
             )
-        t = self.train
+        t, rw = self.train, self.reward
+        if rw.overlong_buffer > self.rollout.max_new_tokens:
+            raise ConfigError(f"reward.overlong_buffer={rw.overlong_buffer} is longer than "
+                              f"rollout.max_new_tokens={self.rollout.max_new_tokens}; the buffer is the last "
+                              "part of the completion budget, so lower it")
+        if rw.overlong_penalty != 1.0 and not rw.overlong_buffer:
+            raise ConfigError(f"reward.overlong_penalty={rw.overlong_penalty} has no effect with "
+                              "reward.overlong_buffer=0 (off); set the buffer too, or remove the penalty")
         if t.min_lr_ratio and t.lr_schedule == "constant":
             raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} has no effect with "
                               "train.lr_schedule=constant; set train.lr_schedule=linear or cosine, or "

@@ -98,6 +98,11 @@ class TrainSection:
         None, f"Dual clip c > 1 bounds negative-advantage losses at c·|A|; 0 = off ({FROM_PRESET}).", min=0
     )
     adv_std_norm: bool | None = knob(None, f"Divide advantages by the reward std ({FROM_PRESET}).")
+    mask_truncated: bool = knob(
+        False,
+        "Leave completions cut off at rollout.max_new_tokens out of the loss (DAPO's overlong "
+        "filtering, TRL's mask_truncated_completions); they still count in their group's baseline.",
+    )
     adv_scope: Literal["group", "batch"] = knob(
         "group", "Whose std normalises advantages: each prompt group's, or the whole batch's."
     )
@@ -273,7 +278,7 @@ class DataSection:
 
 @dataclass(frozen=True)
 class RewardSection:
-    """How completions are scored (inside the rollout workers)."""
+    """How completions are scored (inside the rollout workers) and shaped (by the learner)."""
 
     function: str = knob(
         "task",
@@ -284,6 +289,16 @@ class RewardSection:
         "raise",
         "A reward function that raises or returns a non-finite value: fail the batch and the run "
         "('raise'), or score that sample 0 and count it in reward/errors ('zero').",
+    )
+    overlong_buffer: int = knob(
+        0,
+        "DAPO's soft overlong punishment: over the last this many tokens before "
+        "rollout.max_new_tokens, a completion's reward falls linearly by up to "
+        "reward.overlong_penalty (added by the learner before advantages). 0 = off.",
+        min=0,
+    )
+    overlong_penalty: float = knob(
+        1.0, "The punishment at rollout.max_new_tokens, with reward.overlong_buffer set.", min=0
     )
 
 

@@ -33,6 +33,8 @@ def learner_settings(cfg: Config):
     return LearnerSettings(
         updates_per_batch=t.updates_per_batch, loss=t.loss, aggregation=t.aggregation,
         clip_low=t.clip_low, clip_high=t.clip_high, dual_clip=t.dual_clip, adv_std_norm=t.adv_std_norm,
+        mask_truncated=t.mask_truncated, overlong_buffer=cfg.reward.overlong_buffer,
+        overlong_penalty=cfg.reward.overlong_penalty,
         adv_scope=t.adv_scope, drop_zero_std=t.drop_zero_std, kl_coef=t.kl_coef, kl_estimator=t.kl_estimator,
         anchor=t.anchor,
         correction=CorrectionSettings(tis=c.tis, tis_cap=c.tis_cap, mask=c.mask, mask_low=c.mask_low,

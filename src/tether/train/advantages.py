@@ -5,6 +5,13 @@ For B prompt groups of G samples with rewards r (B, G):
     A = r − mean_group(r)                          (the baseline is always the group mean)
     A = A / (std + eps)        when std_norm       (std per group, or over the batch: scope)
 
+Before that, DAPO's soft overlong punishment (Yu et al. 2025, §3.4) may shape the rewards: with
+L_max = rollout.max_new_tokens and a buffer of L_c tokens, a completion of |y| tokens gets
+
+    R_len(y) = −f · min(max(|y| − (L_max − L_c), 0) / L_c, 1)      (0 up to L_max − L_c, −f at L_max)
+
+added to its reward (f = reward.overlong_penalty).
+
 Dr. GRPO turns ``std_norm`` off. A group whose rewards are all equal has A = 0 everywhere; it is
 counted (``reward/frac_zero_std``) and can be dropped from the loss so it does not dilute the
 token normaliser. Standard deviations are population (biased) ones.
@@ -25,6 +32,14 @@ class Advantages:
     keep: torch.Tensor
     """(N,) False for samples of dropped zero-std groups."""
     frac_zero_std: float
+
+
+def overlong_penalty(lengths: torch.Tensor, *, max_len: int, buffer: int, factor: float) -> torch.Tensor:
+    """R_len for completion ``lengths`` (N,): 0 before the last ``buffer`` tokens, falling to −factor."""
+    if not 0 < buffer <= max_len:
+        raise ValueError(f"the overlong buffer must be 1..{max_len} tokens, got {buffer}")
+    exceed = (lengths.float() - (max_len - buffer)).clamp(min=0.0)  # (N,)
+    return -factor * (exceed / buffer).clamp(max=1.0)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, std_norm: bool = True,

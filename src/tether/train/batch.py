@@ -26,6 +26,7 @@ class TrainBatch:
     rewards: torch.Tensor  # (N,)
     group_size: int
     behavior_versions: torch.Tensor  # (N, L − 1) the policy version that sampled each token, −1 off the mask
+    truncated: torch.Tensor  # (N,) bool: cut off at max_new_tokens (finish reason 'length')
 
     @property
     def size(self) -> int:
@@ -34,7 +35,7 @@ class TrainBatch:
     def rows(self, index: torch.Tensor | slice) -> TrainBatch:
         return TrainBatch(self.input_ids[index], self.attention_mask[index], self.targets[index],
                           self.mask[index], self.behavior_logp[index], self.rewards[index], self.group_size,
-                          self.behavior_versions[index])
+                          self.behavior_versions[index], self.truncated[index])
 
 
 def to_train_batch(scored: ScoredBatch, pad_id: int) -> TrainBatch:
@@ -63,8 +64,9 @@ def to_train_batch(scored: ScoredBatch, pad_id: int) -> TrainBatch:
         versions[i, start:end] = torch.as_tensor(vs, dtype=torch.long)
     if not torch.isfinite(behavior).all():
         raise ValueError("the engine's log-probs contain non-finite values")
+    truncated = torch.as_tensor([reason == "length" for reason in scored.finish_reasons], dtype=torch.bool)
     return TrainBatch(ids, attn, ids[:, 1:], mask, behavior,
-                      torch.as_tensor(scored.rewards, dtype=torch.float32), g, versions)
+                      torch.as_tensor(scored.rewards, dtype=torch.float32), g, versions, truncated)
 
 
 def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float,

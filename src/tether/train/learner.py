@@ -22,7 +22,7 @@ from tether.errors import ConfigError
 from tether.loop.protocols import RolloutBatch, TrainResult
 from tether.modeling import load_causal_lm, unique_parameters
 from tether.procinfo import peak_rss_mb
-from tether.train.advantages import group_advantages
+from tether.train.advantages import group_advantages, overlong_penalty
 from tether.train.batch import TrainBatch, to_train_batch, token_logprobs
 from tether.train.corrections import CorrectionSettings, correct
 from tether.train.losses import LossInputs, LossSettings, aggregate, get_loss, kl_penalty
@@ -44,6 +44,10 @@ class LearnerSettings:
     adv_std_norm: bool = True
     adv_scope: str = "group"
     drop_zero_std: bool = False
+    mask_truncated: bool = False
+    """Leave completions cut off at ``max_new_tokens`` out of the loss (DAPO's overlong filtering)."""
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     anchor: str = "proximal"
@@ -123,15 +127,23 @@ class TorchLearner:
         if u > tb.size:
             raise ConfigError(f"train.updates_per_batch={u} exceeds the {tb.size} sequences of a rollout "
                               "batch; lower it or raise rollout.batch_size × rollout.group_size")
-        adv = group_advantages(tb.rewards, tb.group_size, std_norm=s.adv_std_norm, scope=s.adv_scope,
+        stats = _Stats()
+        rewards = tb.rewards  # (N,)
+        if s.overlong_buffer:
+            penalty = overlong_penalty(tb.mask.sum(dim=1), max_len=s.max_new_tokens, buffer=s.overlong_buffer,
+                                       factor=s.overlong_penalty)
+            rewards = rewards + penalty
+            stats.add("reward/overlong_penalty_mean", penalty.mean())
+            stats.add("reward/overlong_frac", (penalty < 0).float().mean())
+        adv = group_advantages(rewards, tb.group_size, std_norm=s.adv_std_norm, scope=s.adv_scope,
                                drop_zero_std=s.drop_zero_std)
-        mask = tb.mask * adv.keep.float()[:, None]  # (N, L − 1)
+        keep = adv.keep & ~tb.truncated if s.mask_truncated else adv.keep  # (N,)
+        mask = tb.mask * keep.float()[:, None]  # (N, L − 1)
         minibatches = torch.arange(tb.size).tensor_split(u)  # U contiguous mini-batches
         inline_old = u == 1 and self._micro_count(tb.size) == 1
         same = tb.behavior_versions == train_version  # sampled with the weights π_old comes from
         old = None if inline_old else self._no_grad_logp(self.model, tb)
         ref = self._no_grad_logp(self.ref_model, tb) if self.ref_model is not None else None
-        stats = _Stats()
         committed = 0
         for rows in minibatches:
             committed += self._update(tb.rows(rows), adv.values[rows], mask[rows], same[rows],
