@@ -262,3 +262,16 @@ def test_shared_prompt_forward_gives_the_model_forwards_logprobs_and_gradients(t
         assert (b_lp[~on] == 0).all()
         for name, grad in a_grad.items():
             assert torch.allclose(grad, b_grad[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_every_train_and_reward_key_reaches_the_learner():
+    from tether.config import load_config
+    from tether.runtime.run import learner_settings
+
+    s = learner_settings(load_config(None, [
+        "train.mask_truncated=true", "reward.overlong_buffer=3", "reward.overlong_penalty=0.5",
+        "train.lr_schedule=linear", "train.min_lr_ratio=0.2", "train.warmup_steps=2", "train.num_batches=7",
+        "train.updates_per_batch=3", "rollout.max_new_tokens=9"]))
+    assert (s.mask_truncated, s.overlong_buffer, s.overlong_penalty) == (True, 3, 0.5)
+    assert (s.lr_schedule, s.min_lr_ratio, s.warmup_steps, s.total_updates) == ("linear", 0.2, 2, 21)
+    assert s.max_new_tokens == 9

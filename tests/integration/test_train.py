@@ -1,5 +1,6 @@
 """`tether train` end to end: real tiny model, real worker processes, real run directory."""
 
+import itertools
 import json
 import signal
 import subprocess
@@ -55,7 +56,9 @@ def test_staleness_and_publications_match_tether_plan(tiny_model_dir, tmp_path, 
 
 def test_run_directory_evals_at_boundaries_and_checkpoints(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    summary = train(load_config(None, recipe(tiny_model_dir)), run_dir, progress_plain=True)
+    cfg = load_config(None, recipe(tiny_model_dir, "eval.num_samples=2", "train.lr_schedule=cosine",
+                                   "train.min_lr_ratio=0.1", "reward.overlong_buffer=2"))
+    summary = train(cfg, run_dir, progress_plain=True)
     for name in ("config.yaml", "metrics.jsonl", "eval.jsonl", "events.jsonl", "summary.json"):
         assert (run_dir / name).is_file(), name
     assert any((run_dir / "tensorboard").iterdir())
@@ -69,6 +72,11 @@ def test_run_directory_evals_at_boundaries_and_checkpoints(tiny_model_dir, tmp_p
         assert key in metrics[0], key
     assert [e["step"] for e in rows(run_dir / "eval.jsonl")] == [0, 3, 6]
     assert all(0.0 <= e["eval/pass_at_1"] <= 1.0 for e in rows(run_dir / "eval.jsonl"))
+    assert all(e["eval/sampled_pass_at_1"] <= e["eval/pass_at_k"] for e in rows(run_dir / "eval.jsonl"))
+    # cosine from 1e-3 to 1e-4 over the 6 planned updates; overlong shaping reported per batch
+    assert metrics[-1]["train/lr"] == pytest.approx(1e-4)
+    assert all(a["train/lr"] > b["train/lr"] for a, b in itertools.pairwise(metrics))
+    assert all(m["reward/overlong_penalty_mean"] <= 0.0 for m in metrics)
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["step-000003", "step-000006"]
     assert summary["trained_batches"] == 6 and summary["eval_pass_at_1_first"] is not None

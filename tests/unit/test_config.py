@@ -174,3 +174,9 @@ def test_overlong_keys_are_checked_against_the_completion_budget():
         load_config(None, ["rollout.max_new_tokens=16", "reward.overlong_buffer=20"])
     with pytest.raises(ConfigError, match=r"overlong_penalty=0\.5 has no effect"):
         load_config(None, ["reward.overlong_penalty=0.5"])
+
+
+def test_eval_samples_need_evaluation_on():
+    assert load_config(None, ["eval.interval=5", "eval.num_samples=4"]).eval.num_samples == 4
+    with pytest.raises(ConfigError, match=r"eval\.num_samples=4 has no effect with evaluation off"):
+        load_config(None, ["eval.num_samples=4"])

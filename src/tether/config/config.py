@@ -107,6 +107,9 @@ class Config:
                               f"{t.num_batches * t.updates_per_batch} optimizer updates "
                               "(train.num_batches × train.updates_per_batch), so the rate would never "
                               "reach train.lr; lower train.warmup_steps")
+        if self.eval.num_samples > 1 and not self.eval.interval:
+            raise ConfigError(f"eval.num_samples={self.eval.num_samples} has no effect with evaluation "
+                              "off (eval.interval=0); set eval.interval too, or remove eval.num_samples")
         if self.correction.mask_low >= self.correction.mask_high:
             raise ConfigError("correction.mask_low must be below correction.mask_high")
         r = self.ray

@@ -205,6 +205,13 @@ class EvalSection:
         "hard boundary: in-flight work is drained and the current weights published first.",
         min=0,
     )
+    num_samples: int = knob(
+        1,
+        "Completions sampled per held-out prompt (at the rollout settings) besides the greedy one: "
+        "eval/sampled_reward_mean is their mean (mean@k), eval/sampled_pass_at_1 the share fully "
+        "right and, above 1, eval/pass_at_k the share of prompts with at least one fully right.",
+        min=1,
+    )
 
 
 @dataclass(frozen=True)

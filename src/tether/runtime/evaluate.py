@@ -1,4 +1,11 @@
-"""Held-out evaluation at hard boundaries: greedy pass@1 and the sampled mean reward.
+"""Held-out evaluation at hard boundaries: greedy pass@1, and k samples per prompt.
+
+Greedy decoding gives ``eval/pass_at_1`` (the share of prompts answered fully right) and
+``eval/greedy_reward_mean``. Then k = ``eval.num_samples`` completions per prompt are sampled at
+the rollout settings: ``eval/sampled_reward_mean`` is their mean reward (verl's mean@k),
+``eval/sampled_pass_at_1`` the share of samples fully right, and with k > 1 ``eval/pass_at_k`` the
+share of prompts with at least one of their k fully right (pass@k estimated from exactly k
+samples: Chen et al. 2021's unbiased estimator with n = k).
 
 It runs right after the drain and publish, on the trainer's model, whose weights are then exactly
 the published ones, while the rollout workers are idle.
@@ -17,24 +24,29 @@ from tether.decoding.sampling import SamplingParams, sample, stepper_for, stop_i
 
 class Evaluator:
     def __init__(self, model: torch.nn.Module, tokenizer, examples: Sequence[Example], score: Scorer, *,
-                 stop_text: str, params: SamplingParams, seed: int = 0, batch_size: int = 256) -> None:
+                 stop_text: str, params: SamplingParams, seed: int = 0, num_samples: int = 1,
+                 batch_size: int = 256) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.examples = list(examples)
         self.score = score
         self.params = params
         self.seed = seed
+        self.num_samples = num_samples
         self.batch_size = batch_size
         self.stop_ids = stop_ids_for(tokenizer, stop_text)
         self.prompts = [tokenizer(e.prompt, add_special_tokens=False).input_ids for e in self.examples]
 
-    def _rewards(self, params: SamplingParams, seed: int, stepper) -> list[float]:
+    def _rewards(self, params: SamplingParams, seed: int, stepper, repeats: int = 1) -> list[float]:
+        """Rewards of ``repeats`` completions of each prompt, prompt-major (N · repeats,)."""
         generator = torch.Generator().manual_seed(seed)
+        examples = [ex for ex in self.examples for _ in range(repeats)]
+        prompts = [p for p in self.prompts for _ in range(repeats)]
         rewards = []
-        for i in range(0, len(self.prompts), self.batch_size):
-            out = sample(self.model, self.prompts[i:i + self.batch_size], params, stop_ids=self.stop_ids,
+        for i in range(0, len(prompts), self.batch_size):
+            out = sample(self.model, prompts[i:i + self.batch_size], params, stop_ids=self.stop_ids,
                          pad_id=self.tokenizer.pad_token_id, generator=generator, stepper=stepper)
-            for ex, toks in zip(self.examples[i:i + self.batch_size], out.tokens, strict=True):
+            for ex, toks in zip(examples[i:i + self.batch_size], out.tokens, strict=True):
                 rewards.append(self.score(ex, self.tokenizer.decode(toks, skip_special_tokens=True)))
         return rewards
 
@@ -45,11 +57,17 @@ class Evaluator:
             stepper = stepper_for(self.model)  # reads the weights once for both passes
             greedy = self._rewards(SamplingParams(max_new_tokens=self.params.max_new_tokens, temperature=0.0),
                                    self.seed, stepper)
-            sampled = self._rewards(self.params, self.seed * 7919 + step, stepper)
+            sampled = self._rewards(self.params, self.seed * 7919 + step, stepper, self.num_samples)
         finally:
             self.model.train(was_training)
-        n = len(greedy)
-        return {"eval/pass_at_1": sum(r >= 1.0 for r in greedy) / n,
-                "eval/greedy_reward_mean": sum(greedy) / n,
-                "eval/sampled_reward_mean": sum(sampled) / n,
-                "eval/examples": float(n)}
+        n, k = len(greedy), self.num_samples
+        metrics = {"eval/pass_at_1": sum(r >= 1.0 for r in greedy) / n,
+                   "eval/greedy_reward_mean": sum(greedy) / n,
+                   "eval/sampled_reward_mean": sum(sampled) / (n * k),
+                   "eval/sampled_pass_at_1": sum(r >= 1.0 for r in sampled) / (n * k),
+                   "eval/examples": float(n)}
+        if k > 1:
+            metrics["eval/pass_at_k"] = sum(any(r >= 1.0 for r in sampled[i * k:(i + 1) * k])
+                                            for i in range(n)) / n
+            metrics["eval/num_samples"] = float(k)
+        return metrics

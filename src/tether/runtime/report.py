@@ -55,6 +55,10 @@ def write_report(run_dir: Path) -> list[Path]:
         ax.plot(x, _col(metrics, "reward/mean"), lw=0.8, alpha=0.6, label="train reward (mean)")
         if evals:
             ax.plot(_col(evals, ex), _col(evals, "eval/pass_at_1"), "o-", color="C3", label="held-out pass@1")
+            if "eval/pass_at_k" in evals[-1]:
+                k = int(evals[-1]["eval/num_samples"])
+                ax.plot(_col(evals, ex), _col(evals, "eval/pass_at_k"), "s--", color="C4",
+                        label=f"held-out pass@{k} (sampled)")
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("reward / accuracy")

@@ -191,7 +191,7 @@ def local_learner(cfg: Config, model_path, eval_examples, score, stop_text: str)
 
     learner = TorchLearner(model_path, learner_settings(cfg))
     evaluator = Evaluator(learner.model, learner.tokenizer, eval_examples, score, stop_text=stop_text,
-                          params=sampling(cfg), seed=cfg.run.seed)
+                          params=sampling(cfg), seed=cfg.run.seed, num_samples=cfg.eval.num_samples)
     return learner, evaluator
 
 
