@@ -54,7 +54,7 @@ def test_staleness_and_publications_match_tether_plan(tiny_model_dir, tmp_path, 
     assert max(m["staleness/batches"] for m in metrics) == s
 
 
-def test_run_directory_evals_at_boundaries_and_checkpoints(tiny_model_dir, tmp_path):
+def test_run_directory_evals_at_boundaries_and_checkpoints(tiny_model_dir, tmp_path, capsys):
     run_dir = tmp_path / "run"
     cfg = load_config(None, recipe(tiny_model_dir, "eval.num_samples=2", "train.lr_schedule=cosine",
                                    "train.min_lr_ratio=0.1", "reward.overlong_buffer=2"))
@@ -93,6 +93,17 @@ def test_run_directory_evals_at_boundaries_and_checkpoints(tiny_model_dir, tmp_p
     assert numeric, "some batch was sampled with the weights it trained on"
     assert summary["numeric_logprob_abs_diff_max"] == pytest.approx(max(numeric))
     assert summary["numeric_logprob_abs_diff_max"] < 1e-4
+    # `tether eval RUN` evaluates the newest checkpoint on the run's own held-out split: its greedy
+    # figures are the run's last evaluation's
+    from tether.cli.main import main
+
+    assert main(["eval", str(run_dir), "--json", "--samples", "3"]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    last = rows(run_dir / "eval.jsonl")[-1]
+    assert evaluated["model"].endswith("step-000006/learner/model")
+    for key in ("eval/pass_at_1", "eval/greedy_reward_mean", "eval/examples"):
+        assert evaluated[key] == last[key], key
+    assert 0.0 <= evaluated["eval/sampled_pass_at_1"] <= evaluated["eval/pass_at_k"] <= 1.0
     from tether.runtime.report import write_report
 
     plots = write_report(run_dir)
@@ -121,6 +132,9 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_good_one_used(tiny_mod
     with weights.open("r+b") as f:
         f.seek(1000)
         f.write(b"\x00" * 64)
+    from tether.cli.eval_cmd import newest_checkpoint_model
+
+    assert newest_checkpoint_model(run_dir) == run_dir / "checkpoints" / "step-000003" / "learner" / "model"
     train(load_config(run_dir / "config.yaml", ["train.num_batches=7"]), run_dir, resume=True,
           progress_plain=True)
     assert "does not match its checksum (corrupted)" in caplog.text

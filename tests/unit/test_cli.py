@@ -105,3 +105,16 @@ def test_sync_when_idle_flag_adds_idle_publications(capsys):
     assert {r for reasons in idle["summary"]["sync_reasons"] for r in reasons} == {"idle"}
     assert idle["summary"]["mean_step_time_s"] < lazy["summary"]["mean_step_time_s"]
     assert max(b["staleness_batches"] for b in idle["batches"]) == 1
+
+
+def test_eval_refuses_targets_it_cannot_evaluate(tmp_path, capsys):
+    from tether.cli.main import main
+
+    assert main(["eval", "async.max_staleness=2"]) == 2
+    assert "not an override" in capsys.readouterr().err
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("train:\n  num_batches: 3\n")
+    assert main(["eval", str(tmp_path / "run")]) == 2
+    assert "holds no checkpoint to evaluate" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "run"), "--model", str(tmp_path / "nowhere")]) == 2
+    assert "is not a model directory (no config.json)" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from tether import __version__
-from tether.cli import config_cmd, data_cmds, plan, train_cmd
+from tether.cli import config_cmd, data_cmds, eval_cmd, plan, train_cmd
 from tether.errors import TetherError
 
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     train_cmd.add_parser(sub)
     train_cmd.add_report_parser(sub)
+    eval_cmd.add_parser(sub)
     plan.add_parser(sub)
     config_cmd.add_parser(sub)
     data_cmds.add_parsers(sub)

@@ -1,0 +1,116 @@
+"""``tether eval``: held-out accuracy of a model, a run's newest checkpoint, or a given one.
+
+The same evaluation a run makes at its boundaries (greedy pass@1, then k sampled completions per
+prompt), on the held-out split the recipe's data section defines, so its figures compare with a
+run's ``eval.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tether.errors import ConfigError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval", help="held-out pass@1 (and pass@k) of a model or of a run's checkpoint",
+        description="Evaluate on the held-out split of a recipe's data section. TARGET is a recipe "
+        "(evaluates model.path) or a run directory (evaluates its newest good checkpoint, on the "
+        "run's own config). Greedy pass@1 and reward, then --samples completions per prompt at the "
+        "rollout settings: sampled pass@1, mean reward and pass@k.",
+    )
+    p.add_argument("args", nargs="+", metavar="TARGET|KEY=VALUE",
+                   help="a recipe or a run directory, then section.key=value overrides")
+    p.add_argument("--model", help="evaluate this model directory instead (a checkpoint's "
+                   "learner/model, or any Hugging Face model folder)")
+    p.add_argument("--samples", type=int, help="completions sampled per prompt (default: eval.num_samples)")
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    p.set_defaults(func=run)
+
+
+def newest_checkpoint_model(run_dir: Path) -> Path:
+    """The model folder of ``run_dir``'s newest checkpoint that passes its manifest check."""
+    from tether.runtime.checkpoint import Checkpointer, DamagedCheckpoint
+
+    found = Checkpointer(run_dir / "checkpoints").list()
+    if not found:
+        raise ConfigError(f"{run_dir} holds no checkpoint to evaluate (checkpoint.interval was 0, or "
+                          "the run stopped before its first save); pass --model DIR")
+    problems = []
+    for path in reversed(found):
+        try:
+            Checkpointer(run_dir / "checkpoints").verify(path)
+        except DamagedCheckpoint as exc:
+            problems.append(str(exc))
+            continue
+        return path / "learner" / "model"
+    raise ConfigError("no usable checkpoint: " + "; ".join(problems))
+
+
+def resolve(ns: argparse.Namespace):
+    """(config, model directory, what was evaluated) from the command line."""
+    from tether.cli.plan import split_recipe_args
+    from tether.config import load_config
+
+    target, overrides = ns.args[0], ns.args[1:]
+    if "=" in target:
+        raise ConfigError(f"the first argument is a recipe or a run directory, not an override ({target!r})")
+    if Path(target).is_dir():
+        run_dir = Path(target)
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
+        cfg = load_config(run_dir / "config.yaml", overrides)
+        model = Path(ns.model) if ns.model else newest_checkpoint_model(run_dir)
+    else:
+        recipe, overrides = split_recipe_args(ns.args)
+        cfg = load_config(recipe, overrides)
+        model = Path(ns.model or cfg.model.path)
+    if not (model / "config.json").is_file():
+        raise ConfigError(f"{model} is not a model directory (no config.json)")
+    samples = cfg.eval.num_samples if ns.samples is None else ns.samples
+    if samples < 1:
+        raise ConfigError(f"--samples must be at least 1, got {samples}")
+    return cfg, model, samples
+
+
+def evaluate_model(cfg, model_dir: Path, samples: int) -> tuple[dict[str, float], str]:
+    """The held-out metrics of ``model_dir`` and a description of the data."""
+    import torch
+
+    from tether.data.rewards import scorer
+    from tether.data.source import resolve_data
+    from tether.modeling import load_causal_lm
+    from tether.runtime.evaluate import Evaluator
+    from tether.runtime.run import sampling
+
+    torch.set_num_threads(cfg.train.threads)
+    model, tokenizer = load_causal_lm(model_dir)
+    data = resolve_data(cfg.data, tokenizer, seed=cfg.run.seed)
+    score = scorer(cfg.reward.function, task=cfg.data.task or None)
+    evaluator = Evaluator(model, tokenizer, data.eval, score, stop_text=data.stop_text, params=sampling(cfg),
+                          seed=cfg.run.seed, num_samples=samples)
+    return dict(evaluator(step=0)), data.description
+
+
+def run(ns: argparse.Namespace) -> int:
+    from tether.cli.train_cmd import _logging
+
+    cfg, model, samples = resolve(ns)
+    _logging()
+    metrics, data = evaluate_model(cfg, model, samples)
+    if ns.json:
+        print(json.dumps({"model": str(model), "data": data, **metrics}, indent=2))
+        return 0
+    n = int(metrics["eval/examples"])
+    print(f"{model} on {n} held-out prompts of {data}")
+    print(f"  greedy:  pass@1 {metrics['eval/pass_at_1']:.1%}, mean reward "
+          f"{metrics['eval/greedy_reward_mean']:.3f}")
+    line = (f"  sampled: pass@1 {metrics['eval/sampled_pass_at_1']:.1%}, mean reward "
+            f"{metrics['eval/sampled_reward_mean']:.3f}")
+    if samples > 1:
+        line += f", pass@{samples} {metrics['eval/pass_at_k']:.1%}"
+    print(line + f"  ({samples} per prompt at temperature {cfg.rollout.temperature:g})")
+    return 0
