@@ -7,8 +7,9 @@
 #
 # What it checks: the engine on CUDA (log-probs against a teacher-forced forward, seeding, a
 # weight load from CPU tensors, the lean decoder against the transformers forward) and a rollout
-# worker on CUDA, i.e. what a Ray actor with ray.gpus_per_worker > 0 runs (tests marked `gpu`);
-# then the engine benchmark on the GPU (engine_cuda.json beside the log). Ray itself is not needed
+# worker on CUDA, i.e. what a Ray actor with ray.gpus_per_worker > 0 runs; the learner on CUDA
+# (train.device=cuda) step for step against the CPU learner, its checkpoint loading on a CPU, and
+# held-out evaluation on the device (tests marked `gpu`); then the engine benchmark on the GPU (engine_cuda.json beside the log). Ray itself is not needed
 # (its wheel is larger than what can travel to the device machine here).
 set -uo pipefail
 out="${OUT:-device-check}"

@@ -28,6 +28,26 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32):
     return model, tokenizer
 
 
+def torch_device(name: str, *, knob: str) -> torch.device:
+    """``name`` ('cpu', 'cuda', 'cuda:N') as a device this process can use; a ConfigError naming
+    ``knob`` when it asks for CUDA that is not there."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        import os
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"{knob}={name}, but this process sees no CUDA device (torch {torch.__version__}, "
+                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); install a CUDA build "
+                f"of torch on a machine with a GPU, or set {knob}=cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"{knob}={name}, but this process sees {torch.cuda.device_count()} CUDA "
+                              f"device(s); choose cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    elif device.type != "cpu":
+        raise ConfigError(f"{knob}={name}: only 'cpu', 'cuda' and 'cuda:N' are supported")
+    return device
+
+
 def unique_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """name → tensor for every parameter, tied ones once (the names ``named_parameters`` gives)."""
     return {name: p.detach() for name, p in model.named_parameters()}

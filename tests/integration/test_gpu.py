@@ -1,4 +1,5 @@
-"""The engine on a CUDA device: what a Ray rollout actor with ``ray.gpus_per_worker > 0`` runs.
+"""The engine and the learner on a CUDA device: what a Ray rollout actor with
+``ray.gpus_per_worker > 0`` runs, and what ``train.device=cuda`` trains and evaluates with.
 
 Each test runs on ``cpu`` and on ``cuda``; the CUDA cases (marked ``gpu``) skip on the development
 and CI machines, which have no GPU, and ``scripts/device_check.sh`` runs them on a GPU machine
@@ -6,6 +7,8 @@ and CI machines, which have no GPU, and ``scripts/device_check.sh`` runs them on
 without CUDA can check — the clear error when a GPU is asked for and none is there — is tested
 at the end.
 """
+
+import dataclasses
 
 import pytest
 
@@ -19,6 +22,8 @@ from tether.modeling import load_causal_lm  # noqa: E402
 from tether.rollout.torch_engine import TorchEngine  # noqa: E402
 from tether.rollout.types import WorkItem  # noqa: E402
 from tether.rollout.worker import Rollout, WorkerSpec  # noqa: E402
+from tether.train.corrections import CorrectionSettings  # noqa: E402
+from tether.train.learner import LearnerSettings, TorchLearner  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 DEVICES = [
@@ -117,6 +122,81 @@ def test_a_rollout_worker_on_the_device_returns_a_whole_scored_batch(tiny_model_
                                       params=SamplingParams(max_new_tokens=6), version=0, seed=0))
     assert len(batch.rewards) == 12 and batch.group_size == 4
     assert all(len(lp) == len(t) for lp, t in zip(batch.logprobs, batch.completion_ids, strict=True))
+
+
+def rollout_batch(model_dir, group_size=4):
+    """A real rollout batch sampled on the CPU engine; rewards vary within every group."""
+    from tether.loop.protocols import RolloutBatch
+    from tether.loop.scored import ScoredBatch
+
+    model, tok = on("cpu", model_dir)
+    ps = prompt_ids(tok, ["1+1=", "22+3=", "rev abc=", "sort cab="])
+    groups = TorchEngine(model, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id]).generate(
+        ps, samples_per_prompt=group_size, params=SamplingParams(max_new_tokens=6), seed=0)
+    flat = [c for g in groups for c in g]
+    scored = ScoredBatch(positions=list(range(len(ps))), prompt_ids=ps,
+                         completion_ids=[c.token_ids for c in flat],
+                         logprobs=[c.logprobs for c in flat], versions=[c.versions for c in flat],
+                         rewards=[float(i % 2) for i in range(len(flat))],
+                         finish_reasons=[c.finish_reason for c in flat], completions=[""] * len(flat),
+                         group_size=group_size)
+    return RolloutBatch(index=0, behavior_version=0, num_groups=len(ps), group_size=group_size,
+                        payload=scored)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_the_learner_on_the_device_takes_the_cpu_learners_steps(tiny_model_dir, tmp_path, device,
+                                                                 shared_prefix):
+    batch = rollout_batch(tiny_model_dir)
+    # a KL anchor (a second model on the device) and masks (thresholds against device tensors) too
+    settings = LearnerSettings(lr=1e-3, updates_per_batch=2, shared_prefix=shared_prefix, kl_coef=0.01,
+                               correction=CorrectionSettings(mask="token", outlier_token=20.0))
+    cpu = TorchLearner(tiny_model_dir, settings)
+    dev = TorchLearner(tiny_model_dir, dataclasses.replace(settings, device=device))
+    assert next(dev.model.parameters()).device.type == device
+    for version in range(2):
+        a, b = cpu.train(batch, train_version=version), dev.train(batch, train_version=version)
+        assert (a.committed_updates, b.committed_updates) == (2, 2)
+        for key in ("loss/policy", "loss/kl", "ratio/mean", "mismatch/logprob_abs_diff_max", "train/entropy"):
+            assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-3, abs=1e-5), key
+    for p, q in zip(cpu.model.parameters(), dev.model.parameters(), strict=True):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=1e-5, rtol=1e-4)
+    # publication: the exported weights land in host memory whatever the learner's device
+    from tether.rollout.channel import Snapshot
+
+    weights = dev.export_weights()
+    snapshot = Snapshot.for_tensors(weights)
+    snapshot.write(weights, version=4)
+    assert snapshot._block.verify(4) >= 0.0
+    # a checkpoint written on the device loads into a CPU learner, optimizer state included
+    dev.save(tmp_path / "ckpt")
+    back = TorchLearner(tiny_model_dir, settings)
+    back.load(tmp_path / "ckpt")
+    for p, q in zip(back.model.parameters(), dev.model.parameters(), strict=True):
+        assert torch.equal(p.detach(), q.detach().cpu())
+    assert back.train(batch, train_version=2).committed_updates == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_held_out_evaluation_runs_on_the_learners_device(tiny_model_dir, device):
+    from tether.data.rewards import scorer
+    from tether.runtime.evaluate import Evaluator
+
+    model, tok = on(device, tiny_model_dir)
+    task = get_task("arithmetic")
+    evaluate = Evaluator(model, tok, task.examples("eval", 8, seed=0), scorer("task", task="arithmetic"),
+                         stop_text=task.stop, params=SamplingParams(max_new_tokens=6), num_samples=3)
+    metrics = evaluate(step=1)
+    assert metrics["eval/examples"] == 8.0 and metrics["eval/num_samples"] == 3.0
+    assert 0.0 <= metrics["eval/sampled_pass_at_1"] <= metrics["eval/pass_at_k"] <= 1.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_a_learner_asked_for_cuda_without_it_is_a_clear_error(tiny_model_dir):
+    with pytest.raises(ConfigError, match=r"train\.device=cuda, but this process sees no CUDA") as info:
+        TorchLearner(tiny_model_dir, LearnerSettings(device="cuda"))
+    assert "set train.device=cpu" in str(info.value)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")

@@ -135,3 +135,15 @@ def test_ctrl_c_stops_a_ray_run_checkpoints_and_leaves_nothing_running(tiny_mode
     assert wait_gone(family, timeout=30) == []
     state = json.loads((sorted((run_dir / "checkpoints").iterdir())[-1] / "state.json").read_text())
     assert state["trained_batches"] == len((run_dir / "metrics.jsonl").read_text().splitlines())
+
+
+def test_a_learner_actor_on_cuda_without_a_gpu_in_the_cluster_is_refused_at_start(tiny_model_dir, tmp_path):
+    import ray
+
+    from tether.errors import ConfigError
+
+    cfg = load_config(None, recipe(tiny_model_dir, *RAY, "ray.learner=actor", "train.device=cuda"))
+    with pytest.raises(ConfigError, match="asks the Ray cluster for a GPU, and it has 0") as info:
+        train(cfg, tmp_path / "run", progress_plain=True)
+    assert "set train.device=cpu" in str(info.value)
+    assert not ray.is_initialized()  # the instance the run started is shut down

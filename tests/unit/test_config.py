@@ -180,3 +180,10 @@ def test_eval_samples_need_evaluation_on():
     assert load_config(None, ["eval.interval=5", "eval.num_samples=4"]).eval.num_samples == 4
     with pytest.raises(ConfigError, match=r"eval\.num_samples=4 has no effect with evaluation off"):
         load_config(None, ["eval.num_samples=4"])
+
+
+def test_train_device_names_a_torch_device():
+    for name in ("cpu", "cuda", "cuda:1"):
+        assert load_config(None, [f"train.device={name}"]).train.device == name
+    with pytest.raises(ConfigError, match=r"train\.device must be 'cpu', 'cuda' or 'cuda:N'.*got 'gpu'"):
+        load_config(None, ["train.device=gpu"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,9 @@ class Config:
                 "against μ. Set correction.tis=none or train.anchor=proximal"
             )
         t, rw = self.train, self.reward
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", t.device):
+            raise ConfigError(f"train.device must be 'cpu', 'cuda' or 'cuda:N' (a GPU index), "
+                              f"got {t.device!r}")
         if rw.overlong_buffer > self.rollout.max_new_tokens:
             raise ConfigError(f"reward.overlong_buffer={rw.overlong_buffer} is longer than "
                               f"rollout.max_new_tokens={self.rollout.max_new_tokens}; the buffer is the last "

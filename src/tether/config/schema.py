@@ -138,6 +138,12 @@ class TrainSection:
         0, "Sequences per forward/backward inside a mini-batch (gradient accumulation); 0 = all.", min=0
     )
     threads: int = knob(1, "torch threads in the trainer process.", min=1)
+    device: str = knob(
+        "cpu",
+        "Where the learner trains and evaluates: 'cpu', or 'cuda' / 'cuda:N' (a CUDA build of torch "
+        "and a GPU; float32). Each publication copies the weights to host memory for the workers. "
+        "With ray.learner=actor the actor requests one GPU.",
+    )
     shared_prefix: bool = knob(
         True,
         "Run each group's prompt once in the training forward (its samples attend to the shared "
@@ -372,7 +378,7 @@ class RaySection:
         0.0,
         "GPUs each rollout actor requests; above 0 the actor's engine samples on its GPU (CUDA, "
         "float32 weights copied in at every publication; fractions share a GPU). 0 = sample on "
-        "CPUs. The learner stays on CPU.",
+        "CPUs. The learner trains where train.device says.",
         min=0,
     )
 

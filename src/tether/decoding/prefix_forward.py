@@ -41,6 +41,7 @@ class SharedPrefixForward(FastDecoder):
         and the entropy of each predicting distribution if asked."""
         self.refresh(detach=not torch.is_grad_enabled(), contiguous=False)
         n, width = input_ids.shape
+        device = input_ids.device
         seq_len = attention_mask.sum(1)  # (N,)
         has_completion = mask.sum(1) > 0
         # the first predicting column is the last prompt token's position
@@ -49,9 +50,9 @@ class SharedPrefixForward(FastDecoder):
         p_max, c_max = int(prompt_len.max()), max(int(comp_len.max()), 1)
 
         # groups: runs of adjacent rows with the same prompt
-        cols = torch.arange(p_max)
+        cols = torch.arange(p_max, device=device)
         prompts = torch.where(cols < prompt_len[:, None], input_ids[:, :p_max], -1)  # (N, Pmax)
-        new_group = torch.ones(n, dtype=torch.bool)
+        new_group = torch.ones(n, dtype=torch.bool, device=device)
         new_group[1:] = (prompts[1:] != prompts[:-1]).any(1)
         group = new_group.long().cumsum(0) - 1  # (N,) group index of each row
         firsts = new_group.nonzero().squeeze(1)  # (U,)
@@ -60,7 +61,7 @@ class SharedPrefixForward(FastDecoder):
         # completions: token k of row n sits at position prompt_len + k. Only the real ones are
         # computed ("packed", T of them, row-major so a row's tokens are consecutive); attention
         # alone sees them laid out as (N, Cmax), padding at the end of each row.
-        k = torch.arange(c_max)
+        k = torch.arange(c_max, device=device)
         comp_pos = prompt_len[:, None] + k  # (N, Cmax)
         comp_ok = k < comp_len[:, None]  # (N, Cmax)
         packed = comp_ok.reshape(-1).nonzero().squeeze(1)  # (T,) indices into the N·Cmax grid
@@ -76,7 +77,7 @@ class SharedPrefixForward(FastDecoder):
         # completion queries see their prompt's real tokens and earlier completion tokens; padded
         # completion keys come after every real one of their row, so the causal part hides them
         see_prompt = cols < prompt_len[:, None]  # (N, Pmax)
-        see_comp = torch.ones(c_max, c_max, dtype=torch.bool).tril()  # (Cmax, Cmax)
+        see_comp = torch.ones(c_max, c_max, dtype=torch.bool, device=device).tril()  # (Cmax, Cmax)
         attend = torch.cat([see_prompt[:, None, None, :].expand(n, 1, c_max, p_max),
                             see_comp.expand(n, 1, c_max, c_max)], dim=-1)  # (N, 1, Cmax, Pmax + Cmax)
 
@@ -115,12 +116,12 @@ class SharedPrefixForward(FastDecoder):
         logp_t = logp_all.gather(-1, tok_t[:, None]).squeeze(-1)  # (T,)
         # into the (N, L − 1) layout: completion token k sits in column prompt_len − 1 + k
         column = prompt_len[row_of] - 1 + k_of  # (T,)
-        logp = torch.zeros(n, width - 1, dtype=logp_t.dtype).index_put((row_of, column), logp_t)
+        logp = logp_t.new_zeros(n, width - 1).index_put((row_of, column), logp_t)
         entropy = None
         if with_entropy:
             with torch.no_grad():
                 ent_t = -(logp_all.exp() * logp_all).sum(-1)
-                entropy = torch.zeros(n, width - 1).index_put((row_of, column), ent_t)
+                entropy = ent_t.new_zeros(n, width - 1).index_put((row_of, column), ent_t)
         return logp, entropy
 
     def _train_mlp(self, layer, x: torch.Tensor) -> torch.Tensor:

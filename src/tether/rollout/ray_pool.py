@@ -63,6 +63,8 @@ class RayOptions:
     one is given (see ``ray_temp_dir``), else Ray's default."""
     reserved_cpus: float = 0.0
     """CPUs other actors of the run take (the learner's), counted when checking the workers fit."""
+    reserved_gpus: float = 0.0
+    """GPUs other actors of the run take (a learner actor on CUDA), counted the same way."""
 
 
 class RemoteWeights(Protocol):
@@ -284,10 +286,12 @@ class RayPool(DispatchingPool):
                 "ray.local_cpus)")
         if o.gpus_per_worker > 0:
             gpus = [r.get("GPU", 0.0) for r in alive]
-            if o.gpus_per_worker > max(gpus, default=0.0) or s.num_workers * o.gpus_per_worker > sum(gpus):
+            need = s.num_workers * o.gpus_per_worker + o.reserved_gpus
+            if o.gpus_per_worker > max(gpus, default=0.0) or need > sum(gpus):
+                learner = f" plus {o.reserved_gpus:g} for the learner actor" if o.reserved_gpus else ""
                 raise ConfigError(
-                    f"{s.num_workers} rollout actor(s) × ray.gpus_per_worker={o.gpus_per_worker:g} GPUs do "
-                    f"not fit the Ray cluster's nodes (GPUs per node: "
+                    f"{s.num_workers} rollout actor(s) × ray.gpus_per_worker={o.gpus_per_worker:g} GPUs"
+                    f"{learner} do not fit the Ray cluster's nodes (GPUs per node: "
                     f"{', '.join(f'{g:g}' for g in gpus) or 'none'}); set ray.gpus_per_worker=0 to sample "
                     "on CPUs, lower rollout.num_workers, or start Ray on nodes with GPUs")
 

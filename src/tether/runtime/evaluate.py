@@ -39,7 +39,8 @@ class Evaluator:
 
     def _rewards(self, params: SamplingParams, seed: int, stepper, repeats: int = 1) -> list[float]:
         """Rewards of ``repeats`` completions of each prompt, prompt-major (N · repeats,)."""
-        generator = torch.Generator().manual_seed(seed)
+        device = next(self.model.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(seed)
         examples = [ex for ex in self.examples for _ in range(repeats)]
         prompts = [p for p in self.prompts for _ in range(repeats)]
         rewards = []

@@ -20,7 +20,7 @@ from typing import Any
 
 from tether.config import Config
 from tether.data.types import Example
-from tether.errors import LearnerLostError
+from tether.errors import ConfigError, LearnerLostError
 from tether.loop.protocols import RolloutBatch, TrainResult
 
 
@@ -69,9 +69,19 @@ class RemoteLearner:
 
     def __init__(self, ray, cfg: Config, model_path: str, eval_examples: Sequence[Example], stop_text: str,
                  *, startup_timeout_s: float = 300.0) -> None:
+        from tether.runtime.run import learner_gpus
+
         self.ray = ray
+        gpus = learner_gpus(cfg)
+        if gpus:
+            have = sum(n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n.get("Alive"))
+            if have < gpus:
+                raise ConfigError(f"train.device={cfg.train.device} with ray.learner=actor asks the Ray "
+                                  f"cluster for a GPU, and it has {have:g}; set train.device=cpu, or start "
+                                  "Ray on nodes with GPUs")
         self.handle = ray.remote(_LearnerActor).options(
-            num_cpus=cfg.train.threads, max_restarts=0, name=f"tether-learner-{os.getpid()}-{id(self):x}",
+            num_cpus=cfg.train.threads, num_gpus=gpus, max_restarts=0,
+            name=f"tether-learner-{os.getpid()}-{id(self):x}",
         ).remote(cfg, str(model_path), list(eval_examples), stop_text)
         self.pid: int | None = None
         self.node: str | None = None

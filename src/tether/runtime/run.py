@@ -44,7 +44,7 @@ def learner_settings(cfg: Config):
         betas=(t.adam_beta1, t.adam_beta2),
         grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, shared_prefix=t.shared_prefix,
         temperature=cfg.rollout.temperature,
-        max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed,
+        max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed, device=t.device,
     )
 
 
@@ -213,7 +213,13 @@ def ray_options(cfg: Config):
     return RayOptions(address=r.address, local_cpus=r.local_cpus,
                       cpus_per_worker=r.cpus_per_worker or float(cfg.rollout.threads_per_worker),
                       gpus_per_worker=r.gpus_per_worker,
-                      reserved_cpus=float(cfg.train.threads) if r.learner == "actor" else 0.0)
+                      reserved_cpus=float(cfg.train.threads) if r.learner == "actor" else 0.0,
+                      reserved_gpus=learner_gpus(cfg))
+
+
+def learner_gpus(cfg: Config) -> float:
+    """GPUs the learner's Ray actor requests: one when it trains on CUDA, else none."""
+    return 1.0 if cfg.ray.learner == "actor" and cfg.train.device != "cpu" else 0.0
 
 
 def rollout_pool(cfg: Config, settings, batches, weights, session):

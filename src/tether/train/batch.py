@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,13 @@ class TrainBatch:
     @property
     def size(self) -> int:
         return self.input_ids.shape[0]
+
+    def to(self, device: torch.device) -> TrainBatch:
+        """The same batch with every tensor on ``device``."""
+        if self.input_ids.device == device:
+            return self
+        return TrainBatch(*(t.to(device) if isinstance(t, torch.Tensor) else t
+                            for t in (getattr(self, f.name) for f in dataclasses.fields(self))))
 
     def rows(self, index: torch.Tensor | slice) -> TrainBatch:
         return TrainBatch(self.input_ids[index], self.attention_mask[index], self.targets[index],

@@ -22,6 +22,7 @@ engine's kernels, precision and sampling path against the trainer's forward
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -88,7 +89,7 @@ def correct(old_logp: torch.Tensor, behavior_logp: torch.Tensor, mask: torch.Ten
             seq = torch.exp(seq_log)
             keep = keep * ((seq >= s.mask_low) & (seq <= s.mask_high)).float()[:, None]
         if s.outlier_token > 1.0:
-            bad = ((log_rho.abs() > torch.log(torch.tensor(s.outlier_token))) & mask.bool()).any(dim=1)
+            bad = ((log_rho.abs() > math.log(s.outlier_token)) & mask.bool()).any(dim=1)
             keep = keep * (~bad).float()[:, None]
         weights = torch.ones_like(log_rho)
         if weigh:

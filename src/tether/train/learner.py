@@ -20,7 +20,7 @@ import torch
 
 from tether.errors import ConfigError
 from tether.loop.protocols import RolloutBatch, TrainResult
-from tether.modeling import load_causal_lm, unique_parameters
+from tether.modeling import load_causal_lm, torch_device, unique_parameters
 from tether.procinfo import peak_rss_mb
 from tether.train.advantages import group_advantages, overlong_penalty
 from tether.train.batch import TrainBatch, to_train_batch, token_logprobs
@@ -68,6 +68,8 @@ class LearnerSettings:
     max_new_tokens: int = 32
     """Dr. GRPO's normalising constant for ``seq_mean_token_sum_norm``."""
     seed: int = 0
+    device: str = "cpu"
+    """Where the model trains ('cpu', 'cuda', 'cuda:N'); weights are exported from there."""
 
 
 class _Stats:
@@ -96,12 +98,13 @@ class TorchLearner:
         self.s = settings
         self.loss_fn = get_loss(settings.loss)
         torch.manual_seed(settings.seed)
+        self.device = torch_device(settings.device, knob="train.device")
         self.model, self.tokenizer = load_causal_lm(model_path)
-        self.model.train()
+        self.model.to(self.device).train()
         self.ref_model = None
         if settings.kl_coef > 0:
             self.ref_model, _ = load_causal_lm(model_path)
-            self.ref_model.eval().requires_grad_(False)
+            self.ref_model.to(self.device).eval().requires_grad_(False)
         self.forward = self._forward_for(self.model)
         self.ref_forward = self._forward_for(self.ref_model) if self.ref_model is not None else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -122,7 +125,7 @@ class TorchLearner:
 
     def train(self, batch: RolloutBatch, *, train_version: int) -> TrainResult:
         s = self.s
-        tb = to_train_batch(batch.payload, self.tokenizer.pad_token_id)
+        tb = to_train_batch(batch.payload, self.tokenizer.pad_token_id).to(self.device)
         u = s.updates_per_batch
         if u > tb.size:
             raise ConfigError(f"train.updates_per_batch={u} exceeds the {tb.size} sequences of a rollout "
@@ -139,7 +142,7 @@ class TorchLearner:
                                drop_zero_std=s.drop_zero_std)
         keep = adv.keep & ~tb.truncated if s.mask_truncated else adv.keep  # (N,)
         mask = tb.mask * keep.float()[:, None]  # (N, L − 1)
-        minibatches = torch.arange(tb.size).tensor_split(u)  # U contiguous mini-batches
+        minibatches = torch.arange(tb.size, device=self.device).tensor_split(u)  # U contiguous mini-batches
         inline_old = u == 1 and self._micro_count(tb.size) == 1
         same = tb.behavior_versions == train_version  # sampled with the weights π_old comes from
         old = None if inline_old else self._no_grad_logp(self.model, tb)
@@ -158,7 +161,7 @@ class TorchLearner:
         return 1 if m <= 0 else math.ceil(n / m)
 
     def _micro(self, n: int) -> Iterator[torch.Tensor]:
-        yield from torch.arange(n).tensor_split(self._micro_count(n))
+        yield from torch.arange(n, device=self.device).tensor_split(self._micro_count(n))
 
     def _forward_for(self, model):
         """The shared-prompt forward when asked for and the architecture has one, else None
@@ -259,6 +262,8 @@ class TorchLearner:
         out["train/skipped_updates"] = float(skipped)
         out["reward/frac_zero_std"] = frac_zero_std
         out["memory/trainer_peak_mb"] = peak_rss_mb()
+        if self.device.type == "cuda":
+            out["memory/trainer_gpu_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         if stats.ratios:
             ratios = torch.cat(stats.ratios)
             out.update({"ratio/mean": float(ratios.mean()), "ratio/std": float(ratios.std(unbiased=False)),
@@ -289,7 +294,9 @@ class TorchLearner:
         if set(missing) - tied or unexpected:
             raise ConfigError(f"checkpoint {path} does not match the model: missing "
                               f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}")
-        extra = torch.load(path / "learner.pt", weights_only=False)
+        # onto the CPU first: the optimizer moves its state to each parameter's device, so a
+        # checkpoint loads wherever this learner trains
+        extra = torch.load(path / "learner.pt", weights_only=False, map_location="cpu")
         self.optimizer.load_state_dict(extra["optimizer"])
         self.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["torch_rng"])
