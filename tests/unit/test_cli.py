@@ -115,6 +115,6 @@ def test_eval_refuses_targets_it_cannot_evaluate(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text("train:\n  num_batches: 3\n")
     assert main(["eval", str(tmp_path / "run")]) == 2
-    assert "holds no checkpoint to evaluate" in capsys.readouterr().err
+    assert "nothing to evaluate (pass --model DIR)" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "run"), "--model", str(tmp_path / "nowhere")]) == 2
     assert "is not a model directory (no config.json)" in capsys.readouterr().err

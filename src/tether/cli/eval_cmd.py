@@ -33,21 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def newest_checkpoint_model(run_dir: Path) -> Path:
     """The model folder of ``run_dir``'s newest checkpoint that passes its manifest check."""
-    from tether.runtime.checkpoint import Checkpointer, DamagedCheckpoint
+    from tether.runtime.checkpoint import Checkpointer
 
-    found = Checkpointer(run_dir / "checkpoints").list()
-    if not found:
-        raise ConfigError(f"{run_dir} holds no checkpoint to evaluate (checkpoint.interval was 0, or "
-                          "the run stopped before its first save); pass --model DIR")
-    problems = []
-    for path in reversed(found):
-        try:
-            Checkpointer(run_dir / "checkpoints").verify(path)
-        except DamagedCheckpoint as exc:
-            problems.append(str(exc))
-            continue
-        return path / "learner" / "model"
-    raise ConfigError("no usable checkpoint: " + "; ".join(problems))
+    _state, path = Checkpointer(run_dir / "checkpoints").newest_good(doing="evaluate (pass --model DIR)")
+    return path / "learner" / "model"
 
 
 def resolve(ns: argparse.Namespace):

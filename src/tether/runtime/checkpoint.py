@@ -118,11 +118,12 @@ class Checkpointer:
         data["pending"] = tuple(data.get("pending", ()))
         return LoopState(**data)
 
-    def restore(self, learner) -> tuple[LoopState, Path]:
-        """Load the newest good checkpoint into ``learner``; damaged ones are refused by name."""
+    def newest_good(self, *, doing: str = "resume") -> tuple[LoopState, Path]:
+        """The newest checkpoint that passes its manifest check; damaged ones are refused by name
+        (logged) and the previous good one is taken."""
         found = self.list()
         if not found:
-            raise ConfigError(f"nothing to resume: {self.root} holds no checkpoint "
+            raise ConfigError(f"nothing to {doing}: {self.root} holds no checkpoint "
                               "(checkpoint.interval was 0, or the run stopped before its first save)")
         problems = []
         for path in reversed(found):
@@ -132,11 +133,16 @@ class Checkpointer:
                 log.error("refusing damaged checkpoint: %s", exc)
                 problems.append(str(exc))
                 continue
-            learner.load(path / "learner")
             if problems:
-                log.warning("resuming from the previous good checkpoint %s", path)
+                log.warning("using the previous good checkpoint %s", path)
             return state, path
         raise DamagedCheckpoint("no usable checkpoint: " + "; ".join(problems))
+
+    def restore(self, learner) -> tuple[LoopState, Path]:
+        """Load the newest good checkpoint into ``learner``."""
+        state, path = self.newest_good()
+        learner.load(path / "learner")
+        return state, path
 
 
 def trim_jsonl(path: Path, max_step: int) -> None:
