@@ -111,7 +111,7 @@ def test_run_directory_evals_at_boundaries_and_checkpoints(tiny_model_dir, tmp_p
     assert all(p.stat().st_size > 1000 for p in plots)
 
 
-def test_resume_matches_an_uninterrupted_run_batch_for_batch(tiny_model_dir, tmp_path):
+def test_resume_matches_an_uninterrupted_run_batch_for_batch(tiny_model_dir, tmp_path, capsys):
     whole = tmp_path / "whole"
     train(load_config(None, recipe(tiny_model_dir)), whole, progress_plain=True)
     parts = tmp_path / "parts"
@@ -123,6 +123,14 @@ def test_resume_matches_an_uninterrupted_run_batch_for_batch(tiny_model_dir, tmp
     a = [{k: m[k] for k in keys} for m in rows(whole / "metrics.jsonl")]
     b = [{k: m[k] for k in keys} for m in rows(parts / "metrics.jsonl")]
     assert a == b  # same prompts, same versions, same samples, same losses
+    # `tether compare` puts the two side by side: one table row each, one figure
+    from tether.cli.main import main
+
+    assert main(["compare", str(whole), str(parts), "--out", str(tmp_path / "c.png")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split()[:4] == ["whole", "(S=1,", "U=1)", "6"]
+    assert table[2].split()[:4] == ["parts", "(S=1,", "U=1)", "6"]
+    assert (tmp_path / "c.png").stat().st_size > 10_000
 
 
 def test_a_damaged_checkpoint_is_refused_and_the_previous_good_one_used(tiny_model_dir, tmp_path, caplog):

@@ -118,3 +118,20 @@ def test_eval_refuses_targets_it_cannot_evaluate(tmp_path, capsys):
     assert "nothing to evaluate (pass --model DIR)" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "run"), "--model", str(tmp_path / "nowhere")]) == 2
     assert "is not a model directory (no config.json)" in capsys.readouterr().err
+
+
+def test_compare_needs_two_run_directories(tmp_path, capsys):
+    from tether.cli.main import main
+    from tether.runtime.compare import _moving_mean, format_table
+
+    assert main(["compare", str(tmp_path)]) == 2
+    assert "at least two run directories" in capsys.readouterr().err
+    assert main(["compare", str(tmp_path), str(tmp_path)]) == 2
+    assert "is not a run directory with metrics" in capsys.readouterr().err
+    # a mean over the last n values, fewer at the start: [1, 3, 5, 7] with n = 2 → 1, 2, 4, 6
+    assert _moving_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    text = format_table([{"run": "a (S=0, U=1)", "batches": 6, "wall_s": 12.0, "samples_per_s": 8.0,
+                          "staleness_mean": 0.0, "staleness_max": 0, "pass_at_1_first": 0.25,
+                          "pass_at_1_last": 0.5}])
+    assert text.splitlines()[1].split() == ["a", "(S=0,", "U=1)", "6", "12", "8", "0.00", "/", "0",
+                                            "25.0%", "→", "50.0%"]

@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     train_cmd.add_parser(sub)
     train_cmd.add_report_parser(sub)
+    train_cmd.add_compare_parser(sub)
     eval_cmd.add_parser(sub)
     plan.add_parser(sub)
     config_cmd.add_parser(sub)

@@ -105,3 +105,22 @@ def report(ns: argparse.Namespace) -> int:
     for path in write_report(Path(ns.run)):
         print(path)
     return 0
+
+
+def add_compare_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="several runs side by side: a table and compare.png",
+                       description="Compare runs (e.g. synchronous against asynchronous): held-out "
+                       "pass@1 against wall time and batches, training reward and samples trained "
+                       "against wall time, in one PNG; and a table of throughput, staleness and accuracy.")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="two or more run directories")
+    p.add_argument("--out", default="compare.png", help="where to write the figure (default: compare.png)")
+    p.set_defaults(func=compare)
+
+
+def compare(ns: argparse.Namespace) -> int:
+    from tether.runtime.compare import format_table, write_comparison
+
+    path, rows = write_comparison([Path(r) for r in ns.runs], Path(ns.out))
+    print(format_table(rows))
+    print(f"figure: {path}")
+    return 0
