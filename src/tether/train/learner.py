@@ -22,7 +22,7 @@ from tether.errors import ConfigError
 from tether.loop.protocols import RolloutBatch, TrainResult
 from tether.modeling import load_causal_lm, torch_device, unique_parameters
 from tether.procinfo import peak_rss_mb
-from tether.train.advantages import group_advantages, overlong_penalty
+from tether.train.advantages import Advantages, group_advantages, overlong_penalty
 from tether.train.batch import TrainBatch, to_train_batch, token_logprobs
 from tether.train.corrections import CorrectionSettings, correct
 from tether.train.losses import LossInputs, LossSettings, aggregate, get_loss, kl_penalty
@@ -131,17 +131,7 @@ class TorchLearner:
             raise ConfigError(f"train.updates_per_batch={u} exceeds the {tb.size} sequences of a rollout "
                               "batch; lower it or raise rollout.batch_size × rollout.group_size")
         stats = _Stats()
-        rewards = tb.rewards  # (N,)
-        if s.overlong_buffer:
-            penalty = overlong_penalty(tb.mask.sum(dim=1), max_len=s.max_new_tokens, buffer=s.overlong_buffer,
-                                       factor=s.overlong_penalty)
-            rewards = rewards + penalty
-            stats.add("reward/overlong_penalty_mean", penalty.mean())
-            stats.add("reward/overlong_frac", (penalty < 0).float().mean())
-        adv = group_advantages(rewards, tb.group_size, std_norm=s.adv_std_norm, scope=s.adv_scope,
-                               drop_zero_std=s.drop_zero_std)
-        keep = adv.keep & ~tb.truncated if s.mask_truncated else adv.keep  # (N,)
-        mask = tb.mask * keep.float()[:, None]  # (N, L − 1)
+        adv, mask = self._advantages(tb, stats)
         minibatches = torch.arange(tb.size, device=self.device).tensor_split(u)  # U contiguous mini-batches
         inline_old = u == 1 and self._micro_count(tb.size) == 1
         same = tb.behavior_versions == train_version  # sampled with the weights π_old comes from
@@ -153,6 +143,21 @@ class TorchLearner:
                                       None if old is None else old[rows],
                                       None if ref is None else ref[rows], stats)
         return TrainResult(committed, u, self._metrics(stats, adv.frac_zero_std, u - committed))
+
+    def _advantages(self, tb: TrainBatch, stats: _Stats) -> tuple[Advantages, torch.Tensor]:
+        """Advantages of the (shaped) rewards, and the loss mask (N, L − 1) of the samples kept."""
+        s = self.s
+        rewards = tb.rewards  # (N,)
+        if s.overlong_buffer:
+            penalty = overlong_penalty(tb.mask.sum(dim=1), max_len=s.max_new_tokens, buffer=s.overlong_buffer,
+                                       factor=s.overlong_penalty)
+            rewards = rewards + penalty
+            stats.add("reward/overlong_penalty_mean", penalty.mean())
+            stats.add("reward/overlong_frac", (penalty < 0).float().mean())
+        adv = group_advantages(rewards, tb.group_size, std_norm=s.adv_std_norm, scope=s.adv_scope,
+                               drop_zero_std=s.drop_zero_std)
+        keep = adv.keep & ~tb.truncated if s.mask_truncated else adv.keep  # (N,)
+        return adv, tb.mask * keep.float()[:, None]
 
     # -- one update ---------------------------------------------------------------------------
 
