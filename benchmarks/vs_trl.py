@@ -38,6 +38,7 @@ def demo_config(model_dir: Path, *extra: str):
     return load_config(Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml", [
         f"model.path={model_dir}", f"rollout.batch_size={PROMPTS_PER_STEP}", f"rollout.group_size={GROUP}",
         f"rollout.max_new_tokens={MAX_NEW}", f"train.lr={LR}", "train.algorithm=dapo",
+        "train.lr_schedule=constant", "train.min_lr_ratio=0",  # as TRL's side (lr_scheduler_type)
         "train.drop_zero_std=false",
         "checkpoint.interval=0", *extra])
 
