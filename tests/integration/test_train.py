@@ -271,3 +271,17 @@ def test_wandb_when_asked_for(tiny_model_dir, tmp_path, monkeypatch):
     steps = [entry[0] for entry in logged[1:-1]]
     assert {1, 2, 3} <= set(steps)
     assert any("staleness/batches" in data for step, data in logged[1:-1] if step == 1)
+
+
+def test_the_command_prints_what_the_run_reached(tiny_model_dir, tmp_path, capsys):
+    from tether.cli.main import main
+
+    run_dir = tmp_path / "run"
+    assert main(["train", *recipe(tiny_model_dir, "eval.num_samples=2"), "--run-dir", str(run_dir), "--plain",
+                 "--no-report"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    first, last = summary["eval_pass_at_1_first"], summary["eval_pass_at_1_last"]
+    assert f"held-out pass@1: {first:.1%} → {last:.1%}" in out
+    assert "held-out pass@2 (sampled): " in out
+    assert "trained 6 batches" in out and f"run directory: {run_dir}" in out
