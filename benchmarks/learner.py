@@ -9,9 +9,10 @@ interleaved repeats, medians. The overhead compares like with like: the learner 
 ``train.shared_prefix`` off (the model's own forward, as the bare step). The learner with its
 default shared-prompt forward is reported beside it (``shared_prefix_s``, ``speedup_shared_prefix``).
 
-Target (issue 4): at most 15% overhead.
+Target (issue 4): at most 15% overhead. ``--device cuda`` runs the learners and the bare step on a
+GPU (``train.device=cuda``), timing each with the device synchronised.
 
-    python benchmarks/learner.py [--repeats 15] [--threads 1] [--json]
+    python benchmarks/learner.py [--repeats 15] [--threads 1] [--device cpu|cuda] [--json]
 """
 
 from __future__ import annotations
@@ -53,7 +54,14 @@ def setup():
     return path, RolloutBatch(index=0, behavior_version=0, num_groups=8, group_size=4, payload=scored), tok
 
 
+def synced(device: str) -> None:
+    """Wait for the device's queued work, so the clock reads what was done."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def bare_step(model, optimizer, tb, adv) -> float:
+    synced(str(tb.input_ids.device))
     t0 = time.perf_counter()
     logits = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask).logits[:, :-1].float()
     logp = torch.log_softmax(logits, -1).gather(-1, tb.targets[..., None]).squeeze(-1)
@@ -62,10 +70,11 @@ def bare_step(model, optimizer, tb, adv) -> float:
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
+    synced(str(tb.input_ids.device))
     return time.perf_counter() - t0
 
 
-def measure(repeats: int, threads: int) -> dict:
+def measure(repeats: int, threads: int, device: str = "cpu") -> dict:
     from tether.modeling import load_causal_lm
     from tether.train.advantages import group_advantages
     from tether.train.batch import to_train_batch
@@ -77,13 +86,13 @@ def measure(repeats: int, threads: int) -> dict:
     def make(shared: bool) -> TorchLearner:
         return TorchLearner(path, LearnerSettings(lr=1e-6, loss="ppo_clip", aggregation="token_mean",
                                                   clip_high=0.28, anchor="proximal", shared_prefix=shared,
-                                                  correction=CorrectionSettings(tis="token")))
+                                                  correction=CorrectionSettings(tis="token"), device=device))
 
     learner, shared = make(False), make(True)
     model, _ = load_causal_lm(path)
-    model.train()
+    model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)  # as the learner's
-    tb = to_train_batch(batch.payload, tok.pad_token_id)
+    tb = to_train_batch(batch.payload, tok.pad_token_id).to(torch.device(device))
     adv = group_advantages(tb.rewards, 4).values
     for _ in range(3):  # warm up
         bare_step(model, optimizer, tb, adv)
@@ -93,11 +102,14 @@ def measure(repeats: int, threads: int) -> dict:
     for _ in range(repeats):
         bare.append(bare_step(model, optimizer, tb, adv))
         for who, out in ((learner, ours), (shared, fast)):
+            synced(device)
             t0 = time.perf_counter()
             who.train(batch, train_version=0)
+            synced(device)
             out.append(time.perf_counter() - t0)
     b, o, f = statistics.median(bare), statistics.median(ours), statistics.median(fast)
-    return {"threads": threads, "repeats": repeats, "sequences": tb.size, "bare_s": b, "learner_s": o,
+    return {"device": device, "threads": threads, "repeats": repeats, "sequences": tb.size, "bare_s": b,
+            "learner_s": o,
             "overhead": o / b - 1, "target": 0.15, "meets_target": o / b - 1 <= 0.15,
             "shared_prefix_s": f, "speedup_shared_prefix": o / f}
 
@@ -106,13 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    r = measure(a.repeats, a.threads)
+    r = measure(a.repeats, a.threads, a.device)
     if a.json:
         print(json.dumps(r))
         return 0
-    print(f"{r['sequences']} sequences, {a.threads} thread(s), median of {a.repeats}")
+    print(f"{r['sequences']} sequences on {a.device}, {a.threads} thread(s), median of {a.repeats}")
     print(f"  bare forward/backward/AdamW  {r['bare_s'] * 1e3:8.2f} ms")
     print(f"  TorchLearner.train (U=1)     {r['learner_s'] * 1e3:8.2f} ms   (train.shared_prefix=false)")
     print(f"  the same, shared prefix      {r['shared_prefix_s'] * 1e3:8.2f} ms   "

@@ -9,7 +9,8 @@
 # weight load from CPU tensors, the lean decoder against the transformers forward) and a rollout
 # worker on CUDA, i.e. what a Ray actor with ray.gpus_per_worker > 0 runs; the learner on CUDA
 # (train.device=cuda) step for step against the CPU learner, its checkpoint loading on a CPU, and
-# held-out evaluation on the device (tests marked `gpu`); then the engine benchmark on the GPU (engine_cuda.json beside the log). Ray itself is not needed
+# held-out evaluation on the device (tests marked `gpu`); then the engine and learner benchmarks
+# on the GPU (engine_cuda.json and learner_cuda.json beside the log). Ray itself is not needed
 # (its wheel is larger than what can travel to the device machine here).
 set -uo pipefail
 out="${OUT:-device-check}"
@@ -23,6 +24,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   status=$?
   "$py" benchmarks/engine.py --device cuda --size small --repeats 5
   "$py" benchmarks/engine.py --device cuda --size base --repeats 5 --json | tee "$out/engine_cuda.json"
+  "$py" benchmarks/learner.py --device cuda --repeats 10 --json | tee "$out/learner_cuda.json"
   exit "$status"
 } 2>&1 | tee "$out/device_check.log"
 exit "${PIPESTATUS[0]}"
