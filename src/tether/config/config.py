@@ -101,11 +101,12 @@ class Config:
                               "part of the completion budget, so lower it")
         if rw.overlong_penalty != 1.0 and not rw.overlong_buffer:
             raise ConfigError(f"reward.overlong_penalty={rw.overlong_penalty} has no effect with "
-                              "reward.overlong_buffer=0 (off); set the buffer too, or remove the penalty")
+                              "reward.overlong_buffer=0 (off); set the buffer too, or "
+                              "reward.overlong_penalty=1")
         if t.min_lr_ratio and t.lr_schedule == "constant":
             raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} has no effect with "
                               "train.lr_schedule=constant; set train.lr_schedule=linear or cosine, or "
-                              "remove train.min_lr_ratio")
+                              "set train.min_lr_ratio=0")
         if t.warmup_steps > t.num_batches * t.updates_per_batch:
             raise ConfigError(f"train.warmup_steps={t.warmup_steps} is longer than the run's "
                               f"{t.num_batches * t.updates_per_batch} optimizer updates "
@@ -113,7 +114,7 @@ class Config:
                               "reach train.lr; lower train.warmup_steps")
         if self.eval.num_samples > 1 and not self.eval.interval:
             raise ConfigError(f"eval.num_samples={self.eval.num_samples} has no effect with evaluation "
-                              "off (eval.interval=0); set eval.interval too, or remove eval.num_samples")
+                              "off (eval.interval=0); set eval.interval too, or eval.num_samples=1")
         if self.correction.mask_low >= self.correction.mask_high:
             raise ConfigError("correction.mask_low must be below correction.mask_high")
         r = self.ray
