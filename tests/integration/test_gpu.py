@@ -205,3 +205,11 @@ def test_asking_for_cuda_without_it_is_a_clear_error(tiny_model_dir):
         Rollout(WorkerSpec(worker_id=0, model_path=str(tiny_model_dir), reward="task", task="arithmetic",
                            stop_text="\n", device="cuda"))
     assert "ray.gpus_per_worker=0" in str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_tether_eval_on_cuda_without_it_is_a_clear_error(tiny_model_dir, capsys):
+    from tether.cli.main import main
+
+    assert main(["eval", "--model", str(tiny_model_dir), "train.device=cuda", "data.num_eval=4"]) == 2
+    assert "train.device=cuda, but this process sees no CUDA" in capsys.readouterr().err

@@ -110,8 +110,8 @@ def test_sync_when_idle_flag_adds_idle_publications(capsys):
 def test_eval_refuses_targets_it_cannot_evaluate(tmp_path, capsys):
     from tether.cli.main import main
 
-    assert main(["eval", "async.max_staleness=2"]) == 2
-    assert "not an override" in capsys.readouterr().err
+    assert main(["eval", "model.path=" + str(tmp_path / "none")]) == 2
+    assert "is not a model directory (no config.json)" in capsys.readouterr().err
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text("train:\n  num_batches: 3\n")
     assert main(["eval", str(tmp_path / "run")]) == 2

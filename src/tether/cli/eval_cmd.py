@@ -22,8 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "run's own config). Greedy pass@1 and reward, then --samples completions per prompt at the "
         "rollout settings: sampled pass@1, mean reward and pass@k.",
     )
-    p.add_argument("args", nargs="+", metavar="TARGET|KEY=VALUE",
-                   help="a recipe or a run directory, then section.key=value overrides")
+    p.add_argument("args", nargs="*", metavar="TARGET|KEY=VALUE",
+                   help="a recipe or a run directory, then section.key=value overrides (no recipe: "
+                   "the defaults)")
     p.add_argument("--model", help="evaluate this model directory instead (a checkpoint's "
                    "learner/model, or any Hugging Face model folder)")
     p.add_argument("--samples", type=int, help="completions sampled per prompt (default: eval.num_samples)")
@@ -40,15 +41,12 @@ def newest_checkpoint_model(run_dir: Path) -> Path:
 
 
 def resolve(ns: argparse.Namespace):
-    """(config, model directory, what was evaluated) from the command line."""
+    """(config, model directory, samples per prompt) from the command line."""
     from tether.cli.plan import split_recipe_args
     from tether.config import load_config
 
-    target, overrides = ns.args[0], ns.args[1:]
-    if "=" in target:
-        raise ConfigError(f"the first argument is a recipe or a run directory, not an override ({target!r})")
-    if Path(target).is_dir():
-        run_dir = Path(target)
+    if ns.args and Path(ns.args[0]).is_dir():
+        run_dir, overrides = Path(ns.args[0]), ns.args[1:]
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
         cfg = load_config(run_dir / "config.yaml", overrides)
@@ -71,12 +69,13 @@ def evaluate_model(cfg, model_dir: Path, samples: int) -> tuple[dict[str, float]
 
     from tether.data.rewards import scorer
     from tether.data.source import resolve_data
-    from tether.modeling import load_causal_lm
+    from tether.modeling import load_causal_lm, torch_device
     from tether.runtime.evaluate import Evaluator
     from tether.runtime.run import sampling
 
     torch.set_num_threads(cfg.train.threads)
     model, tokenizer = load_causal_lm(model_dir)
+    model.to(torch_device(cfg.train.device, knob="train.device"))  # where the run's learner evaluated
     data = resolve_data(cfg.data, tokenizer, seed=cfg.run.seed)
     score = scorer(cfg.reward.function, task=cfg.data.task or None)
     evaluator = Evaluator(model, tokenizer, data.eval, score, stop_text=data.stop_text, params=sampling(cfg),
