@@ -41,14 +41,15 @@ class Evaluator:
         """Rewards of ``repeats`` completions of each prompt, prompt-major (N · repeats,)."""
         device = next(self.model.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
-        examples = [ex for ex in self.examples for _ in range(repeats)]
-        prompts = [p for p in self.prompts for _ in range(repeats)]
+        per_call = max(1, self.batch_size // repeats)  # prompts per call; each prefilled once
         rewards = []
-        for i in range(0, len(prompts), self.batch_size):
-            out = sample(self.model, prompts[i:i + self.batch_size], params, stop_ids=self.stop_ids,
-                         pad_id=self.tokenizer.pad_token_id, generator=generator, stepper=stepper)
-            for ex, toks in zip(examples[i:i + self.batch_size], out.tokens, strict=True):
-                rewards.append(self.score(ex, self.tokenizer.decode(toks, skip_special_tokens=True)))
+        for i in range(0, len(self.prompts), per_call):
+            out = sample(self.model, self.prompts[i:i + per_call], params, stop_ids=self.stop_ids,
+                         pad_id=self.tokenizer.pad_token_id, generator=generator, stepper=stepper,
+                         samples_per_prompt=repeats)
+            for j, toks in enumerate(out.tokens):
+                example = self.examples[i + j // repeats]
+                rewards.append(self.score(example, self.tokenizer.decode(toks, skip_special_tokens=True)))
         return rewards
 
     def __call__(self, step: int) -> Mapping[str, float]:
