@@ -187,3 +187,12 @@ def test_train_device_names_a_torch_device():
         assert load_config(None, [f"train.device={name}"]).train.device == name
     with pytest.raises(ConfigError, match=r"train\.device must be 'cpu', 'cuda' or 'cuda:N'.*got 'gpu'"):
         load_config(None, ["train.device=gpu"])
+
+
+def test_correction_bounds_without_their_correction_are_refused():
+    with pytest.raises(ConfigError, match=r"correction\.tis_cap=5 has no effect with correction\.tis=none"):
+        load_config(None, ["correction.tis=none", "correction.tis_cap=5"])
+    with pytest.raises(ConfigError, match=r"\(0\.2, 2\) have no effect with correction\.mask=none"):
+        load_config(None, ["correction.mask_low=0.2"])
+    c = load_config(None, ["correction.mask=token", "correction.mask_low=0.2"]).correction
+    assert (c.mask, c.mask_low, c.mask_high) == ("token", 0.2, 2.0)

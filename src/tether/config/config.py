@@ -75,7 +75,14 @@ class Config:
         return config
 
     def check(self) -> None:
-        """Rules that span keys."""
+        """Rules that span keys: each refuses a combination that cannot run or a key that would
+        have no effect, naming what to change."""
+        self._check_data()
+        self._check_training()
+        self._check_corrections()
+        self._check_ray()
+
+    def _check_data(self) -> None:
         d = self.data
         if bool(d.task) == bool(d.dataset):
             raise ConfigError(
@@ -85,12 +92,15 @@ class Config:
         if d.eval_dataset and not d.dataset:
             raise ConfigError("data.eval_dataset is set but data.dataset is not; built-in tasks have "
                               "their own held-out split")
-        if self.train.anchor == "behavior" and self.correction.tis != "none":
-            raise ConfigError(
-                f"correction.tis={self.correction.tis} weights the loss by π_prox/μ, which needs "
-                "train.anchor=proximal; with train.anchor=behavior the ratio is already taken "
-                "against μ. Set correction.tis=none or train.anchor=proximal"
-            )
+        if self.reward.function == "task" and not d.task:
+            raise ConfigError("reward.function=task scores with a built-in task's verifier, but "
+                              "data.task is empty; choose exact_match, numeric_match, math or "
+                              "path/to/file.py:function")
+        if self.eval.num_samples > 1 and not self.eval.interval:
+            raise ConfigError(f"eval.num_samples={self.eval.num_samples} has no effect with evaluation "
+                              "off (eval.interval=0); set eval.interval too, or eval.num_samples=1")
+
+    def _check_training(self) -> None:
         t, rw = self.train, self.reward
         if not re.fullmatch(r"cpu|cuda(:\d+)?", t.device):
             raise ConfigError(f"train.device must be 'cpu', 'cuda' or 'cuda:N' (a GPU index), "
@@ -112,21 +122,34 @@ class Config:
                               f"{t.num_batches * t.updates_per_batch} optimizer updates "
                               "(train.num_batches × train.updates_per_batch), so the rate would never "
                               "reach train.lr; lower train.warmup_steps")
-        if self.eval.num_samples > 1 and not self.eval.interval:
-            raise ConfigError(f"eval.num_samples={self.eval.num_samples} has no effect with evaluation "
-                              "off (eval.interval=0); set eval.interval too, or eval.num_samples=1")
-        if self.correction.mask_low >= self.correction.mask_high:
+
+    def _check_corrections(self) -> None:
+        c, default = self.correction, CorrectionSection()
+        if self.train.anchor == "behavior" and c.tis != "none":
+            raise ConfigError(
+                f"correction.tis={c.tis} weights the loss by π_prox/μ, which needs "
+                "train.anchor=proximal; with train.anchor=behavior the ratio is already taken "
+                "against μ. Set correction.tis=none or train.anchor=proximal"
+            )
+        if c.tis == "none" and c.tis_cap != default.tis_cap:
+            raise ConfigError(f"correction.tis_cap={c.tis_cap:g} has no effect with correction.tis=none "
+                              f"(no truncation); set correction.tis=token or sequence, or "
+                              f"correction.tis_cap={default.tis_cap:g}")
+        if c.mask == "none" and (c.mask_low, c.mask_high) != (default.mask_low, default.mask_high):
+            raise ConfigError(f"correction.mask_low/mask_high ({c.mask_low:g}, {c.mask_high:g}) have no "
+                              "effect with correction.mask=none; set correction.mask=token, sequence or "
+                              f"geometric, or leave the bounds at {default.mask_low:g} and "
+                              f"{default.mask_high:g}")
+        if c.mask_low >= c.mask_high:
             raise ConfigError("correction.mask_low must be below correction.mask_high")
+
+    def _check_ray(self) -> None:
         r = self.ray
         if self.rollout.backend != "ray" and (r.address or r.local_cpus or r.cpus_per_worker
                                               or r.gpus_per_worker or r.learner != "driver"):
             raise ConfigError("the ray section is set but rollout.backend is "
                               f"{self.rollout.backend!r}; set rollout.backend=ray to use it, or remove "
                               "the ray keys")
-        if self.reward.function == "task" and not d.task:
-            raise ConfigError("reward.function=task scores with a built-in task's verifier, but "
-                              "data.task is empty; choose exact_match, numeric_match, math or "
-                              "path/to/file.py:function")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every key, defaults included, in recipe form."""
