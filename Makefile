@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/tether train recipes/demo.yaml
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(PY) -m pytest -q
 
 unit: $(STAMP)
