@@ -28,24 +28,29 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32):
     return model, tokenizer
 
 
-def torch_device(name: str, *, knob: str) -> torch.device:
-    """``name`` ('cpu', 'cuda', 'cuda:N') as a device this process can use; a ConfigError naming
-    ``knob`` when it asks for CUDA that is not there."""
+def torch_device(name: str, *, who: str, fix: str) -> torch.device:
+    """``name`` ('cpu', 'cuda', 'cuda:N') as a device this process can use. Asking for CUDA that
+    is not there is a ConfigError: "{who}, but this process sees no CUDA device (…); {fix}"."""
     device = torch.device(name)
     if device.type == "cuda":
         import os
 
         if not torch.cuda.is_available():
             raise ConfigError(
-                f"{knob}={name}, but this process sees no CUDA device (torch {torch.__version__}, "
-                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); install a CUDA build "
-                f"of torch on a machine with a GPU, or set {knob}=cpu")
+                f"{who}, but this process sees no CUDA device (torch {torch.__version__}, "
+                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); {fix}")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(f"{knob}={name}, but this process sees {torch.cuda.device_count()} CUDA "
+            raise ConfigError(f"{who}, but this process sees {torch.cuda.device_count()} CUDA "
                               f"device(s); choose cuda:0..cuda:{torch.cuda.device_count() - 1}")
     elif device.type != "cpu":
-        raise ConfigError(f"{knob}={name}: only 'cpu', 'cuda' and 'cuda:N' are supported")
+        raise ConfigError(f"{who}: only 'cpu', 'cuda' and 'cuda:N' are supported")
     return device
+
+
+def learner_device(name: str) -> torch.device:
+    """``train.device`` as a torch device, checked."""
+    return torch_device(name, who=f"train.device={name}",
+                        fix="install a CUDA build of torch on a machine with a GPU, or set train.device=cpu")
 
 
 def unique_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -69,13 +69,13 @@ def evaluate_model(cfg, model_dir: Path, samples: int) -> tuple[dict[str, float]
 
     from tether.data.rewards import scorer
     from tether.data.source import resolve_data
-    from tether.modeling import load_causal_lm, torch_device
+    from tether.modeling import learner_device, load_causal_lm
     from tether.runtime.evaluate import Evaluator
     from tether.runtime.run import sampling
 
     torch.set_num_threads(cfg.train.threads)
     model, tokenizer = load_causal_lm(model_dir)
-    model.to(torch_device(cfg.train.device, knob="train.device"))  # where the run's learner evaluated
+    model.to(learner_device(cfg.train.device))  # where the run's learner evaluated
     data = resolve_data(cfg.data, tokenizer, seed=cfg.run.seed)
     score = scorer(cfg.reward.function, task=cfg.data.task or None)
     evaluator = Evaluator(model, tokenizer, data.eval, score, stop_text=data.stop_text, params=sampling(cfg),

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Literal
 
-from tether.errors import ConfigError
 from tether.loop.scored import ScoredBatch
 from tether.procinfo import peak_rss_mb
 from tether.rollout.types import WorkItem
@@ -94,16 +93,13 @@ class Rollout:
         torch.set_num_threads(spec.num_threads)
         from tether.data.rewards import scorer
         from tether.decoding.sampling import stop_ids_for
-        from tether.modeling import load_causal_lm
+        from tether.modeling import load_causal_lm, torch_device
         from tether.rollout.torch_engine import TorchEngine
 
         self.spec = spec
-        device = torch.device(spec.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(
-                f"worker {spec.worker_id} is to sample on {spec.device} but sees no CUDA device (torch "
-                f"{torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
-                "give its Ray actor a GPU and a CUDA build of torch, or set ray.gpus_per_worker=0")
+        device = torch_device(spec.device, who=f"worker {spec.worker_id} is to sample on {spec.device}",
+                              fix="give its Ray actor a GPU and a CUDA build of torch, or set "
+                              "ray.gpus_per_worker=0")
         model, self.tokenizer = load_causal_lm(spec.model_path)
         model = model.to(device)
         self.engine = TorchEngine(model, pad_id=self.tokenizer.pad_token_id,

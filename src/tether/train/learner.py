@@ -20,7 +20,7 @@ import torch
 
 from tether.errors import ConfigError
 from tether.loop.protocols import RolloutBatch, TrainResult
-from tether.modeling import load_causal_lm, torch_device, unique_parameters
+from tether.modeling import learner_device, load_causal_lm, unique_parameters
 from tether.procinfo import peak_rss_mb
 from tether.train.advantages import Advantages, group_advantages, overlong_penalty
 from tether.train.batch import TrainBatch, to_train_batch, token_logprobs
@@ -98,7 +98,7 @@ class TorchLearner:
         self.s = settings
         self.loss_fn = get_loss(settings.loss)
         torch.manual_seed(settings.seed)
-        self.device = torch_device(settings.device, knob="train.device")
+        self.device = learner_device(settings.device)
         self.model, self.tokenizer = load_causal_lm(model_path)
         self.model.to(self.device).train()
         self.ref_model = None
