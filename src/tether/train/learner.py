@@ -66,7 +66,8 @@ class LearnerSettings:
     """Forward each group's prompt once (``SharedPrefixForward``) where the architecture allows."""
     temperature: float = 1.0
     max_new_tokens: int = 32
-    """Dr. GRPO's normalising constant for ``seq_mean_token_sum_norm``."""
+    """L_max: Dr. GRPO's normalising constant for ``seq_mean_token_sum_norm``, and where the
+    overlong punishment reaches its full penalty."""
     seed: int = 0
     device: str = "cpu"
     """Where the model trains ('cpu', 'cuda', 'cuda:N'); weights are exported from there."""
