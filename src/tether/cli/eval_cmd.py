@@ -70,17 +70,15 @@ def evaluate_model(cfg, model_dir: Path, samples: int) -> tuple[dict[str, float]
     from tether.data.rewards import scorer
     from tether.data.source import resolve_data
     from tether.modeling import learner_device, load_causal_lm
-    from tether.runtime.evaluate import Evaluator
-    from tether.runtime.run import sampling
+    from tether.runtime.run import evaluator
 
     torch.set_num_threads(cfg.train.threads)
     model, tokenizer = load_causal_lm(model_dir)
     model.to(learner_device(cfg.train.device))  # where the run's learner evaluated
     data = resolve_data(cfg.data, tokenizer, seed=cfg.run.seed)
     score = scorer(cfg.reward.function, task=cfg.data.task or None)
-    evaluator = Evaluator(model, tokenizer, data.eval, score, stop_text=data.stop_text, params=sampling(cfg),
-                          seed=cfg.run.seed, num_samples=samples)
-    return dict(evaluator(step=0)), data.description
+    evaluate = evaluator(cfg, model, tokenizer, data.eval, score, data.stop_text, num_samples=samples)
+    return dict(evaluate(step=0)), data.description
 
 
 def run(ns: argparse.Namespace) -> int:

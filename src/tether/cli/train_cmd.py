@@ -89,11 +89,10 @@ def run(ns: argparse.Namespace) -> int:
                  if numeric is not None else ""))
     if first is not None:
         print(f"held-out pass@1: {first:.1%} → {last:.1%} ({(last - first) * 100:+.1f} points)")
-        evals = summary["evals"]
-        if "eval/pass_at_k" in evals[-1]:
-            k = int(evals[-1]["eval/num_samples"])
-            print(f"held-out pass@{k} (sampled): {evals[0]['eval/pass_at_k']:.1%} → "
-                  f"{evals[-1]['eval/pass_at_k']:.1%}")
+        first_k, last_k = summary["evals"][0], summary["evals"][-1]
+        if "eval/pass_at_k" in first_k and first_k.get("eval/num_samples") == last_k.get("eval/num_samples"):
+            print(f"held-out pass@{int(last_k['eval/num_samples'])} (sampled): "
+                  f"{first_k['eval/pass_at_k']:.1%} → {last_k['eval/pass_at_k']:.1%}")
     print(f"run directory: {run_dir}")
     return 0
 

@@ -186,7 +186,7 @@ class RolloutSection:
         "local",
         "Where rollout workers run: 'local' = worker processes on this machine, weights through "
         "shared memory; 'ray' = Ray actors (see the ray section and docs/distributed.md), weights "
-        "through Ray's object store. The learner runs in the driver process either way.",
+        "through Ray's object store. The learner runs in the driver process unless ray.learner=actor.",
     )
     threads_per_worker: int = knob(
         1, "torch threads in each rollout worker (on 2 cores: 1 for generation, 1 for training).", min=1

@@ -27,7 +27,6 @@ SMOOTH = 20
 class RunView:
     """What the comparison reads from one run directory."""
 
-    path: Path
     label: str
     metrics: list[dict[str, Any]]
     evals: list[dict[str, Any]]
@@ -43,7 +42,7 @@ class RunView:
         u = cfg.get("train", {}).get("updates_per_batch", "?")
         rollout = cfg.get("rollout", {})
         per_batch = int(rollout.get("batch_size", 0)) * int(rollout.get("group_size", 0))
-        return cls(path, f"{path.name} (S={s}, U={u})", metrics, _read_jsonl(path / "eval.jsonl"), per_batch)
+        return cls(f"{path.name} (S={s}, U={u})", metrics, _read_jsonl(path / "eval.jsonl"), per_batch)
 
     def row(self) -> dict[str, Any]:
         """One line of the table."""

@@ -186,13 +186,20 @@ def _learner(cfg: Config, prepared: Prepared, session, stack: contextlib.ExitSta
 def local_learner(cfg: Config, model_path, eval_examples, score, stop_text: str):
     """A TorchLearner and the held-out evaluator that runs on its model (in this process, or in
     the learner's Ray actor)."""
-    from tether.runtime.evaluate import Evaluator
     from tether.train.learner import TorchLearner
 
     learner = TorchLearner(model_path, learner_settings(cfg))
-    evaluator = Evaluator(learner.model, learner.tokenizer, eval_examples, score, stop_text=stop_text,
-                          params=sampling(cfg), seed=cfg.run.seed, num_samples=cfg.eval.num_samples)
-    return learner, evaluator
+    return learner, evaluator(cfg, learner.model, learner.tokenizer, eval_examples, score, stop_text)
+
+
+def evaluator(cfg: Config, model, tokenizer, examples, score, stop_text: str, *,
+              num_samples: int | None = None):
+    """The recipe's held-out evaluator on ``model`` (``num_samples`` overrides eval.num_samples)."""
+    from tether.runtime.evaluate import Evaluator
+
+    k = cfg.eval.num_samples if num_samples is None else num_samples
+    return Evaluator(model, tokenizer, examples, score, stop_text=stop_text, params=sampling(cfg),
+                     seed=cfg.run.seed, num_samples=k)
 
 
 def _pool_settings(cfg: Config, prepared: Prepared, params):
