@@ -9,8 +9,13 @@
     ├── QueueTimeoutError         a blocking queue call ran past its timeout
     ├── RolloutError              generation or scoring failed; carries the worker, batch and cause
     ├── LearnerLostError          the learner's Ray actor died or stopped answering (ray.learner=actor)
+    ├── RunBusyError              another process holds the run directory's lock
+    ├── CheckpointError           a checkpoint could not be written; the last good one is kept
     ├── DataError                 a dataset file, row or column is unusable; names file, row, expectation
     └── RewardError               a reward function is missing, has the wrong signature, or returned junk
+
+    KeyboardInterrupt
+    └── StopRequested             SIGINT or SIGTERM asked the run to stop (it saves, then exits)
 
 User mistakes raise ``ConfigError``; internal invariants use ``assert``.
 """
@@ -86,3 +91,27 @@ class DataError(TetherError, ValueError):
 
 class RewardError(TetherError):
     """A reward function could not be loaded, or returned something other than a finite number."""
+
+
+class RunBusyError(TetherError):
+    """The run directory is locked by another live process (a run or a resume in progress)."""
+
+
+class CheckpointError(TetherError):
+    """Writing a checkpoint failed (disk full, permissions); nothing partial is left behind."""
+
+
+class StopRequested(KeyboardInterrupt):
+    """A stop signal (SIGINT, SIGTERM) reached the run. A ``KeyboardInterrupt`` so that every
+    layer unwinds as it does for Ctrl-C; ``signal_name`` says which one, for the exit status."""
+
+    def __init__(self, signal_name: str = "SIGINT") -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number, as a shell reports a process killed by it (130, 143)."""
+        import signal
+
+        return 128 + int(signal.Signals[self.signal_name])

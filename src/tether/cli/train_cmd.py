@@ -22,6 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a YAML recipe, then section.key=value overrides (with --resume: overrides only)")
     p.add_argument("--run-dir", help="where to write the run (default: runs/<recipe>-<time>)")
     p.add_argument("--resume", metavar="RUN", help="continue the run in RUN from its newest good checkpoint")
+    p.add_argument("--force", action="store_true",
+                   help="with --resume: accept overrides (or changed data) that change the run, "
+                   "such as run.seed or rollout.batch_size; they are recorded in starts.jsonl")
     p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--no-report", action="store_true", help="skip writing the plots at the end")
     p.set_defaults(func=run)
@@ -41,9 +44,12 @@ def _logging() -> None:
 
 
 def resolve(ns: argparse.Namespace):
+    """(config, run directory, overrides) from the command line."""
     from tether.cli.plan import split_recipe_args
     from tether.config import load_config
 
+    if ns.force and not ns.resume:
+        raise ConfigError("--force only applies with --resume RUN")
     if ns.resume:
         run_dir = Path(ns.resume)
         if ns.run_dir and Path(ns.run_dir) != run_dir:
@@ -54,25 +60,27 @@ def resolve(ns: argparse.Namespace):
                               f"key=value overrides, not {overrides[0]!r}")
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
-        return load_config(run_dir / "config.yaml", overrides), run_dir
+        return load_config(run_dir / "config.yaml", overrides), run_dir, overrides
     recipe, overrides = split_recipe_args(ns.args)
     cfg = load_config(recipe, overrides)
     stem = Path(recipe).stem if recipe else "train"
     run_dir = Path(ns.run_dir) if ns.run_dir else Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return cfg, run_dir
+    return cfg, run_dir, overrides
 
 
 def run(ns: argparse.Namespace) -> int:
-    cfg, run_dir = resolve(ns)
+    cfg, run_dir, overrides = resolve(ns)
     _logging()
+    from tether.errors import StopRequested
     from tether.runtime.run import train
 
     try:
-        summary = train(cfg, run_dir, resume=bool(ns.resume), progress_plain=True if ns.plain else None)
-    except KeyboardInterrupt:
-        print(f"tether train: interrupted; the run directory is {run_dir} "
-              f"(resume with `tether train --resume {run_dir}`)", file=sys.stderr)
-        return 130
+        summary = train(cfg, run_dir, resume=bool(ns.resume), force=ns.force, overrides=overrides,
+                        progress_plain=True if ns.plain else None)
+    except KeyboardInterrupt as exc:
+        stopped = exc if isinstance(exc, StopRequested) else StopRequested("SIGINT")
+        print(f"tether train: stopped by {stopped.signal_name}; {_where_to_resume(run_dir)}", file=sys.stderr)
+        return stopped.exit_code
     if not ns.no_report:
         from tether.runtime.report import write_report
 
@@ -95,6 +103,18 @@ def run(ns: argparse.Namespace) -> int:
                   f"{first_k['eval/pass_at_k']:.1%} → {last_k['eval/pass_at_k']:.1%}")
     print(f"run directory: {run_dir}")
     return 0
+
+
+def _where_to_resume(run_dir: Path) -> str:
+    """What a stopped run leaves: the command that continues it, if a checkpoint exists."""
+    from tether.runtime.checkpoint import Checkpointer
+
+    if Checkpointer(run_dir / "checkpoints").list():
+        return f"the run directory is {run_dir} (resume with `tether train --resume {run_dir}`)"
+    if run_dir.is_dir():
+        return (f"the run directory is {run_dir}; it holds no checkpoint to resume from "
+                "(checkpoint.interval=0, or it stopped before the first)")
+    return "nothing was written"
 
 
 def add_report_parser(sub: argparse._SubParsersAction) -> None:

@@ -102,6 +102,10 @@ class Config:
 
     def _check_training(self) -> None:
         t, rw = self.train, self.reward
+        if self.rollout.group_size < 2:
+            raise ConfigError("rollout.group_size=1 trains nothing: every advantage is a sample's reward "
+                              "relative to its prompt group's mean, so a group of one always has advantage "
+                              "0; set rollout.group_size to 2 or more (GRPO-family runs use 4 to 64)")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", t.device):
             raise ConfigError(f"train.device must be 'cpu', 'cuda' or 'cuda:N' (a GPU index), "
                               f"got {t.device!r}")

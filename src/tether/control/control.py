@@ -93,17 +93,27 @@ class AsyncControl:
         self.publish_required = False
         return version
 
-    def restore(self, train_version: int) -> None:
+    def restore(self, train_version: int, rollout_version: int | None = None) -> None:
         """Resume: the train version comes from the restored optimizer state.
 
-        The engines start from the base weights, so the published version is unknown: it is reset
-        to 0 and a publish is forced before anything is launched.
+        ``rollout_version`` is the version the engines held when the checkpoint was written, when
+        the resume gives the engines those very weights again (the run then continues exactly as
+        it would have). Without it the engines' version is unknown: it is reset to 0 and a
+        publish is forced before anything is launched.
         """
-        if isinstance(train_version, bool) or not isinstance(train_version, int) or train_version < 0:
-            raise ControlError(f"restored train version must be an integer >= 0, got {train_version!r}")
+        for name, v in (("train", train_version), ("rollout", rollout_version)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ControlError(f"restored {name} version must be an integer >= 0, got {v!r}")
+        if rollout_version is not None and rollout_version > train_version:
+            raise ControlError(f"restored rollout version {rollout_version} is ahead of the train "
+                               f"version {train_version}")
         self._train_version = train_version
-        self._rollout_version = 0
-        self.publish_required = train_version > 0
+        if rollout_version is None:
+            self._rollout_version = 0
+            self.publish_required = train_version > 0
+        else:
+            self._rollout_version = rollout_version
+            self.publish_required = False
 
     # -- staleness ----------------------------------------------------------------------------
 

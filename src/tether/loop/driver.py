@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tether.control import AsyncControl, Staleness, admission_notes
-from tether.errors import AdmissionStallError, ControlError
+from tether.errors import AdmissionStallError, ControlError, StopRequested
 from tether.loop.observe import BatchRecord, LoopEvent, LoopObserver
 from tether.loop.protocols import (
     BoundaryHooks,
@@ -69,7 +69,6 @@ class Driver:
         observer: LoopObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         wait_timeout_s: float | None = None,
-        drain_timeout_s: float | None = 60.0,
     ) -> None:
         self.control = control
         self.settings = control.settings
@@ -78,8 +77,7 @@ class Driver:
         self.hooks = hooks or NoHooks()
         self.observer = observer or LoopObserver()
         self.clock = clock
-        self.wait_timeout_s = wait_timeout_s
-        self.drain_timeout_s = drain_timeout_s
+        self.wait_timeout_s = wait_timeout_s  # for each batch awaited, at a sync's drain too
         self.ready: deque[RolloutBatch] = deque()
         self.trained = 0
         self.launched = 0
@@ -87,7 +85,7 @@ class Driver:
         self.consecutive_drops = 0
         self.outstanding: set[int] = set()  # launched, not yet trained (to completion) or dropped
         self.pending: list[int] = []  # abandoned earlier; relaunched before fresh indices
-        self.stop_requested = False
+        self.stop_requested: str | None = None  # the stop signal's name, once one arrived
         self.in_critical = False  # inside train / publish / evaluate / save
         self.interrupted_in_critical = False  # then the learner may be mid-update: never save it
 
@@ -102,7 +100,7 @@ class Driver:
                 batch, staleness = self._next_batch(times)
                 self._critical(self._step, batch, staleness, times)
                 if self.stop_requested:
-                    raise KeyboardInterrupt
+                    raise StopRequested(self.stop_requested)
         except KeyboardInterrupt:
             self._interrupted()
             raise
@@ -112,11 +110,11 @@ class Driver:
         self._teardown(None)
         return self.state()
 
-    def request_stop(self) -> bool:
-        """Ask the loop to stop at the next safe point (Ctrl-C). True when it is safe to raise
-        KeyboardInterrupt right now (the loop is only waiting), False when the loop will stop
-        by itself after the step in progress."""
-        self.stop_requested = True
+    def request_stop(self, signal_name: str = "SIGINT") -> bool:
+        """Ask the loop to stop at the next safe point (SIGINT, SIGTERM). True when it is safe to
+        raise ``StopRequested`` right now (the loop is only waiting), False when the loop will
+        stop by itself after the step in progress."""
+        self.stop_requested = signal_name
         return not self.in_critical
 
     def _critical(self, fn, *args):
@@ -136,6 +134,7 @@ class Driver:
             dropped_batches=self.dropped,
             train_version=self.control.train_version,
             pending=tuple(sorted([*self.pending, *self.outstanding])),
+            rollout_version=self.control.rollout_version,
         )
 
     # -- steps --------------------------------------------------------------------------------
@@ -155,7 +154,7 @@ class Driver:
             self.launched = resume.launched_batches
             self.dropped = resume.dropped_batches
             self.pending = sorted(resume.pending)
-            self.control.restore(resume.train_version)
+            self.control.restore(resume.train_version, resume.rollout_version)
         if self.control.publish_required:
             self._publish(("resume",))
         if self.trained == 0 and self.settings.eval_interval > 0:
@@ -275,7 +274,7 @@ class Driver:
         """
         t0 = self.clock()
         outstanding = self.pool.inflight + len(self.ready)
-        self._reap(self.pool.quiesce(self.drain_timeout_s))
+        self._reap(self.pool.quiesce(self.wait_timeout_s))
         if self.ready and reasons != ("idle",):  # an idle sync may leave older batches queued
             raise ControlError(
                 f"{len(self.ready)} rollout batch(es) outstanding at a weight sync after "
@@ -336,38 +335,46 @@ class Driver:
         ))
 
     def _interrupted(self) -> None:
-        """Ctrl-C: abandon in-flight work (the pool's close stops it) and, when checkpoints are
-        on and the learner is between steps, save a final checkpoint whose ``pending`` lists the
-        abandoned batches so a resume generates them again."""
+        """A stop signal: abandon in-flight work (the pool's close stops it) and, when checkpoints
+        are on and the learner is between steps, save a final checkpoint whose ``pending`` lists
+        the abandoned batches so a resume generates them again, under the version the engines
+        held (``rollout_version``), as the uninterrupted run would have."""
         abandoned = sorted(self.outstanding)
         self._emit("abandon", detail={"batches": abandoned})
         self.ready.clear()
         if self.settings.save_interval > 0 and not self.interrupted_in_critical and self.trained > 0:
             log.warning("interrupted after %d batches; saving a final checkpoint (%d batch(es) "
                         "abandoned, to be generated again on resume)", self.trained, len(abandoned))
-            self.hooks.save(self.trained, self.state())
+            try:
+                self.hooks.save(self.trained, self.state())
+            except KeyboardInterrupt:
+                log.warning("the final checkpoint was abandoned by a second stop signal (nothing "
+                            "partial is left; the newest complete checkpoint is unchanged)")
+            except Exception as exc:
+                log.error("the final checkpoint could not be written: %s", exc)
+            else:
+                self._emit("save", version=self.control.train_version,
+                           detail={"step": self.trained, "final": True})
         elif abandoned:
             log.warning("interrupted after %d batches; %d in-flight batch(es) abandoned",
                         self.trained, len(abandoned))
 
     def _teardown(self, primary: BaseException | None) -> None:
-        """Drain whatever is still outstanding; never mask a primary error."""
+        """After the last batch nothing may be outstanding. After an error whatever is still
+        outstanding is abandoned at once (the pool's close stops it): waiting for work that may
+        be what failed would only delay the error."""
         if self.pool.inflight == 0 and not self.ready:
             return
-        try:
-            self._reap(self.pool.quiesce(self.drain_timeout_s))
-        except BaseException as exc:
-            if primary is None:
-                raise
-            log.error("draining rollout work after %r failed too: %r", primary, exc)
+        if primary is not None:
+            self._emit("abandon", detail={"batches": sorted(self.outstanding)})
+            self.ready.clear()
             return
+        self._reap(self.pool.quiesce(self.wait_timeout_s))
         self._emit("drain", detail={"batches": [b.index for b in self.ready]})
-        if primary is None:
-            raise ControlError(
-                f"{len(self.ready)} rollout batch(es) were outstanding after the final batch; "
-                "the final hard boundary must leave nothing in flight"
-            )
-        self.ready.clear()
+        raise ControlError(
+            f"{len(self.ready)} rollout batch(es) were outstanding after the final batch; "
+            "the final hard boundary must leave nothing in flight"
+        )
 
     def _emit(self, kind: str, *, t: float | None = None, end: float | None = None,
               batch: int | None = None, version: int | None = None,

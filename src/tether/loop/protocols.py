@@ -94,7 +94,8 @@ class RolloutPool(Protocol):
         ...
 
     def quiesce(self, timeout: float | None) -> list[RolloutBatch]:
-        """Finish every in-flight generation and return the batches, in completion order."""
+        """Finish every in-flight generation and return the batches, in completion order;
+        ``timeout`` bounds the wait for each next completion."""
         ...
 
     def publish(self, weights: Any, version: int) -> Mapping[str, float]:
@@ -126,6 +127,9 @@ class LoopState:
     train_version: int = 0
     pending: tuple[int, ...] = ()
     """Launch indices abandoned by an interrupt before they trained; relaunched first on resume."""
+    rollout_version: int | None = None
+    """The version the engines held (last published). A resume that gives the engines these
+    weights again continues exactly; None (older checkpoints) forces a publish on resume."""
 
 
 class BoundaryHooks(Protocol):

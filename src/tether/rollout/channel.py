@@ -158,6 +158,10 @@ class WeightChannel:
     def views(self) -> dict[str, torch.Tensor]:
         return dict(self._block.views)
 
+    def verify(self, version: int) -> float:
+        """Check the block holds a complete write of ``version``."""
+        return self._block.verify(version)
+
     def close(self) -> None:
         if self._block is not None:
             shm = self._block.shm

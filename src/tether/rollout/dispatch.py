@@ -126,12 +126,11 @@ class DispatchingPool:
         return self._taken([first, *self._completed.drain()])
 
     def quiesce(self, timeout: float | None) -> list[RolloutBatch]:
+        """Every in-flight batch, waiting at most ``timeout`` seconds for each next completion."""
         out: list[RolloutBatch] = []
-        deadline = None if timeout is None else time.monotonic() + timeout
         while self.inflight - len(out) > 0:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                out.append(self._completed.get(timeout=remaining))
+                out.append(self._completed.get(timeout=timeout))
             except QueueTimeoutError:
                 raise self._timeout_error(timeout) from None
         return self._taken(out)

@@ -6,6 +6,11 @@ sentinel, accepts each complete scored batch, and turns a worker's error — or 
 ``RolloutError`` that names the worker, the batch and the cause, with the original traceback.
 Weights go through the shared-memory ``WeightChannel``; workers load them only while the pool is
 quiesced.
+
+Workers die with the driver however it ends: each holds the read end of a *lifeline* pipe whose
+only write end is the driver's, and exits the moment it reads end-of-file (the driver closed the
+pool, exited, or was killed). Stop signals are the driver's to handle: workers ignore SIGINT and
+SIGTERM, so a signal sent to the whole process group stops the run once, in order.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ class ProcessPool(DispatchingPool):
         self._acks: BatchQueue[tuple[int, int, float]] = BatchQueue(maxsize=1 << 10, name="weight-load")
         self._workers: list[_Handle] = []
         self._collector: threading.Thread | None = None
+        self._lifeline: Connection | None = None  # the write end; closing it ends every worker
         try:
             self._start_workers()
         except BaseException:
@@ -93,6 +99,7 @@ class ProcessPool(DispatchingPool):
     def _start_workers(self) -> None:
         ctx = _worker_context()
         s = self.settings
+        lifeline_r, self._lifeline = ctx.Pipe(duplex=False)
         for i in range(s.num_workers):
             req_recv, req_send = ctx.Pipe(duplex=False)
             res_recv, res_send = ctx.Pipe(duplex=False)
@@ -100,12 +107,13 @@ class ProcessPool(DispatchingPool):
                               stop_text=s.stop_text, num_threads=s.threads_per_worker,
                               reward_on_error=s.reward_on_error, initial_version=self.version,
                               channel_name=self.channel.name, channel_layout=self.channel.layout)
-            proc = ctx.Process(target=worker_main, args=(spec, req_recv, res_send), daemon=True,
+            proc = ctx.Process(target=worker_main, args=(spec, req_recv, res_send, lifeline_r), daemon=True,
                                name=f"tether-rollout-{i}")
             proc.start()
             req_recv.close()
             res_send.close()
             self._workers.append(_Handle(i, proc, req_send, res_recv))
+        lifeline_r.close()
         deadline = time.monotonic() + s.startup_timeout_s
         for w in self._workers:
             remaining = deadline - time.monotonic()
@@ -122,27 +130,25 @@ class ProcessPool(DispatchingPool):
         self._collector = threading.Thread(target=self._collect, name="tether-rollout-collector", daemon=True)
         self._collector.start()
 
-    def close(self, timeout: float = 10.0, busy_grace: float = 1.0) -> None:
+    def close(self, timeout: float = 10.0) -> None:
         """Stop every worker and free the weight channel; idempotent.
 
-        Idle workers are asked to stop and get ``timeout`` seconds; a worker still generating
-        cannot read the request until its batch ends, so it gets ``busy_grace`` seconds and is
-        then terminated (its batch is abandoned). Survivors of SIGTERM are killed.
+        Idle workers are asked to stop; closing the lifeline then ends any worker still
+        generating at once (its batch is abandoned), and one that could not be forked in time to
+        be known here exits as soon as it starts. Survivors after ``timeout`` are killed.
         """
-        if self._closing and not any(w.process.is_alive() for w in self._workers):
+        if self._closing and self._lifeline is None and not any(w.process.is_alive() for w in self._workers):
             return
         self._closing = True
         for w in self._workers:
             with contextlib.suppress(OSError, ValueError):
                 w.requests.send(("stop",))
+        if self._lifeline is not None:
+            self._lifeline.close()
+            self._lifeline = None
         deadline = time.monotonic() + timeout
-        busy_deadline = time.monotonic() + min(timeout, busy_grace)
         for w in self._workers:
-            until = busy_deadline if w.batch is not None else deadline
-            w.process.join(max(0.0, until - time.monotonic()))
-            if w.process.is_alive():
-                w.process.terminate()
-                w.process.join(2)
+            w.process.join(max(0.0, deadline - time.monotonic()))
             if w.process.is_alive():
                 w.process.kill()
                 w.process.join(2)
@@ -154,6 +160,11 @@ class ProcessPool(DispatchingPool):
         self._completed.close()
         self._acks.close()
         self.channel.close()
+
+    def published_weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights the workers hold (the channel's snapshot, checked whole)."""
+        self.channel.verify(self.version)
+        return {name: t.clone() for name, t in self.channel.views().items()}
 
     @property
     def pids(self) -> list[int]:

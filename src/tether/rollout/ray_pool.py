@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from tether.data.types import Example
 from tether.errors import ConfigError, RolloutError
-from tether.rollout.channel import Layout, Snapshot
+from tether.rollout.channel import Layout, Snapshot, open_snapshot
 from tether.rollout.dispatch import DispatchingPool, PoolSettings, WorkerSlot
 from tether.rollout.types import WorkItem
 from tether.rollout.worker import WorkerSpec
@@ -217,6 +217,7 @@ class RayPool(DispatchingPool):
         self._running: dict[Any, _Actor] = {}  # result ref → the actor generating it
         self._wake = threading.Event()
         self._weights_ref = None
+        self._staged_version: int | None = None  # the version in the staging block, if any
         self._collector: threading.Thread | None = None
         self._own_session = session is None
         self.session = RaySession(options, run_dir) if session is None else session
@@ -313,6 +314,18 @@ class RayPool(DispatchingPool):
         if self._own_session:
             self.session.close()
 
+    def published_weights(self) -> dict[str, Any]:
+        """A copy of the weights the actors hold: the staging block when this process publishes,
+        else the newest snapshot fetched back from the object store (checked whole)."""
+        if self.snapshot is not None and self._staged_version == self.version:
+            array = self.snapshot.array
+        else:
+            if self._weights_ref is None:
+                raise RolloutError("no published snapshot is held")
+            array = self.ray.get(self._weights_ref, timeout=60)
+        views, _ = open_snapshot(array, self.layout, self.version)
+        return {name: t.clone() for name, t in views.items()}
+
     # -- backend hooks ------------------------------------------------------------------------
 
     def _submit(self, w: _Actor, item: WorkItem) -> None:
@@ -327,6 +340,7 @@ class RayPool(DispatchingPool):
             if self.snapshot is None:
                 raise RolloutError("this pool was started with remote weights; publish those")
             ref, metrics = put_snapshot(self.ray, self.snapshot, weights, version)
+            self._staged_version = version
         else:
             ref, metrics = weights.put(version)
         loads = {w.handle.load.remote(ref, version): w for w in self._workers}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -54,9 +55,14 @@ class WorkerSpec:
     """Where the engine samples: ``cpu``, or ``cuda`` for a Ray actor given a GPU."""
 
 
-def worker_main(spec: WorkerSpec, requests: Connection, results: Connection) -> None:
-    """Process entry point. Ctrl-C is the driver's to handle: workers ignore SIGINT."""
+def worker_main(spec: WorkerSpec, requests: Connection, results: Connection,
+                lifeline: Connection | None = None) -> None:
+    """Process entry point. Stop signals are the driver's to handle: workers ignore SIGINT and
+    SIGTERM, and exit when the driver's ``lifeline`` closes (the driver stopped or died)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if lifeline is not None:
+        _exit_with_driver(lifeline)
     try:
         worker = _ChannelWorker(spec)
     except BaseException as exc:
@@ -82,6 +88,26 @@ def worker_main(spec: WorkerSpec, requests: Connection, results: Connection) -> 
                 raise ValueError(f"unknown message {kind!r}")
         except BaseException as exc:
             results.send(("error", index, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+
+
+def _exit_with_driver(lifeline: Connection) -> None:
+    """Exit at once when the lifeline reaches end of file, even in the middle of a batch: the
+    driver that would take the batch is gone. Checked first, so a worker forked after its driver
+    already left (a stop during start-up) never touches the shared memory it would have read."""
+
+    def watch() -> None:
+        while True:
+            try:
+                lifeline.recv()
+            except (EOFError, OSError):
+                os._exit(0)
+
+    if lifeline.poll(0):
+        try:
+            lifeline.recv()
+        except (EOFError, OSError):
+            os._exit(0)
+    threading.Thread(target=watch, name="tether-lifeline", daemon=True).start()
 
 
 class Rollout:

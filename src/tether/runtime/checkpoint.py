@@ -2,8 +2,11 @@
 
 Layout of ``RUN/checkpoints/step-000010/``: ``learner/`` (model safetensors and tokenizer,
 optimizer, scheduler, RNG), ``state.json`` (the loop state: trained and launched batches, drops,
-train version — the data cursor and the control state), and ``manifest.json`` (size and SHA-256
-of every other file), written last.
+train and rollout versions, batches to generate again — the data cursor and the control state),
+``published.safetensors`` when the engines held older weights than the learner's (a checkpoint
+written on a stop between two publications: a resume loads them into the engines again so the
+run continues exactly), and ``manifest.json`` (size and SHA-256 of every other file), written
+last.
 
 A checkpoint is built in a temporary folder, every file fsynced, then renamed into place, so a
 crash mid-save leaves no ``step-*`` folder. On restore, a checkpoint whose manifest is missing or
@@ -21,11 +24,13 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from tether.errors import ConfigError
+from tether.errors import CheckpointError, ConfigError
 from tether.loop.protocols import LoopState
 
 log = logging.getLogger("tether.checkpoint")
 PREFIX = "step-"
+TMP_PREFIX = ".tmp-"
+PUBLISHED = "published.safetensors"
 
 
 def _sha256(path: Path) -> str:
@@ -48,6 +53,19 @@ def _fsync_tree(root: Path) -> None:
         os.close(fd)
 
 
+def _why(exc: BaseException) -> str:
+    """A one-line cause for a failed write, naming the usual suspects."""
+    import errno
+
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    code = getattr(exc, "errno", None)
+    if code == errno.ENOSPC or "No space left" in text or "file write failed" in text:
+        return f"the disk is full: {text}"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"permission denied: {text}"
+    return f"{type(exc).__name__}: {text}"
+
+
 class DamagedCheckpoint(ConfigError):
     """A checkpoint is incomplete or its files do not match its manifest."""
 
@@ -60,14 +78,22 @@ class Checkpointer:
     def path(self, step: int) -> Path:
         return self.root / f"{PREFIX}{step:06d}"
 
-    def save(self, step: int, state: LoopState, learner) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
+    def save(self, step: int, state: LoopState, learner, *, published=None) -> Path:
+        """Write checkpoint ``step`` atomically. ``published``: the engines' weights when they
+        differ from the learner's. A failure (disk full, permissions) raises ``CheckpointError``
+        and leaves nothing behind; earlier checkpoints are untouched."""
         final = self.path(step)
-        tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        tmp = self.root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
         try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
             learner.save(tmp / "learner")
+            if published is not None:
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in published.items()}, str(tmp / PUBLISHED),
+                          metadata={"version": str(state.rollout_version)})
             (tmp / "state.json").write_text(json.dumps({"step": step, **asdict(state)}, indent=2) + "\n")
             files = sorted(p for p in tmp.rglob("*") if p.is_file())
             manifest = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
@@ -77,6 +103,14 @@ class Checkpointer:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            good = self.list()
+            kept = (f"the last good checkpoint, {good[-1].name}, is kept" if good
+                    else "no earlier checkpoint exists")
+            raise CheckpointError(
+                f"could not write checkpoint {final} ({_why(exc)}); nothing of it was left behind and "
+                f"{kept}. Free space or fix the permissions of {self.root}, then resume") from exc
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -102,8 +136,13 @@ class Checkpointer:
             raise DamagedCheckpoint(f"checkpoint {path} has no manifest.json (an interrupted save?)")
         try:
             manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise DamagedCheckpoint(f"checkpoint {path}: manifest.json is unreadable: {exc}") from exc
+        entries = manifest.values() if isinstance(manifest, dict) else ()
+        if (not isinstance(manifest, dict) or "state.json" not in manifest
+                or not all(isinstance(e, dict) and {"bytes", "sha256"} <= e.keys() for e in entries)):
+            raise DamagedCheckpoint(f"checkpoint {path}: manifest.json does not list the checkpoint's files "
+                                    "with their sizes and checksums (damaged or hand-edited)")
         for rel, expected in manifest.items():
             f = path / rel
             if not f.is_file():
@@ -113,10 +152,18 @@ class Checkpointer:
                                         f"expected {expected['bytes']} (truncated or overwritten)")
             if _sha256(f) != expected["sha256"]:
                 raise DamagedCheckpoint(f"checkpoint {path}: {rel} does not match its checksum (corrupted)")
-        data = json.loads((path / "state.json").read_text())
-        data.pop("step", None)
-        data["pending"] = tuple(data.get("pending", ()))
-        return LoopState(**data)
+        try:
+            data = json.loads((path / "state.json").read_text())
+            data.pop("step", None)
+            data["pending"] = tuple(data.get("pending", ()))
+            state = LoopState(**data)
+        except (json.JSONDecodeError, TypeError, AttributeError) as exc:
+            raise DamagedCheckpoint(f"checkpoint {path}: state.json is not a loop state: {exc}") from exc
+        if state.rollout_version is not None and state.rollout_version != state.train_version \
+                and PUBLISHED not in manifest:
+            raise DamagedCheckpoint(f"checkpoint {path}: the engines held version {state.rollout_version} "
+                                    f"but {PUBLISHED} is missing")
+        return state
 
     def newest_good(self, *, doing: str = "resume") -> tuple[LoopState, Path]:
         """The newest checkpoint that passes its manifest check; damaged ones are refused by name
@@ -143,6 +190,16 @@ class Checkpointer:
         state, path = self.newest_good()
         learner.load(path / "learner")
         return state, path
+
+
+def published_weights(path: Path):
+    """The engines' weights a checkpoint kept (``published.safetensors``), or None."""
+    f = Path(path) / PUBLISHED
+    if not f.is_file():
+        return None
+    from safetensors.torch import load_file
+
+    return load_file(str(f))
 
 
 def trim_jsonl(path: Path, max_step: int) -> None:

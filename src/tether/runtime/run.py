@@ -7,12 +7,12 @@ data, reward), so a bad recipe fails before any worker exists.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
-import signal
-import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,29 +97,82 @@ def prepare(cfg: Config, *, progress_plain: bool | None = None) -> Prepared:
     return Prepared(model_path=model_path, data=data, score=score)
 
 
-def new_run_dir(run_dir: Path, cfg: Config) -> None:
-    if run_dir.exists() and any(run_dir.iterdir()):
+def _refuse_nonempty(run_dir: Path) -> None:
+    from tether.runtime.rundir import LOCK_NAME
+
+    if run_dir.exists() and any(p.name != LOCK_NAME for p in run_dir.iterdir()):
         raise ConfigError(f"run directory {run_dir} already exists and is not empty; pass --resume {run_dir} "
                           "to continue it, or choose another --run-dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
 
-def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: bool | None = None) -> dict:
-    """Run (or resume) training into ``run_dir``; returns the summary it also writes."""
+def claim_run_dir(run_dir: Path, cfg: Config, prepared: Prepared, *, resume: bool, force: bool,
+                  overrides: Sequence[str]):
+    """Lock ``run_dir`` for this process, clean what interrupted saves left, and record this
+    start. A new run needs an empty directory; a resume is refused when it would change the run
+    (``rundir.check_resume``) or has nothing left to train. Returns the held lock."""
+    from tether.config import load_config
+    from tether.runtime.checkpoint import Checkpointer
+    from tether.runtime.rundir import (
+        RunLock,
+        check_resume,
+        clean_leftovers,
+        data_fingerprint,
+        record_start,
+    )
+
+    if not resume:
+        _refuse_nonempty(run_dir)  # before creating anything in someone's existing folder
+    lock = RunLock(run_dir).acquire()
+    try:
+        clean_leftovers(run_dir)
+        fingerprint = data_fingerprint(prepared.data.train)
+        if resume:
+            forced = check_resume(run_dir, load_config(run_dir / "config.yaml").to_dict(), cfg.to_dict(),
+                                  fingerprint, force=force)
+            state, ckpt = Checkpointer(run_dir / "checkpoints").newest_good()
+            if state.trained_batches >= cfg.train.num_batches:
+                raise ConfigError(
+                    f"nothing to resume: {state.trained_batches} batches already trained of "
+                    f"train.num_batches={cfg.train.num_batches}; extend it with "
+                    f"train.num_batches=N (N > {state.trained_batches})")
+            record_start(run_dir, overrides=list(overrides), resumed_from=ckpt.name, fingerprint=fingerprint,
+                         forced=forced)
+        else:
+            _refuse_nonempty(run_dir)  # again under the lock: another start may have won the race
+            record_start(run_dir, overrides=list(overrides), resumed_from=None, fingerprint=fingerprint)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())  # the config the run continues with
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def train(cfg: Config, run_dir: Path, *, resume: bool = False, force: bool = False,
+          overrides: Sequence[str] = (), progress_plain: bool | None = None) -> dict:
+    """Run (or resume) training into ``run_dir``; returns the summary it also writes.
+
+    SIGINT and SIGTERM stop it at the next safe point with a final checkpoint
+    (``tether.runtime.stopping``); the run directory is locked for the whole call."""
+    from tether.runtime.stopping import StopSignals
+
+    with StopSignals() as stop:
+        return _train(cfg, run_dir, stop, resume=resume, force=force, overrides=overrides,
+                      progress_plain=progress_plain)
+
+
+def _train(cfg: Config, run_dir: Path, stop, *, resume: bool, force: bool, overrides: Sequence[str],
+           progress_plain: bool | None) -> dict:
     import torch
 
     from tether.data.stream import PromptStream
     from tether.rollout.notes import sampling_notes
-    from tether.runtime.checkpoint import Checkpointer
+    from tether.runtime.checkpoint import Checkpointer, published_weights
     from tether.runtime.progress import Progress
     from tether.runtime.sinks import JsonlSink, ProgressSink, TensorBoardSink, WandbSink, require_wandb
 
     if cfg.run.wandb_project:
         require_wandb()
     prepared = prepare(cfg, progress_plain=progress_plain)
-    if not resume:
-        new_run_dir(run_dir, cfg)
     torch.set_num_threads(cfg.train.threads)
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep)
     params = sampling(cfg)
@@ -129,13 +182,15 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: b
     trace = TraceRecorder()
     sinks: list = []
     with contextlib.ExitStack() as stack:
+        stack.callback(claim_run_dir(run_dir, cfg, prepared, resume=resume, force=force,
+                                     overrides=overrides).release)
         session = None
         if cfg.rollout.backend == "ray":
             from tether.rollout.ray_pool import RaySession
 
             session = stack.enter_context(contextlib.closing(RaySession(ray_options(cfg), run_dir)))
         learner, evaluate = _learner(cfg, prepared, session, stack)
-        state = None
+        state, engine_weights, engine_version = None, None, 0
         if resume:
             from tether.runtime.checkpoint import trim_jsonl
 
@@ -144,6 +199,9 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: b
                      state.train_version)
             for name in ("metrics.jsonl", "eval.jsonl"):
                 trim_jsonl(run_dir / name, state.trained_batches)
+            engine_weights, engine_version = _engine_start(state, ckpt, published_weights(ckpt))
+            if engine_version is None:
+                state = dataclasses.replace(state, rollout_version=None)
         hooks = _Hooks(evaluate, checkpointer, learner)
         wall_start = time.time()
         sinks += [JsonlSink(run_dir, wall_start=wall_start), TensorBoardSink(run_dir)]
@@ -155,18 +213,41 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, progress_plain: b
                 observer = Observers(trace, *sinks, ProgressSink(progress))
                 if state is not None:
                     progress.update(state.trained_batches, {})
-                pool = stack.enter_context(rollout_pool(cfg, _pool_settings(cfg, prepared, params),
-                                                        stream.batch, learner.export_weights(), session))
-                driver = Driver(AsyncControl(cfg.budget()), pool, learner, hooks=hooks, observer=observer,
-                                wait_timeout_s=cfg.async_.wait_timeout_s)
-                with _ctrl_c_stops(driver):
+                weights = learner.export_weights() if engine_weights is None else engine_weights
+                hooks.pool = stack.enter_context(rollout_pool(cfg, _pool_settings(cfg, prepared, params),
+                                                              stream.batch, weights, session,
+                                                              initial_version=engine_version or 0))
+                driver = Driver(AsyncControl(cfg.budget()), hooks.pool, learner, hooks=hooks,
+                                observer=observer, wait_timeout_s=cfg.async_.wait_timeout_s)
+                stop.attach(driver)
+                try:
                     final = driver.run(state)
+                finally:
+                    stop.detach()
         finally:
             for sink in sinks:
                 sink.close()
     summary = summarize_run(cfg, trace, final, time.time() - wall_start, run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _engine_start(state: LoopState, ckpt: Path, published):
+    """(weights, version) the engines start a resume with. When the checkpoint was written with
+    the engines behind the learner (a stop between publications) they get those very weights
+    back, so the abandoned batches are generated again under the version they were launched
+    with. (None, None): the learner's weights, published before anything is launched (a
+    checkpoint written before the engines' version was recorded)."""
+    if state.rollout_version is None:
+        log.warning("checkpoint %s does not record the engines' version (written by an older Tether); "
+                    "publishing the learner's weights first: batches generated after the resume may be "
+                    "less stale than in an uninterrupted run", ckpt)
+        return None, None
+    if state.rollout_version == state.train_version:
+        return None, state.train_version
+    log.info("the engines held version %d at the stop: loading it back (the learner is at %d)",
+             state.rollout_version, state.train_version)
+    return published, state.rollout_version
 
 
 def _learner(cfg: Config, prepared: Prepared, session, stack: contextlib.ExitStack):
@@ -229,50 +310,35 @@ def learner_gpus(cfg: Config) -> float:
     return 1.0 if cfg.ray.learner == "actor" and cfg.train.device != "cpu" else 0.0
 
 
-def rollout_pool(cfg: Config, settings, batches, weights, session):
+def rollout_pool(cfg: Config, settings, batches, weights, session, *, initial_version: int = 0):
     """The recipe's rollout backend: local worker processes or Ray actors."""
     if cfg.rollout.backend == "ray":
         from tether.rollout.ray_pool import RayPool
 
-        return RayPool(settings, batches, weights, options=ray_options(cfg), session=session)
+        return RayPool(settings, batches, weights, options=ray_options(cfg), session=session,
+                       initial_version=initial_version)
     from tether.rollout.pool import ProcessPool
 
-    return ProcessPool(settings, batches, weights, initial_version=0)
-
-
-@contextlib.contextmanager
-def _ctrl_c_stops(driver: Driver):
-    """First Ctrl-C: stop at the next safe point (at once if only waiting); second: stop now."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
-        log.warning("Ctrl-C: stopping (press again to stop immediately)")
-        if driver.request_stop():
-            raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    return ProcessPool(settings, batches, weights, initial_version=initial_version)
 
 
 class _Hooks:
-    """Evaluate and checkpoint at hard boundaries."""
+    """Evaluate and checkpoint at hard boundaries (and at a stop)."""
 
     def __init__(self, evaluate, checkpointer, learner) -> None:
         self.evaluate_at = evaluate
         self.checkpointer = checkpointer
         self.learner = learner
+        self.pool = None  # set once the workers run: a stop's checkpoint keeps what they hold
 
     def evaluate(self, step: int, version: int):
         return self.evaluate_at(step)
 
     def save(self, step: int, state: LoopState) -> None:
-        self.checkpointer.save(step, state, self.learner)
+        published = None
+        if state.rollout_version is not None and state.rollout_version != state.train_version:
+            published = self.pool.published_weights()
+        self.checkpointer.save(step, state, self.learner, published=published)
 
 
 def _finite_max(values) -> float | None:

@@ -1,0 +1,68 @@
+"""Stop signals: SIGINT (Ctrl-C) and SIGTERM (schedulers, ``docker stop``, ``kill``) stop a run
+the same way.
+
+The first signal asks the driver loop to stop at the next safe point: at once when it is only
+waiting for generation, else after the step in progress (train, sync, eval, save), so the learner
+is never saved mid-update; the loop then writes a final checkpoint and every worker is shut down.
+Before the loop runs (while the model, the data and the workers are being set up) the first
+signal stops at once. A second signal stops at once wherever the run is (no final checkpoint
+unless it was already written). Further signals are ignored, so the shutdown itself completes.
+The exit status is 128 + the first signal's number (130, 143), as for a process the signal
+would have killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+from tether.errors import StopRequested
+
+log = logging.getLogger("tether.run")
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopSignals:
+    """Installs the handlers for its ``with`` block (main thread only) and restores the old ones."""
+
+    def __init__(self) -> None:
+        self.driver = None
+        self.received: list[str] = []
+        self._previous: dict[int, object] = {}
+
+    def attach(self, driver) -> None:
+        """From now on the first signal stops ``driver`` at its next safe point."""
+        self.driver = driver
+
+    def detach(self) -> None:
+        self.driver = None
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        self.received.append(name)
+        first = self.received[0]
+        if len(self.received) == 1:
+            if self.driver is None:
+                log.warning("%s: stopping", name)
+                raise StopRequested(name)
+            log.warning("%s: stopping at the next safe point (send it again to stop at once)", name)
+            if self.driver.request_stop(name):
+                raise StopRequested(name)
+        elif len(self.received) == 2:
+            log.warning("%s again: stopping at once", name)
+            raise StopRequested(first)
+        else:
+            log.warning("%s: already stopping; shutting the workers down", name)
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
