@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from procs import children, running, wait_gone
+from procs import children, descendants, running, wait_gone
 
 from tether.config import load_config
 from tether.errors import ConfigError
@@ -192,12 +192,7 @@ def _wait_for_training(run_dir, proc, batches=2, timeout=120):
 
 
 def _descendants(pid):
-    out, frontier = [], [pid]
-    while frontier:
-        kids = [c for p in frontier for c in children(p)]
-        out += kids
-        frontier = kids
-    return out
+    return descendants(pid)
 
 
 def test_ctrl_c_stops_checkpoints_and_leaves_no_process(tiny_model_dir, tmp_path):

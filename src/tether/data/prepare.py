@@ -40,6 +40,27 @@ def run_warmstart(cfg: Config, model_dir: Path, out_dir: Path,
                      settings=warmstart_settings(cfg), on_progress=on_progress)
 
 
+def _clean_stale_builds(path: Path) -> None:
+    """Remove the staging folders of builds whose process is gone (an interrupted warm start);
+    a build still running in another process keeps its own."""
+    for staging in path.parent.glob(f".{path.name}.building-*"):
+        pid = staging.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and _alive(int(pid)):
+            continue
+        log.info("removing %s, left by an interrupted model build", staging)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def ensure_model(cfg: Config, on_progress: Callable[[int, Mapping[str, float]], None] | None = None) -> Path:
     """``model.path``, building it first (init + warm start) when missing and allowed.
 
@@ -56,6 +77,7 @@ def ensure_model(cfg: Config, on_progress: Callable[[int, Mapping[str, float]], 
     if not cfg.model.create_if_missing:
         raise ConfigError(f"model.path {path} does not exist; point it at a local model directory, "
                           "run `tether init-model`, or set model.create_if_missing=true")
+    _clean_stale_builds(path)
     staging = path.parent / f".{path.name}.building-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:

@@ -41,7 +41,6 @@ class StepTimes:
     train: float = 0.0
     sync: float = 0.0
     eval: float = 0.0
-    save: float = 0.0
     sync_metrics: Mapping[str, float] | None = None
     """What the pool reported for this step's publication (``sync/*``), if there was one."""
 
@@ -187,11 +186,14 @@ class Driver:
             self._drop(batch, staleness)
 
     def _step(self, batch: RolloutBatch, staleness: Staleness, times: StepTimes) -> None:
-        """Train, sync / evaluate / save if due, report: one unit that a first Ctrl-C never
-        splits, so a checkpoint never counts a batch whose metrics were not written."""
+        """Train, sync and evaluate if due, report, save if due: one unit that a first stop
+        signal never splits. The row is written before the checkpoint, so a checkpoint never
+        counts a batch whose metrics row is missing, even when the process is killed between."""
         train_metrics = self._train(batch, times)
         self._boundaries(times)
         self._report(batch, staleness, train_metrics, times)
+        if self.settings.save_due(self.trained):
+            self._save()
 
     def _train(self, batch: RolloutBatch, times: StepTimes) -> Mapping[str, float]:
         t0 = self.clock()
@@ -208,7 +210,7 @@ class Driver:
         return metrics
 
     def _boundaries(self, times: StepTimes) -> None:
-        """Sync if due, then evaluate and save if due."""
+        """Sync if due (a save is a reason too), then evaluate if due."""
         step = self.trained
         if self.settings.sync_when_idle:
             self._reap(self.pool.reap())  # a finished generation still counts as in flight until reaped
@@ -217,12 +219,13 @@ class Driver:
             times.sync, times.sync_metrics = self._publish(decision.reasons)
         if self.settings.eval_due(step):
             times.eval = self._evaluate(step)
-        if self.settings.save_due(step):
-            t0 = self.clock()
-            self.hooks.save(step, self.state())
-            times.save = self.clock() - t0
-            self._emit("save", t=t0, end=t0 + times.save, version=self.control.train_version,
-                       detail={"step": step})
+
+    def _save(self) -> None:
+        """Checkpoint after the step's row is written; its duration is the ``save`` event's."""
+        t0 = self.clock()
+        self.hooks.save(self.trained, self.state())
+        self._emit("save", t=t0, end=self.clock(), version=self.control.train_version,
+                   detail={"step": self.trained})
 
     # -- pieces -------------------------------------------------------------------------------
 
@@ -320,7 +323,6 @@ class Driver:
             "time/train": times.train,
             "time/sync": times.sync,
             "time/eval": times.eval,
-            "time/save": times.save,
             "time/step": step_s,
             "throughput/samples_per_s": batch.num_samples / step_s if step_s > 0 else 0.0,
         })

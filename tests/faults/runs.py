@@ -1,0 +1,95 @@
+"""Starting `tether train` as a process for fault tests, and reading what it left behind.
+
+Every process a run starts inherits ``TETHER_TEST_RUN=<mark>`` in its environment, so a test
+finds the run's whole tree by that mark (``procs.marked``), also after the driver died and its
+children were re-parented; shared memory is found from what those processes mapped.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from procs import MARK, marked, shm_segments
+
+ROOT = Path(__file__).resolve().parents[2]
+REWARD = ROOT / "tests" / "integration" / "varied_reward.py"
+HANG = ROOT / "tests" / "faults" / "hang_reward.py"
+
+
+def recipe(model_dir, *extra):
+    """A fast recipe on the tiny model that runs until stopped (400 batches)."""
+    return [f"model.path={model_dir}", f"reward.function={REWARD}:reward", "data.task=reverse",
+            "data.difficulty=3", "data.num_train=300", "data.num_eval=20", "rollout.batch_size=2",
+            "rollout.group_size=2", "rollout.max_new_tokens=4", "train.lr=1e-3", "train.num_batches=400",
+            "eval.interval=0", "checkpoint.interval=50", *extra]
+
+
+class Run:
+    """One `tether train` process and its marked tree."""
+
+    def __init__(self, args, *, run_dir: Path | None = None) -> None:
+        self.mark = uuid.uuid4().hex
+        self.run_dir = run_dir
+        env = {**os.environ, MARK: self.mark, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tether.cli.main", "train", "--plain", "--no-report",
+                                      *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.seen: set[int] = set()
+        self.shm: set[str] = set()
+        self.out = self.err = ""
+
+    def look(self) -> list[int]:
+        """The run's processes now (remembered, with the shared memory they map)."""
+        pids = marked(self.mark)
+        self.seen.update(pids)
+        self.shm |= shm_segments(pids)
+        return pids
+
+    def wait_for_rows(self, rows: int = 2, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        path = self.run_dir / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            self.look()
+            if path.is_file() and len(path.read_text().splitlines()) >= rows:
+                self.look()
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"train exited early ({self.proc.returncode}): {self.finish()[1][-3000:]}")
+            time.sleep(0.1)
+        raise AssertionError("training did not start in time")
+
+    def finish(self, timeout: float = 90) -> tuple[str, str]:
+        try:
+            self.out, self.err = self.proc.communicate(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.communicate()
+        return self.out, self.err
+
+    def left(self, timeout: float = 15) -> list[int]:
+        """The run's processes still alive after waiting up to ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while (alive := marked(self.mark)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return alive
+
+
+def rows(path) -> list[dict]:
+    path = Path(path)
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def newest_state(run_dir: Path) -> tuple[Path, dict]:
+    ckpts = sorted(p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step-"))
+    return ckpts[-1], json.loads((ckpts[-1] / "state.json").read_text())
+
+
+def leftovers(run_dir: Path) -> list[str]:
+    """Temporary folders of interrupted saves."""
+    ckpts = run_dir / "checkpoints"
+    return sorted(p.name for p in ckpts.iterdir() if p.name.startswith(".tmp")) if ckpts.is_dir() else []

@@ -1,0 +1,119 @@
+"""Fault injection on real `tether train` processes: signals, a killed driver, a second process on
+the same run directory, a generation that never ends. Each test checks the exit status and the
+message, that no process of the run is left (found by the run's environment mark, not by name),
+that no shared-memory segment is left, and what the run directory holds."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from procs import shm_left
+from runs import HANG, Run, leftovers, newest_state, recipe, rows
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def test_sigterm_stops_like_ctrl_c_and_a_second_process_is_refused_the_run_directory(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    run = Run(["--run-dir", str(run_dir), *recipe(tiny_model_dir)], run_dir=run_dir)
+    run.wait_for_rows(3)
+    assert run.shm, "the weight channel is a shared-memory segment mapped by the run"
+    # a resume of the same directory while it trains is refused, naming the holder, and harms nothing
+    second = Run(["--resume", str(run_dir)])
+    _out, err = second.finish(timeout=120)
+    assert second.proc.returncode == 2, err[-2000:]
+    assert f"is in use by another process (pid {run.proc.pid}" in err
+    assert second.left() == []
+    before = len(rows(run_dir / "metrics.jsonl"))
+    run.proc.send_signal(signal.SIGTERM)
+    _out, err = run.finish(timeout=60)
+    assert run.proc.returncode == 143, err[-3000:]
+    assert "stopped by SIGTERM" in err and f"resume with `tether train --resume {run_dir}`" in err
+    for noise in ("Traceback", "BrokenPipeError", "leaked"):
+        assert noise not in err, err[-3000:]
+    assert run.left() == []
+    assert shm_left(run.shm) == []
+    # nothing lost: every trained batch has its row, and the final checkpoint counts exactly them
+    metrics = rows(run_dir / "metrics.jsonl")
+    assert len(metrics) >= before and [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
+    ckpt, state = newest_state(run_dir)
+    assert state["trained_batches"] == len(metrics)
+    lagging = state["rollout_version"] != state["train_version"]
+    assert (ckpt / "published.safetensors").is_file() == lagging
+    assert leftovers(run_dir) == []
+    assert any(e["kind"] == "save" and e.get("final") for e in rows(run_dir / "events.jsonl"))
+    starts = rows(run_dir / "starts.jsonl")
+    assert len(starts) == 1 and starts[0]["resumed_from"] is None  # the refused resume recorded nothing
+
+
+def test_a_killed_driver_takes_its_workers_with_it_and_the_run_resumes(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    run = Run(["--run-dir", str(run_dir), *recipe(tiny_model_dir, "checkpoint.interval=2")], run_dir=run_dir)
+    run.wait_for_rows(5)
+    pids = run.look()
+    assert len(pids) >= 3  # the driver, the forkserver, the worker (and the resource tracker)
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.finish()
+    t0 = time.monotonic()
+    assert run.left(timeout=15) == []
+    assert time.monotonic() - t0 < 10  # not after the worker's batch or a timeout: at once
+    assert shm_left(run.shm) == []
+    # the lock died with the process; a leftover of an interrupted save is cleaned on the next start
+    ckpt, state = newest_state(run_dir)
+    (run_dir / "checkpoints" / ".tmp-step-000099-1").mkdir()
+    ((run_dir / "checkpoints" / ".tmp-step-000099-1") / "partial").write_bytes(b"\0" * 1000)
+    resumed = Run(["--resume", str(run_dir), f"train.num_batches={state['trained_batches'] + 2}"])
+    _out, err = resumed.finish(timeout=180)
+    assert resumed.proc.returncode == 0, err[-3000:]
+    assert leftovers(run_dir) == []
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == list(range(1, state["trained_batches"] + 3))
+    assert resumed.left() == []
+
+
+def test_a_stop_during_worker_start_up_leaves_no_process_and_no_stray_error(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    run = Run(["--run-dir", str(run_dir), *recipe(tiny_model_dir)], run_dir=run_dir)
+    deadline = time.monotonic() + 120
+    while len(run.look()) < 2 and time.monotonic() < deadline:  # the forkserver is starting workers
+        time.sleep(0.02)
+    assert run.proc.poll() is None, run.finish()[1][-3000:]
+    run.proc.send_signal(signal.SIGINT)
+    _out, err = run.finish(timeout=60)
+    end = time.monotonic() + 3
+    while time.monotonic() < end:  # a worker forked after the driver left must not appear and linger
+        run.look()
+        time.sleep(0.05)
+    assert run.proc.returncode == 130, err[-3000:]
+    assert "stopped by SIGINT" in err
+    assert "Traceback" not in err and "FileNotFoundError" not in err, err[-3000:]
+    assert run.left() == []
+    assert shm_left(run.shm) == []
+    assert not (run_dir / "checkpoints").exists() or leftovers(run_dir) == []
+
+
+def test_wait_timeout_fires_on_time_naming_the_worker_and_the_setting(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    run = Run(["--run-dir", str(run_dir), *recipe(tiny_model_dir, f"reward.function={HANG}:reward",
+                                                   "async.wait_timeout_s=3")], run_dir=run_dir)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "events.jsonl").is_file() and time.monotonic() < deadline:
+        run.look()
+        time.sleep(0.05)
+    t0 = time.monotonic()  # the run is set up: from here it should wait 3 s, not 60 more
+    _out, err = run.finish(timeout=120)
+    waited = time.monotonic() - t0
+    assert run.proc.returncode == 2, err[-3000:]
+    assert "no rollout batch completed within async.wait_timeout_s=3s" in err
+    assert "worker rollout-0" in err and "batch 0" in err
+    assert waited < 20, waited  # a drain after the timeout used to add a fixed 60 s
+    assert err.count("no rollout batch completed within") == 1, err[-3000:]
+    assert run.left() == []
+    assert shm_left(run.shm) == []
+    assert rows(run_dir / "metrics.jsonl") == [] and not (run_dir / "summary.json").exists()
+    assert json.loads((run_dir / "starts.jsonl").read_text().splitlines()[0])["resumed_from"] is None
