@@ -35,8 +35,8 @@ class Run:
         self.mark = uuid.uuid4().hex
         self.run_dir = run_dir
         env = {**os.environ, MARK: self.mark, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tether.cli.main", "train", "--plain", "--no-report",
-                                      *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        command = [sys.executable, "-m", "tether.cli.main", "train", "--plain", "--no-report", *args]
+        self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.seen: set[int] = set()
         self.shm: set[str] = set()
@@ -58,7 +58,8 @@ class Run:
                 self.look()
                 return
             if self.proc.poll() is not None:
-                raise AssertionError(f"train exited early ({self.proc.returncode}): {self.finish()[1][-3000:]}")
+                code = self.proc.returncode
+                raise AssertionError(f"train exited early ({code}): {self.finish()[1][-3000:]}")
             time.sleep(0.1)
         raise AssertionError("training did not start in time")
 
@@ -93,3 +94,31 @@ def leftovers(run_dir: Path) -> list[str]:
     """Temporary folders of interrupted saves."""
     ckpts = run_dir / "checkpoints"
     return sorted(p.name for p in ckpts.iterdir() if p.name.startswith(".tmp")) if ckpts.is_dir() else []
+
+
+def stop_after(monkeypatch, step, signum=None, times=1, during_save=False):
+    """Send ``signum`` to this process after the metrics row of ``step`` is written (or, with
+    ``during_save``, a second one while the final checkpoint is being written)."""
+    import signal as signals
+
+    from tether.runtime.sinks import JsonlSink
+    from tether.train.learner import TorchLearner
+
+    signum = signals.SIGINT if signum is None else signum
+    real_on_batch, real_save = JsonlSink.on_batch, TorchLearner.save
+    state = {"stopped": False}
+
+    def on_batch(self, record):
+        real_on_batch(self, record)
+        if record.step == step:
+            state["stopped"] = True
+            for _ in range(times):
+                os.kill(os.getpid(), signum)
+
+    def save(self, path):
+        if during_save and state["stopped"]:
+            os.kill(os.getpid(), signum)
+        real_save(self, path)
+
+    monkeypatch.setattr(JsonlSink, "on_batch", on_batch)
+    monkeypatch.setattr(TorchLearner, "save", save)

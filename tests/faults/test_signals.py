@@ -13,13 +13,15 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from procs import shm_left
 from runs import HANG, Run, leftovers, newest_state, recipe, rows
+
+from procs import shm_left
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def test_sigterm_stops_like_ctrl_c_and_a_second_process_is_refused_the_run_directory(tiny_model_dir, tmp_path):
+def test_sigterm_stops_like_ctrl_c_and_a_second_process_is_refused_the_run_directory(tiny_model_dir,
+                                                                                     tmp_path):
     run_dir = tmp_path / "run"
     run = Run(["--run-dir", str(run_dir), *recipe(tiny_model_dir)], run_dir=run_dir)
     run.wait_for_rows(3)
@@ -65,14 +67,15 @@ def test_a_killed_driver_takes_its_workers_with_it_and_the_run_resumes(tiny_mode
     assert time.monotonic() - t0 < 10  # not after the worker's batch or a timeout: at once
     assert shm_left(run.shm) == []
     # the lock died with the process; a leftover of an interrupted save is cleaned on the next start
-    ckpt, state = newest_state(run_dir)
+    _ckpt, state = newest_state(run_dir)
     (run_dir / "checkpoints" / ".tmp-step-000099-1").mkdir()
     ((run_dir / "checkpoints" / ".tmp-step-000099-1") / "partial").write_bytes(b"\0" * 1000)
     resumed = Run(["--resume", str(run_dir), f"train.num_batches={state['trained_batches'] + 2}"])
     _out, err = resumed.finish(timeout=180)
     assert resumed.proc.returncode == 0, err[-3000:]
     assert leftovers(run_dir) == []
-    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == list(range(1, state["trained_batches"] + 3))
+    trained = state["trained_batches"]
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == list(range(1, trained + 3))
     assert resumed.left() == []
 
 

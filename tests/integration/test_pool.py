@@ -13,7 +13,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from procs import children, running, wait_gone  # noqa: E402
-
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
 from tether.decoding.sampling import SamplingParams  # noqa: E402

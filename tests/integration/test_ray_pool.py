@@ -14,7 +14,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("ray")
 
 from procs import running, wait_gone  # noqa: E402
-
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
 from tether.decoding.sampling import SamplingParams  # noqa: E402

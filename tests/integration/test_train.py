@@ -14,7 +14,6 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from procs import children, descendants, running, wait_gone
-
 from tether.config import load_config
 from tether.errors import ConfigError
 from tether.loop import Timings, simulate, summarize

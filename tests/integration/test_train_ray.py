@@ -14,9 +14,9 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("ray")
 
-from procs import wait_gone
 from test_train import ROOT, _descendants, _wait_for_training, recipe, rows
 
+from procs import wait_gone
 from tether.config import load_config
 from tether.loop import Timings, simulate, summarize
 from tether.runtime.run import train

@@ -1,0 +1,152 @@
+"""Fault injection on the run directory, in process: checkpoint writes that fail, resumes that
+would change the run, damaged manifests, a stop with nothing to resume, a second stop signal
+during the final save."""
+
+import errno
+import json
+import logging
+import shutil
+import signal
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from runs import ROOT, leftovers, recipe, rows, stop_after
+
+from tether.cli.main import main
+from tether.config import load_config
+from tether.loop.protocols import LoopState
+from tether.runtime.checkpoint import Checkpointer
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def short(model_dir, *extra):
+    return [*recipe(model_dir, "train.num_batches=4", "checkpoint.interval=2"), *extra]
+
+
+def train_cli(*args) -> int:
+    return main(["train", "--plain", "--no-report", *[str(a) for a in args]])
+
+
+@pytest.mark.parametrize(("error", "says"), [
+    (OSError(errno.ENOSPC, "No space left on device"), "the disk is full"),
+    (PermissionError(errno.EACCES, "Permission denied"), "permission denied"),
+])
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_clearly_and_keeps_the_last_good_one(
+        tiny_model_dir, tmp_path, monkeypatch, capsys, error, says):
+    from tether.train.learner import TorchLearner
+
+    real_save = TorchLearner.save
+    calls = []
+
+    def failing_save(self, path):
+        calls.append(path)
+        real_save(self, path)  # write something, then fail, as a full disk does midway
+        if len(calls) == 2:
+            raise error
+
+    monkeypatch.setattr(TorchLearner, "save", failing_save)
+    run_dir = tmp_path / "run"
+    assert train_cli("--run-dir", run_dir, *short(tiny_model_dir)) == 2
+    err = capsys.readouterr().err
+    assert f"could not write checkpoint {run_dir / 'checkpoints' / 'step-000004'} ({says}" in err
+    assert "the last good checkpoint, step-000002, is kept" in err
+    assert "Traceback" not in err
+    assert leftovers(run_dir) == []
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-000002"]
+    Checkpointer(run_dir / "checkpoints").verify(run_dir / "checkpoints" / "step-000002")
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]  # rows kept
+
+
+def test_resume_keeps_safe_changes_refuses_the_rest_unless_forced_and_checks_the_data(
+        tiny_model_dir, tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    shutil.copy(ROOT / "examples" / "upper" / "train.jsonl", data)
+    own = ["data.task=", f"data.dataset={data}", f"data.eval_dataset={ROOT / 'examples/upper/eval.jsonl'}",
+           "data.max_prompt_tokens=32"]
+    run_dir = tmp_path / "run"
+    assert train_cli("--run-dir", run_dir, *short(tiny_model_dir, *own)) == 0
+    # a resume past the end says how to extend the run
+    assert train_cli("--resume", run_dir) == 2
+    assert "nothing to resume: 4 batches already trained of train.num_batches=4; extend it" in \
+        capsys.readouterr().err
+    # extending is safe, and recorded: the run's config.yaml says what it now runs to
+    assert train_cli("--resume", run_dir, "train.num_batches=5") == 0
+    assert load_config(run_dir / "config.yaml").train.num_batches == 5
+    # changes to the prompt stream or the schedule are refused, naming each and why
+    for override, why in [("rollout.batch_size=3", "changes the prompt stream"),
+                          ("run.seed=7", "changes the prompt stream"),
+                          ("async.max_staleness=2", "changes the staleness schedule"),
+                          ("train.lr=5e-4", "changes how training continues")]:
+        capsys.readouterr()
+        assert train_cli("--resume", run_dir, "train.num_batches=6", override) == 2, override
+        err = capsys.readouterr().err
+        assert f"resuming {run_dir} would change the run" in err and why in err, err
+        assert "--force" in err
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5]  # nothing ran
+    # a replaced dataset file is refused too: the same rows in another order are another stream
+    lines = data.read_text().splitlines()
+    data.write_text("\n".join(reversed(lines)) + "\n")
+    assert train_cli("--resume", run_dir, "train.num_batches=6") == 2
+    assert "the training data differ from the data the run started with" in capsys.readouterr().err
+    # --force accepts, and says so in starts.jsonl
+    assert train_cli("--force", "--resume", run_dir, "train.num_batches=6", "rollout.batch_size=3") == 0
+    starts = rows(run_dir / "starts.jsonl")
+    assert [s["resumed_from"] for s in starts] == [None, "step-000004", "step-000005"]
+    assert any("rollout.batch_size" in c for c in starts[-1]["forced_changes"])
+    assert any("training data differ" in c for c in starts[-1]["forced_changes"])
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("manifest", ["{}", "[]", '{"state.json": 3}', "not json"])
+def test_a_checkpoint_with_an_empty_or_malformed_manifest_is_refused_as_damaged(tmp_path, manifest, caplog):
+    ckpts = Checkpointer(tmp_path / "checkpoints")
+
+    class Learner:
+        def save(self, path):
+            path.mkdir(parents=True)
+            (path / "weights.bin").write_bytes(b"w" * 100)
+
+    for step in (2, 4):
+        state = LoopState(trained_batches=step, launched_batches=step + 1, train_version=step,
+                          rollout_version=step)
+        ckpts.save(step, state, Learner())
+    (tmp_path / "checkpoints" / "step-000004" / "manifest.json").write_text(manifest)
+    with caplog.at_level(logging.ERROR):
+        state, path = ckpts.newest_good()
+    assert path.name == "step-000002" and state.trained_batches == 2
+    assert "refusing damaged checkpoint" in caplog.text and "step-000004" in caplog.text
+
+
+def test_group_size_one_is_refused_before_anything_starts(tiny_model_dir, tmp_path, capsys):
+    assert train_cli("--run-dir", tmp_path / "run", *short(tiny_model_dir, "rollout.group_size=1")) == 2
+    err = capsys.readouterr().err
+    assert "rollout.group_size=1 trains nothing" in err and "set rollout.group_size to 2 or more" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_stop_with_checkpoints_off_says_there_is_nothing_to_resume(tiny_model_dir, tmp_path, monkeypatch,
+                                                                       capsys):
+    stop_after(monkeypatch, 2, signal.SIGTERM)
+    run_dir = tmp_path / "run"
+    assert train_cli("--run-dir", run_dir, *short(tiny_model_dir, "checkpoint.interval=0")) == 143
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM" in err and "holds no checkpoint to resume from" in err
+    assert "resume with" not in err
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_second_stop_during_the_final_save_abandons_it_and_says_so(tiny_model_dir, tmp_path, monkeypatch,
+                                                                       caplog):
+    stop_after(monkeypatch, 1, during_save=True)
+    run_dir = tmp_path / "run"
+    with caplog.at_level(logging.WARNING):
+        assert train_cli("--run-dir", run_dir, *short(tiny_model_dir, "checkpoint.interval=3")) == 130
+    assert "saving a final checkpoint" in caplog.text
+    assert "the final checkpoint was abandoned by a second stop signal" in caplog.text
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e["kind"] == "save"]
