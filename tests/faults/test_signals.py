@@ -120,3 +120,27 @@ def test_wait_timeout_fires_on_time_naming_the_worker_and_the_setting(tiny_model
     assert shm_left(run.shm) == []
     assert rows(run_dir / "metrics.jsonl") == [] and not (run_dir / "summary.json").exists()
     assert json.loads((run_dir / "starts.jsonl").read_text().splitlines()[0])["resumed_from"] is None
+
+
+@pytest.mark.parametrize(("signum", "code"),
+                         [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGKILL, -9)])
+def test_a_ray_run_stops_on_a_signal_and_its_ray_instance_goes_with_it(tiny_model_dir, tmp_path, signum,
+                                                                          code):
+    """Ray installs its own SIGTERM handler (a stack dump, exit 134) and its agents outlive a
+    killed driver by a minute; the run takes both back."""
+    pytest.importorskip("ray")
+    run_dir = tmp_path / "run"
+    run = Run(["--run-dir", str(run_dir), *recipe(tiny_model_dir, "rollout.backend=ray", "ray.local_cpus=2")],
+              run_dir=run_dir)
+    run.wait_for_rows(3, timeout=180)
+    assert len(run.look()) >= 5  # the driver, Ray's GCS, raylet and agents, the rollout actor
+    run.proc.send_signal(signum)
+    _out, err = run.finish(timeout=90)
+    assert run.proc.returncode == code, err[-3000:]
+    assert run.left(timeout=10) == []
+    assert shm_left(run.shm) == []
+    if signum == signal.SIGKILL:
+        return
+    assert f"stopped by {signal.Signals(signum).name}" in err and "SIGTERM received" not in err, err[-3000:]
+    _ckpt, state = newest_state(run_dir)
+    assert state["trained_batches"] == len(rows(run_dir / "metrics.jsonl"))

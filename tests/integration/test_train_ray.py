@@ -114,29 +114,6 @@ def test_a_killed_actor_fails_the_run_clearly_and_leaves_nothing_running(tiny_mo
     assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == list(range(1, trained + 3))
 
 
-def test_ctrl_c_stops_a_ray_run_checkpoints_and_leaves_nothing_running(tiny_model_dir, tmp_path):
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tether.cli.main", "train", "--run-dir", str(run_dir), "--plain",
-         "--no-report",
-         *recipe(tiny_model_dir, "train.num_batches=400", "eval.interval=0", "checkpoint.interval=50", *RAY)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for_training(run_dir, proc, timeout=180)
-        family = _descendants(proc.pid)
-        assert _actor_pids(family, b"_RolloutActor")
-        proc.send_signal(signal.SIGINT)
-        _out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err[-3000:]
-    assert "resume with `tether train --resume" in err
-    assert wait_gone(family, timeout=30) == []
-    state = json.loads((sorted((run_dir / "checkpoints").iterdir())[-1] / "state.json").read_text())
-    assert state["trained_batches"] == len((run_dir / "metrics.jsonl").read_text().splitlines())
-
-
 def test_a_learner_actor_on_cuda_without_a_gpu_in_the_cluster_is_refused_at_start(tiny_model_dir, tmp_path):
     import ray
 

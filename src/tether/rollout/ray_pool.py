@@ -116,6 +116,7 @@ class RaySession:
         self.ray = require_ray()
         self.started = False
         self.connected = False
+        self.reaper = None
         if self.ray.is_initialized():
             log.info("ray: using the Ray instance this process is already connected to")
             return
@@ -139,9 +140,14 @@ class RaySession:
                 link.parent.mkdir(parents=True, exist_ok=True)
                 Path(temp_dir).mkdir(parents=True, exist_ok=True)
                 link.symlink_to(temp_dir)
+        from tether.rollout.reaper import Reaper
+
+        self.reaper = Reaper()  # the instance's processes die with this run, even a killed one
         try:
-            self.ray.init(num_cpus=options.local_cpus or None, _temp_dir=temp_dir, **common)
+            with self.reaper.marking():
+                self.ray.init(num_cpus=options.local_cpus or None, _temp_dir=temp_dir, **common)
         except Exception as exc:
+            self.reaper.close()
             raise RolloutError(f"could not start a local Ray instance (temp dir {temp_dir or 'default'}): "
                                f"{type(exc).__name__}: {exc}") from exc
         self.started = True
@@ -151,6 +157,9 @@ class RaySession:
         if self.started or self.connected:
             self.ray.shutdown()
             self.started = self.connected = False
+        if self.reaper is not None:
+            self.reaper.close()  # kills what the shutdown left behind
+            self.reaper = None
 
 
 class _RolloutActor:

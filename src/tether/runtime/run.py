@@ -189,6 +189,7 @@ def _train(cfg: Config, run_dir: Path, stop, *, resume: bool, force: bool, overr
             from tether.rollout.ray_pool import RaySession
 
             session = stack.enter_context(contextlib.closing(RaySession(ray_options(cfg), run_dir)))
+            stop.reinstall()
         learner, evaluate = _learner(cfg, prepared, session, stack)
         state, engine_weights, engine_version = None, None, 0
         if resume:

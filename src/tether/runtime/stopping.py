@@ -62,6 +62,13 @@ class StopSignals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
+    def reinstall(self) -> None:
+        """Take the signals back from a library that installed its own handlers meanwhile (Ray's
+        core worker installs one that dumps a stack and exits on SIGTERM)."""
+        if self._previous:
+            for sig in SIGNALS:
+                signal.signal(sig, self._handle)
+
     def __exit__(self, *exc) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)

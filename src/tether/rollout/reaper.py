@@ -1,0 +1,91 @@
+"""A watchdog that takes a local Ray instance down with the run that started it.
+
+Ray's processes (GCS, raylet, dashboard and runtime-env agents, actors) outlive a driver killed
+with SIGKILL by up to a minute while they notice it is gone. ``Reaper`` marks every process the
+instance starts with an environment variable and starts a small process of its own in a new
+session that waits on a pipe whose only write end the run holds. When the pipe reaches end of
+file (the run closed the instance, exited, or was killed) it kills every process still carrying
+the mark. It never touches a cluster Tether only connected to.
+
+Run as ``python -m tether.rollout.reaper FD MARK``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+ENV = "TETHER_RAY_INSTANCE"
+
+
+def marked(mark: str) -> list[int]:
+    """Pids of processes whose environment holds ``TETHER_RAY_INSTANCE=<mark>``."""
+    needle = f"{ENV}={mark}".encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        out.append(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+class Reaper:
+    """Use as: ``reaper = Reaper(); with reaper.marking(): ray.init(...)``; ``reaper.close()``
+    once the instance is shut down (it then kills only what shutdown left behind)."""
+
+    def __init__(self) -> None:
+        self.mark = uuid.uuid4().hex
+        self._write: int | None = None
+        if not os.path.isdir("/proc"):
+            return  # no way to find the processes; Ray's own fate sharing applies
+        read, self._write = os.pipe()  # not inherited by anything the run starts
+        subprocess.Popen([sys.executable, "-m", "tether.rollout.reaper", str(read), self.mark],
+                         pass_fds=(read,), start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(read)
+
+    def marking(self):
+        """While in this block, processes started from here carry the mark."""
+
+        @contextlib.contextmanager
+        def block():
+            os.environ[ENV] = self.mark
+            try:
+                yield
+            finally:
+                os.environ.pop(ENV, None)
+
+        return block()
+
+    def close(self) -> None:
+        if self._write is not None:
+            os.close(self._write)
+            self._write = None
+
+
+def main(argv: list[str]) -> int:
+    read, mark = int(argv[0]), argv[1]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while os.read(read, 1):
+        pass
+    for _ in range(3):  # a process may start another while the first are being killed
+        pids = marked(mark)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
