@@ -144,3 +144,31 @@ def test_a_ray_run_stops_on_a_signal_and_its_ray_instance_goes_with_it(tiny_mode
     assert f"stopped by {signal.Signals(signum).name}" in err and "SIGTERM received" not in err, err[-3000:]
     _ckpt, state = newest_state(run_dir)
     assert state["trained_batches"] == len(rows(run_dir / "metrics.jsonl"))
+
+
+def test_a_killed_raylet_is_reported_as_a_tether_error_and_leaves_nothing(tiny_model_dir, tmp_path):
+    """Ray ends its driver at once, silently, when the raylet dies; `tether train` supervises a
+    Ray run from a parent process that says what happened and how to continue."""
+    pytest.importorskip("ray")
+    run_dir = tmp_path / "run"
+    run = Run(["--run-dir", str(run_dir), *recipe(tiny_model_dir, "rollout.backend=ray", "ray.local_cpus=2",
+                                                   "checkpoint.interval=2")], run_dir=run_dir)
+    run.wait_for_rows(3, timeout=180)
+    raylets = []
+    for pid in run.look():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().split(b"\0")[0].endswith(b"/raylet"):
+                    raylets.append(pid)
+        except OSError:
+            continue
+    assert len(raylets) == 1
+    os.kill(raylets[0], signal.SIGKILL)
+    _out, err = run.finish(timeout=90)
+    assert run.proc.returncode == 2, err[-3000:]
+    assert "without a Tether error" in err and "raylet died" in err
+    assert f"`tether train --resume {run_dir}` continues the run" in err
+    assert run.left(timeout=15) == []
+    assert shm_left(run.shm) == []
+    _ckpt, state = newest_state(run_dir)
+    assert state["trained_batches"] <= len(rows(run_dir / "metrics.jsonl"))

@@ -133,6 +133,15 @@ def test_restore_forces_a_publish_before_any_launch():
     assert fresh.publish_required is False
 
 
+def test_restore_with_the_engines_version_continues_without_a_publish():
+    c = control(max_staleness=1, updates_per_batch=1)
+    c.restore(5, rollout_version=4)  # a stop between two publications; the engines get v4 back
+    assert (c.train_version, c.rollout_version, c.publish_lag, c.publish_required) == (5, 4, 1, False)
+    assert c.launch_slots(inflight=0, ready=0, trained_batches=5) == 1  # as before the stop
+    with pytest.raises(ControlError, match="ahead of the train version"):
+        c.restore(3, rollout_version=4)
+
+
 # -- launch slots ------------------------------------------------------------------------------
 
 def test_launch_slots_hand_computed():

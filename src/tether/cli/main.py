@@ -37,6 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         ns.args = [*ns.args, *extra]
+    ns.argv = list(sys.argv[1:] if argv is None else argv)  # as given, for a supervised child
     if not getattr(ns, "func", None):
         parser.print_help()
         return 2

@@ -69,7 +69,17 @@ def resolve(ns: argparse.Namespace):
 
 
 def run(ns: argparse.Namespace) -> int:
+    from tether.cli import supervise
+
     cfg, run_dir, overrides = resolve(ns)
+    if supervise.supervised():
+        supervise.die_with_supervisor()
+    elif cfg.rollout.backend == "ray" and ns.argv is not None:
+        # Ray can end its driver without a word (a dead raylet): train in a child, report here
+        argv = list(ns.argv)
+        if not ns.resume and not ns.run_dir:
+            argv += ["--run-dir", str(run_dir)]  # the child must not pick another timestamp
+        return supervise.supervise(argv, run_dir)
     _logging()
     from tether.errors import StopRequested
     from tether.runtime.run import train

@@ -61,8 +61,9 @@ class AsyncSection:
     )
     wait_timeout_s: float = knob(
         600.0,
-        "Seconds the trainer waits for a rollout batch before failing the run with an error that "
-        "names the worker and the batch.",
+        "Seconds the trainer waits for a rollout batch (also each batch a sync drains) before "
+        "failing the run with an error that names the worker and the batch; outstanding work is then "
+        "abandoned at once.",
         min=0.001,
     )
 

@@ -153,9 +153,10 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False, force: bool = Fal
 
     SIGINT and SIGTERM stop it at the next safe point with a final checkpoint
     (``tether.runtime.stopping``); the run directory is locked for the whole call."""
+    from tether.cli.supervise import supervised
     from tether.runtime.stopping import StopSignals
 
-    with StopSignals() as stop:
+    with StopSignals(repeat_window_s=1.0 if supervised() else 0.0) as stop:
         return _train(cfg, run_dir, stop, resume=resume, force=force, overrides=overrides,
                       progress_plain=progress_plain)
 

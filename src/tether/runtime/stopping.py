@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 
 from tether.errors import StopRequested
 
@@ -27,10 +28,14 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 class StopSignals:
     """Installs the handlers for its ``with`` block (main thread only) and restores the old ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, repeat_window_s: float = 0.0) -> None:
         self.driver = None
         self.received: list[str] = []
         self._previous: dict[int, object] = {}
+        self.repeat_window_s = repeat_window_s
+        """A repeat of the last signal within this many seconds is the same stop delivered twice
+        (under a supervisor that forwards what a whole process tree was sent), not a second one."""
+        self._last_at = -1e9
 
     def attach(self, driver) -> None:
         """From now on the first signal stops ``driver`` at its next safe point."""
@@ -41,6 +46,10 @@ class StopSignals:
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self.received and name == self.received[-1] and now - self._last_at < self.repeat_window_s:
+            return
+        self._last_at = now
         self.received.append(name)
         first = self.received[0]
         if len(self.received) == 1:
