@@ -51,3 +51,15 @@ def test_check_resume_refuses_unless_forced_and_compares_the_data_fingerprint(tm
         check_resume(tmp_path, _cfg(), _cfg(), "b" * 64, force=False)
     forced = check_resume(tmp_path, _cfg(), _cfg("run.seed=3"), "b" * 64, force=True)
     assert len(forced) == 2
+
+
+def test_a_model_build_left_by_a_dead_process_is_removed_and_a_live_one_kept(tmp_path):
+    import os
+
+    from tether.data.prepare import _clean_stale_builds
+
+    dead, live = tmp_path / ".model.building-999999999", tmp_path / f".model.building-{os.getpid()}"
+    for folder in (dead, live):
+        (folder / "init").mkdir(parents=True)
+    _clean_stale_builds(tmp_path / "model")
+    assert not dead.exists() and live.exists()
