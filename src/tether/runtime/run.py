@@ -173,6 +173,8 @@ def _train(cfg: Config, run_dir: Path, stop, *, resume: bool, force: bool, overr
 
     if cfg.run.wandb_project:
         require_wandb()
+    if not resume:
+        _refuse_nonempty(run_dir)  # before a warm start that may take minutes
     prepared = prepare(cfg, progress_plain=progress_plain)
     torch.set_num_threads(cfg.train.threads)
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep)
