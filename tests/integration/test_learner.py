@@ -108,10 +108,37 @@ def test_a_non_finite_gradient_skips_the_update_and_keeps_the_clock_honest(tiny_
     control.commit(result.committed_updates)
     assert (result.committed_updates, result.attempted_updates) == (1, 2)
     assert result.metrics["train/skipped_updates"] == 1.0
+    assert result.metrics["train/skipped_nonfinite_grad"] == 1.0
     assert control.train_version == 1
     assert (learner.committed, learner.skipped) == (1, 1)
     assert all(torch.isfinite(p).all() for p in learner.model.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, learner.model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("case", ["zero_variance_dropped", "zero_advantage", "all_truncated_masked"])
+def test_a_batch_with_nothing_to_learn_from_makes_no_step_and_commits_nothing(tiny_model_dir, case):
+    """No token in the loss (or none with a non-zero advantage, and no KL): no backward, no
+    optimizer step — AdamW would still move the weights by its momentum — and not committed.
+    The learner first trains one real batch, so the optimizer has momentum to move them with."""
+    batch, _tok = sampled_batch(tiny_model_dir)
+    settings = {"zero_variance_dropped": dict(drop_zero_std=True), "zero_advantage": dict(drop_zero_std=False),
+                "all_truncated_masked": dict(mask_truncated=True)}[case]
+    learner = TorchLearner(tiny_model_dir, LearnerSettings(lr=1e-3, updates_per_batch=2, **settings))
+    batch.payload.finish_reasons = ["stop"] * len(batch.payload.finish_reasons)  # a batch with signal
+    assert learner.train(batch, train_version=0).committed_updates == 2
+    scored = copy.deepcopy(batch.payload)
+    if case == "all_truncated_masked":
+        scored.finish_reasons = ["length"] * len(scored.finish_reasons)
+    else:
+        scored.rewards = [0.5] * len(scored.rewards)  # every group's rewards equal
+    flat = copy.deepcopy(batch)
+    object.__setattr__(flat, "payload", scored)
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    result = learner.train(flat, train_version=2)
+    assert (result.committed_updates, result.attempted_updates) == (0, 2)
+    assert result.metrics["train/skipped_no_signal"] == 2.0 and result.metrics["train/skipped_updates"] == 2.0
+    assert all(torch.equal(a, b) for a, b in zip(before, learner.model.parameters(), strict=True))
+    assert learner.committed == 2 and learner.scheduler.last_epoch == 2  # the schedule did not move
 
 
 def test_micro_batches_accumulate_to_the_same_update(tiny_model_dir):

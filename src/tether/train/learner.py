@@ -80,6 +80,7 @@ class _Stats:
         self.ratios: list[torch.Tensor] = []
         self.entropy: list[torch.Tensor] = []
         self.scalars: dict[str, list[float]] = {}
+        self.skips: dict[str, int] = {}  # updates not made, by reason
 
     def add(self, name: str, value: float | torch.Tensor) -> None:
         self.scalars.setdefault(name, []).append(float(value))
@@ -195,6 +196,8 @@ class TorchLearner:
         weigh = s.anchor == "proximal"
         settings = LossSettings(s.clip_low, s.clip_high, s.dual_clip)
         self.optimizer.zero_grad(set_to_none=True)
+        if not self._has_signal(adv, mask, ref):
+            return self._skip(stats, "train/skipped_no_signal")
         # With π_old known, the corrections (and so the mini-batch's loss denominators) are fixed
         # before any forward pass; otherwise (U = 1, one micro-batch) the forward provides π_old.
         corr_all = None if old is None else correct(old, tb.behavior_logp, mask, s.correction, weigh=weigh,
@@ -203,6 +206,8 @@ class TorchLearner:
             total_tokens, total_seqs = _denominators(corr_all.keep)
             for key, value in corr_all.metrics.items():
                 stats.add(key, value)
+            if not corr_all.keep.any():  # the correction masked every token
+                return self._skip(stats, "train/skipped_no_signal")
         for rows in self._micro(tb.size):
             mb = tb.rows(rows)
             logp, entropy = token_logprobs(self.model, mb, s.temperature, with_entropy=True,
@@ -215,6 +220,8 @@ class TorchLearner:
                 weights, keep = corr.weights, corr.keep
                 for key, value in corr.metrics.items():
                     stats.add(key, value)
+                if not keep.any():  # the correction masked every token: nothing to learn from
+                    return self._skip(stats, "train/skipped_no_signal")
             else:
                 old_mb, weights, keep = old[rows], corr_all.weights[rows], corr_all.keep[rows]
             anchor = old_mb if weigh else mb.behavior_logp
@@ -242,15 +249,29 @@ class TorchLearner:
         max_norm = s.grad_clip if s.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         if not torch.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.skipped += 1
-            stats.add("train/nonfinite_grad", 1.0)
-            return 0
+            return self._skip(stats, "train/skipped_nonfinite_grad")
         stats.add("train/grad_norm", grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.committed += 1
         return 1
+
+    @staticmethod
+    def _has_signal(adv: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor | None) -> bool:
+        """Whether a mini-batch has anything to learn from: a token in the loss (not every group
+        dropped for zero variance, nor every sample masked or truncated out) whose advantage is
+        not zero, or a KL term. Without one the gradient is zero and a step would only move the
+        weights by the optimizer's momentum and weight decay."""
+        in_loss = mask.any(dim=1)  # (N,)
+        return bool(in_loss.any()) and (ref is not None or bool((adv[in_loss] != 0).any()))
+
+    def _skip(self, stats: _Stats, reason: str) -> int:
+        """An update that is not made: no optimizer step (AdamW would still move the weights by
+        its momentum), no scheduler step, not committed; counted under ``reason``."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped += 1
+        stats.skips[reason] = stats.skips.get(reason, 0) + 1
+        return 0
 
     ALWAYS = ("loss/policy", "loss/total", "train/grad_norm", "train/entropy", "ratio/mean", "ratio/std",
               "ratio/min", "ratio/max", "ratio/clip_frac_low", "ratio/clip_frac_high", "ratio/is_weight_mean",
@@ -262,10 +283,11 @@ class TorchLearner:
     def _metrics(self, stats: _Stats, frac_zero_std: float, skipped: int) -> dict[str, float]:
         out: dict[str, float] = dict.fromkeys(self.ALWAYS, float("nan"))
         out.update({k: v for k in stats.scalars if (v := stats.mean(k)) is not None})
-        out.pop("train/nonfinite_grad", None)
         out["loss/kl"] = out.get("loss/kl", 0.0)
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         out["train/skipped_updates"] = float(skipped)
+        for reason in ("train/skipped_no_signal", "train/skipped_nonfinite_grad"):
+            out[reason] = float(stats.skips.get(reason, 0))
         out["reward/frac_zero_std"] = frac_zero_std
         out["memory/trainer_peak_mb"] = peak_rss_mb()
         if self.device.type == "cuda":
