@@ -121,8 +121,8 @@ def test_a_batch_with_nothing_to_learn_from_makes_no_step_and_commits_nothing(ti
     optimizer step — AdamW would still move the weights by its momentum — and not committed.
     The learner first trains one real batch, so the optimizer has momentum to move them with."""
     batch, _tok = sampled_batch(tiny_model_dir)
-    settings = {"zero_variance_dropped": dict(drop_zero_std=True), "zero_advantage": dict(drop_zero_std=False),
-                "all_truncated_masked": dict(mask_truncated=True)}[case]
+    settings = {"zero_variance_dropped": {"drop_zero_std": True}, "zero_advantage": {"drop_zero_std": False},
+                "all_truncated_masked": {"mask_truncated": True}}[case]
     learner = TorchLearner(tiny_model_dir, LearnerSettings(lr=1e-3, updates_per_batch=2, **settings))
     batch.payload.finish_reasons = ["stop"] * len(batch.payload.finish_reasons)  # a batch with signal
     assert learner.train(batch, train_version=0).committed_updates == 2

@@ -25,11 +25,32 @@ def test_budget_is_s_times_u_and_depth_is_s_plus_one(s, u, budget, depth):
 
 @pytest.mark.parametrize(
     ("s", "eval_i", "save_i", "period"),
-    [(1, 0, 0, 2), (11, 10, 0, 10), (11, 0, 5, 5), (3, 10, 6, 4), (3, 2, 3, 2), (0, 5, 5, 1)],
+    [(1, 0, 0, 2), (11, 10, 0, 10), (11, 0, 5, 5), (3, 8, 4, 4), (3, 2, 4, 2), (0, 5, 5, 1)],
 )
-def test_sync_period_is_min_of_depth_and_nonzero_intervals(s, eval_i, save_i, period):
+def test_a_regular_sync_period_is_min_of_depth_and_nonzero_intervals(s, eval_i, save_i, period):
     b = BudgetSettings(max_staleness=s, eval_interval=eval_i, save_interval=save_i, total_batches=50)
     assert b.sync_period_batches == period
+    assert b.describe_sync_schedule() == f"every {period} batch(es)"
+
+
+@pytest.mark.parametrize(
+    ("s", "eval_i", "save_i", "gaps", "first"),
+    [
+        (3, 6, 0, (4, 2), [4, 6, 10, 12]),  # DESIGN §1's example
+        (3, 10, 6, (4, 2, 4, 2, 4, 2, 2, 4, 4, 2), [4, 6, 10, 12, 16, 18, 20, 24, 28, 30]),
+        (3, 2, 3, (2, 1, 1, 2), [2, 3, 4, 6, 8, 9, 10, 12]),
+    ],
+)
+def test_an_irregular_schedule_is_reported_as_its_gaps_not_as_a_period(s, eval_i, save_i, gaps, first):
+    b = BudgetSettings(max_staleness=s, eval_interval=eval_i, save_interval=save_i, total_batches=60)
+    assert b.sync_gaps == gaps and b.sync_period_batches is None
+    assert b.lazy_publications()[: len(first)] == first
+    text = b.describe_sync_schedule()
+    assert text.startswith("on an irregular schedule: after batches ") and "repeating" in text
+    # the driver itself publishes exactly there (fakes, every update committed)
+    from tether.loop import Timings, simulate, summarize
+
+    assert summarize(simulate(b, Timings()))["syncs_after"] == b.lazy_publications()
 
 
 def test_effective_max_staleness_caps_at_interval_and_run_length():

@@ -30,6 +30,13 @@ def test_truncated_importance_weights():
     assert unweighted.weights.tolist() == [[1.0, 1.0]]
 
 
+def test_importance_weight_spread_and_tails_are_reported():
+    m = run(tis="token", tis_cap=2.0).metrics  # weights [2, 0.5]
+    assert m["ratio/is_weight_mean"] == pytest.approx(1.25)
+    assert m["ratio/is_weight_std"] == pytest.approx(0.75)  # population std of [2, 0.5]
+    assert (m["ratio/is_weight_min"], m["ratio/is_weight_max"]) == pytest.approx((0.5, 2.0))
+
+
 def test_masks():
     assert run(mask="token").keep.tolist() == [[0.0, 1.0]]         # 3 > 2 dropped; 0.5 kept
     assert run(mask="sequence").keep.tolist() == [[1.0, 1.0]]      # product 1.5 in [0.5, 2]

@@ -26,7 +26,7 @@ def test_inflight_above_depth_is_wasted_concurrency():
 def test_depth_above_inflight_plus_one_reports_the_real_period():
     notes = admission_notes(BudgetSettings(max_staleness=3, max_inflight=2, total_batches=10))
     assert [n.code for n in notes] == ["depth_surplus"]
-    assert "period, which is 4 batch(es)" in notes[0].message
+    assert "weights are published every 4 batch(es)" in notes[0].message
 
 
 def test_eval_interval_below_depth_states_the_clamped_period_and_staleness():
@@ -44,7 +44,9 @@ def test_both_intervals_named_when_both_clamp():
     notes = admission_notes(BudgetSettings(max_staleness=5, max_inflight=6, eval_interval=4,
                                            save_interval=3, total_batches=100))
     assert "eval.interval=4 and checkpoint.interval=3" in notes[-1].message
-    assert "every 3 batch(es)" in notes[-1].message
+    # publications after 3, 4, 6, 8, 9, 12, …: no period, and the longest gap (3) caps staleness
+    assert "on an irregular schedule: after batches 3, 4, 6, 8, 9, 12, …" in notes[-1].message
+    assert "never more than 2 batch(es) stale" in notes[-1].message
 
 
 def test_run_shorter_than_a_period_is_noted():

@@ -107,7 +107,7 @@ def render_text(sim: Simulation, doc: dict, *, width: int = 72) -> str:
         f"{s.total_batches} batches, max_inflight={s.max_inflight}, workers={sim.timings.workers}",
         f"  staleness_budget = S·U = {doc['staleness_budget']} updates   "
         f"admission_depth = S+1 = {doc['admission_depth']} batches   "
-        f"sync period = {doc['sync_period_batches']} batches",
+        f"weights published {s.describe_sync_schedule()}",
         "",
     ]
     if doc["notes"]:

@@ -8,6 +8,8 @@ published snapshot. A *hard boundary* is the next eval, checkpoint or final batc
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -74,24 +76,74 @@ class BudgetSettings:
         """Rollout batches that may be outstanding against one published snapshot: ``S + 1``."""
         return self.max_staleness + 1
 
-    @property
-    def sync_period_batches(self) -> int:
-        """Batches between publications once every limit applies.
-
-        ``min(admission_depth, eval_interval, save_interval)`` over the non-zero intervals.
+    def lazy_publications(self, upto: int | None = None) -> list[int]:
+        """Steps after which weights are published when every update commits and there are no
+        idle syncs: at each eval or save boundary, and whenever the budget is spent (``depth``
+        batches after the previous publication), whichever comes first. Through ``upto``
+        (default: the whole run). A boundary at the final step publishes too; the budget does not.
         """
-        limits = [self.admission_depth]
-        limits += [i for i in (self.eval_interval, self.save_interval) if i > 0]
-        return min(limits)
+        end = self.total_batches if upto is None else min(upto, self.total_batches)
+        steps, last = [], 0
+        while True:
+            nxt = last + self.admission_depth
+            for interval in (self.eval_interval, self.save_interval):
+                if interval > 0:
+                    nxt = min(nxt, (last // interval + 1) * interval)
+            if nxt >= self.total_batches:
+                if self.eval_interval or self.save_interval:  # the final boundary evaluates or saves
+                    steps.append(self.total_batches)
+                break
+            steps.append(nxt)
+            last = nxt
+            if nxt >= end:
+                break
+        return [step for step in steps if step <= end]
+
+    @property
+    def sync_gaps(self) -> tuple[int, ...]:
+        """Batches between consecutive publications over one repeating cycle of the schedule
+        (lazy rule, full commits). One gap when the schedule is regular: with no intervals, or
+        intervals that are multiples of ``admission_depth`` — DESIGN §1 (S = 3 with eval every 6:
+        publications after 4, 6, 10, 12, …: gaps (4, 2))."""
+        intervals = [i for i in (self.eval_interval, self.save_interval) if i > 0]
+        if not intervals:
+            return (self.admission_depth,)
+        cycle = math.lcm(*intervals)
+        steps = [0]
+        last = 0
+        while last < cycle:
+            nxt = min([last + self.admission_depth] + [(last // i + 1) * i for i in intervals])
+            steps.append(nxt)
+            last = nxt
+        gaps = tuple(b - a for a, b in itertools.pairwise(steps))
+        return (gaps[0],) if len(set(gaps)) == 1 else gaps
+
+    @property
+    def sync_period_batches(self) -> int | None:
+        """Batches between publications when the schedule is regular
+        (``min(admission_depth, eval_interval, save_interval)`` over the non-zero intervals, each a
+        multiple of the smallest); None when it is irregular (see ``sync_gaps``)."""
+        gaps = self.sync_gaps
+        return gaps[0] if len(gaps) == 1 else None
+
+    def describe_sync_schedule(self) -> str:
+        """The publication schedule in words: a period, or the irregular pattern."""
+        gaps = self.sync_gaps
+        if len(gaps) == 1:
+            return f"every {gaps[0]} batch(es)"
+        steps = self.lazy_publications()
+        shown = ", ".join(map(str, steps[:6])) + (", …" if len(steps) > 6 else "")
+        return (f"on an irregular schedule: after batches {shown} "
+                f"(gaps {', '.join(map(str, gaps[:8]))}{' …' if len(gaps) > 8 else ''} repeating)")
 
     @property
     def effective_max_staleness(self) -> int:
         """The deepest staleness, in batches, data can actually reach in this run.
 
-        The budget caps it at S, a boundary interval at ``interval − 1``, a short run at
-        ``total_batches − 1``.
+        The budget caps it at S, the longest gap between publications at ``gap − 1``, a short
+        run at ``total_batches − 1``.
         """
-        return min(self.max_staleness, self.sync_period_batches - 1, self.total_batches - 1)
+        return min(self.max_staleness, max(self.sync_gaps) - 1, self.total_batches - 1)
 
     # -- hard boundaries ----------------------------------------------------------------------
 

@@ -27,7 +27,8 @@ def admission_notes(s: BudgetSettings) -> list[AdmissionNote]:
     """The notes for these settings, in a fixed order (possibly none)."""
     notes: list[AdmissionNote] = []
     depth = s.admission_depth
-    period = s.sync_period_batches
+    schedule = s.describe_sync_schedule()
+    longest = max(s.sync_gaps)
     if s.max_staleness == 0:
         notes.append(
             AdmissionNote(
@@ -51,8 +52,8 @@ def admission_notes(s: BudgetSettings) -> list[AdmissionNote]:
             AdmissionNote(
                 "depth_surplus",
                 f"admission_depth={depth} exceeds async.max_inflight + 1 = {s.max_inflight + 1}: "
-                "the extra depth adds no concurrent generation; it lengthens the weight-sync "
-                f"period, which is {period} batch(es).",
+                "the extra depth adds no concurrent generation; it only spaces the weight syncs "
+                f"further apart (weights are published {schedule}).",
             )
         )
     clamps = [
@@ -65,19 +66,19 @@ def admission_notes(s: BudgetSettings) -> list[AdmissionNote]:
         notes.append(
             AdmissionNote(
                 "boundary_clamp",
-                f"{which} is below admission_depth={depth}: weights are published every {period} "
-                f"batch(es) and data is never more than {period - 1} batch(es) stale, not the "
+                f"{which} is below admission_depth={depth}: weights are published {schedule}, "
+                f"and data is never more than {longest - 1} batch(es) stale, not the "
                 f"{s.max_staleness} that async.max_staleness allows; the rest of the budget is "
                 "never spent.",
             )
         )
-    if s.total_batches < period:
+    if s.total_batches < min(s.sync_gaps):
         notes.append(
             AdmissionNote(
                 "short_run",
-                f"train.num_batches={s.total_batches} is shorter than one sync period "
-                f"({period} batches): data is never more than {s.total_batches - 1} batch(es) "
-                "stale in this run.",
+                f"train.num_batches={s.total_batches} is shorter than the gap between two weight "
+                f"syncs ({min(s.sync_gaps)} batches): data is never more than {s.total_batches - 1} "
+                "batch(es) stale in this run.",
             )
         )
     return notes

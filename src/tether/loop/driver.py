@@ -12,6 +12,7 @@ bound, and taking whichever finishes first keeps the trainer from idling behind 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -87,6 +88,7 @@ class Driver:
         self.stop_requested: str | None = None  # the stop signal's name, once one arrived
         self.in_critical = False  # inside train / publish / evaluate / save
         self.interrupted_in_critical = False  # then the learner may be mid-update: never save it
+        self.last_publication = 0  # the step after which weights were last published
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -313,7 +315,9 @@ class Driver:
             "async/rollout_version": c.rollout_version,
             "async/publish_lag": c.publish_lag,
             "async/behavior_version": batch.behavior_version,
-            "async/sync_period_batches": self.settings.sync_period_batches,
+            # the period of a regular schedule; NaN when eval/save intervals make it irregular
+            "async/sync_period_batches": (math.nan if self.settings.sync_period_batches is None
+                                          else self.settings.sync_period_batches),
             "async/dropped_batches": self.dropped,
             "async/inflight": self.pool.inflight,
             "async/ready": len(self.ready),
@@ -328,6 +332,8 @@ class Driver:
         })
         if times.sync_metrics:
             metrics.update(times.sync_metrics)
+            metrics["async/sync_gap_batches"] = self.trained - self.last_publication
+            self.last_publication = self.trained
         if batch.newest_version is not None:
             metrics["staleness/span_updates"] = batch.newest_version - batch.behavior_version
         self.observer.on_batch(BatchRecord(

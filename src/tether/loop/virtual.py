@@ -232,6 +232,7 @@ def summarize(sim: Simulation) -> dict[str, Any]:
         "staleness_budget": s.staleness_budget,
         "admission_depth": s.admission_depth,
         "sync_period_batches": s.sync_period_batches,
+        "sync_gaps_batches": list(s.sync_gaps),
         "effective_max_staleness_batches": s.effective_max_staleness,
         "syncs_after": [int(e.detail["step"]) for e in syncs],
         "sync_reasons": [list(e.detail["reasons"]) for e in syncs],
@@ -264,6 +265,7 @@ def plan_document(sim: Simulation) -> dict[str, Any]:
         "staleness_budget": summary.pop("staleness_budget"),
         "admission_depth": summary.pop("admission_depth"),
         "sync_period_batches": summary.pop("sync_period_batches"),
+        "sync_gaps_batches": summary.pop("sync_gaps_batches"),
         "syncs_after": summary.pop("syncs_after"),
         "batches": [
             {

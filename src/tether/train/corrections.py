@@ -10,7 +10,7 @@ recomputation with the weights it held when the batch arrived (the proximal poli
   (sequence) or geometric mean (geometric) of ρ is outside it; and drop any sequence holding an
   outlier token with ρ_t > T or ρ_t < 1/T.
 
-Reported: ``ratio/is_weight_mean|max``, ``ratio/masked_frac``, ``ratio/ess`` (effective sample
+Reported: ``ratio/is_weight_mean|std|min|max``, ``ratio/masked_frac``, ``ratio/ess`` (effective sample
 size of the final weights over valid tokens, (Σw)²/(n·Σw²), 1 when all equal),
 ``mismatch/logprob_abs_diff_mean|max`` and ``mismatch/k3`` (an estimate of KL(μ ‖ π_old) from the
 sampled tokens: ρ − 1 − log ρ). Those mix the two causes; ``mismatch/numeric_*`` separates the
@@ -106,6 +106,8 @@ def correct(old_logp: torch.Tensor, behavior_logp: torch.Tensor, mask: torch.Ten
             total = effective.sum()
             metrics = {
                 "ratio/is_weight_mean": float(weights[m].mean()),
+                "ratio/is_weight_std": float(weights[m].std(unbiased=False)),
+                "ratio/is_weight_min": float(weights[m].min()),
                 "ratio/is_weight_max": float(weights[m].max()),
                 "ratio/masked_frac": float(1 - keep[m].mean()),
                 "ratio/ess": float(total * total

@@ -275,9 +275,10 @@ class TorchLearner:
 
     ALWAYS = ("loss/policy", "loss/total", "train/grad_norm", "train/entropy", "ratio/mean", "ratio/std",
               "ratio/min", "ratio/max", "ratio/clip_frac_low", "ratio/clip_frac_high", "ratio/is_weight_mean",
-              "ratio/is_weight_max", "ratio/masked_frac", "ratio/ess", "mismatch/logprob_abs_diff_mean",
-              "mismatch/logprob_abs_diff_max", "mismatch/k3", "mismatch/numeric_token_frac",
-              "mismatch/numeric_logprob_abs_diff_mean", "mismatch/numeric_logprob_abs_diff_max")
+              "ratio/is_weight_std", "ratio/is_weight_min", "ratio/is_weight_max", "ratio/masked_frac",
+              "ratio/ess", "mismatch/logprob_abs_diff_mean", "mismatch/logprob_abs_diff_max", "mismatch/k3",
+              "mismatch/numeric_token_frac", "mismatch/numeric_logprob_abs_diff_mean",
+              "mismatch/numeric_logprob_abs_diff_max")
     """Reported for every batch; NaN when undefined (e.g. every group dropped for zero variance)."""
 
     def _metrics(self, stats: _Stats, frac_zero_std: float, skipped: int) -> dict[str, float]:
