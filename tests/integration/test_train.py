@@ -45,11 +45,16 @@ def test_staleness_and_publications_match_tether_plan(tiny_model_dir, tmp_path, 
                                    "eval.interval=0", "checkpoint.interval=0"))
     summary = train(cfg, tmp_path / "run", progress_plain=True)
     metrics = rows(tmp_path / "run" / "metrics.jsonl")
-    plan = simulate(cfg.budget(), Timings())
+    # the plan with the updates the run actually committed (a group with nothing to learn from
+    # commits nothing): every batch's staleness and every publication agree
+    plan = simulate(cfg.budget(), Timings(commits=tuple(int(m["async/optimizer_updates"]) for m in metrics)))
     assert [m["staleness/updates"] for m in metrics] == [r.staleness_updates for r in plan.trace.records]
     assert summary["syncs_after"] == summarize(plan)["syncs_after"]
     if s == 0:
         assert all(m["staleness/updates"] == 0 for m in metrics)
+    # the notes are the plan's, and each is recorded in events.jsonl
+    noted = [e["code"] for e in rows(tmp_path / "run" / "events.jsonl") if e["kind"] == "note"]
+    assert noted == [code for code, _ in plan.trace.notes] == (["no_overlap"] if s == 0 else [])
     assert max(m["staleness/batches"] for m in metrics) == s
 
 

@@ -53,3 +53,21 @@ def test_run_shorter_than_a_period_is_noted():
     notes = admission_notes(BudgetSettings(max_staleness=7, max_inflight=8, total_batches=3))
     assert [n.code for n in notes] == ["short_run"]
     assert "never more than 2 batch(es) stale" in notes[0].message
+
+
+def test_a_budget_deeper_than_the_literature_supports_is_cautioned_more_strongly_without_decoupling():
+    deep = dict(max_staleness=9, max_inflight=10, total_batches=100)
+    assert "deep_budget" not in codes(**deep)  # no anchor given: no algorithm to judge
+    notes = admission_notes(BudgetSettings(**deep), anchor="proximal")
+    (note,) = [n for n in notes if n.code == "deep_budget"]
+    assert "beyond the 8 that AReaL recommends" in note.message
+    assert not [n for n in admission_notes(BudgetSettings(**{**deep, "max_staleness": 8}), anchor="proximal")
+                if n.code.startswith("deep_budget")]
+    # anchored on the behavior policy, the caution starts deeper than 4 batches, and says what to change
+    behavior = [n for n in admission_notes(BudgetSettings(max_staleness=5, max_inflight=6, total_batches=100),
+                                           anchor="behavior") if n.code.startswith("deep_budget")]
+    assert [n.code for n in behavior] == ["deep_budget_behavior"]
+    assert "Set train.anchor=proximal" in behavior[0].message
+    # what counts is the staleness data can reach: an eval every 5 batches caps it at 4
+    clamped = BudgetSettings(max_staleness=11, max_inflight=12, eval_interval=5, total_batches=100)
+    assert not [n for n in admission_notes(clamped, anchor="behavior") if n.code.startswith("deep_budget")]

@@ -91,7 +91,7 @@ def timings_of(cfg: Config) -> Timings:
 def run(ns: argparse.Namespace) -> int:
     cfg = config_from_args(ns)
     sim = simulate(cfg.budget(), timings_of(cfg), num_groups=cfg.rollout.batch_size,
-                   group_size=cfg.rollout.group_size)
+                   group_size=cfg.rollout.group_size, anchor=cfg.train.anchor)
     doc = plan_document(sim)
     if ns.json:
         print(json.dumps(doc, indent=2))

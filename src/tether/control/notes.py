@@ -23,8 +23,17 @@ class AdmissionNote:
         return f"[{self.code}] {self.message}"
 
 
-def admission_notes(s: BudgetSettings) -> list[AdmissionNote]:
-    """The notes for these settings, in a fixed order (possibly none)."""
+# How deep a budget the literature supports, in rollout batches (AReaL's versions: one per
+# consumed batch, so AReaL's η is Tether's S). AReaL (Fu et al. 2025, arXiv 2505.24298)
+# recommends a staleness of at most 8 with its decoupled PPO objective (Tether's
+# train.anchor=proximal); the peers that anchor the ratio on the behavior policy cap it lower by
+# default: SkyRL's max_staleness_steps and TRL's async GRPO max_staleness are both 4.
+DEEP_BUDGET = {"proximal": 8, "behavior": 4}
+
+
+def admission_notes(s: BudgetSettings, *, anchor: str | None = None) -> list[AdmissionNote]:
+    """The notes for these settings, in a fixed order (possibly none). ``anchor``
+    (``train.anchor``) adds the deep-budget caution, stronger without the decoupled objective."""
     notes: list[AdmissionNote] = []
     depth = s.admission_depth
     schedule = s.describe_sync_schedule()
@@ -81,4 +90,29 @@ def admission_notes(s: BudgetSettings) -> list[AdmissionNote]:
                 "batch(es) stale in this run.",
             )
         )
+    depth_note = _deep_budget(s, anchor)
+    if depth_note is not None:
+        notes.append(depth_note)
     return notes
+
+
+def _deep_budget(s: BudgetSettings, anchor: str | None) -> AdmissionNote | None:
+    reach = s.effective_max_staleness
+    if anchor not in DEEP_BUDGET or reach <= DEEP_BUDGET[anchor]:
+        return None
+    if anchor == "proximal":
+        return AdmissionNote(
+            "deep_budget",
+            f"data can reach {reach} batches of staleness (async.max_staleness={s.max_staleness}), beyond "
+            f"the {DEEP_BUDGET['proximal']} that AReaL recommends even with the decoupled objective used "
+            "here (train.anchor=proximal); watch ratio/clip_frac_* and ratio/is_weight_* against "
+            "staleness/batches, or lower async.max_staleness.",
+        )
+    return AdmissionNote(
+        "deep_budget_behavior",
+        f"data can reach {reach} batches of staleness (async.max_staleness={s.max_staleness}) while the "
+        "PPO ratio is anchored on the behavior policy (train.anchor=behavior): nothing absorbs the drift "
+        "of stale data but the clip range, which then clips most tokens of the stalest batches. Peers "
+        f"that train this way cap staleness at {DEEP_BUDGET['behavior']} (SkyRL, TRL); AReaL's decoupled "
+        "objective supports up to 8. Set train.anchor=proximal, or lower async.max_staleness.",
+    )

@@ -15,10 +15,10 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tether.control import AsyncControl, Staleness, admission_notes
+from tether.control import AdmissionNote, AsyncControl, Staleness, admission_notes
 from tether.errors import AdmissionStallError, ControlError, StopRequested
 from tether.loop.observe import BatchRecord, LoopEvent, LoopObserver
 from tether.loop.protocols import (
@@ -69,6 +69,7 @@ class Driver:
         observer: LoopObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         wait_timeout_s: float | None = None,
+        notes: Sequence[AdmissionNote] | None = None,
     ) -> None:
         self.control = control
         self.settings = control.settings
@@ -78,6 +79,7 @@ class Driver:
         self.observer = observer or LoopObserver()
         self.clock = clock
         self.wait_timeout_s = wait_timeout_s  # for each batch awaited, at a sync's drain too
+        self.notes = admission_notes(control.settings) if notes is None else list(notes)
         self.ready: deque[RolloutBatch] = deque()
         self.trained = 0
         self.launched = 0
@@ -142,8 +144,8 @@ class Driver:
 
     def _begin(self, resume: LoopState | None) -> None:
         """Notes once; on resume, restore counters and publish first; baseline eval when fresh."""
-        for note in admission_notes(self.settings):
-            log.info("admission note %s", note)
+        for note in self.notes:
+            log.debug("admission note %s", note)
             self.observer.on_note(note.code, note.message)
         if resume is not None:
             if resume.trained_batches >= self.settings.total_batches:

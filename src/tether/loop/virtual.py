@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tether.control import AsyncControl, BudgetSettings
+from tether.control import AsyncControl, BudgetSettings, admission_notes
 from tether.errors import ControlError
 from tether.loop.driver import Driver
 from tether.loop.observe import LoopObserver, Observers, TraceRecorder
@@ -205,14 +205,15 @@ class Simulation:
 
 
 def simulate(settings: BudgetSettings, timings: Timings, *, observer: LoopObserver | None = None,
-             num_groups: int = 1, group_size: int = 1) -> Simulation:
-    """Run the real driver loop in virtual time."""
+             num_groups: int = 1, group_size: int = 1, anchor: str | None = None) -> Simulation:
+    """Run the real driver loop in virtual time (``anchor``: train.anchor, for its notes)."""
     clock = VirtualClock()
     pool = SimPool(clock, timings, num_groups=num_groups, group_size=group_size)
     learner = SimLearner(clock, timings, settings.updates_per_batch)
     trace = TraceRecorder()
     driver = Driver(AsyncControl(settings), pool, learner, hooks=SimHooks(clock, timings),
-                    observer=Observers(trace, observer) if observer else trace, clock=clock)
+                    observer=Observers(trace, observer) if observer else trace, clock=clock,
+                    notes=admission_notes(settings, anchor=anchor))
     state = driver.run()
     return Simulation(settings, timings, trace, pool, learner, state, clock.now)
 

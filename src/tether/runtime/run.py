@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tether.config import Config
-from tether.control import AsyncControl
+from tether.control import AsyncControl, admission_notes
 from tether.errors import ConfigError
 from tether.loop import Driver, LoopState, Observers, TraceRecorder
 
@@ -221,8 +221,11 @@ def _train(cfg: Config, run_dir: Path, stop, *, resume: bool, force: bool, overr
                 hooks.pool = stack.enter_context(rollout_pool(cfg, _pool_settings(cfg, prepared, params),
                                                               stream.batch, weights, session,
                                                               initial_version=engine_version or 0))
+                notes = admission_notes(cfg.budget(), anchor=cfg.train.anchor)
+                for note in notes:  # shown at start, not only logged: each says what a number buys
+                    log.warning("note %s", note)
                 driver = Driver(AsyncControl(cfg.budget()), hooks.pool, learner, hooks=hooks,
-                                observer=observer, wait_timeout_s=cfg.async_.wait_timeout_s)
+                                observer=observer, wait_timeout_s=cfg.async_.wait_timeout_s, notes=notes)
                 stop.attach(driver)
                 try:
                     final = driver.run(state)

@@ -42,6 +42,10 @@ class JsonlSink(LoopObserver):
     def on_eval(self, step: int, metrics: Mapping[str, float]) -> None:
         self.evals.write(json.dumps({"step": step, "wall_s": self._t(), **metrics}) + "\n")
 
+    def on_note(self, code: str, message: str) -> None:
+        row = {"kind": "note", "t": self._t(), "code": code, "message": message}
+        self.events.write(json.dumps(row) + "\n")
+
     def on_event(self, event: LoopEvent) -> None:
         row = {"kind": event.kind, "t": event.t, "end": event.end, "batch": event.batch,
                "version": event.version,
