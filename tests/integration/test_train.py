@@ -50,6 +50,9 @@ def test_staleness_and_publications_match_tether_plan(tiny_model_dir, tmp_path, 
     plan = simulate(cfg.budget(), Timings(commits=tuple(int(m["async/optimizer_updates"]) for m in metrics)))
     assert [m["staleness/updates"] for m in metrics] == [r.staleness_updates for r in plan.trace.records]
     assert summary["syncs_after"] == summarize(plan)["syncs_after"]
+    for m in metrics:  # where it accrued, from the real completion times: the parts add up
+        parts = [m[f"staleness/{p}_updates"] for p in ("at_launch", "generating", "queued")]
+        assert min(parts) >= 0 and sum(parts) == m["staleness/updates"]
     if s == 0:
         assert all(m["staleness/updates"] == 0 for m in metrics)
     # the notes are the plan's, and each is recorded in events.jsonl

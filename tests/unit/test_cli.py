@@ -53,7 +53,53 @@ def test_eval_clamp_is_reported(capsys):
                     "--num-batches", "30")
     assert doc["syncs_after"] == [10, 20, 30]
     assert doc["summary"]["max_staleness_batches"] == 9
-    assert [n["code"] for n in doc["notes"]] == ["boundary_clamp"]
+    # 9 batches of staleness are reachable: beyond AReaL's recommended 8, so cautioned too
+    assert [n["code"] for n in doc["notes"]] == ["boundary_clamp", "deep_budget"]
+
+
+def test_a_long_plan_shows_each_distinct_period_once_and_all_with_the_flag(capsys):
+    args = ["plan", "--max-staleness", "3", "--eval-interval", "6", "--num-batches", "600"]
+    assert main(args) == 0
+    short = capsys.readouterr().out
+    assert main([*args, "--all"]) == 0
+    full = capsys.readouterr().out
+    assert len(full.splitlines()) > 600 > 8 * len(short.splitlines())
+    # the irregular pattern (gaps 4, 2) is shown as its two kinds of period, then the repeats folded
+    assert "weights published on an irregular schedule: after batches 4, 6, 10, 12, 16, 18, …" in short
+    rows = [line for line in short.splitlines() if line[:5].strip().isdigit()]
+    assert [int(r.split()[0]) for r in rows][:6] == [1, 2, 3, 4, 5, 6]
+    assert int(rows[-1].split()[0]) == 600  # the last steps are always shown
+    assert "more sync period(s) like those above (--all lists every step)" in short
+    assert "(200 in all; --all lists them)" in short and "the first " in short  # timeline window
+    assert "… steps" not in full and "the first " not in full
+
+
+def test_the_plan_splits_staleness_by_where_it_accrued(capsys):
+    """Two engines generate a batch in 0.2 s; training takes 1 s: batches wait finished in the
+    queue while the trainer works through the ones before them (S = 2: staleness 0, 1, 2 accrued
+    entirely in the queue). One engine at 3 s a batch against 1 s of training: the third batch of
+    a period was admitted at launch and trained on while it was still being generated."""
+    doc = plan_json(capsys, "--max-staleness", "2", "--max-inflight", "3", "--num-batches", "6",
+                    "--workers", "2", "--gen-time", "0.2", "--train-time", "1")
+    split = [(b["staleness_at_launch_updates"], b["staleness_generating_updates"],
+              b["staleness_queued_updates"]) for b in doc["batches"]]
+    assert split == [(0, 0, 0), (0, 0, 1), (0, 0, 2)] * 2
+    assert doc["summary"]["mean_staleness_queued_updates"] == 1.0
+    doc = plan_json(capsys, "--max-staleness", "2", "--max-inflight", "3", "--num-batches", "6",
+                    "--workers", "2", "--gen-time", "3", "--train-time", "1")
+    split = [(b["staleness_at_launch_updates"], b["staleness_generating_updates"],
+              b["staleness_queued_updates"]) for b in doc["batches"]]
+    assert split == [(0, 0, 0), (0, 0, 1), (0, 2, 0)] * 2
+    # one generation at a time at S = 3: later batches of a period launch while the engines are
+    # already behind the trainer (the publish lag at launch is part of their staleness)
+    doc = plan_json(capsys, "--max-staleness", "3", "--max-inflight", "1", "--num-batches", "8",
+                    "--gen-time", "0.1", "--train-time", "1")
+    for b in doc["batches"]:
+        parts = (b["staleness_at_launch_updates"], b["staleness_generating_updates"],
+                 b["staleness_queued_updates"])
+        assert sum(parts) == b["staleness_updates"]
+    assert [b["staleness_at_launch_updates"] for b in doc["batches"]] == [0, 0, 1, 2] * 2
+    assert [b["staleness_queued_updates"] for b in doc["batches"]] == [0, 1, 1, 1] * 2
 
 
 def test_text_output_shows_table_timeline_and_notes(capsys):

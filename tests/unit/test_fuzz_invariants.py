@@ -56,6 +56,9 @@ class InvariantChecker(LoopObserver):
             self.violations.append("rollout version ahead of train version")
         self.last_train_version = m["async/train_version"]
         self.last_rollout_version = m["async/rollout_version"]
+        parts = [m[f"staleness/{p}_updates"] for p in ("at_launch", "generating", "queued")]
+        if min(parts) < 0 or sum(parts) != m["staleness/updates"]:
+            self.violations.append(f"staleness split {parts} does not add up to {m['staleness/updates']}")
 
 
 def random_trial(rng: random.Random) -> tuple[BudgetSettings, Timings]:

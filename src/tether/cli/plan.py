@@ -59,6 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="seed for generation-time jitter (plan.seed)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     p.add_argument("--width", type=int, default=72, help="timeline width in characters")
+    p.add_argument("--all", action="store_true", dest="show_all",
+                   help="list every step and draw the whole run's timeline (by default a long run "
+                   "shows each distinct sync period once, the last steps, and the first periods' timeline)")
     p.set_defaults(func=run)
 
 
@@ -96,11 +99,11 @@ def run(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps(doc, indent=2))
     else:
-        print(render_text(sim, doc, width=ns.width))
+        print(render_text(sim, doc, width=ns.width, show_all=ns.show_all))
     return 0
 
 
-def render_text(sim: Simulation, doc: dict, *, width: int = 72) -> str:
+def render_text(sim: Simulation, doc: dict, *, width: int = 72, show_all: bool = False) -> str:
     s = sim.settings
     out = [
         f"tether plan: S={s.max_staleness} batches, U={s.updates_per_batch} updates/batch, "
@@ -116,41 +119,106 @@ def render_text(sim: Simulation, doc: dict, *, width: int = 72) -> str:
         out.append("")
     syncs = {e.detail["step"]: e for e in sim.trace.of_kind("sync")}
     consumed_at = {e.batch: e.t for e in sim.trace.of_kind("consume")}
-    out.append(" step  batch  behavior  trained at  staleness        committed  consumed (s)  then")
-    out.append("                version   version     updates batches")
-    for b in doc["batches"]:
-        e = syncs.get(b["step"])
-        then = ""
-        if e is not None:
-            why = "+".join(e.detail["reasons"])
-            then = f"publish v{e.version} ({why})" if e.detail["published"] else f"drain ({why})"
-        out.append(
-            f" {b['step']:4d}  {b['index']:5d}  {b['behavior_version']:8d}  {b['train_version']:10d}"
-            f"  {b['staleness_updates']:7d} {b['staleness_batches']:7.2f}  {b['committed_updates']:9d}"
-            f"  {consumed_at.get(b['index'], 0.0):12.2f}  {then}"
-        )
+    out.append(" step  batch  behavior  trained at  staleness        accrued (updates)  committed  "
+               "consumed (s)  then")
+    out.append("                version   version     updates batches  lag  gen  queue")
+    periods = _periods(doc["batches"], syncs)
+    for kind, part in _shown(periods, syncs, show_all):
+        if kind == "skip":
+            out.append(f"   … steps {part[0][0]['step']}–{part[-1][-1]['step']}: {len(part)} more sync "
+                       "period(s) like those above (--all lists every step)")
+            continue
+        for b in part:
+            out.append(_row(b, syncs.get(b["step"]), consumed_at.get(b["index"], 0.0)))
     sm = doc["summary"]
     out += [
         "",
-        f"publications after batches: {', '.join(map(str, doc['syncs_after'])) or 'none'}",
+        f"publications after batches: {_listed(doc['syncs_after'], show_all)}",
         f"staleness (batches): max {sm['max_staleness_batches']:g}, mean "
         f"{sm['mean_staleness_batches']:.2f}, histogram {sm['staleness_histogram_batches']}",
+        f"where it accrued (mean updates): {sm['mean_staleness_at_launch_updates']:.2f} publish lag at "
+        f"launch, {sm['mean_staleness_generating_updates']:.2f} while generating, "
+        f"{sm['mean_staleness_queued_updates']:.2f} waiting to be trained",
         f"time: {sm['makespan_s']:.2f}s total, {sm['mean_step_time_s']:.3f}s per batch; trainer "
         f"idle {sm['trainer_idle_fraction']:.0%}, generators idle {sm['generator_idle_fraction']:.0%}",
         "",
-        render_timeline(sim, width=width),
+        render_timeline(sim, width=width, until=None if show_all else _window(sim, periods)),
     ]
     return "\n".join(out)
 
 
-def render_timeline(sim: Simulation, *, width: int = 72) -> str:
-    """Lanes of generation (one per engine), training and sync over virtual time."""
-    end = sim.makespan or 1.0
+def _listed(steps: list[int], show_all: bool, head: int = 12) -> str:
+    if not steps:
+        return "none"
+    if show_all or len(steps) <= head + 1:
+        return ", ".join(map(str, steps))
+    return f"{', '.join(map(str, steps[:head]))}, …, {steps[-1]} ({len(steps)} in all; --all lists them)"
+
+
+def _row(b: dict, sync, consumed: float) -> str:
+    then = ""
+    if sync is not None:
+        why = "+".join(sync.detail["reasons"])
+        then = f"publish v{sync.version} ({why})" if sync.detail["published"] else f"drain ({why})"
+    return (f" {b['step']:4d}  {b['index']:5d}  {b['behavior_version']:8d}  {b['train_version']:10d}"
+            f"  {b['staleness_updates']:7d} {b['staleness_batches']:7.2f}"
+            f"  {b['staleness_at_launch_updates']:3d}  {b['staleness_generating_updates']:3d}"
+            f"  {b['staleness_queued_updates']:5d}  {b['committed_updates']:9d}  {consumed:12.2f}  {then}")
+
+
+def _periods(batches: list[dict], syncs: dict) -> list[list[dict]]:
+    """The rows cut after each step that syncs (a sync period each)."""
+    periods, current = [], []
+    for b in batches:
+        current.append(b)
+        if b["step"] in syncs:
+            periods.append(current)
+            current = []
+    return periods + ([current] if current else [])
+
+
+def _shown(periods: list[list[dict]], syncs: dict, show_all: bool):
+    """("rows", period) for the periods to print — the first, each unlike every one before it,
+    and the last — and ("skip", [periods…]) for each run of repeats between them."""
+    def signature(period):
+        return tuple((b["staleness_updates"], b["staleness_at_launch_updates"],
+                      b["staleness_generating_updates"], b["staleness_queued_updates"],
+                      b["committed_updates"], syncs[b["step"]].detail["reasons"] if b["step"] in syncs
+                      else ()) for b in period)
+
+    seen, skipped = set(), []
+    for i, period in enumerate(periods):
+        sig = signature(period)
+        if show_all or i in (0, len(periods) - 1) or sig not in seen:
+            if skipped:
+                yield "skip", skipped
+                skipped = []
+            yield "rows", period
+        else:
+            skipped.append(period)
+        seen.add(sig)
+
+
+def _window(sim: Simulation, periods: list[list[dict]], shown: int = 4) -> float | None:
+    """The virtual time by which the first ``shown`` sync periods have trained (None: all)."""
+    if len(periods) <= shown:
+        return None
+    last = periods[shown - 1][-1]["index"]
+    ends = [e.end or e.t for e in sim.trace.of_kind("train") if e.batch == last]
+    return ends[0] if ends else None
+
+
+def render_timeline(sim: Simulation, *, width: int = 72, until: float | None = None) -> str:
+    """Lanes of generation (one per engine), training and sync over virtual time, from 0 to
+    ``until`` (default: the whole run)."""
+    end = (until or sim.makespan) or 1.0
     scale = width / end
 
     def lane(spans: list[tuple[float, float, str]]) -> str:
         cells = [" "] * width
         for start, stop, mark in spans:
+            if start >= end:
+                continue
             a = min(width - 1, int(start * scale))
             b = max(a + 1, min(width, round(stop * scale)))
             for i in range(a, b):
@@ -158,7 +226,8 @@ def render_timeline(sim: Simulation, *, width: int = 72) -> str:
         return "".join(cells)
 
     marks = "0123456789abcdefghijklmnopqrstuvwxyz"
-    lines = [f"timeline (0 → {end:.2f}s, one column ≈ {end / width:.3g}s; digits are batch indices mod 36):"]
+    window = f"the first {end:.2f}s of {sim.makespan:.2f}s" if until else f"0 → {end:.2f}s"
+    lines = [f"timeline ({window}, one column ≈ {end / width:.3g}s; digits are batch indices mod 36):"]
     for w in range(sim.timings.workers):
         spans = [(st, en, marks[i % 36]) for eng, st, en, i in sim.pool.spans if eng == w]
         lines.append(f"  gen{w:<3d}|{lane(spans)}|")

@@ -11,6 +11,7 @@ bound, and taking whichever finishes first keeps the trainer from idling behind 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -91,6 +92,12 @@ class Driver:
         self.in_critical = False  # inside train / publish / evaluate / save
         self.interrupted_in_critical = False  # then the learner may be mid-update: never save it
         self.last_publication = 0  # the step after which weights were last published
+        # where each batch's staleness accrued: the train version when it was launched and when
+        # it completed (from the commit history and the pool's completion time, else at reaping)
+        self._launch_version: dict[int, int] = {}
+        self._complete_version: dict[int, int] = {}
+        self._commits: list[tuple[float, int]] = []  # (when, train version after that commit)
+        self._start_version = 0
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -158,6 +165,7 @@ class Driver:
             self.dropped = resume.dropped_batches
             self.pending = sorted(resume.pending)
             self.control.restore(resume.train_version, resume.rollout_version)
+            self._start_version = resume.train_version
         if self.control.publish_required:
             self._publish(("resume",))
         if self.trained == 0 and self.settings.eval_interval > 0:
@@ -206,6 +214,8 @@ class Driver:
         self.trained += 1
         self.outstanding.discard(batch.index)
         t1 = self.clock()
+        if result.committed_updates:
+            self._commits.append((t1, self.control.train_version))
         self._emit("train", t=t0, end=t1, batch=batch.index, version=self.control.train_version,
                    detail={"committed": result.committed_updates, "attempted": result.attempted_updates})
         metrics = dict(result.metrics)
@@ -236,6 +246,7 @@ class Driver:
     def _reap(self, batches: list[RolloutBatch]) -> None:
         for batch in batches:
             self.ready.append(batch)
+            self._complete_version[batch.index] = self._version_at(batch.completed_at)
             detail = {} if batch.completed_at is None else {"completed_at": batch.completed_at,
                                                              "work_s": batch.work_s}
             self._emit("ready", batch=batch.index, version=batch.behavior_version, detail=detail)
@@ -250,6 +261,7 @@ class Driver:
             else:
                 index, self.launched = self.launched, self.launched + 1
             request = GenerationRequest(index=index, version=self.control.rollout_version)
+            self._launch_version[index] = self.control.train_version
             self.pool.launch(request)
             self.outstanding.add(index)
             self._emit("launch", batch=request.index, version=request.version)
@@ -338,11 +350,31 @@ class Driver:
             self.last_publication = self.trained
         if batch.newest_version is not None:
             metrics["staleness/span_updates"] = batch.newest_version - batch.behavior_version
+        metrics.update(self._accrual(batch, staleness))
         self.observer.on_batch(BatchRecord(
             step=self.trained, batch_index=batch.index, behavior_version=batch.behavior_version,
             staleness_updates=staleness.updates, staleness_batches=staleness.batches,
             metrics=metrics,
         ))
+
+    def _version_at(self, when: float | None) -> int:
+        """The train version at time ``when`` (now, if the pool gave no completion time)."""
+        if when is None:
+            return self.control.train_version
+        at = bisect.bisect_right(self._commits, (when, float("inf")))
+        return self._commits[at - 1][1] if at else self._start_version
+
+    def _accrual(self, batch: RolloutBatch, staleness: Staleness) -> dict[str, float]:
+        """Where a batch's staleness accrued, in updates (the three add up to
+        ``staleness/updates``): the engines' publish lag when it was launched, the updates
+        committed while it was generated (launch → complete), and while it waited to be trained
+        (complete → consumed)."""
+        launched = self._launch_version.pop(batch.index, batch.behavior_version)
+        completed = max(launched, self._complete_version.pop(batch.index, launched))
+        consumed = batch.behavior_version + staleness.updates
+        return {"staleness/at_launch_updates": launched - batch.behavior_version,
+                "staleness/generating_updates": completed - launched,
+                "staleness/queued_updates": consumed - completed}
 
     def _interrupted(self) -> None:
         """A stop signal: abandon in-flight work (the pool's close stops it) and, when checkpoints

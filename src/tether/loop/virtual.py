@@ -239,6 +239,10 @@ def summarize(sim: Simulation) -> dict[str, Any]:
         "sync_reasons": [list(e.detail["reasons"]) for e in syncs],
         "staleness_histogram_batches": dict(sorted(hist.items(), key=lambda kv: float(kv[0]))),
         "mean_staleness_batches": sum(staleness) / trained if trained else 0.0,
+        # where it accrued, in updates: the engines' lag at launch, during generation, in the queue
+        **{f"mean_staleness_{part}_updates": (sum(r.metrics[f"staleness/{part}_updates"]
+                                                  for r in sim.trace.records) / trained if trained else 0.0)
+           for part in ("at_launch", "generating", "queued")},
         "max_staleness_batches": max(staleness, default=0.0),
         "makespan_s": makespan,
         "mean_step_time_s": makespan / trained if trained else 0.0,
@@ -277,6 +281,9 @@ def plan_document(sim: Simulation) -> dict[str, Any]:
                 "staleness_updates": r.staleness_updates,
                 "staleness_batches": r.staleness_batches,
                 "committed_updates": int(r.metrics["async/optimizer_updates"]),
+                "staleness_at_launch_updates": int(r.metrics["staleness/at_launch_updates"]),
+                "staleness_generating_updates": int(r.metrics["staleness/generating_updates"]),
+                "staleness_queued_updates": int(r.metrics["staleness/queued_updates"]),
             }
             for r in sim.trace.records
         ],
