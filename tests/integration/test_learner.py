@@ -53,6 +53,8 @@ def sequence_logprobs(learner, batch, tok):
     {"loss": "gspo", "aggregation": "seq_mean_token_mean", "clip_low": 3e-4, "clip_high": 4e-4},
     {"loss": "cispo", "aggregation": "token_mean", "clip_low": 1.0, "clip_high": 0.28},
     {"loss": "ppo_clip", "aggregation": "seq_mean_token_sum_norm", "adv_std_norm": False, "kl_coef": 0.04},
+    {"loss": "ppo_clip", "aggregation": "token_mean", "advantage": "rloo"},
+    {"loss": "ppo_clip", "aggregation": "token_mean", "advantage": "reinforce_pp"},
 ])
 def test_updates_raise_positive_and_lower_negative_completions(tiny_model_dir, algorithm):
     batch, tok = sampled_batch(tiny_model_dir)
@@ -298,7 +300,8 @@ def test_every_train_and_reward_key_reaches_the_learner():
     s = learner_settings(load_config(None, [
         "train.mask_truncated=true", "reward.overlong_buffer=3", "reward.overlong_penalty=0.5",
         "train.lr_schedule=linear", "train.min_lr_ratio=0.2", "train.warmup_steps=2", "train.num_batches=7",
-        "train.updates_per_batch=3", "rollout.max_new_tokens=9"]))
+        "train.updates_per_batch=3", "rollout.max_new_tokens=9", "train.advantage=rloo"]))
     assert (s.mask_truncated, s.overlong_buffer, s.overlong_penalty) == (True, 3, 0.5)
+    assert (s.advantage, s.adv_std_norm) == ("rloo", False)
     assert (s.lr_schedule, s.min_lr_ratio, s.warmup_steps, s.total_updates) == ("linear", 0.2, 2, 21)
     assert s.max_new_tokens == 9

@@ -196,3 +196,14 @@ def test_correction_bounds_without_their_correction_are_refused():
         load_config(None, ["correction.mask_low=0.2"])
     c = load_config(None, ["correction.mask=token", "correction.mask_low=0.2"]).correction
     assert (c.mask, c.mask_low, c.mask_high) == ("token", 0.2, 2.0)
+
+
+def test_the_advantage_estimator_owns_its_normalisation():
+    assert load_config(None, ["train.advantage=rloo"]).train.adv_std_norm is False  # not the preset's
+    assert load_config(None, ["train.advantage=grpo"]).train.adv_std_norm is True   # dapo's
+    with pytest.raises(ConfigError, match=r"train\.adv_std_norm has no effect with train\.advantage=rloo"):
+        load_config(None, ["train.advantage=rloo", "train.adv_std_norm=true"])
+    with pytest.raises(ConfigError, match=r"adv_scope=batch has no effect with .*=reinforce_pp"):
+        load_config(None, ["train.advantage=reinforce_pp", "train.adv_scope=batch"])
+    with pytest.raises(ConfigError, match=r"grpo.*rloo.*reinforce_pp"):
+        load_config(None, ["train.advantage=ppo"])

@@ -137,3 +137,30 @@ def test_group_advantages():
     assert batch.values.tolist()[0] == pytest.approx(1.1547, abs=1e-4)
     with pytest.raises(ValueError, match="do not split into groups of 3"):
         group_advantages(rewards, 3)
+
+
+def test_rloo_baseline_is_the_mean_of_the_other_samples():
+    # Ahmadian et al. 2024: A_i = r_i − (1/(G−1)) Σ_{j≠i} r_j
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.5, 1.0, 1.0, 1.0, 1.0])
+    a = group_advantages(rewards, 4, estimator="rloo", std_norm=True)  # std_norm is grpo's only
+    # sample 0: 1 − (0 + 0 + 0.5)/3 = 0.8333; sample 1: 0 − (1 + 0 + 0.5)/3 = −0.5;
+    # sample 3: 0.5 − (1 + 0 + 0)/3 = 0.1667; a zero-variance group: 0
+    assert a.values.tolist() == pytest.approx([5 / 6, -0.5, -0.5, 1 / 6, 0, 0, 0, 0], abs=1e-6)
+    by_hand = [float(rewards[i] - (rewards[(i // 4) * 4:(i // 4) * 4 + 4].sum() - rewards[i]) / 3)
+               for i in range(8)]
+    assert a.values.tolist() == pytest.approx(by_hand, abs=1e-6)
+    assert a.frac_zero_std == 0.5
+
+
+def test_reinforce_pp_normalises_over_the_whole_batch_without_a_group_baseline():
+    # Hu 2025 (REINFORCE++): A = (r − mean_batch) / std_batch
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    a = group_advantages(rewards, 4, estimator="reinforce_pp")
+    # batch mean 0.75, population std sqrt(0.75 · 0.25) = 0.4330: 1 → 0.5774, 0 → −1.7321
+    assert a.values.tolist() == pytest.approx([0.5774, -1.7321, -1.7321, 0.5774] + [0.5774] * 4, abs=1e-4)
+    # unlike grpo, a group whose rewards are all equal still gets a (batch-relative) advantage
+    assert a.values[4:].abs().min() > 0.5 and a.frac_zero_std == 0.5
+    dropped = group_advantages(rewards, 4, estimator="reinforce_pp", drop_zero_std=True)
+    assert dropped.keep.tolist() == [True] * 4 + [False] * 4
+    with pytest.raises(ValueError, match="valid: grpo, rloo, reinforce_pp"):
+        group_advantages(rewards, 4, estimator="ppo")

@@ -102,6 +102,10 @@ class Config:
 
     def _check_training(self) -> None:
         t, rw = self.train, self.reward
+        if t.advantage != "grpo" and t.adv_scope != "group":
+            raise ConfigError(f"train.adv_scope={t.adv_scope} has no effect with "
+                              f"train.advantage={t.advantage}; set train.adv_scope=group, or use "
+                              "train.advantage=grpo (with adv_scope=batch it is REINFORCE++-baseline)")
         if self.rollout.group_size < 2:
             raise ConfigError("rollout.group_size=1 trains nothing: every advantage is a sample's reward "
                               "relative to its prompt group's mean, so a group of one always has advantage "
@@ -186,7 +190,13 @@ def _resolve_preset(train: TrainSection) -> TrainSection:
     from tether.train.algorithms import preset
 
     p = preset(train.algorithm)
+    if train.advantage != "grpo" and train.adv_std_norm is not None:
+        raise ConfigError(f"train.adv_std_norm has no effect with train.advantage={train.advantage} (its "
+                          "normalisation is part of the estimator); leave train.adv_std_norm unset, or "
+                          "use train.advantage=grpo")
     filled = {key: getattr(p, key) for key in p.__dataclass_fields__ if getattr(train, key) is None}
+    if train.advantage != "grpo":
+        filled["adv_std_norm"] = False  # the estimator defines its own scale, not the preset
     return dataclasses.replace(train, **filled)
 
 

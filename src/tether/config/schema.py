@@ -98,14 +98,24 @@ class TrainSection:
     dual_clip: float | None = knob(
         None, f"Dual clip c > 1 bounds negative-advantage losses at c·|A|; 0 = off ({FROM_PRESET}).", min=0
     )
-    adv_std_norm: bool | None = knob(None, f"Divide advantages by the reward std ({FROM_PRESET}).")
+    advantage: Literal["grpo", "rloo", "reinforce_pp"] = knob(
+        "grpo",
+        "Advantage estimator: 'grpo' (reward minus its group's mean, optionally over the std), "
+        "'rloo' (reward minus the mean of the other samples of its prompt, not normalised) or "
+        "'reinforce_pp' (REINFORCE++: reward minus the batch mean, over the batch std). See "
+        "docs/training.md.",
+    )
+    adv_std_norm: bool | None = knob(
+        None, f"With train.advantage=grpo: divide advantages by the reward std ({FROM_PRESET})."
+    )
     mask_truncated: bool = knob(
         False,
         "Leave completions cut off at rollout.max_new_tokens out of the loss (DAPO's overlong "
         "filtering, TRL's mask_truncated_completions); they still count in their group's baseline.",
     )
     adv_scope: Literal["group", "batch"] = knob(
-        "group", "Whose std normalises advantages: each prompt group's, or the whole batch's."
+        "group", "With train.advantage=grpo: whose std normalises advantages, each prompt group's or "
+        "the whole batch's ('batch' is REINFORCE++-baseline)."
     )
     drop_zero_std: bool | None = knob(
         None, f"Drop groups whose rewards are all equal from the loss ({FROM_PRESET})."

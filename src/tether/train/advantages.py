@@ -1,9 +1,17 @@
-"""Group-relative advantages (GRPO family).
+"""Advantage estimators for groups of samples (``train.advantage``).
 
-For B prompt groups of G samples with rewards r (B, G):
+For B prompt groups of G samples with rewards r (B, G), one advantage per sample:
 
-    A = r − mean_group(r)                          (the baseline is always the group mean)
-    A = A / (std + eps)        when std_norm       (std per group, or over the batch: scope)
+    grpo          A = r − mean_group(r);  A = A / (std + eps) when std_norm (std per group, or
+                  over the batch: scope)                           (Shao et al. 2024, DeepSeekMath)
+    rloo          A_i = r_i − (1/(G−1)) Σ_{j≠i} r_j = G/(G−1) · (r_i − mean_group(r)): each
+                  sample's baseline is the mean of the *other* samples of its prompt, so it does
+                  not depend on the sample itself; not normalised      (Ahmadian et al. 2024)
+    reinforce_pp  A = (r − mean_batch(r)) / (std_batch(r) + eps): one baseline and one scale for
+                  the whole batch, no per-prompt baseline            (Hu 2025, REINFORCE++ §3)
+
+REINFORCE++-baseline (Hu 2025: the group mean subtracted, then normalised over the batch) is
+``grpo`` with ``scope="batch"``: group-centred advantages already have batch mean 0.
 
 Before that, DAPO's soft overlong punishment (Yu et al. 2025, §3.4) may shape the rewards: with
 L_max = rollout.max_new_tokens and a buffer of L_c tokens, a completion of |y| tokens gets
@@ -42,18 +50,30 @@ def overlong_penalty(lengths: torch.Tensor, *, max_len: int, buffer: int, factor
     return -factor * (exceed / buffer).clamp(max=1.0)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, *, std_norm: bool = True,
-                     scope: Literal["group", "batch"] = "group", drop_zero_std: bool = False,
-                     eps: float = 1e-6) -> Advantages:
-    """Advantages for group-major ``rewards`` (N,)."""
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, *, estimator: str = "grpo",
+                     std_norm: bool = True, scope: Literal["group", "batch"] = "group",
+                     drop_zero_std: bool = False, eps: float = 1e-6) -> Advantages:
+    """Advantages for group-major ``rewards`` (N,); ``std_norm`` and ``scope`` apply to grpo."""
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
     r = rewards.float().view(-1, group_size)  # (B, G)
-    centered = r - r.mean(dim=1, keepdim=True)  # (B, G)
     group_std = r.std(dim=1, unbiased=False, keepdim=True)  # (B, 1)
     zero = (group_std.squeeze(1) <= eps)  # (B,)
-    if std_norm:
-        std = group_std if scope == "group" else r.std(unbiased=False).expand_as(group_std)
-        centered = centered / (std + eps)
+    if estimator == "rloo":
+        if group_size < 2:
+            raise ValueError("RLOO needs groups of at least 2 samples")
+        centered = (r - r.mean(dim=1, keepdim=True)) * (group_size / (group_size - 1))  # (B, G)
+    elif estimator == "reinforce_pp":
+        centered = (r - r.mean()) / (r.std(unbiased=False) + eps)  # (B, G)
+    else:
+        centered = r - r.mean(dim=1, keepdim=True)  # (B, G)
+        if std_norm:
+            std = group_std if scope == "group" else r.std(unbiased=False).expand_as(group_std)
+            centered = centered / (std + eps)
     keep = (~zero if drop_zero_std else torch.ones_like(zero)).repeat_interleave(group_size)  # (N,)
     return Advantages(values=centered.reshape(-1), keep=keep, frac_zero_std=float(zero.float().mean()))

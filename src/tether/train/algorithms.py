@@ -11,6 +11,9 @@ are what the run's config records.
 | gspo (Zheng et al. 2025) | gspo | seq_mean_token_mean | 3e-4 / 4e-4 | yes | no | none |
 | cispo (MiniMax-M1, 2025) | cispo | token_mean | 1.0 / 0.28 (no lower bound) | yes | no | none |
 
+Every preset uses the grpo advantage; ``train.advantage`` (rloo, reinforce_pp) combines with any
+of them, its own normalisation replacing the preset's std norm.
+
 DAPO's dynamic sampling over-samples until every group has reward variance; Tether instead drops
 zero-variance groups from the loss, which removes the same (zero-advantage) groups without
 generating more. DAPO's overlong reward shaping is not part of the preset.

@@ -41,6 +41,7 @@ class LearnerSettings:
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float = 0.0
+    advantage: str = "grpo"
     adv_std_norm: bool = True
     adv_scope: str = "group"
     drop_zero_std: bool = False
@@ -156,8 +157,8 @@ class TorchLearner:
             rewards = rewards + penalty
             stats.add("reward/overlong_penalty_mean", penalty.mean())
             stats.add("reward/overlong_frac", (penalty < 0).float().mean())
-        adv = group_advantages(rewards, tb.group_size, std_norm=s.adv_std_norm, scope=s.adv_scope,
-                               drop_zero_std=s.drop_zero_std)
+        adv = group_advantages(rewards, tb.group_size, estimator=s.advantage, std_norm=s.adv_std_norm,
+                               scope=s.adv_scope, drop_zero_std=s.drop_zero_std)
         keep = adv.keep & ~tb.truncated if s.mask_truncated else adv.keep  # (N,)
         return adv, tb.mask * keep.float()[:, None]
 
