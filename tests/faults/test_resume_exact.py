@@ -3,6 +3,7 @@ every one of its steps and resumed trains the same batches at the same versions,
 the same steps, logs the same losses and ends with the same weights as the uninterrupted run."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -20,35 +21,46 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 TOTAL = 5
 KEYS = ("step", "batch_index", "async/behavior_version", "async/train_version", "async/rollout_version",
-        "staleness/updates", "reward/mean", "loss/policy", "ratio/mean", "response/length_mean")
+        "staleness/updates", "reward/mean", "loss/policy", "ratio/mean", "response/length_mean",
+        "rollout/prompts_drawn")
 
 
-def config(model_dir, s, u):
+SPARSE = Path(__file__).parents[1] / "integration" / "sparse_reward.py"
+DYNAMIC = ("rollout.dynamic_sampling=true", "rollout.dynamic_sampling_on_short=partial",
+           f"reward.function={SPARSE}:reward")
+
+
+def config(model_dir, s, u, extra=()):
     return load_config(None, recipe(model_dir, f"train.num_batches={TOTAL}", f"checkpoint.interval={TOTAL}",
                                     f"async.max_staleness={s}", f"async.max_inflight={s + 1}",
-                                    f"train.updates_per_batch={u}"))
+                                    f"train.updates_per_batch={u}", *extra))
 
 
 def trace(run_dir):
-    metrics = [{k: m[k] for k in KEYS} for m in rows(run_dir / "metrics.jsonl")]
+    metrics = [{k: m.get(k) for k in KEYS} for m in rows(run_dir / "metrics.jsonl")]
     syncs = [e["step"] for e in rows(run_dir / "events.jsonl") if e["kind"] == "sync" and e["published"]]
     weights = load_file(str(run_dir / "checkpoints" / f"step-{TOTAL:06d}" / "learner" / "model" /
                             "model.safetensors"))
     return metrics, syncs, weights
 
 
-@pytest.mark.parametrize(("s", "u"), [(1, 1), (1, 2), (2, 1), (2, 2)])
-def test_a_run_stopped_after_any_step_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch, s, u):
-    train(config(tiny_model_dir, s, u), tmp_path / "whole", progress_plain=True)
+@pytest.mark.parametrize(("s", "u", "extra"),
+                         [(1, 1, ()), (1, 2, ()), (2, 1, ()), (2, 2, ()), (1, 1, DYNAMIC)],
+                         ids=["S1-U1", "S1-U2", "S2-U1", "S2-U2", "S1-U1-dynamic-sampling"])
+def test_a_run_stopped_after_any_step_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch, s, u, extra):
+    """With dynamic sampling too: a batch's extra prompts are its own, so they are the same."""
+    train(config(tiny_model_dir, s, u, extra), tmp_path / "whole", progress_plain=True)
     whole_metrics, whole_syncs, whole_weights = trace(tmp_path / "whole")
     assert len(whole_metrics) == TOTAL and max(m["staleness/updates"] for m in whole_metrics) == s * u
+    if extra:  # batches really drew beyond their own prompts
+        assert max(m["rollout/prompts_drawn"] for m in whole_metrics) > 2
     lagging_stops = 0
     for k in range(1, TOTAL):
         run_dir = tmp_path / f"stop-{k}"
         with monkeypatch.context() as m:
             stop_after(m, k)
             with pytest.raises(StopRequested):
-                train(config(tiny_model_dir, s, u), run_dir, progress_plain=True)
+                train(config(tiny_model_dir, s, u, extra), run_dir, progress_plain=True)
         state = json.loads((run_dir / "checkpoints" / f"step-{k:06d}" / "state.json").read_text())
         lagging_stops += state["rollout_version"] != state["train_version"]
         train(load_config(run_dir / "config.yaml"), run_dir, resume=True, progress_plain=True)

@@ -96,6 +96,13 @@ class Config:
             raise ConfigError("reward.function=task scores with a built-in task's verifier, but "
                               "data.task is empty; choose exact_match, numeric_match, math or "
                               "path/to/file.py:function")
+        r, default = self.rollout, RolloutSection()
+        if not r.dynamic_sampling and (r.dynamic_sampling_max_draws, r.dynamic_sampling_on_short) != (
+                default.dynamic_sampling_max_draws, default.dynamic_sampling_on_short):
+            raise ConfigError("rollout.dynamic_sampling_max_draws / dynamic_sampling_on_short have no effect "
+                              "with rollout.dynamic_sampling=false; set rollout.dynamic_sampling=true, or "
+                              f"leave them at {default.dynamic_sampling_max_draws} and "
+                              f"{default.dynamic_sampling_on_short!r}")
         if self.eval.num_samples > 1 and not self.eval.interval:
             raise ConfigError(f"eval.num_samples={self.eval.num_samples} has no effect with evaluation "
                               "off (eval.interval=0); set eval.interval too, or eval.num_samples=1")

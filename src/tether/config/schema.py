@@ -202,6 +202,24 @@ class RolloutSection:
     threads_per_worker: int = knob(
         1, "torch threads in each rollout worker (on 2 cores: 1 for generation, 1 for training).", min=1
     )
+    dynamic_sampling: bool = knob(
+        False,
+        "DAPO's dynamic sampling: a rollout batch is complete only when it holds batch_size prompt "
+        "groups whose rewards are not all equal; the worker draws further prompts (from the batch's "
+        "own slice of a second pass over the data, so resume stays exact) until it does. Reported as "
+        "rollout/prompts_drawn and rollout/filtered_groups.",
+    )
+    dynamic_sampling_max_draws: int = knob(
+        3,
+        "With dynamic_sampling: a batch generates at most this many times batch_size prompts in all "
+        "(DAPO's max_num_gen_batches).",
+        min=2,
+    )
+    dynamic_sampling_on_short: Literal["error", "partial"] = knob(
+        "error",
+        "With dynamic_sampling, when the draws run out first: 'error' fails the run naming the batch; "
+        "'partial' completes the batch with zero-variance groups it drew (rollout/short_groups).",
+    )
     max_new_tokens: int = knob(32, "Most tokens sampled per completion.", min=1)
     temperature: float = knob(
         1.0, "Sampling temperature (> 0); the trainer's log-probs use the same temperature.", min=1e-6

@@ -16,7 +16,8 @@ from tether.errors import ConfigError
 
 
 class PromptStream:
-    def __init__(self, examples: Sequence[Example], batch_size: int, *, seed: int = 0) -> None:
+    def __init__(self, examples: Sequence[Example], batch_size: int, *, seed: int = 0,
+                 name: str = "") -> None:
         if not examples:
             raise ConfigError("the prompt stream needs at least one example")
         if batch_size < 1:
@@ -24,13 +25,14 @@ class PromptStream:
         self.examples = list(examples)
         self.batch_size = batch_size
         self.seed = seed
+        self.label = f"prompt-stream/{seed}" + (f"/{name}" if name else "")
         self._perms: dict[int, list[int]] = {}
 
     def _perm(self, epoch: int) -> list[int]:
         perm = self._perms.get(epoch)
         if perm is None:
             perm = list(range(len(self.examples)))
-            random.Random(f"prompt-stream/{self.seed}/{epoch}").shuffle(perm)
+            random.Random(f"{self.label}/{epoch}").shuffle(perm)
             self._perms = {epoch: perm}  # batches move forward: keep only the current epoch
         return perm
 

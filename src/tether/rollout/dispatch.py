@@ -24,6 +24,7 @@ from tether.decoding.sampling import SamplingParams
 from tether.errors import QueueTimeoutError, RolloutError
 from tether.loop.protocols import GenerationRequest, RolloutBatch
 from tether.loop.scored import ScoredBatch
+from tether.rollout.dynamic import DynamicSampling
 from tether.rollout.types import WorkItem
 
 
@@ -42,6 +43,8 @@ class PoolSettings:
     reward_on_error: Literal["raise", "zero"] = "raise"
     seed: int = 0
     startup_timeout_s: float = 300.0
+    dynamic: DynamicSampling | None = None
+    """DAPO's dynamic sampling (``tether.rollout.dynamic``), or None."""
 
 
 class WorkerSlot:
@@ -58,9 +61,13 @@ class DispatchingPool:
     """The protocol logic of a pool of ``WorkerSlot``s; backends subclass it."""
 
     def __init__(self, settings: PoolSettings, batches: Callable[[int], Sequence[tuple[int, Example]]],
-                 *, initial_version: int = 0) -> None:
+                 *, initial_version: int = 0,
+                 extras: Callable[[int], Sequence[tuple[int, Example]]] | None = None) -> None:
+        if (settings.dynamic is None) != (extras is None):
+            raise ValueError("dynamic sampling needs both PoolSettings.dynamic and the extra prompts")
         self.settings = settings
         self.batches = batches
+        self.extras = extras
         self.version = initial_version
         self._completed: BatchQueue[RolloutBatch] = BatchQueue(maxsize=1 << 16, name="rollout")
         self._lock = threading.Lock()
@@ -108,7 +115,9 @@ class DispatchingPool:
         s = self.settings
         item = WorkItem(batch_index=request.index, version=request.version,
                         examples=list(self.batches(request.index)), group_size=s.group_size,
-                        params=s.params, seed=s.seed * 1_000_003 + request.index)
+                        params=s.params, seed=s.seed * 1_000_003 + request.index, dynamic=s.dynamic,
+                        extra_examples=[] if self.extras is None else
+                        [(-1 - pos, ex) for pos, ex in self.extras(request.index)])
         with self._lock:
             self._inflight += 1
             self._launched_at[request.index] = time.monotonic()

@@ -80,8 +80,9 @@ class ProcessPool(DispatchingPool):
     """N rollout worker processes behind the ``RolloutPool`` protocol."""
 
     def __init__(self, settings: PoolSettings, batches: Callable[[int], Sequence[tuple[int, Example]]],
-                 initial_weights: Mapping[str, torch.Tensor], *, initial_version: int = 0) -> None:
-        super().__init__(settings, batches, initial_version=initial_version)
+                 initial_weights: Mapping[str, torch.Tensor], *, initial_version: int = 0,
+                 extras: Callable[[int], Sequence[tuple[int, Example]]] | None = None) -> None:
+        super().__init__(settings, batches, initial_version=initial_version, extras=extras)
         self.channel = WeightChannel.for_tensors(initial_weights)
         self.channel.publish(initial_weights, initial_version)
         self._acks: BatchQueue[tuple[int, int, float]] = BatchQueue(maxsize=1 << 10, name="weight-load")

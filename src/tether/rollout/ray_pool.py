@@ -216,11 +216,12 @@ class RayPool(DispatchingPool):
     def __init__(self, settings: PoolSettings, batches: Callable[[int], Sequence[tuple[int, Example]]],
                  initial_weights: Mapping[str, Any] | RemoteWeights, *, options: RayOptions = RayOptions(),
                  session: RaySession | None = None, run_dir: Path | None = None,
-                 initial_version: int = 0) -> None:
+                 initial_version: int = 0,
+                 extras: Callable[[int], Sequence[tuple[int, Example]]] | None = None) -> None:
         """``initial_weights``: tensors (the learner is in this process) or ``RemoteWeights``.
         ``session``: a Ray session the caller owns; without one the pool starts its own (from
         ``options`` and ``run_dir``) and closes it with the pool."""
-        super().__init__(settings, batches, initial_version=initial_version)
+        super().__init__(settings, batches, initial_version=initial_version, extras=extras)
         self.options = options
         self._workers: list[_Actor] = []
         self._running: dict[Any, _Actor] = {}  # result ref → the actor generating it

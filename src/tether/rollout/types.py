@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tether.data.types import Example
 from tether.decoding.sampling import SamplingParams
+from tether.rollout.dynamic import DynamicSampling
 
 
 @dataclass(frozen=True)
@@ -19,3 +20,8 @@ class WorkItem:
     group_size: int
     params: SamplingParams
     seed: int
+    dynamic: DynamicSampling | None = None
+    """Dynamic sampling's settings, or None (the batch is its ``examples``, whatever they score)."""
+    extra_examples: list[tuple[int, Example]] = field(default_factory=list)
+    """With dynamic sampling: the batch's own slice of the extra stream, drawn from in order
+    (positions −1 − p, p the position in that stream)."""

@@ -134,24 +134,21 @@ class Rollout:
 
     def generate(self, item: WorkItem) -> ScoredBatch:
         t0 = time.perf_counter()
-        prompt_ids = [self.tokenizer(ex.prompt, add_special_tokens=False).input_ids
-                      for _, ex in item.examples]
-        groups = self.engine.generate(prompt_ids, samples_per_prompt=item.group_size,
-                                      params=item.params, seed=item.seed)
-        t1 = time.perf_counter()
-        batch = ScoredBatch(positions=[pos for pos, _ in item.examples], prompt_ids=prompt_ids,
+        self._score_s, self._errors = 0.0, 0
+        if item.dynamic is None:
+            groups, extra_metrics = self._groups(item, item.examples, 0), {}
+        else:
+            from tether.rollout.dynamic import fill
+
+            groups, extra_metrics = fill(len(item.examples), item.examples, item.extra_examples,
+                                         lambda prompts, rnd: self._groups(item, prompts, rnd),
+                                         item.dynamic, item.batch_index)
+        generate_s = time.perf_counter() - t0 - self._score_s
+        batch = ScoredBatch(positions=[g.position for g in groups], prompt_ids=[g.prompt_ids for g in groups],
                             completion_ids=[], logprobs=[], versions=[], rewards=[],
                             finish_reasons=[], completions=[], group_size=item.group_size)
-        errors = 0
-        for (_, example), group in zip(item.examples, groups, strict=True):
-            for c in group:
-                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                try:
-                    reward = self.score(example, text)
-                except Exception:
-                    if self.spec.reward_on_error == "raise":
-                        raise
-                    reward, errors = 0.0, errors + 1
+        for g in groups:
+            for c, reward, text in zip(g.samples, g.rewards, g.texts, strict=True):
                 batch.completion_ids.append(c.token_ids)
                 batch.logprobs.append(c.logprobs)
                 batch.versions.append(c.versions)
@@ -164,15 +161,43 @@ class Rollout:
         batch.metrics.update({
             "reward/mean": mean,
             "reward/std": math.sqrt(sum((r - mean) ** 2 for r in batch.rewards) / n),
-            "reward/errors": float(errors),
+            "reward/errors": float(self._errors),
             "response/length_mean": tokens / n,
             "response/truncated_frac": batch.finish_reasons.count("length") / n,
-            "time/generate": t1 - t0,
-            "time/score": time.perf_counter() - t1,
-            "throughput/gen_tokens_per_s": tokens / max(t1 - t0, 1e-9),
+            "time/generate": generate_s,
+            "time/score": self._score_s,
+            "throughput/gen_tokens_per_s": tokens / max(generate_s, 1e-9),
             "memory/rollout_peak_mb": peak_rss_mb(),
+            **extra_metrics,
         })
         return batch
+
+    def _groups(self, item: WorkItem, prompts, round_: int):
+        """Generate and score ``prompts`` ((position, example) pairs): one ``Group`` each. Round
+        r > 0 of dynamic sampling samples with its own seed."""
+        from tether.rollout.dynamic import Group
+
+        prompt_ids = [self.tokenizer(ex.prompt, add_special_tokens=False).input_ids for _, ex in prompts]
+        seed = item.seed if round_ == 0 else item.seed * 7919 + round_
+        sampled = self.engine.generate(prompt_ids, samples_per_prompt=item.group_size, params=item.params,
+                                       seed=seed)
+        t0 = time.perf_counter()
+        groups = []
+        for (position, example), ids, samples in zip(prompts, prompt_ids, sampled, strict=True):
+            texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in samples]
+            rewards = [self._reward(example, t) for t in texts]
+            groups.append(Group(position, example, ids, list(samples), rewards, texts))
+        self._score_s += time.perf_counter() - t0
+        return groups
+
+    def _reward(self, example, text: str) -> float:
+        try:
+            return self.score(example, text)
+        except Exception:
+            if self.spec.reward_on_error == "raise":
+                raise
+            self._errors += 1
+            return 0.0
 
 
 class _ChannelWorker(Rollout):

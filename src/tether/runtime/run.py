@@ -219,9 +219,9 @@ def _train(cfg: Config, run_dir: Path, stop, *, resume: bool, force: bool, overr
                 if state is not None:
                     progress.update(state.trained_batches, {})
                 weights = learner.export_weights() if engine_weights is None else engine_weights
-                hooks.pool = stack.enter_context(rollout_pool(cfg, _pool_settings(cfg, prepared, params),
-                                                              stream.batch, weights, session,
-                                                              initial_version=engine_version or 0))
+                hooks.pool = stack.enter_context(rollout_pool(
+                    cfg, _pool_settings(cfg, prepared, params), stream.batch, weights, session,
+                    initial_version=engine_version or 0, extras=extra_prompts(cfg, prepared.data.train)))
                 notes = admission_notes(cfg.budget(), anchor=cfg.train.anchor)
                 for note in notes:  # shown at start, not only logged: each says what a number buys
                     log.warning("note %s", note)
@@ -298,8 +298,28 @@ def _pool_settings(cfg: Config, prepared: Prepared, params):
         model_path=str(prepared.model_path), num_workers=cfg.rollout.num_workers,
         threads_per_worker=cfg.rollout.threads_per_worker, group_size=cfg.rollout.group_size, params=params,
         reward=cfg.reward.function, task=cfg.data.task or None, stop_text=prepared.data.stop_text,
-        reward_on_error=cfg.reward.on_error, seed=cfg.run.seed,
+        reward_on_error=cfg.reward.on_error, seed=cfg.run.seed, dynamic=dynamic_sampling(cfg),
     )
+
+
+def dynamic_sampling(cfg: Config):
+    """The rollout.dynamic_sampling* keys, or None when it is off."""
+    from tether.rollout.dynamic import DynamicSampling
+
+    r = cfg.rollout
+    if not r.dynamic_sampling:
+        return None
+    return DynamicSampling(r.dynamic_sampling_max_draws, r.dynamic_sampling_on_short)
+
+
+def extra_prompts(cfg: Config, examples):
+    """Dynamic sampling's extra prompts: batch k's own slice of a second stream over the data."""
+    if not cfg.rollout.dynamic_sampling:
+        return None
+    from tether.data.stream import PromptStream
+
+    per_batch = dynamic_sampling(cfg).extra_per_batch(cfg.rollout.batch_size)
+    return PromptStream(examples, per_batch, seed=cfg.run.seed, name="extra").batch
 
 
 def ray_options(cfg: Config):
@@ -318,16 +338,17 @@ def learner_gpus(cfg: Config) -> float:
     return 1.0 if cfg.ray.learner == "actor" and cfg.train.device != "cpu" else 0.0
 
 
-def rollout_pool(cfg: Config, settings, batches, weights, session, *, initial_version: int = 0):
+def rollout_pool(cfg: Config, settings, batches, weights, session, *, initial_version: int = 0,
+                 extras=None):
     """The recipe's rollout backend: local worker processes or Ray actors."""
     if cfg.rollout.backend == "ray":
         from tether.rollout.ray_pool import RayPool
 
         return RayPool(settings, batches, weights, options=ray_options(cfg), session=session,
-                       initial_version=initial_version)
+                       initial_version=initial_version, extras=extras)
     from tether.rollout.pool import ProcessPool
 
-    return ProcessPool(settings, batches, weights, initial_version=initial_version)
+    return ProcessPool(settings, batches, weights, initial_version=initial_version, extras=extras)
 
 
 class _Hooks:
