@@ -181,3 +181,10 @@ def test_compare_needs_two_run_directories(tmp_path, capsys):
                           "pass_at_1_last": 0.5}])
     assert text.splitlines()[1].split() == ["a", "(S=0,", "U=1)", "6", "12", "8", "0.00", "/", "0",
                                             "25.0%", "→", "50.0%"]
+
+
+def test_the_plan_says_where_dynamic_sampling_draws_from(capsys):
+    doc = plan_json(capsys, "rollout.dynamic_sampling=true", "rollout.batch_size=8", "--num-batches", "4")
+    assert doc["dynamic_sampling"]["max_prompts_per_batch"] == 24
+    where = doc["dynamic_sampling"]["extra_prompts_of_batch_k"]
+    assert where == "positions 16·k … 16·k + 15 of the extra stream"

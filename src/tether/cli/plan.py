@@ -96,6 +96,13 @@ def run(ns: argparse.Namespace) -> int:
     sim = simulate(cfg.budget(), timings_of(cfg), num_groups=cfg.rollout.batch_size,
                    group_size=cfg.rollout.group_size, anchor=cfg.train.anchor)
     doc = plan_document(sim)
+    if cfg.rollout.dynamic_sampling:
+        b, draws = cfg.rollout.batch_size, cfg.rollout.dynamic_sampling_max_draws
+        doc["dynamic_sampling"] = {
+            "prompts_per_batch": b, "max_prompts_per_batch": draws * b,
+            "extra_prompts_of_batch_k": f"positions {(draws - 1) * b}·k … {(draws - 1) * b}·k + "
+                                        f"{(draws - 1) * b - 1} of the extra stream",
+        }
     if ns.json:
         print(json.dumps(doc, indent=2))
     else:
@@ -113,6 +120,14 @@ def render_text(sim: Simulation, doc: dict, *, width: int = 72, show_all: bool =
         f"weights published {s.describe_sync_schedule()}",
         "",
     ]
+    if "dynamic_sampling" in doc:
+        d = doc["dynamic_sampling"]
+        more = d["max_prompts_per_batch"] - d["prompts_per_batch"]
+        out += [f"dynamic sampling: each batch generates its {d['prompts_per_batch']} prompts of the stream, "
+                f"then draws up to {more} more from its own slice "
+                f"({d['extra_prompts_of_batch_k']}) until it has {d['prompts_per_batch']} groups with "
+                "reward variance; the stream's cursor moves by the batch size either way. plan.gen_time is "
+                "per batch, redraws included: give the measured time/generate.", ""]
     if doc["notes"]:
         out.append("notes:")
         out += [f"  [{n['code']}] {n['message']}" for n in doc["notes"]]
