@@ -14,9 +14,10 @@ are what the run's config records.
 Every preset uses the grpo advantage; ``train.advantage`` (rloo, reinforce_pp) combines with any
 of them, its own normalisation replacing the preset's std norm.
 
-DAPO's dynamic sampling over-samples until every group has reward variance; Tether instead drops
-zero-variance groups from the loss, which removes the same (zero-advantage) groups without
-generating more. DAPO's overlong reward shaping is not part of the preset.
+DAPO's dynamic sampling over-samples until every group has reward variance; the dapo preset drops
+zero-variance groups from the loss instead, which removes the same (zero-advantage) groups without
+generating more, and ``rollout.dynamic_sampling`` adds the over-sampling (``tether.rollout.dynamic``).
+DAPO's overlong reward shaping is not part of the preset either.
 """
 
 from __future__ import annotations
