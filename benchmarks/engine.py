@@ -6,7 +6,11 @@ disabled so both produce exactly 64 × 32 tokens), temperature 1. transformers g
 which is what an RL engine needs. Interleaved repeats; the median of each is reported, at 1 and
 2 threads.
 
-Target (issue 3): at least 1.5× transformers' tokens/s at 1 thread.
+Target (issue 3): at least 1.5× transformers' tokens/s at 1 thread. Beside the ratio, the fraction of
+this machine's own limit (issue 20): the useful arithmetic of a run (2 FLOPs per matmul parameter
+per token run through the model, plus attention; padding not counted) per second, against the best
+float32 GEMM rate measured in the same run at the same thread count, over square shapes and the
+decode step's own shapes (``benchmarks/limits.py``).
 
 With ``--device cuda`` both run on the GPU instead (one measurement; thread counts do not
 apply), for a machine that has one (scripts/device_check.sh).
@@ -81,26 +85,61 @@ def time_hf(model, tok, prompts, new_tokens: int) -> float:
     return elapsed
 
 
+def work_flops(model, prompts: list[list[int]], new_tokens: int) -> int:
+    """The arithmetic a generation of ``new_tokens`` after each prompt needs, padding excluded:
+    2 FLOPs per matmul parameter for every token run through the model (each prompt token, and
+    each sampled token but the last), plus attention over the positions before it."""
+    from limits import attention_flops, matmul_parameters
+
+    params = matmul_parameters(model)
+    total = 0
+    for prompt in prompts:
+        run = len(prompt) + new_tokens - 1
+        total += 2 * params * run + sum(attention_flops(model, s + 1) for s in range(run))
+    return total
+
+
+def decode_shapes(model, rows: int) -> list[tuple[int, int, int]]:
+    """(M, K, N) of every distinct matrix multiply of a decode step (q/k/v and gate/up fused)."""
+    cfg = model.config
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim
+    return [(rows, h, qkv), (rows, cfg.num_attention_heads * head_dim, h), (rows, h, 2 * i), (rows, i, h),
+            (rows, h, cfg.vocab_size)]
+
+
 def measure(n_prompts: int, new_tokens: int, repeats: int, size: str = "small", device: str = "cpu") -> dict:
+    from limits import matmul_peak
+
     model, tok = build(size)
     model.to(device).eval()
     prompts = prompts_of(tok, n_prompts)
     tokens = n_prompts * new_tokens
+    flops = work_flops(model, prompts, new_tokens)
     result: dict = {"prompts": n_prompts, "new_tokens": new_tokens, "repeats": repeats, "device": device,
-                    "parameters": sum(p.numel() for p in model.parameters()), "threads": {}}
+                    "size": size, "parameters": sum(p.numel() for p in model.parameters()),
+                    "flops_per_run": flops, "threads": {}}
     on_gpu = torch.device(device).type == "cuda"
     for threads in ((1,) if on_gpu else (1, 2)):
         torch.set_num_threads(threads)
+        peak = None if on_gpu else matmul_peak(decode_shapes(model, n_prompts))
         time_tether(model, tok, prompts, new_tokens)  # warm up both
         time_hf(model, tok, prompts, new_tokens)
         ours, theirs = [], []
         for _ in range(repeats):
-            ours.append(tokens / time_tether(model, tok, prompts, new_tokens))
-            theirs.append(tokens / time_hf(model, tok, prompts, new_tokens))
+            ours.append(time_tether(model, tok, prompts, new_tokens))
+            theirs.append(time_hf(model, tok, prompts, new_tokens))
         t, h = statistics.median(ours), statistics.median(theirs)
-        result["threads"][str(threads)] = {"tether_tokens_per_s": t, "hf_generate_tokens_per_s": h,
-                                           "speedup": t / h}
+        row = {"tether_tokens_per_s": tokens / t, "hf_generate_tokens_per_s": tokens / h, "speedup": h / t,
+               "tether_gflops": flops / t / 1e9, "hf_generate_gflops": flops / h / 1e9}
+        if peak is not None:
+            row.update({"matmul_peak_gflops": peak["gflops"], "matmul_peak_shape": peak["shape"],
+                        "fraction_of_peak": flops / t / 1e9 / peak["gflops"],
+                        "hf_generate_fraction_of_peak": flops / h / 1e9 / peak["gflops"]})
+        result["threads"][str(threads)] = row
     result["speedup_vs_hf_generate"] = result["threads"]["1"]["speedup"]
+    result["fraction_of_peak"] = result["threads"]["1"].get("fraction_of_peak")
     result["target"] = 1.5
     result["meets_target"] = result["speedup_vs_hf_generate"] >= 1.5
     return result
@@ -123,10 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{a.prompts} prompts × {a.new_tokens} new tokens, {r['parameters']:,}-parameter model, "
           f"median of {a.repeats}, on {a.device}")
-    print(f"{'threads':>8}{'tether tok/s':>16}{'hf generate tok/s':>20}{'speedup':>10}")
+    print(f"{'threads':>8}{'tether tok/s':>16}{'hf generate tok/s':>20}{'speedup':>10}"
+          f"{'tether GFLOP/s':>16}{'matmul peak':>13}{'of peak':>9}")
     for threads, row in r["threads"].items():
+        peak = (f"{row['matmul_peak_gflops']:>13.1f}{row['fraction_of_peak']:>8.0%}"
+                if "matmul_peak_gflops" in row else f"{'-':>13}{'-':>9}")
         print(f"{threads:>8}{row['tether_tokens_per_s']:>16.0f}{row['hf_generate_tokens_per_s']:>20.0f}"
-              f"{row['speedup']:>9.2f}×")
+              f"{row['speedup']:>9.2f}×{row['tether_gflops']:>16.1f}{peak}")
     print(f"speedup at 1 thread: {r['speedup_vs_hf_generate']:.2f}× (target 1.5×: "
           f"{'met' if r['meets_target'] else 'MISSED'})")
     return 0

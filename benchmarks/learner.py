@@ -9,7 +9,9 @@ interleaved repeats, medians. The overhead compares like with like: the learner 
 ``train.shared_prefix`` off (the model's own forward, as the bare step). The learner with its
 default shared-prompt forward is reported beside it (``shared_prefix_s``, ``speedup_shared_prefix``).
 
-Target (issue 4): at most 15% overhead. ``--device cuda`` runs the learners and the bare step on a
+Target (issue 4): at most 15% overhead. Also reported (issue 20): the update's needed arithmetic
+(``step_flops``) per second, as a fraction of the float32 matmul peak measured in the same run at the
+same thread count (``benchmarks/limits.py``). ``--device cuda`` runs the learners and the bare step on a
 GPU (``train.device=cuda``), timing each with the device synchronised.
 
     python benchmarks/learner.py [--repeats 15] [--threads 1] [--device cpu|cuda] [--json]
@@ -74,6 +76,22 @@ def bare_step(model, optimizer, tb, adv) -> float:
     return time.perf_counter() - t0
 
 
+def step_flops(model, scored) -> int:
+    """The arithmetic one update needs: 6 FLOPs per matmul parameter (forward 2, backward 4) for
+    each token a step must process — each group's prompt once and every completion token — plus
+    three times the attention over the positions before each. Repeated prompts and padding are
+    not counted as needed work."""
+    from limits import attention_flops, matmul_parameters
+
+    params, g, total = matmul_parameters(model), scored.group_size, 0
+    for i, prompt in enumerate(scored.prompt_ids):
+        total += sum(6 * params + 3 * attention_flops(model, s + 1) for s in range(len(prompt)))
+        for completion in scored.completion_ids[i * g:(i + 1) * g]:
+            total += sum(6 * params + 3 * attention_flops(model, len(prompt) + j + 1)
+                         for j in range(len(completion)))
+    return total
+
+
 def measure(repeats: int, threads: int, device: str = "cpu") -> dict:
     from tether.modeling import load_causal_lm
     from tether.train.advantages import group_advantages
@@ -108,10 +126,20 @@ def measure(repeats: int, threads: int, device: str = "cpu") -> dict:
             synced(device)
             out.append(time.perf_counter() - t0)
     b, o, f = statistics.median(bare), statistics.median(ours), statistics.median(fast)
-    return {"device": device, "threads": threads, "repeats": repeats, "sequences": tb.size, "bare_s": b,
-            "learner_s": o,
-            "overhead": o / b - 1, "target": 0.15, "meets_target": o / b - 1 <= 0.15,
-            "shared_prefix_s": f, "speedup_shared_prefix": o / f}
+    flops = step_flops(model, batch.payload)
+    out = {"device": device, "threads": threads, "repeats": repeats, "sequences": tb.size, "bare_s": b,
+           "learner_s": o,
+           "overhead": o / b - 1, "target": 0.15, "meets_target": o / b - 1 <= 0.15,
+           "shared_prefix_s": f, "speedup_shared_prefix": o / f,
+           "flops_per_step": flops, "shared_prefix_gflops": flops / f / 1e9, "bare_gflops": flops / b / 1e9}
+    if not device.startswith("cuda"):
+        from limits import matmul_peak
+
+        peak = matmul_peak()
+        out.update({"matmul_peak_gflops": peak["gflops"], "matmul_peak_shape": peak["shape"],
+                    "fraction_of_peak": flops / f / 1e9 / peak["gflops"],
+                    "bare_fraction_of_peak": flops / b / 1e9 / peak["gflops"]})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  the same, shared prefix      {r['shared_prefix_s'] * 1e3:8.2f} ms   "
           f"({r['speedup_shared_prefix']:.2f}× faster)")
     print(f"overhead: {r['overhead']:.1%} (target ≤ 15%: {'met' if r['meets_target'] else 'MISSED'})")
+    if "fraction_of_peak" in r:
+        print(f"needed work {r['flops_per_step'] / 1e9:.2f} GFLOP per update: shared prefix "
+              f"{r['shared_prefix_gflops']:.1f} GFLOP/s = {r['fraction_of_peak']:.0%} of this machine's "
+              f"float32 matmul peak ({r['matmul_peak_gflops']:.1f} GFLOP/s at {a.threads} thread(s), "
+              f"{r['matmul_peak_shape']}); the bare step {r['bare_fraction_of_peak']:.0%}")
     return 0
 
 
