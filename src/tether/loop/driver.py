@@ -91,7 +91,7 @@ class Driver:
         self.stop_requested: str | None = None  # the stop signal's name, once one arrived
         self.in_critical = False  # inside train / publish / evaluate / save
         self.interrupted_in_critical = False  # then the learner may be mid-update: never save it
-        self.last_publication = 0  # the step after which weights were last published
+        self.last_publication: int | None = 0  # the step weights were last published after (None: unknown)
         # where each batch's staleness accrued: the train version when it was launched and when
         # it completed (from the commit history and the pool's completion time, else at reaping)
         self._launch_version: dict[int, int] = {}
@@ -166,8 +166,10 @@ class Driver:
             self.pending = sorted(resume.pending)
             self.control.restore(resume.train_version, resume.rollout_version)
             self._start_version = resume.train_version
+            self.last_publication = None  # not recorded in a checkpoint: no gap for the first sync
         if self.control.publish_required:
             self._publish(("resume",))
+            self.last_publication = self.trained
         if self.trained == 0 and self.settings.eval_interval > 0:
             self._evaluate(0)
 
@@ -346,7 +348,8 @@ class Driver:
         })
         if times.sync_metrics:
             metrics.update(times.sync_metrics)
-            metrics["async/sync_gap_batches"] = self.trained - self.last_publication
+            if self.last_publication is not None:
+                metrics["async/sync_gap_batches"] = self.trained - self.last_publication
             self.last_publication = self.trained
         if batch.newest_version is not None:
             metrics["staleness/span_updates"] = batch.newest_version - batch.behavior_version
