@@ -41,7 +41,7 @@ class LoopObserver:
         """An admission note, once at start."""
 
     def on_event(self, event: LoopEvent) -> None:
-        """A timestamped event (launch, ready, consume, drop, train, sync, eval, save, drain)."""
+        """A timestamped event (launch, ready, consume, drop, train, sync, eval, save, drain, abandon)."""
 
     def on_batch(self, record: BatchRecord) -> None:
         """A trained batch, after its sync, eval and save."""
