@@ -32,13 +32,14 @@ def _cfg(*overrides):
 
 def test_resume_changes_are_sorted_into_safe_and_refused_with_the_reason():
     changes = resume_changes(_cfg(), _cfg("train.num_batches=900", "eval.interval=7", "rollout.batch_size=3",
-                                          "async.max_staleness=4", "train.lr=1e-5"))
+                                          "async.max_staleness=4", "train.lr=1e-5", "data.num_eval=50"))
     assert [c.split(":")[0] for c in changes.safe] == ["eval.interval", "train.num_batches"]
     refused = {c.split(":")[0]: why for c, why in changes.refused}
     assert refused == {
         "rollout.batch_size": "changes the prompt stream (which prompts each batch holds)",
         "async.max_staleness": "changes the staleness schedule and version clock already trained",
         "train.lr": "changes how training continues from the checkpoint",
+        "data.num_eval": "changes the held-out set the run's evaluations are measured on",
     }
 
 

@@ -145,6 +145,7 @@ SAFE = (
     "rollout.backend", "ray.", "eval.", "checkpoint.", "plan.", "run.wandb_project",
     "async.wait_timeout_s", "async.max_consecutive_drops", "warmstart.",
 )
+HELD_OUT = ("data.num_eval", "data.eval_dataset")
 DATA_ORDER = ("run.seed", "rollout.batch_size", "data.")
 SCHEDULE = ("async.max_staleness", "async.max_inflight", "async.on_stale", "async.sync_when_idle",
             "train.updates_per_batch")
@@ -175,6 +176,8 @@ def resume_changes(old: Mapping[str, Mapping[str, Any]], new: Mapping[str, Mappi
         change = f"{key}: {a.get(key)!r} → {b.get(key)!r}"
         if _matches(key, SAFE):
             safe.append(change)
+        elif _matches(key, HELD_OUT):
+            refused.append((change, "changes the held-out set the run's evaluations are measured on"))
         elif _matches(key, DATA_ORDER):
             refused.append((change, "changes the prompt stream (which prompts each batch holds)"))
         elif _matches(key, SCHEDULE):
