@@ -77,6 +77,9 @@ def test_whole_batches_in_completion_order_and_weight_updates(tiny_model_dir):
         assert after.behavior_version == 7
         assert all(v == 7 for vs in after.payload.versions for v in vs)
         assert after.payload.completion_ids != first[0]
+        # what a stop's checkpoint keeps: a copy of exactly the weights the workers hold now
+        held = pool.published_weights()
+        assert all(torch.equal(held[k], v) for k, v in unique_parameters(model).items())
         with pytest.raises(RolloutError, match="stamped version 0 but the workers hold 7"):
             pool.launch(GenerationRequest(index=1, version=0))
     assert wait_gone(pids) == []

@@ -97,6 +97,10 @@ def test_two_actors_are_both_used_in_completion_order_and_weights_update(tiny_mo
         after = collect(pool, 1)[0]
         assert after.behavior_version == 5 and all(v == 5 for vs in after.payload.versions for v in vs)
         assert after.payload.completion_ids != first[2]
+        # what a stop's checkpoint keeps: a copy of exactly the weights the actors hold now
+        held = pool.published_weights()
+        assert held.keys() == unique_parameters(model).keys()
+        assert all(torch.equal(held[k], v) for k, v in unique_parameters(model).items())
 
 
 def test_same_seed_same_tokens_as_the_local_backend(tiny_model_dir, tmp_path):
