@@ -20,9 +20,9 @@ def test_a_locked_run_directory_is_refused_naming_the_holder_and_freed_on_releas
 def test_leftovers_of_interrupted_saves_are_removed(tmp_path):
     (tmp_path / "checkpoints" / ".tmp-step-000004-77").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step-000002").mkdir()
-    (tmp_path / "metrics.jsonl.tmp").write_text("{")
+    (tmp_path / "metrics.tmp").write_text("{")  # what checkpoint.trim_jsonl writes before its rename
     removed = clean_leftovers(tmp_path)
-    assert sorted(p.name for p in removed) == [".tmp-step-000004-77", "metrics.jsonl.tmp"]
+    assert sorted(p.name for p in removed) == [".tmp-step-000004-77", "metrics.tmp"]
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000002"]
 
 

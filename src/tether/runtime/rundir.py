@@ -4,8 +4,9 @@ silently change what the run is.
 - ``RunLock``: an exclusive ``flock`` on ``RUN/.lock`` held for the run's life. The OS releases it
   when the process ends, however it ends, so a crashed run never leaves a stale lock; a second
   process is refused with the holder's pid, host, start time and command.
-- ``clean_leftovers``: the temporary folders of saves that were interrupted (``.tmp-step-*``) are
-  removed once the lock is held (nobody else can be writing them).
+- ``clean_leftovers``: the temporary folders of saves that were interrupted (``.tmp-step-*``), and
+  the temporary files of an interrupted trim of the metrics on resume, are removed once the lock
+  is held (nobody else can be writing them).
 - ``starts.jsonl``: one line per start (new or resumed) with the command line, the overrides,
   the checkpoint resumed from and the data fingerprint; ``config.yaml`` is rewritten on resume
   so it always holds the config the run continues with.
@@ -97,9 +98,10 @@ def clean_leftovers(run_dir: Path) -> list[Path]:
         for tmp in sorted(ckpts.glob(".tmp-*")):
             shutil.rmtree(tmp, ignore_errors=True)
             removed.append(tmp)
-    for tmp in sorted(Path(run_dir).glob("*.jsonl.tmp")):
-        tmp.unlink(missing_ok=True)
-        removed.append(tmp)
+    for tmp in sorted(Path(run_dir).glob("*.tmp")):  # trim_jsonl's (metrics.tmp, eval.tmp)
+        if tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
     if removed:
         log.info("removed %d leftover(s) of an interrupted save: %s", len(removed),
                  ", ".join(p.name for p in removed))
