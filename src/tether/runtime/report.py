@@ -31,6 +31,16 @@ def _col(rows: list[dict[str, Any]], key: str) -> list[float]:
     return [float("nan") if r.get(key) is None else r[key] for r in rows]
 
 
+def _moving_mean(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def write_report(run_dir: Path) -> list[Path]:
     """Write the plots into ``RUN/plots/``; returns their paths."""
     import matplotlib
@@ -66,7 +76,11 @@ def write_report(run_dir: Path) -> list[Path]:
     fig.suptitle("Reward and held-out accuracy")
     paths.append(_save(fig, out / "reward.png"))
 
-    fig, ax = plt.subplots(figsize=(11, 3.5))
+    parts = ("at_launch", "generating", "queued")
+    split = all(f"staleness/{p}_updates" in metrics[-1] for p in parts)  # older runs lack it
+    fig, axes = plt.subplots(2 if split else 1, 1, figsize=(11, 6.5 if split else 3.5), sharex=True,
+                             squeeze=False)
+    ax = axes[0][0]
     ax.step(steps, _col(metrics, "staleness/batches"), where="mid", label="staleness (batches)")
     ax.plot(steps, _col(metrics, "async/publish_lag"), lw=0.6, alpha=0.5,
             label="publish lag (updates, after sync)")
@@ -78,6 +92,18 @@ def write_report(run_dir: Path) -> list[Path]:
     ax.legend(loc="upper right")
     ax.grid(alpha=0.3)
     ax.set_title("Staleness per batch and weight publications")
+    if split:
+        window = max(1, min(20, len(metrics) // 10))
+        labels = {"at_launch": "engines' publish lag at launch", "generating": "while generating",
+                  "queued": "waiting to be trained"}
+        ax = axes[1][0]
+        ax.stackplot(steps, *[_moving_mean(_col(metrics, f"staleness/{p}_updates"), window) for p in parts],
+                     labels=[labels[p] for p in parts], alpha=0.8)
+        ax.set_xlabel("trained batches")
+        ax.set_ylabel("updates")
+        ax.legend(loc="upper right")
+        ax.grid(alpha=0.3)
+        ax.set_title(f"Where staleness accrued (moving mean of {window} batches)")
     paths.append(_save(fig, out / "staleness.png"))
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
