@@ -72,7 +72,7 @@ class Run:
                 self.proc.communicate()
         return self.out, self.err
 
-    def left(self, timeout: float = 15) -> list[int]:
+    def left(self, timeout: float = 5) -> list[int]:
         """The run's processes still alive after waiting up to ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while (alive := marked(self.mark)) and time.monotonic() < deadline:

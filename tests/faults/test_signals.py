@@ -63,7 +63,7 @@ def test_a_killed_driver_takes_its_workers_with_it_and_the_run_resumes(tiny_mode
     os.kill(run.proc.pid, signal.SIGKILL)
     run.finish()
     t0 = time.monotonic()
-    assert run.left(timeout=15) == []
+    assert run.left() == []
     assert time.monotonic() - t0 < 10  # not after the worker's batch or a timeout: at once
     assert shm_left(run.shm) == []
     # the lock died with the process; a leftover of an interrupted save is cleaned on the next start
@@ -137,7 +137,7 @@ def test_a_ray_run_stops_on_a_signal_and_its_ray_instance_goes_with_it(tiny_mode
     run.proc.send_signal(signum)
     _out, err = run.finish(timeout=90)
     assert run.proc.returncode == code, err[-3000:]
-    assert run.left(timeout=10) == []
+    assert run.left() == []
     assert shm_left(run.shm) == []
     if signum == signal.SIGKILL:
         return
@@ -172,7 +172,7 @@ def test_a_killed_raylet_is_reported_as_a_tether_error_and_leaves_nothing(tiny_m
     assert run.proc.returncode == 2, err[-3000:]
     assert "without a Tether error" in err and "raylet died" in err
     assert f"`tether train --resume {run_dir}` continues the run" in err
-    assert run.left(timeout=15) == []
+    assert run.left() == []
     assert shm_left(run.shm) == []
     _ckpt, state = newest_state(run_dir)
     assert state["trained_batches"] <= len(rows(run_dir / "metrics.jsonl"))

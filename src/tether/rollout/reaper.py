@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 ENV = "TETHER_RAY_INSTANCE"
@@ -30,10 +31,14 @@ def marked(mark: str) -> list[int]:
         if entry.isdigit() and int(entry) != os.getpid():
             try:
                 with open(f"/proc/{entry}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0"):
-                        out.append(int(entry))
-            except OSError:
+                    if needle not in f.read().split(b"\0"):
+                        continue
+                with open(f"/proc/{entry}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):  # dead, not yet reaped
+                        continue
+            except (OSError, IndexError):
                 continue
+            out.append(int(entry))
     return out
 
 
@@ -77,13 +82,16 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     while os.read(read, 1):
         pass
-    for _ in range(3):  # a process may start another while the first are being killed
+    # a process may start another while the first are being killed (a raylet prestarting a
+    # worker): sweep until two sweeps in a row find nothing, for at most 10 s
+    quiet, deadline = 0, time.monotonic() + 10
+    while quiet < 2 and time.monotonic() < deadline:
         pids = marked(mark)
-        if not pids:
-            break
+        quiet = 0 if pids else quiet + 1
         for pid in pids:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
     return 0
 
 
