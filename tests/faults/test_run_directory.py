@@ -5,6 +5,7 @@ during the final save."""
 import errno
 import json
 import logging
+import os
 import shutil
 import signal
 
@@ -15,12 +16,38 @@ pytest.importorskip("transformers")
 
 from runs import ROOT, leftovers, recipe, rows, stop_after
 
+from procs import descendants, shm_left, wait_gone
 from tether.cli.main import main
 from tether.config import load_config
 from tether.loop.protocols import LoopState
 from tether.runtime.checkpoint import Checkpointer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(autouse=True)
+def leaves_no_process_and_no_shared_memory(monkeypatch):
+    """These runs are in this process: afterwards none of the processes they started (rollout
+    workers: children of this process's forkserver) may be left, nor their weight channels."""
+    import multiprocessing.forkserver as forkserver
+    import multiprocessing.resource_tracker as tracker
+
+    from tether.rollout.channel import WeightChannel
+
+    channels, real_init = [], WeightChannel.__init__
+
+    def init(self, layout):
+        real_init(self, layout)
+        channels.append(self.name)
+
+    monkeypatch.setattr(WeightChannel, "__init__", init)
+    before = set(descendants(os.getpid()))
+    yield
+    # this process's own forkserver and resource tracker live on for later tests
+    infrastructure = {forkserver._forkserver._forkserver_pid, tracker._resource_tracker._pid}
+    started = [p for p in descendants(os.getpid()) if p not in before and p not in infrastructure]
+    assert wait_gone(started, timeout=5) == []
+    assert shm_left(channels, timeout=5) == []
 
 
 def short(model_dir, *extra):
