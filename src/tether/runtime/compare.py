@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from tether.errors import ConfigError
-from tether.runtime.report import _col, _read_jsonl, _save
+from tether.runtime.report import _col, _moving_mean, _read_jsonl, _save
 
 SMOOTH = 20
 
@@ -54,16 +54,6 @@ class RunView:
                 "samples_per_s": len(self.metrics) * self.samples_per_batch / wall if wall > 0 else None,
                 "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
                 "pass_at_1_first": first, "pass_at_1_last": last}
-
-
-def _moving_mean(values: list[float], n: int) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= n:
-            total -= values[i - n]
-        out.append(total / min(i + 1, n))
-    return out
 
 
 def write_comparison(run_dirs: list[Path], out: Path) -> tuple[Path, list[dict[str, Any]]]:

@@ -32,6 +32,7 @@ def _col(rows: list[dict[str, Any]], key: str) -> list[float]:
 
 
 def _moving_mean(values: list[float], window: int) -> list[float]:
+    """The mean of the last ``window`` values at each point (fewer at the start)."""
     out, total = [], 0.0
     for i, v in enumerate(values):
         total += v
