@@ -137,7 +137,9 @@ def test_a_ray_run_stops_on_a_signal_and_its_ray_instance_goes_with_it(tiny_mode
     run.proc.send_signal(signum)
     _out, err = run.finish(timeout=90)
     assert run.proc.returncode == code, err[-3000:]
-    assert run.left() == []
+    # after a SIGKILL the reaper kills the instance at once, but Ray's dashboard and runtime-env
+    # agents do not always carry its mark and may take until they notice the raylet is gone
+    assert run.left(timeout=90 if signum == signal.SIGKILL else 5) == []
     assert shm_left(run.shm) == []
     if signum == signal.SIGKILL:
         return

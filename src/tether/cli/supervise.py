@@ -6,7 +6,7 @@ therefore runs the training in a child process and stays as its parent: it forwa
 SIGTERM to the child (which runs in its own process group, so a terminal's Ctrl-C reaches it
 once, through here), passes Tether's own exit statuses through, and turns any other end into an
 error that says what happened and how to continue. The child dies with the parent: it watches a
-pipe whose only write end the parent holds and kills itself when the pipe closes, so
+pipe whose only write end the parent holds and exits when the pipe closes, so
 ``kill -9`` of ``tether train`` still ends the whole run (a local Ray instance goes with it, see
 ``tether.rollout.reaper``).
 """
@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 CHILD_ENV = "TETHER_SUPERVISED_FD"
@@ -31,16 +30,11 @@ def supervised() -> bool:
 
 
 def die_with_supervisor() -> None:
-    """In the child: kill this process when the supervisor's pipe closes (it exited or was
-    killed): the same end a SIGKILL of an unsupervised run has."""
-    fd = int(os.environ.pop(CHILD_ENV))
+    """In the child: exit when the supervisor's pipe closes (it exited or was killed); the
+    child's own workers and Ray instance then go the same way."""
+    from tether.procinfo import exit_when_closed
 
-    def watch() -> None:
-        while os.read(fd, 1):
-            pass
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="tether-supervisor", daemon=True).start()
+    exit_when_closed(int(os.environ.pop(CHILD_ENV)))
 
 
 def supervise(argv: list[str], run_dir: Path) -> int:

@@ -8,6 +8,7 @@ published snapshot. A *hard boundary* is the next eval, checkpoint or final batc
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -76,45 +77,42 @@ class BudgetSettings:
         """Rollout batches that may be outstanding against one published snapshot: ``S + 1``."""
         return self.max_staleness + 1
 
-    def lazy_publications(self, upto: int | None = None) -> list[int]:
-        """Steps after which weights are published when every update commits and there are no
-        idle syncs: at each eval or save boundary, and whenever the budget is spent (``depth``
-        batches after the previous publication), whichever comes first. Through ``upto``
-        (default: the whole run). A boundary at the final step publishes too; the budget does not.
-        """
-        end = self.total_batches if upto is None else min(upto, self.total_batches)
-        steps, last = [], 0
-        while True:
-            nxt = last + self.admission_depth
-            for interval in (self.eval_interval, self.save_interval):
-                if interval > 0:
-                    nxt = min(nxt, (last // interval + 1) * interval)
-            if nxt >= self.total_batches:
-                if self.eval_interval or self.save_interval:  # the final boundary evaluates or saves
-                    steps.append(self.total_batches)
-                break
-            steps.append(nxt)
-            last = nxt
-            if nxt >= end:
-                break
-        return [step for step in steps if step <= end]
+    def _next_publication(self, last: int) -> int:
+        """After a publication following step ``last``, the step after which the lazy rule (every
+        update committed, no idle syncs) publishes next: the next eval or save boundary, or
+        ``admission_depth`` batches on when the budget is spent, whichever comes first."""
+        boundaries = [(last // i + 1) * i for i in (self.eval_interval, self.save_interval) if i > 0]
+        return min([last + self.admission_depth, *boundaries])
 
-    @property
+    @functools.cached_property
+    def _lazy_steps(self) -> tuple[int, ...]:
+        steps, last = [], 0
+        while (last := self._next_publication(last)) < self.total_batches:
+            steps.append(last)
+        if self.eval_interval or self.save_interval:  # the final boundary evaluates or saves
+            steps.append(self.total_batches)
+        return tuple(steps)
+
+    def lazy_publications(self) -> list[int]:
+        """Steps after which weights are published under the lazy rule (``_next_publication``)
+        over the whole run. A boundary at the final step publishes too; the budget does not."""
+        return list(self._lazy_steps)
+
+    @functools.cached_property
     def sync_gaps(self) -> tuple[int, ...]:
         """Batches between consecutive publications over one repeating cycle of the schedule
-        (lazy rule, full commits). One gap when the schedule is regular: with no intervals, or
-        intervals that are multiples of ``admission_depth`` — DESIGN §1 (S = 3 with eval every 6:
-        publications after 4, 6, 10, 12, …: gaps (4, 2))."""
+        (lazy rule, full commits; the run's own publications when it is shorter than a cycle).
+        One gap when the schedule is regular: with no intervals, or intervals that are multiples
+        of ``admission_depth`` — DESIGN §1 (S = 3 with eval every 6: publications after 4, 6,
+        10, 12, …: gaps (4, 2)). Computed once per settings: the driver reads it every step."""
         intervals = [i for i in (self.eval_interval, self.save_interval) if i > 0]
         if not intervals:
             return (self.admission_depth,)
         cycle = math.lcm(*intervals)
-        steps = [0]
-        last = 0
-        while last < cycle:
-            nxt = min([last + self.admission_depth] + [(last // i + 1) * i for i in intervals])
-            steps.append(nxt)
-            last = nxt
+        # a run's final publication only ends it; it is part of the pattern when it ends a cycle
+        steps = [0, *(s for s in self._lazy_steps if s <= cycle and (s < self.total_batches or s == cycle))]
+        if len(steps) == 1:
+            return (self._next_publication(0),)
         gaps = tuple(b - a for a, b in itertools.pairwise(steps))
         return (gaps[0],) if len(set(gaps)) == 1 else gaps
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Literal
 
 from tether.loop.scored import ScoredBatch
-from tether.procinfo import peak_rss_mb
+from tether.procinfo import exit_when_closed, peak_rss_mb
 from tether.rollout.types import WorkItem
 
 if TYPE_CHECKING:
@@ -61,8 +60,8 @@ def worker_main(spec: WorkerSpec, requests: Connection, results: Connection,
     SIGTERM, and exit when the driver's ``lifeline`` closes (the driver stopped or died)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if lifeline is not None:
-        _exit_with_driver(lifeline)
+    if lifeline is not None:  # exit when the driver is gone, even mid-batch; at once if it already is
+        exit_when_closed(lifeline.fileno())
     try:
         worker = _ChannelWorker(spec)
     except BaseException as exc:
@@ -88,26 +87,6 @@ def worker_main(spec: WorkerSpec, requests: Connection, results: Connection,
                 raise ValueError(f"unknown message {kind!r}")
         except BaseException as exc:
             results.send(("error", index, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-
-
-def _exit_with_driver(lifeline: Connection) -> None:
-    """Exit at once when the lifeline reaches end of file, even in the middle of a batch: the
-    driver that would take the batch is gone. Checked first, so a worker forked after its driver
-    already left (a stop during start-up) never touches the shared memory it would have read."""
-
-    def watch() -> None:
-        while True:
-            try:
-                lifeline.recv()
-            except (EOFError, OSError):
-                os._exit(0)
-
-    if lifeline.poll(0):
-        try:
-            lifeline.recv()
-        except (EOFError, OSError):
-            os._exit(0)
-    threading.Thread(target=watch, name="tether-lifeline", daemon=True).start()
 
 
 class Rollout:

@@ -185,13 +185,6 @@ class Checkpointer:
             return state, path
         raise DamagedCheckpoint("no usable checkpoint: " + "; ".join(problems))
 
-    def restore(self, learner) -> tuple[LoopState, Path]:
-        """Load the newest good checkpoint into ``learner``."""
-        state, path = self.newest_good()
-        learner.load(path / "learner")
-        return state, path
-
-
 def published_weights(path: Path):
     """The engines' weights a checkpoint kept (``published.safetensors``), or None."""
     f = Path(path) / PUBLISHED

@@ -7,7 +7,6 @@ data, reward), so a bad recipe fails before any worker exists.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -110,7 +109,8 @@ def claim_run_dir(run_dir: Path, cfg: Config, prepared: Prepared, *, resume: boo
                   overrides: Sequence[str]):
     """Lock ``run_dir`` for this process, clean what interrupted saves left, and record this
     start. A new run needs an empty directory; a resume is refused when it would change the run
-    (``rundir.check_resume``) or has nothing left to train. Returns the held lock."""
+    (``rundir.check_resume``) or has nothing left to train. Returns the held lock and, on resume,
+    the newest good checkpoint's (state, path), verified once here."""
     from tether.config import load_config
     from tether.runtime.checkpoint import Checkpointer
     from tether.runtime.rundir import (
@@ -121,16 +121,14 @@ def claim_run_dir(run_dir: Path, cfg: Config, prepared: Prepared, *, resume: boo
         record_start,
     )
 
-    if not resume:
-        _refuse_nonempty(run_dir)  # before creating anything in someone's existing folder
-    lock = RunLock(run_dir).acquire()
+    lock, found = RunLock(run_dir).acquire(), None
     try:
         clean_leftovers(run_dir)
         fingerprint = data_fingerprint(prepared.data.train)
         if resume:
             forced = check_resume(run_dir, load_config(run_dir / "config.yaml").to_dict(), cfg.to_dict(),
                                   fingerprint, force=force)
-            state, ckpt = Checkpointer(run_dir / "checkpoints").newest_good()
+            found = state, ckpt = Checkpointer(run_dir / "checkpoints").newest_good()
             if state.trained_batches >= cfg.train.num_batches:
                 raise ConfigError(
                     f"nothing to resume: {state.trained_batches} batches already trained of "
@@ -145,7 +143,7 @@ def claim_run_dir(run_dir: Path, cfg: Config, prepared: Prepared, *, resume: boo
     except BaseException:
         lock.release()
         raise
-    return lock
+    return lock, found
 
 
 def train(cfg: Config, run_dir: Path, *, resume: bool = False, force: bool = False,
@@ -175,7 +173,7 @@ def _train(cfg: Config, run_dir: Path, stop, *, resume: bool, force: bool, overr
     if cfg.run.wandb_project:
         require_wandb()
     if not resume:
-        _refuse_nonempty(run_dir)  # before a warm start that may take minutes
+        _refuse_nonempty(run_dir)  # before a warm start that may take minutes, and before the lock
     prepared = prepare(cfg, progress_plain=progress_plain)
     torch.set_num_threads(cfg.train.threads)
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep)
@@ -186,8 +184,8 @@ def _train(cfg: Config, run_dir: Path, stop, *, resume: bool, force: bool, overr
     trace = TraceRecorder()
     sinks: list = []
     with contextlib.ExitStack() as stack:
-        stack.callback(claim_run_dir(run_dir, cfg, prepared, resume=resume, force=force,
-                                     overrides=overrides).release)
+        lock, found = claim_run_dir(run_dir, cfg, prepared, resume=resume, force=force, overrides=overrides)
+        stack.callback(lock.release)
         session = None
         if cfg.rollout.backend == "ray":
             from tether.rollout.ray_pool import RaySession
@@ -196,17 +194,16 @@ def _train(cfg: Config, run_dir: Path, stop, *, resume: bool, force: bool, overr
             stop.reinstall()
         learner, evaluate = _learner(cfg, prepared, session, stack)
         state, engine_weights, engine_version = None, None, 0
-        if resume:
+        if found is not None:
             from tether.runtime.checkpoint import trim_jsonl
 
-            state, ckpt = checkpointer.restore(learner)
+            state, ckpt = found
+            learner.load(ckpt / "learner")
             log.info("resuming from %s: %d batches trained, train version %d", ckpt, state.trained_batches,
                      state.train_version)
             for name in ("metrics.jsonl", "eval.jsonl"):
                 trim_jsonl(run_dir / name, state.trained_batches)
             engine_weights, engine_version = _engine_start(state, ckpt, published_weights(ckpt))
-            if engine_version is None:
-                state = dataclasses.replace(state, rollout_version=None)
         hooks = _Hooks(evaluate, checkpointer, learner)
         wall_start = time.time()
         sinks += [JsonlSink(run_dir, wall_start=wall_start), TensorBoardSink(run_dir)]
@@ -365,7 +362,7 @@ class _Hooks:
 
     def save(self, step: int, state: LoopState) -> None:
         published = None
-        if state.rollout_version is not None and state.rollout_version != state.train_version:
+        if state.rollout_version != state.train_version:  # a stop between two publications
             published = self.pool.published_weights()
         self.checkpointer.save(step, state, self.learner, published=published)
 
