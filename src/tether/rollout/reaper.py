@@ -5,7 +5,9 @@ with SIGKILL by up to a minute while they notice it is gone. ``Reaper`` marks ev
 instance starts with an environment variable and starts a small process of its own in a new
 session that waits on a pipe whose only write end the run holds. When the pipe reaches end of
 file (the run closed the instance, exited, or was killed) it kills every process still carrying
-the mark. It never touches a cluster Tether only connected to.
+the mark. It never touches a cluster Tether only connected to. Ray's dashboard and runtime-env
+agents do not always carry the mark (their environment as /proc shows it sometimes lacks it), so
+they can escape and linger until they notice the raylet is gone.
 
 Run as ``python -m tether.rollout.reaper FD MARK``.
 """
