@@ -79,19 +79,64 @@ def shm_left(names, timeout: float = 15.0) -> list[str]:
 MARK = "TETHER_TEST_RUN"
 
 
-def marked(mark: str) -> list[int]:
-    """Pids whose environment carries ``TETHER_TEST_RUN=<mark>``: every process a run started
-    inherits it, so this finds the run's whole tree even after a parent died and its children
-    were re-parented (which a walk down from the parent would miss)."""
-    needle = f"{MARK}={mark}".encode()
-    out = []
+def _process_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time) of every live, non-zombie process."""
+    table = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    env = f.read()
-            except OSError:
-                continue
-            if needle in env.split(b"\0") and running(int(entry)):
-                out.append(int(entry))
-    return out
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, parent, *rest = f.read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError):
+            continue
+        if state not in ("Z", "X"):
+            table[int(entry)] = (int(parent), int(rest[17]))
+    return table
+
+
+def marked(mark: str, seen: dict[int, int] | None = None) -> list[int]:
+    """Pids of a run: those whose environment carries ``TETHER_TEST_RUN=<mark>`` (every process a
+    run started inherits it, so this finds them even after a parent died and they were
+    re-parented, which a walk down from the parent would miss), everything below them (a process
+    may rewrite the memory /proc shows as its environment, as Ray's agents do with their titles),
+    and, given ``seen`` (pid -> start time, updated here), whatever was found before and still is
+    the same process."""
+    needle = f"{MARK}={mark}".encode()
+    table = _process_table()
+    found = set()
+    for pid, (_, started) in table.items():
+        if seen is not None and seen.get(pid) == started:
+            found.add(pid)
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.add(pid)
+        except OSError:
+            continue
+    below = {}
+    for pid, (parent, _) in table.items():
+        below.setdefault(parent, []).append(pid)
+    stack = list(found)
+    while stack:
+        for kid in below.get(stack.pop(), ()):
+            if kid not in found:
+                found.add(kid)
+                stack.append(kid)
+    if seen is not None:
+        seen.update((pid, table[pid][1]) for pid in found)
+    return sorted(found)
+
+
+def describe(pids) -> str:
+    """``pid: command line`` for each of ``pids``, for an assertion's message."""
+    lines = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
+            lines.append(f"{pid}: {command[:200].rstrip()}")
+        except OSError:
+            lines.append(f"{pid}: (gone)")
+    return "\n".join(lines)

@@ -1,8 +1,9 @@
 """Starting `tether train` as a process for fault tests, and reading what it left behind.
 
 Every process a run starts inherits ``TETHER_TEST_RUN=<mark>`` in its environment, so a test
-finds the run's whole tree by that mark (``procs.marked``), also after the driver died and its
-children were re-parented; shared memory is found from what those processes mapped.
+finds the run's whole tree by that mark (``procs.marked``, which adds what runs below a marked
+process and remembers what it saw), also after the driver died and its children were
+re-parented; shared memory is found from what those processes mapped.
 """
 
 import json
@@ -13,7 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
-from procs import MARK, marked, shm_segments
+from procs import MARK, describe, marked, shm_segments
 
 ROOT = Path(__file__).resolve().parents[2]
 REWARD = ROOT / "tests" / "integration" / "varied_reward.py"
@@ -38,14 +39,13 @@ class Run:
         command = [sys.executable, "-m", "tether.cli.main", "train", "--plain", "--no-report", *args]
         self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
-        self.seen: set[int] = set()
+        self.seen: dict[int, int] = {}  # pid -> start time
         self.shm: set[str] = set()
         self.out = self.err = ""
 
     def look(self) -> list[int]:
         """The run's processes now (remembered, with the shared memory they map)."""
-        pids = marked(self.mark)
-        self.seen.update(pids)
+        pids = marked(self.mark, self.seen)
         self.shm |= shm_segments(pids)
         return pids
 
@@ -72,12 +72,13 @@ class Run:
                 self.proc.communicate()
         return self.out, self.err
 
-    def left(self, timeout: float = 5) -> list[int]:
-        """The run's processes still alive after waiting up to ``timeout`` seconds."""
+    def left(self, timeout: float = 5) -> str:
+        """The run's processes still alive after waiting up to ``timeout`` seconds, one
+        ``pid: command line`` each (empty when none is)."""
         deadline = time.monotonic() + timeout
-        while (alive := marked(self.mark)) and time.monotonic() < deadline:
+        while (alive := marked(self.mark, self.seen)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        return alive
+        return describe(alive)
 
 
 def rows(path) -> list[dict]:

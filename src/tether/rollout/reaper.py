@@ -5,9 +5,11 @@ with SIGKILL by up to a minute while they notice it is gone. ``Reaper`` marks ev
 instance starts with an environment variable and starts a small process of its own in a new
 session that waits on a pipe whose only write end the run holds. When the pipe reaches end of
 file (the run closed the instance, exited, or was killed) it kills every process still carrying
-the mark. It never touches a cluster Tether only connected to. Ray's dashboard and runtime-env
-agents do not always carry the mark (their environment as /proc shows it sometimes lacks it), so
-they can escape and linger until they notice the raylet is gone.
+the mark. It never touches a cluster Tether only connected to. Ray starts its dashboard and
+runtime-env agents from the raylet and then rewrites their process titles over the memory /proc
+shows as their environment, so the mark cannot be read from them; while the run lives the reaper
+therefore also remembers every descendant of a marked process (with its start time, so a reused
+pid is never mistaken for one) and kills those too.
 
 Run as ``python -m tether.rollout.reaper FD MARK``.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -23,25 +26,48 @@ import time
 import uuid
 
 ENV = "TETHER_RAY_INSTANCE"
+REMEMBER_EVERY_S = 0.5  # how often the living instance's process tree is read
 
 
-def marked(mark: str) -> list[int]:
-    """Pids of processes whose environment holds ``TETHER_RAY_INSTANCE=<mark>``."""
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time in clock ticks since boot) of ``pid``, or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def _has_mark(pid: int, needle: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return needle in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def instance(mark: str, known: dict[int, int]) -> list[int]:
+    """Live pids of the instance: those carrying ``TETHER_RAY_INSTANCE=<mark>``, their
+    descendants, and those remembered in ``known`` (pid -> start time) that still are the process
+    remembered. Adds what it finds to ``known``."""
     needle = f"{ENV}={mark}".encode()
-    out = []
+    stats = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if needle not in f.read().split(b"\0"):
-                        continue
-                with open(f"/proc/{entry}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):  # dead, not yet reaped
-                        continue
-            except (OSError, IndexError):
-                continue
-            out.append(int(entry))
-    return out
+        if entry.isdigit() and int(entry) != os.getpid() and (stat := _stat(int(entry))):
+            stats[int(entry)] = stat
+    live = {pid for pid, (state, _, _) in stats.items() if state not in ("Z", "X")}  # Z: dead, unreaped
+    found = {pid for pid in live if known.get(pid) == stats[pid][2] or _has_mark(pid, needle)}
+    children: dict[int, list[int]] = {}
+    for pid, (_, parent, _) in stats.items():
+        children.setdefault(parent, []).append(pid)
+    frontier = list(found)
+    while frontier:
+        kids = [k for p in frontier for k in children.get(p, ()) if k in live and k not in found]
+        found.update(kids)
+        frontier = kids
+    known.update((pid, stats[pid][2]) for pid in found)
+    return sorted(found)
 
 
 class Reaper:
@@ -82,13 +108,16 @@ def main(argv: list[str]) -> int:
     read, mark = int(argv[0]), argv[1]
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    while os.read(read, 1):
-        pass
+    known: dict[int, int] = {}
+    while True:  # nothing is ever written: readable means end of file
+        if select.select([read], [], [], REMEMBER_EVERY_S)[0] and not os.read(read, 1):
+            break
+        instance(mark, known)
     # a process may start another while the first are being killed (a raylet prestarting a
     # worker): sweep until two sweeps in a row find nothing, for at most 10 s
     quiet, deadline = 0, time.monotonic() + 10
     while quiet < 2 and time.monotonic() < deadline:
-        pids = marked(mark)
+        pids = instance(mark, known)
         quiet = 0 if pids else quiet + 1
         for pid in pids:
             with contextlib.suppress(OSError):
