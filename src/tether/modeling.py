@@ -12,19 +12,28 @@ import torch
 from tether.errors import ConfigError
 
 
-def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a local directory, offline; a clear error when it is not one."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a local model directory, offline, with a pad token (EOS if it has none);
+    a clear error when the directory is not a model."""
+    from transformers import AutoTokenizer
 
-    hf_logging.disable_progress_bar()
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path} is not a model directory (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) from a local directory, offline; a clear error when it is not one."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(Path(path), dtype=dtype, local_files_only=True)
     return model, tokenizer
 
 

@@ -26,6 +26,7 @@ from tether.config.schema import (
     RolloutSection,
     RunSection,
     TrainSection,
+    VllmSection,
     WarmstartSection,
 )
 from tether.control import BudgetSettings
@@ -41,6 +42,7 @@ class Config:
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
     ray: RaySection = dataclasses.field(default_factory=RaySection)
+    vllm: VllmSection = dataclasses.field(default_factory=VllmSection)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     correction: CorrectionSection = dataclasses.field(default_factory=CorrectionSection)
@@ -81,6 +83,7 @@ class Config:
         self._check_training()
         self._check_corrections()
         self._check_ray()
+        self._check_vllm()
 
     def _check_data(self) -> None:
         d = self.data
@@ -165,6 +168,12 @@ class Config:
             raise ConfigError("the ray section is set but rollout.backend is "
                               f"{self.rollout.backend!r}; set rollout.backend=ray to use it, or remove "
                               "the ray keys")
+
+    def _check_vllm(self) -> None:
+        if self.rollout.engine != "vllm" and self.vllm != VllmSection():
+            raise ConfigError("the vllm section is set but rollout.engine is "
+                              f"{self.rollout.engine!r}; set rollout.engine=vllm to use it, or remove "
+                              "the vllm keys")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every key, defaults included, in recipe form."""

@@ -202,6 +202,13 @@ class RolloutSection:
     threads_per_worker: int = knob(
         1, "torch threads in each rollout worker (on 2 cores: 1 for generation, 1 for training).", min=1
     )
+    engine: Literal["torch", "vllm"] = knob(
+        "torch",
+        "What generates in each worker: 'torch' = the built-in PyTorch engine (any Hugging Face causal "
+        "LM; right for tiny models and tests); 'vllm' = vLLM (paged attention, continuous batching; "
+        "needs vLLM installed: `make vllm` on CPU, `pip install 'tether[vllm]'` on GPUs; see the vllm "
+        "section and docs/rollout.md). Both return the log-probs of the distribution they sample from.",
+    )
     dynamic_sampling: bool = knob(
         False,
         "DAPO's dynamic sampling: a rollout batch is complete only when it holds batch_size prompt "
@@ -412,12 +419,40 @@ class RaySection:
     )
 
 
+@dataclass(frozen=True)
+class VllmSection:
+    """The vLLM engine (used when rollout.engine=vllm)."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
+        "auto",
+        "Weights and activations in vLLM ('auto' = the model's own dtype). The learner trains in "
+        "float32; a lower precision here shows up as ratio mismatch (correction/*).",
+    )
+    gpu_memory_utilization: float = knob(
+        0.9, "Share of its GPU's memory vLLM may take for weights and KV cache (GPU only).", min=0.05, max=1
+    )
+    cpu_kv_cache_gb: float = knob(
+        1.0, "GiB of memory for vLLM's KV cache when it samples on CPU (VLLM_CPU_KVCACHE_SPACE).", min=0.1
+    )
+    enforce_eager: bool = knob(
+        True,
+        "Run the model eagerly; false lets vLLM capture CUDA graphs / compile (faster decoding on "
+        "a GPU, a slower start).",
+    )
+    enable_prefix_caching: bool = knob(
+        True,
+        "Share the KV cache of a prompt's prefix between its group's samples; the cache is reset at "
+        "every publication, so nothing computed under older weights is reused.",
+    )
+
+
 SECTIONS: dict[str, type] = {
     "run": RunSection,
     "async": AsyncSection,
     "train": TrainSection,
     "rollout": RolloutSection,
     "ray": RaySection,
+    "vllm": VllmSection,
     "eval": EvalSection,
     "checkpoint": CheckpointSection,
     "correction": CorrectionSection,

@@ -45,6 +45,19 @@ class PoolSettings:
     startup_timeout_s: float = 300.0
     dynamic: DynamicSampling | None = None
     """DAPO's dynamic sampling (``tether.rollout.dynamic``), or None."""
+    engine: Literal["torch", "vllm"] = "torch"
+    vllm: Any = None
+    """``tether.rollout.vllm_engine.VllmOptions`` with ``engine="vllm"``."""
+
+    def worker_spec(self, worker_id: int, version: int, **where: Any):
+        """The ``WorkerSpec`` of worker ``worker_id`` starting at ``version``; ``where`` adds the
+        backend's fields (its weight channel, its device)."""
+        from tether.rollout.worker import WorkerSpec
+
+        return WorkerSpec(worker_id=worker_id, model_path=self.model_path, reward=self.reward, task=self.task,
+                          stop_text=self.stop_text, num_threads=self.threads_per_worker,
+                          reward_on_error=self.reward_on_error, initial_version=version,
+                          engine=self.engine, vllm=self.vllm, seed=self.seed, **where)
 
 
 class WorkerSlot:

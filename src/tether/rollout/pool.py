@@ -32,7 +32,7 @@ from tether.errors import QueueTimeoutError, RolloutError
 from tether.rollout.channel import WeightChannel
 from tether.rollout.dispatch import DispatchingPool, PoolSettings, WorkerSlot
 from tether.rollout.types import WorkItem
-from tether.rollout.worker import WorkerSpec, worker_main
+from tether.rollout.worker import worker_main
 
 __all__ = ["PoolSettings", "ProcessPool"]
 
@@ -104,10 +104,8 @@ class ProcessPool(DispatchingPool):
         for i in range(s.num_workers):
             req_recv, req_send = ctx.Pipe(duplex=False)
             res_recv, res_send = ctx.Pipe(duplex=False)
-            spec = WorkerSpec(worker_id=i, model_path=s.model_path, reward=s.reward, task=s.task,
-                              stop_text=s.stop_text, num_threads=s.threads_per_worker,
-                              reward_on_error=s.reward_on_error, initial_version=self.version,
-                              channel_name=self.channel.name, channel_layout=self.channel.layout)
+            spec = s.worker_spec(i, self.version, channel_name=self.channel.name,
+                                 channel_layout=self.channel.layout)
             proc = ctx.Process(target=worker_main, args=(spec, req_recv, res_send, lifeline_r), daemon=True,
                                name=f"tether-rollout-{i}")
             proc.start()

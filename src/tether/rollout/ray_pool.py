@@ -188,7 +188,7 @@ class _RolloutActor:
 
             views, seconds = open_snapshot(snapshot, self.layout, version)
             # share the fetched object; the previous version's is released
-            self.rollout.engine.bind(views, version)
+            self.rollout.use_weights(views, version)
             return ("loaded", version, seconds)
         except BaseException as exc:
             return ("error", None, f"loading version {version}: {type(exc).__name__}: {exc}",
@@ -259,10 +259,7 @@ class RayPool(DispatchingPool):
         self._check_fits()
         remote = ray.remote(_RolloutActor)
         for i in range(s.num_workers):
-            spec = WorkerSpec(worker_id=i, model_path=s.model_path, reward=s.reward, task=s.task,
-                              stop_text=s.stop_text, num_threads=s.threads_per_worker,
-                              reward_on_error=s.reward_on_error, initial_version=self.version,
-                              device="cuda" if o.gpus_per_worker > 0 else "cpu")
+            spec = s.worker_spec(i, self.version, device="cuda" if o.gpus_per_worker > 0 else "cpu")
             handle = remote.options(num_cpus=o.cpus_per_worker, num_gpus=o.gpus_per_worker, max_restarts=0,
                                     name=f"tether-rollout-{i}-{os.getpid()}-{id(self):x}"
                                     ).remote(spec, self.layout)

@@ -33,6 +33,7 @@ from tether.rollout.types import WorkItem
 
 if TYPE_CHECKING:
     from tether.rollout.channel import Layout
+    from tether.rollout.vllm_engine import VllmOptions
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,10 @@ class WorkerSpec:
     channel_layout: Layout | None = None
     device: str = "cpu"
     """Where the engine samples: ``cpu``, or ``cuda`` for a Ray actor given a GPU."""
+    engine: Literal["torch", "vllm"] = "torch"
+    vllm: VllmOptions | None = None
+    """The ``vllm`` section's settings, with ``engine="vllm"``."""
+    seed: int = 0
 
 
 def worker_main(spec: WorkerSpec, requests: Connection, results: Connection,
@@ -98,18 +103,40 @@ class Rollout:
         torch.set_num_threads(spec.num_threads)
         from tether.data.rewards import scorer
         from tether.decoding.sampling import stop_ids_for
-        from tether.modeling import load_causal_lm, torch_device
-        from tether.rollout.torch_engine import TorchEngine
+        from tether.modeling import load_tokenizer, torch_device
 
         self.spec = spec
         device = torch_device(spec.device, who=f"worker {spec.worker_id} is to sample on {spec.device}",
                               fix="give its Ray actor a GPU and a CUDA build of torch, or set "
                               "ray.gpus_per_worker=0")
-        model, self.tokenizer = load_causal_lm(spec.model_path)
-        model = model.to(device)
-        self.engine = TorchEngine(model, pad_id=self.tokenizer.pad_token_id,
-                                  stop_ids=stop_ids_for(self.tokenizer, spec.stop_text))
+        self.tokenizer = load_tokenizer(spec.model_path)
+        stop_ids = stop_ids_for(self.tokenizer, spec.stop_text)
+        if spec.engine == "vllm":
+            from tether.rollout.vllm_engine import VLLMEngine, VllmOptions
+
+            self.engine = VLLMEngine(spec.model_path, stop_ids=stop_ids, device=device.type,
+                                     options=spec.vllm or VllmOptions(), threads=spec.num_threads,
+                                     seed=spec.seed)
+        else:
+            from tether.modeling import load_causal_lm
+            from tether.rollout.torch_engine import TorchEngine
+
+            model, _ = load_causal_lm(spec.model_path)
+            self.engine = TorchEngine(model.to(device), pad_id=self.tokenizer.pad_token_id, stop_ids=stop_ids)
         self.score = scorer(spec.reward, task=spec.task)
+
+    def use_weights(self, weights, version: int | None = None) -> None:
+        """Make ``weights`` (name → tensor: shared-memory views or an object-store snapshot) the
+        engine's, as ``version`` when given: the built-in engine samples from them in place (on
+        CPU), vLLM copies them into its own layout."""
+        if hasattr(self.engine, "bind"):
+            self.engine.bind(weights, version)
+        elif version is not None:
+            self.engine.load_weights(weights, version)
+
+    def close(self) -> None:
+        if hasattr(self.engine, "close"):
+            self.engine.close()
 
     def generate(self, item: WorkItem) -> ScoredBatch:
         t0 = time.perf_counter()
@@ -188,7 +215,7 @@ class _ChannelWorker(Rollout):
 
         assert spec.channel_name is not None and spec.channel_layout is not None
         self.reader = WeightReader(spec.channel_name, spec.channel_layout)
-        self.engine.bind(self.reader.views())
+        self.use_weights(self.reader.views())
         self.load(spec.initial_version)
 
     def load(self, version: int) -> float:

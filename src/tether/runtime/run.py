@@ -296,7 +296,19 @@ def _pool_settings(cfg: Config, prepared: Prepared, params):
         threads_per_worker=cfg.rollout.threads_per_worker, group_size=cfg.rollout.group_size, params=params,
         reward=cfg.reward.function, task=cfg.data.task or None, stop_text=prepared.data.stop_text,
         reward_on_error=cfg.reward.on_error, seed=cfg.run.seed, dynamic=dynamic_sampling(cfg),
+        engine=cfg.rollout.engine, vllm=vllm_options(cfg),
     )
+
+
+def vllm_options(cfg: Config):
+    """The vllm section as the engine reads it, or None with the built-in engine."""
+    if cfg.rollout.engine != "vllm":
+        return None
+    import dataclasses
+
+    from tether.rollout.vllm_engine import VllmOptions
+
+    return VllmOptions(**dataclasses.asdict(cfg.vllm))
 
 
 def dynamic_sampling(cfg: Config):
