@@ -10,7 +10,9 @@
 # worker on CUDA, i.e. what a Ray actor with ray.gpus_per_worker > 0 runs; the learner on CUDA
 # (train.device=cuda) step for step against the CPU learner, its checkpoint loading on a CPU, and
 # held-out evaluation on the device (tests marked `gpu`); then the engine and learner benchmarks
-# on the GPU (engine_cuda.json and learner_cuda.json beside the log). Ray itself is not needed
+# on the GPU (engine_cuda.json and learner_cuda.json beside the log); and, where vLLM's CUDA build is
+# installed, the vLLM engine on the GPU beside the built-in one (tokens/s, weight loads, its
+# log-probs against a transformers forward: vllm_cuda.json). Ray itself is not needed
 # (its wheel is larger than what can travel to the device machine here).
 set -uo pipefail
 out="${OUT:-device-check}"
@@ -25,6 +27,11 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   "$py" benchmarks/engine.py --device cuda --size small --repeats 5
   "$py" benchmarks/engine.py --device cuda --size base --repeats 5 --json | tee "$out/engine_cuda.json"
   "$py" benchmarks/learner.py --device cuda --repeats 10 --json | tee "$out/learner_cuda.json"
+  if "$py" -c "import vllm" 2>/dev/null; then
+    "$py" benchmarks/vllm_engine.py --device cuda --sizes small,base --json | tee "$out/vllm_cuda.json"
+  else
+    echo "vLLM is not installed for $py: the vLLM engine on CUDA was not checked"
+  fi
   exit "$status"
 } 2>&1 | tee "$out/device_check.log"
 exit "${PIPESTATUS[0]}"

@@ -1,5 +1,6 @@
 """`tether train` end to end: real tiny model, real worker processes, real run directory."""
 
+import importlib.util
 import itertools
 import json
 import signal
@@ -165,6 +166,8 @@ def test_recipe_errors_fail_before_any_process_starts(tiny_model_dir, tmp_path):
         (["data.task=", f"data.dataset={tmp_path / 'none.jsonl'}", "reward.function=exact_match"],
          "none.jsonl' does not exist"),
     ]
+    if importlib.util.find_spec("vllm") is None:  # this environment lacks it; .venv-vllm has it
+        cases.append((["rollout.engine=vllm"], "vLLM is not installed in this Python"))
     for overrides, message in cases:
         t0 = time.monotonic()
         out = subprocess.run([sys.executable, "-m", "tether.cli.main", "train", "--run-dir",

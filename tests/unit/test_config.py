@@ -117,6 +117,12 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
         (["ray.address=auto"], "the ray section is set but rollout.backend is 'local'"),
         (["ray.gpus_per_worker=1"], "the ray section is set but rollout.backend is 'local'"),
         (["rollout.backend=slurm"], "rollout.backend must be one of 'local', 'ray'"),
+        (["vllm.dtype=bfloat16"], "the vllm section is set but rollout.engine is 'torch'"),
+        (["rollout.engine=sglang"], "rollout.engine must be one of 'torch', 'vllm'"),
+        (["rollout.engine=vllm", "vllm.dtype=auto"],
+         "vllm.dtype must be one of 'float32', 'bfloat16', 'float16'"),
+        (["rollout.engine=vllm", "vllm.gpu_memory_utilization=0"],
+         "vllm.gpu_memory_utilization must be >= 0.05"),
     ],
 )
 def test_cross_key_rules(overrides, message):

@@ -40,7 +40,7 @@ def demo_model(tmp_path_factory):
 def start(model_dir, params):
     model, tokenizer = load_causal_lm(model_dir)
     settings = PoolSettings(model_path=str(model_dir), task="arithmetic", group_size=4, params=params,
-                            engine="vllm", vllm=VllmOptions(dtype="float32"))
+                            engine="vllm", vllm=VllmOptions())
     return ProcessPool(settings, STREAM.batch, unique_parameters(model)), model, tokenizer
 
 

@@ -41,7 +41,7 @@ def demo_model(tmp_path_factory):
 
 def short(model_dir, *extra):
     return [f"model.path={model_dir}", f"reward.function={REWARD}:reward", "rollout.engine=vllm",
-            "vllm.dtype=float32", "train.num_batches=6",
+            "train.num_batches=6",
             "data.num_eval=24", "eval.interval=3", "checkpoint.interval=0", *extra]
 
 

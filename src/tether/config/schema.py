@@ -423,10 +423,12 @@ class RaySection:
 class VllmSection:
     """The vLLM engine (used when rollout.engine=vllm)."""
 
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
-        "auto",
-        "Weights and activations in vLLM ('auto' = the model's own dtype). The learner trains in "
-        "float32; a lower precision here shows up as ratio mismatch (correction/*).",
+    dtype: Literal["float32", "bfloat16", "float16"] = knob(
+        "float32",
+        "Weights and activations in vLLM. float32 = the learner's precision, so the engine's log-probs "
+        "are the learner's to ~1e-6; bfloat16 is faster on GPUs and adds a train–inference mismatch "
+        "that mismatch/numeric_* report and correction.* are for. (vLLM's own 'auto' would run a "
+        "float32 model in bfloat16, so Tether asks for a dtype.)",
     )
     gpu_memory_utilization: float = knob(
         0.9, "Share of its GPU's memory vLLM may take for weights and KV cache (GPU only).", min=0.05, max=1

@@ -39,7 +39,7 @@ INSTALL_HINT = ("install vLLM's build for this machine: `make vllm` (CPU, a sepa
 class VllmOptions:
     """The ``vllm`` recipe section, as the engine reads it."""
 
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 1.0
     enforce_eager: bool = True
@@ -111,6 +111,18 @@ def _prepare_environment(device: str, options: VllmOptions, threads: int) -> Non
         torch.set_num_threads(threads)  # before vLLM replaces set_num_threads with a no-op
 
 
+def _require_processed_logprobs(version: str) -> None:
+    """Refuse a vLLM that cannot return the log-probs of the distribution it samples from."""
+    import re
+
+    numbers = tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+    if numbers < (0, 10, 2):
+        raise ConfigError(
+            f"vLLM {version} cannot return the log-probs of the distribution it samples from "
+            "(logprobs_mode='processed_logprobs' arrived in 0.10.2), without which the importance "
+            f"ratios would silently compare different distributions; {INSTALL_HINT}")
+
+
 class VLLMEngine:
     """A vLLM ``LLM`` on a local model directory; stamps its version on every token."""
 
@@ -131,20 +143,14 @@ class VLLMEngine:
             import json
 
             self.max_positions = json.load(f).get("max_position_embeddings")
-        try:
-            self.llm = vllm.LLM(
-                model=model_path, skip_tokenizer_init=True, seed=seed, dtype=options.dtype,
-                enforce_eager=options.enforce_eager, enable_prefix_caching=options.enable_prefix_caching,
-                gpu_memory_utilization=options.gpu_memory_utilization,
-                logprobs_mode="processed_logprobs",
-                worker_extension_cls=f"{WeightLoader.__module__}.{WeightLoader.__qualname__}",
-            )
-        except TypeError as exc:  # an older vLLM without logprobs_mode or worker extensions
-            raise ConfigError(
-                f"this vLLM ({vllm.__version__}) cannot return the log-probs of the distribution it "
-                f"samples from ({exc}); Tether needs vLLM >= 0.10.2 (logprobs_mode='processed_logprobs'), "
-                "without which the importance ratios would silently compare different distributions"
-            ) from exc
+        _require_processed_logprobs(vllm.__version__)
+        self.llm = vllm.LLM(
+            model=model_path, skip_tokenizer_init=True, seed=seed, dtype=options.dtype,
+            enforce_eager=options.enforce_eager, enable_prefix_caching=options.enable_prefix_caching,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{WeightLoader.__module__}.{WeightLoader.__qualname__}",
+        )
 
     @property
     def version(self) -> int:

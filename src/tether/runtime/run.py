@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -172,6 +173,7 @@ def _train(cfg: Config, run_dir: Path, stop, *, resume: bool, force: bool, overr
 
     if cfg.run.wandb_project:
         require_wandb()
+    check_engine_installed(cfg)
     if not resume:
         _refuse_nonempty(run_dir)  # before a warm start that may take minutes, and before the lock
     prepared = prepare(cfg, progress_plain=progress_plain)
@@ -298,6 +300,20 @@ def _pool_settings(cfg: Config, prepared: Prepared, params):
         reward_on_error=cfg.reward.on_error, seed=cfg.run.seed, dynamic=dynamic_sampling(cfg),
         engine=cfg.rollout.engine, vllm=vllm_options(cfg),
     )
+
+
+def check_engine_installed(cfg: Config) -> None:
+    """With rollout.engine=vllm and local workers (which run this Python), refuse at once where
+    vLLM is not installed, before anything starts. (Ray actors may run another environment: there
+    a worker that cannot import vLLM fails to start, saying so.)"""
+    import importlib.util
+
+    r = cfg.rollout
+    if r.engine == "vllm" and r.backend == "local" and importlib.util.find_spec("vllm") is None:
+        from tether.rollout.vllm_engine import INSTALL_HINT
+
+        raise ConfigError(f"rollout.engine=vllm, but vLLM is not installed in this Python "
+                          f"({sys.executable}); {INSTALL_HINT}")
 
 
 def vllm_options(cfg: Config):
