@@ -5,6 +5,12 @@ holds now) once, before any update; then the batch is split into U mini-batches,
 optimizer update (with gradient accumulation over micro-batches inside it). A non-finite
 gradient norm skips that update — not committed, counted — and ``TrainResult`` reports how many
 were committed, so the version clock stays honest.
+
+With a ``Ranks`` group (``train.world_size`` > 1, ``tether.train.sharded``) the same learner runs
+in each of N processes on a model sharded with FSDP2: every rank computes the batch's advantages,
+trains its share of each mini-batch (whole prompt groups), normalises its part of the loss by the
+whole mini-batch's counts, and gradients are summed, so the update is the single-process one;
+π_old, the corrections and every metric are computed over the whole mini-batch from gathered rows.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from tether.modeling import learner_device, load_causal_lm, unique_parameters
 from tether.procinfo import peak_rss_mb
 from tether.train.advantages import Advantages, group_advantages, overlong_penalty
 from tether.train.batch import TrainBatch, to_train_batch, token_logprobs
+from tether.train.collective import Solo
 from tether.train.corrections import CorrectionSettings, correct
 from tether.train.losses import LossInputs, LossSettings, aggregate, get_loss, kl_penalty
 from tether.train.schedule import lr_factor
@@ -97,24 +104,30 @@ def _denominators(keep: torch.Tensor) -> tuple[float, float]:
 
 
 class TorchLearner:
-    def __init__(self, model_path: str | Path, settings: LearnerSettings) -> None:
+    def __init__(self, model_path: str | Path, settings: LearnerSettings, *,
+                 group: Solo | None = None) -> None:
         self.s = settings
+        self.group = group or Solo()
         self.loss_fn = get_loss(settings.loss)
         torch.manual_seed(settings.seed)
         self.device = learner_device(settings.device)
         self.model, self.tokenizer = load_causal_lm(model_path)
         self.model.to(self.device).train()
+        self.names = list(unique_parameters(self.model))  # the published names, tied ones once
         self.ref_model = None
-        if settings.kl_coef > 0:
+        if settings.kl_coef > 0:  # frozen: every rank keeps a whole copy
             self.ref_model, _ = load_causal_lm(model_path)
             self.ref_model.to(self.device).eval().requires_grad_(False)
+        if self.group.world > 1:
+            self._shard()
         self.forward = self._forward_for(self.model)
         self.ref_forward = self._forward_for(self.ref_model) if self.ref_model is not None else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # the fused kernel: one pass over every parameter instead of a handful of small ops per
         # tensor (2.2 against 9.8 ms a step for the demo model on one CPU thread)
         self.optimizer = torch.optim.AdamW(self.params, lr=settings.lr, betas=settings.betas,
-                                           weight_decay=settings.weight_decay, fused=True)
+                                           weight_decay=settings.weight_decay,
+                                           fused=True if self.group.world == 1 else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(
             lr_factor, kind=settings.lr_schedule, warmup_steps=settings.warmup_steps,
             total_steps=settings.total_updates, min_ratio=settings.min_lr_ratio))
@@ -124,7 +137,15 @@ class TorchLearner:
     # -- the Learner protocol -----------------------------------------------------------------
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        return unique_parameters(self.model)
+        """name → tensor of every parameter, tied ones once. Sharded: gathered whole onto the CPU
+        (a collective), returned on rank 0 (other ranks get an empty dict)."""
+        if self.group.world == 1:
+            return unique_parameters(self.model)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(self.model, options=options)
+        return {name: full[name] for name in self.names} if full else {}
 
     def train(self, batch: RolloutBatch, *, train_version: int) -> TrainResult:
         s = self.s
@@ -136,16 +157,45 @@ class TorchLearner:
         stats = _Stats()
         adv, mask = self._advantages(tb, stats)
         minibatches = torch.arange(tb.size, device=self.device).tensor_split(u)  # U contiguous mini-batches
-        inline_old = u == 1 and self._micro_count(tb.size) == 1
+        shares = [self.group.share(rows, tb.group_size) for rows in minibatches]  # this rank's rows of each
+        self._check_shares(minibatches, tb.group_size)
+        inline_old = u == 1 and self._micro_count(self.group.most(len(shares[0]))) == 1
         same = tb.behavior_versions == train_version  # sampled with the weights π_old comes from
-        old = None if inline_old else self._no_grad_logp(self.model, tb)
-        ref = self._no_grad_logp(self.ref_model, tb) if self.ref_model is not None else None
+        mine = torch.cat(shares)
+        old = None if inline_old else self._no_grad_logp(self.model, tb, mine)
+        ref = self._no_grad_logp(self.ref_model, tb, mine) if self.ref_model is not None else None
         committed = 0
-        for rows in minibatches:
-            committed += self._update(tb.rows(rows), adv.values[rows], mask[rows], same[rows],
-                                      None if old is None else old[rows],
-                                      None if ref is None else ref[rows], stats)
+        for rows, share in zip(minibatches, shares, strict=True):
+            committed += self._update(tb, rows, share, adv.values, mask, same, old, ref, stats)
         return TrainResult(committed, u, self._metrics(stats, adv.frac_zero_std, u - committed))
+
+    def _shard(self) -> None:
+        """FSDP2: each decoder layer a unit of its own, the rest (embeddings, final norm, a tied
+        head) in the root's; gradients are summed over ranks, not averaged, because each rank's
+        loss is already its part of the mini-batch's (normalised by the whole mini-batch's counts)."""
+        from torch.distributed.fsdp import fully_shard
+
+        units = [m for m in self.model.modules() if isinstance(m, torch.nn.ModuleList)][:1]
+        layers = list(units[0]) if units else []
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(self.model)
+        for unit in [*layers, self.model]:
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-scaled one)
+
+    def _check_shares(self, minibatches, group_size: int) -> None:
+        """Every rank needs rows of every mini-batch: refuse mini-batches of fewer prompt groups
+        than ranks, saying what to change."""
+        if self.group.world == 1:
+            return
+        fewest = min(len(torch.unique_consecutive(torch.div(rows, group_size, rounding_mode="floor")))
+                     for rows in minibatches)
+        if fewest < self.group.world:
+            raise ConfigError(
+                f"a mini-batch holds {fewest} prompt group(s), fewer than the train.world_size="
+                f"{self.group.world} ranks, which split mini-batches by whole groups; raise "
+                "rollout.batch_size, or lower train.updates_per_batch or train.world_size")
 
     def _advantages(self, tb: TrainBatch, stats: _Stats) -> tuple[Advantages, torch.Tensor]:
         """Advantages of the (shaped) rewards, and the loss mask (N, L − 1) of the samples kept."""
@@ -168,8 +218,10 @@ class TorchLearner:
         m = self.s.micro_batch_size
         return 1 if m <= 0 else math.ceil(n / m)
 
-    def _micro(self, n: int) -> Iterator[torch.Tensor]:
-        yield from torch.arange(n, device=self.device).tensor_split(self._micro_count(n))
+    def _micro(self, rows: torch.Tensor) -> Iterator[torch.Tensor]:
+        """``rows`` in micro-batches; every rank runs as many (the sharded model's forward and
+        backward are collectives), so a rank with fewer rows may get empty ones."""
+        yield from rows.tensor_split(self._micro_count(self.group.most(len(rows))))
 
     def _forward_for(self, model):
         """The shared-prompt forward when asked for and the architecture has one, else None
@@ -178,67 +230,96 @@ class TorchLearner:
 
         if not self.s.shared_prefix:
             return None
+        if self.group.world > 1:  # it reads the weights directly, which FSDP2 keeps sharded
+            log.info("train.shared_prefix: not used with train.world_size > 1; the model's own forward runs")
+            return None
         if not supports(model):
             log.info("train.shared_prefix: %s has no shared-prompt forward; using its own forward",
                      getattr(model.config, "model_type", type(model).__name__))
             return None
         return SharedPrefixForward(model)
 
-    def _no_grad_logp(self, model, tb: TrainBatch) -> torch.Tensor:
+    def _no_grad_logp(self, model, tb: TrainBatch, mine: torch.Tensor) -> torch.Tensor:
+        """log π of ``model`` for every row of ``tb`` (N, L − 1): this rank computes ``mine``,
+        the others theirs."""
         forward = self.forward if model is self.model else self.ref_forward
+        parts = []
         with torch.no_grad():
-            parts = [token_logprobs(model, tb.rows(rows), self.s.temperature, forward=forward)[0]
-                     for rows in self._micro(tb.size)]
-        return torch.cat(parts)
+            for rows in self._micro(mine):
+                logp = token_logprobs(model, tb.rows(self._runnable(rows, mine)), self.s.temperature,
+                                      forward=forward)[0]
+                parts.append(logp[: len(rows)])
+        return self.group.gather(torch.cat(parts), mine, tb.size)
 
-    def _update(self, tb: TrainBatch, adv: torch.Tensor, mask: torch.Tensor, same: torch.Tensor,
-                old: torch.Tensor | None, ref: torch.Tensor | None, stats: _Stats) -> int:
+    @staticmethod
+    def _runnable(rows: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+        """``rows``, or one stand-in row when empty: a rank with nothing in a micro-batch still
+        runs the sharded model's forward and backward with the others (its result unused)."""
+        return rows if len(rows) else mine[:1]
+
+    def _update(self, tb: TrainBatch, rows: torch.Tensor, mine: torch.Tensor, adv: torch.Tensor,
+                mask: torch.Tensor, same: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None,
+                stats: _Stats) -> int:
+        """One optimizer update from mini-batch ``rows`` (global row indices), of which this rank
+        trains ``mine``. ``adv``, ``mask``, ``same``, ``old``, ``ref``: whole-batch tensors."""
         s = self.s
         weigh = s.anchor == "proximal"
         settings = LossSettings(s.clip_low, s.clip_high, s.dual_clip)
         self.optimizer.zero_grad(set_to_none=True)
-        if not self._has_signal(adv, mask, ref):
+        if not self._has_signal(adv[rows], mask[rows], ref):  # the same answer on every rank
             return self._skip(stats, "train/skipped_no_signal")
+        start = int(rows[0])  # rows are contiguous: row r of the batch is r − start of the mini-batch
+        behavior = tb.behavior_logp[rows]
         # With π_old known, the corrections (and so the mini-batch's loss denominators) are fixed
         # before any forward pass; otherwise (U = 1, one micro-batch) the forward provides π_old.
-        corr_all = None if old is None else correct(old, tb.behavior_logp, mask, s.correction, weigh=weigh,
-                                                    same_weights=same)
+        corr_all = None if old is None else correct(old[rows], behavior, mask[rows], s.correction,
+                                                    weigh=weigh, same_weights=same[rows])
         if corr_all is not None:
             total_tokens, total_seqs = _denominators(corr_all.keep)
             for key, value in corr_all.metrics.items():
                 stats.add(key, value)
             if not corr_all.keep.any():  # the correction masked every token
                 return self._skip(stats, "train/skipped_no_signal")
-        for rows in self._micro(tb.size):
-            mb = tb.rows(rows)
+        for part in self._micro(mine):
+            mb = tb.rows(self._runnable(part, mine))
             logp, entropy = token_logprobs(self.model, mb, s.temperature, with_entropy=True,
                                            forward=self.forward)
-            if corr_all is None:
-                old_mb = logp.detach()
-                corr = correct(old_mb, mb.behavior_logp, mask[rows], s.correction, weigh=weigh,
+            logp, entropy = logp[: len(part)], entropy[: len(part)]
+            local = part - start
+            if corr_all is None:  # the whole mini-batch's π_old, from every rank's forward
+                old_rows = self.group.gather(logp.detach(), local, len(rows))
+                corr = correct(old_rows, behavior, mask[rows], s.correction, weigh=weigh,
                                same_weights=same[rows])
                 total_tokens, total_seqs = _denominators(corr.keep)
-                weights, keep = corr.weights, corr.keep
                 for key, value in corr.metrics.items():
                     stats.add(key, value)
-                if not keep.any():  # the correction masked every token: nothing to learn from
+                if not corr.keep.any():  # the correction masked every token: nothing to learn from
                     return self._skip(stats, "train/skipped_no_signal")
+                old_mb, weights, keep = logp.detach(), corr.weights[local], corr.keep[local]
             else:
-                old_mb, weights, keep = old[rows], corr_all.weights[rows], corr_all.keep[rows]
-            anchor = old_mb if weigh else mb.behavior_logp
-            inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[rows], mask=keep)
+                old_mb, weights, keep = old[part], corr_all.weights[local], corr_all.keep[local]
+            anchor = old_mb if weigh else tb.behavior_logp[part]
+            inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[part], mask=keep)
             per_token, loss_metrics = self.loss_fn(inputs, settings)
-            policy = aggregate(per_token * weights, keep, s.aggregation,
-                               norm_constant=s.max_new_tokens, total_tokens=total_tokens,
-                               total_seqs=total_seqs)
+            policy = aggregate(per_token * weights, keep, s.aggregation, norm_constant=s.max_new_tokens,
+                               total_tokens=total_tokens, total_seqs=total_seqs)
             total = policy
+            kl = None
             if ref is not None:
-                kl = aggregate(kl_penalty(logp, ref[rows], s.kl_estimator), keep, s.aggregation,
+                kl = aggregate(kl_penalty(logp, ref[part], s.kl_estimator), keep, s.aggregation,
                                norm_constant=s.max_new_tokens, total_tokens=total_tokens,
                                total_seqs=total_seqs)
                 total = policy + s.kl_coef * kl
-                stats.add("loss/kl", kl.detach())
+            if not len(part):
+                total = total * 0.0  # a stand-in row: its backward only takes part in the collectives
             total.backward()
+            if self.group.world > 1:  # the figures of the whole micro-batch, from every rank's rows
+                policy, kl, loss_metrics, logp, entropy, anchor, keep = self._whole(
+                    part, logp.detach(), entropy, anchor, adv, keep, weights, ref, total_tokens, total_seqs,
+                    settings, tb.size)
+                total = policy if kl is None else policy + s.kl_coef * kl
+            if kl is not None:
+                stats.add("loss/kl", kl.detach())
             stats.add("loss/policy", policy.detach())
             stats.add("loss/total", total.detach())
             for key, value in loss_metrics.items():
@@ -248,7 +329,9 @@ class TorchLearner:
                 stats.ratios.append(torch.exp(logp.detach() - anchor)[valid])
                 stats.entropy.append(entropy[valid])
         max_norm = s.grad_clip if s.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)  # over every rank's shards
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
         if not torch.isfinite(grad_norm):
             return self._skip(stats, "train/skipped_nonfinite_grad")
         stats.add("train/grad_norm", grad_norm)
@@ -256,6 +339,30 @@ class TorchLearner:
         self.scheduler.step()
         self.committed += 1
         return 1
+
+    def _whole(self, part, logp, entropy, anchor, adv, keep, weights, ref, total_tokens, total_seqs,
+               settings, n):
+        """The loss figures of one micro-batch over every rank's rows (this rank's ``part`` and the
+        others'), computed as one process would: (policy, kl, loss metrics, logp, entropy, anchor,
+        keep) of those rows."""
+        s = self.s
+        fields = torch.stack([logp, entropy, anchor, keep, weights,
+                              ref[part] if ref is not None else torch.zeros_like(logp)], dim=1)
+        full = self.group.gather(fields, part, n)
+        present = self.group.gather(torch.ones(len(part), 1, device=logp.device), part, n)[:, 0] > 0
+        logp, entropy, anchor, keep, weights, ref_rows = full[present].unbind(1)
+        idx = torch.nonzero(present).squeeze(1)
+        inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[idx], mask=keep)
+        with torch.no_grad():
+            per_token, loss_metrics = self.loss_fn(inputs, settings)
+            policy = aggregate(per_token * weights, keep, s.aggregation, norm_constant=s.max_new_tokens,
+                               total_tokens=total_tokens, total_seqs=total_seqs)
+            kl = None
+            if ref is not None:
+                kl = aggregate(kl_penalty(logp, ref_rows, s.kl_estimator), keep, s.aggregation,
+                               norm_constant=s.max_new_tokens, total_tokens=total_tokens,
+                               total_seqs=total_seqs)
+        return policy, kl, loss_metrics, logp, entropy, anchor, keep
 
     @staticmethod
     def _has_signal(adv: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor | None) -> bool:

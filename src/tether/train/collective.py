@@ -1,0 +1,65 @@
+"""How the learner's ranks share a rollout batch: which rows each trains, and how they agree.
+
+Every rank holds the whole rollout batch and computes its advantages (as one process would);
+each mini-batch's rows are then split across ranks by whole prompt groups, and every per-row
+quantity the loss normalises by or reports on is gathered, so each rank sees the whole
+mini-batch wherever the single-process learner would. ``Solo`` is one process (world size 1):
+every operation is the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Solo:
+    """One process trains everything."""
+
+    world = 1
+    rank = 0
+
+    def share(self, rows: torch.Tensor, group_size: int) -> torch.Tensor:
+        """This rank's rows of a mini-batch (``rows``: global row indices)."""
+        return rows
+
+    def gather(self, values: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """A tensor of ``n`` rows holding every rank's ``values`` at its global ``rows``."""
+        if len(rows) == n and bool((rows == torch.arange(n, device=rows.device)).all()):
+            return values
+        out = values.new_zeros((n, *values.shape[1:]))
+        out[rows] = values
+        return out
+
+    def most(self, count: int) -> int:
+        """The largest ``count`` over the ranks."""
+        return count
+
+
+class Ranks(Solo):
+    """``world`` processes in a ``torch.distributed`` process group (gloo on CPU, NCCL on GPUs)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+
+    def share(self, rows: torch.Tensor, group_size: int) -> torch.Tensor:
+        groups = torch.div(rows, group_size, rounding_mode="floor")
+        distinct = torch.unique_consecutive(groups)
+        mine = distinct.tensor_split(self.world)[self.rank]  # contiguous runs of whole groups
+        return rows[torch.isin(groups, mine)]
+
+    def gather(self, values: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+        parts: list = [None] * self.world
+        self.dist.all_gather_object(parts, (rows.cpu(), values.detach().cpu()))
+        out = values.new_zeros((n, *values.shape[1:]))
+        for their_rows, their_values in parts:
+            out[their_rows.to(out.device)] = their_values.to(out.device)
+        return out
+
+    def most(self, count: int) -> int:
+        t = torch.tensor([count], dtype=torch.long)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return int(t.item())

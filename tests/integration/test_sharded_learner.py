@@ -1,0 +1,99 @@
+"""train.world_size=2: two FSDP2 ranks (gloo, spawned processes) make the single-process update.
+
+The same real rollout batches are trained by one process and by two ranks; the parameters must
+agree after several updates (the test that catches a loss normalised per rank instead of over the
+whole mini-batch), and so must the metrics the loop logs.
+
+At lr 5e-5: AdamW's first steps move every weight by about ±lr whatever its gradient's size, so a
+gradient that is zero in exact arithmetic (GRPO's advantages cancel within a group) and rounding
+noise in float32 turns into a full step whose sign is chance. At lr 3e-3 that noise floor is a
+relative difference of about 1e-4 between two *single-process* runs that only split their
+mini-batches differently; at 1e-4 about 5e-6, and less at 5e-5: under the 1e-5 the ranks must
+reach. A loss normalised per rank (each rank dividing by its own counts) fails every case here:
+by 1e-4 to 1.5e-3 in the parameters, or, where it only scales the loss (which AdamW does not
+see), in the logged loss.
+"""
+
+import os
+import signal
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from test_learner import sampled_batch  # noqa: E402
+
+from procs import wait_gone  # noqa: E402
+from tether.errors import LearnerLostError  # noqa: E402
+from tether.train.corrections import CorrectionSettings  # noqa: E402
+from tether.train.learner import LearnerSettings, TorchLearner  # noqa: E402
+from tether.train.sharded import ShardedLearner  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+METRICS = ("loss/policy", "loss/total", "train/grad_norm", "ratio/mean", "ratio/max", "ratio/clip_frac_high",
+           "ratio/is_weight_mean", "ratio/masked_frac", "mismatch/k3", "mismatch/logprob_abs_diff_max",
+           "train/entropy")
+
+
+def batches(model_dir):
+    """Three real rollout batches (4 prompts × 4 samples), sampled with different seeds."""
+    out = []
+    for seed in range(3):
+        batch, _ = sampled_batch(model_dir, seed=seed)
+        out.append(batch)
+    return out
+
+
+def trained(learner, rollout_batches):
+    results = [learner.train(b, train_version=i) for i, b in enumerate(rollout_batches)]
+    return learner.export_weights(), results
+
+
+@pytest.mark.parametrize("case", [
+    {"aggregation": "token_mean", "updates_per_batch": 2},
+    {"aggregation": "seq_mean_token_mean", "updates_per_batch": 2},
+    {"aggregation": "seq_mean_token_sum", "updates_per_batch": 1},
+    {"aggregation": "seq_mean_token_sum_norm", "updates_per_batch": 2, "kl_coef": 0.05},
+    {"aggregation": "token_mean", "updates_per_batch": 1,
+     "correction": CorrectionSettings(tis="token", tis_cap=1.5, mask="sequence", mask_low=0.7,
+                                      mask_high=1.3)},
+], ids=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum-inline", "dr_grpo-kl", "tis-mask-inline"])
+def test_two_ranks_make_the_single_process_update(tiny_model_dir, case):
+    rollout_batches = batches(tiny_model_dir)
+    # ranks run the model's own forward (the shared-prompt one reads weights FSDP2 keeps sharded);
+    # so does the single process here, so only the split across ranks differs
+    settings = LearnerSettings(lr=5e-5, seed=0, shared_prefix=False, **case)
+    solo_weights, solo = trained(TorchLearner(tiny_model_dir, settings), rollout_batches)
+    sharded = ShardedLearner(tiny_model_dir, settings, world_size=2)
+    try:
+        pids = list(sharded.pids)
+        weights, two = trained(sharded, rollout_batches)
+    finally:
+        sharded.close()
+    assert wait_gone(pids) == []
+    assert set(weights) == set(solo_weights)
+    worst = 0.0
+    for name, ref in solo_weights.items():
+        rel = ((weights[name] - ref).abs().max() / ref.abs().max().clamp(min=1e-12)).item()
+        worst = max(worst, rel)
+    print(f"\nworld size 2 vs 1, {case['aggregation']}: max relative parameter difference {worst:.1e}")
+    assert worst <= 1e-5
+    for a, b in zip(solo, two, strict=True):
+        assert a.committed_updates == b.committed_updates == case["updates_per_batch"]
+        for key in METRICS:
+            assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_killed_rank_fails_the_call_naming_it_and_no_rank_is_left(tiny_model_dir):
+    rollout_batches = batches(tiny_model_dir)
+    sharded = ShardedLearner(tiny_model_dir, LearnerSettings(lr=3e-3), world_size=2)
+    pids = list(sharded.pids)
+    try:
+        sharded.train(rollout_batches[0], train_version=0)
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(LearnerLostError, match=r"learner rank 1 \(pid \d+\) died from signal SIGKILL"):
+            sharded.train(rollout_batches[1], train_version=1)
+    finally:
+        sharded.close()
+    assert wait_gone(pids) == []
