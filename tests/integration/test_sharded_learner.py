@@ -97,3 +97,38 @@ def test_a_killed_rank_fails_the_call_naming_it_and_no_rank_is_left(tiny_model_d
     finally:
         sharded.close()
     assert wait_gone(pids) == []
+
+
+def test_a_run_with_two_ranks_follows_the_plan_and_resumes_at_any_world_size(tiny_model_dir, tmp_path):
+    from test_train import recipe, rows
+
+    from tether.config import load_config
+    from tether.loop import Timings, simulate, summarize
+    from tether.runtime.run import train
+
+    keys = ("step", "batch_index", "async/behavior_version", "staleness/updates", "reward/mean",
+            "loss/policy")
+    two = ["train.world_size=2"]
+    whole = load_config(None, recipe(tiny_model_dir, *two))
+    summary = train(whole, tmp_path / "whole", progress_plain=True)
+    metrics = rows(tmp_path / "whole" / "metrics.jsonl")
+    commits = tuple(int(m["async/optimizer_updates"]) for m in metrics)
+    plan = simulate(whole.budget(), Timings(commits=commits))
+    assert [m["staleness/updates"] for m in metrics] == [r.staleness_updates for r in plan.trace.records]
+    assert summary["syncs_after"] == summarize(plan)["syncs_after"]
+    assert [e["step"] for e in rows(tmp_path / "whole" / "eval.jsonl")] == [0, 3, 6]
+    # stopped after 3 batches, resumed at two ranks: row for row the same run
+    parts = tmp_path / "parts"
+    train(load_config(None, recipe(tiny_model_dir, *two, "train.num_batches=3")), parts, progress_plain=True)
+    train(load_config(parts / "config.yaml", ["train.num_batches=6"]), parts, resume=True,
+          progress_plain=True)
+    assert [{k: m[k] for k in keys} for m in rows(parts / "metrics.jsonl")] == [
+        {k: m[k] for k in keys} for m in metrics]
+    # one process continues from a two-rank checkpoint (the format is the same at any world size)
+    single = tmp_path / "single"
+    train(load_config(None, recipe(tiny_model_dir, *two, "train.num_batches=3")), single, progress_plain=True)
+    done = train(load_config(single / "config.yaml", ["train.num_batches=6", "train.world_size=1"]), single,
+                 resume=True, progress_plain=True)
+    assert done["trained_batches"] == 6
+    for a, b in zip(rows(single / "metrics.jsonl")[3:], metrics[3:], strict=True):
+        assert a["loss/policy"] == pytest.approx(b["loss/policy"], rel=1e-3, abs=1e-5)

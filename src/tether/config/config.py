@@ -84,6 +84,7 @@ class Config:
         self._check_corrections()
         self._check_ray()
         self._check_vllm()
+        self._check_world()
 
     def _check_data(self) -> None:
         d = self.data
@@ -168,6 +169,24 @@ class Config:
             raise ConfigError("the ray section is set but rollout.backend is "
                               f"{self.rollout.backend!r}; set rollout.backend=ray to use it, or remove "
                               "the ray keys")
+
+    def _check_world(self) -> None:
+        t, r = self.train, self.rollout
+        if t.world_size == 1:
+            return
+        if self.ray.learner == "actor":
+            raise ConfigError(f"train.world_size={t.world_size} runs the learner's ranks as processes of "
+                              "the driver's machine; ranks as Ray actors are not built yet, so set "
+                              "ray.learner=driver, or train.world_size=1")
+        groups = r.batch_size // t.updates_per_batch  # the fewest whole groups a mini-batch can hold
+        if groups < t.world_size:
+            raise ConfigError(f"train.world_size={t.world_size} ranks split each mini-batch by whole prompt "
+                              f"groups, but rollout.batch_size={r.batch_size} over train.updates_per_batch="
+                              f"{t.updates_per_batch} mini-batches leaves some with {groups}; raise "
+                              "rollout.batch_size, or lower train.updates_per_batch or train.world_size")
+        if t.device.startswith("cuda:"):
+            raise ConfigError(f"train.device={t.device} names one GPU, but train.world_size={t.world_size} "
+                              "ranks use cuda:0 … cuda:N-1; set train.device=cuda")
 
     def _check_vllm(self) -> None:
         if self.rollout.engine != "vllm" and self.vllm != VllmSection():

@@ -148,7 +148,17 @@ class TrainSection:
     micro_batch_size: int = knob(
         0, "Sequences per forward/backward inside a mini-batch (gradient accumulation); 0 = all.", min=0
     )
-    threads: int = knob(1, "torch threads in the trainer process.", min=1)
+    threads: int = knob(
+        1, "torch threads in the trainer process (in each rank's, with world_size > 1).", min=1
+    )
+    world_size: int = knob(
+        1,
+        "Learner ranks: 1 = one process (the driver's, or ray.learner=actor's). N > 1 = N processes on "
+        "this machine training one FSDP2-sharded model (gloo on CPU; NCCL on GPUs, rank r on cuda:r), "
+        "each mini-batch split across them by whole prompt groups, with the single-process update "
+        "(docs/distributed.md). Every mini-batch needs at least N prompt groups.",
+        min=1,
+    )
     device: str = knob(
         "cpu",
         "Where the learner trains and evaluates: 'cpu', or 'cuda' / 'cuda:N' (a CUDA build of torch "

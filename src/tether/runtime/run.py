@@ -268,16 +268,50 @@ def _learner(cfg: Config, prepared: Prepared, session, stack: contextlib.ExitSta
         log.info("ray: learner actor ready (pid %s)", learner.pid)
         return learner, learner.evaluate
     data = prepared.data
-    return local_learner(cfg, prepared.model_path, data.eval, prepared.score, data.stop_text)
+    learner, evaluate = local_learner(cfg, prepared.model_path, data.eval, prepared.score, data.stop_text)
+    if hasattr(learner, "close"):  # the ranks of a sharded learner
+        stack.callback(learner.close)
+        log.info("learner: %d ranks ready (pids %s)", cfg.train.world_size, learner.pids)
+    return learner, evaluate
 
 
 def local_learner(cfg: Config, model_path, eval_examples, score, stop_text: str):
     """A TorchLearner and the held-out evaluator that runs on its model (in this process, or in
-    the learner's Ray actor)."""
+    the learner's Ray actor); with train.world_size > 1, a ShardedLearner (its ranks in processes
+    of their own) and an evaluator on a whole copy of the model here, given the ranks' current
+    weights before each evaluation."""
+    if cfg.train.world_size > 1:
+        return _sharded_learner(cfg, model_path, eval_examples, score, stop_text)
     from tether.train.learner import TorchLearner
 
     learner = TorchLearner(model_path, learner_settings(cfg))
     return learner, evaluator(cfg, learner.model, learner.tokenizer, eval_examples, score, stop_text)
+
+
+def _sharded_learner(cfg: Config, model_path, eval_examples, score, stop_text: str):
+    import torch
+
+    from tether.modeling import learner_device, load_causal_lm
+    from tether.train.sharded import ShardedLearner
+
+    learner = ShardedLearner(model_path, learner_settings(cfg), world_size=cfg.train.world_size,
+                             threads=cfg.train.threads)
+    try:
+        model, tokenizer = load_causal_lm(model_path)
+        model.to(learner_device(cfg.train.device)).eval()
+        held_out = evaluator(cfg, model, tokenizer, eval_examples, score, stop_text)
+    except BaseException:
+        learner.close()
+        raise
+    params = dict(model.named_parameters())
+
+    def evaluate(step: int):
+        with torch.no_grad():
+            for name, tensor in learner.export_weights().items():
+                params[name].copy_(tensor)
+        return held_out(step)
+
+    return learner, evaluate
 
 
 def evaluator(cfg: Config, model, tokenizer, examples, score, stop_text: str, *,

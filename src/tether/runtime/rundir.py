@@ -143,8 +143,9 @@ def first_fingerprint(run_dir: Path) -> str | None:
 # and schedule work, so changing them makes the run no longer one run; --force accepts them.
 SAFE = (
     "train.num_batches",  # extending the run (checked against what is trained)
-    "train.threads", "train.device", "rollout.threads_per_worker", "rollout.num_workers",
-    "rollout.backend", "ray.", "eval.", "checkpoint.", "plan.", "run.wandb_project",
+    "train.threads", "train.device", "train.world_size", "rollout.threads_per_worker",
+    "rollout.num_workers", "rollout.backend", "rollout.engine", "vllm.", "ray.", "eval.", "checkpoint.",
+    "plan.", "run.wandb_project",
     "async.wait_timeout_s", "async.max_consecutive_drops", "warmstart.",
 )
 HELD_OUT = ("data.num_eval", "data.eval_dataset")

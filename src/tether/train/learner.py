@@ -411,12 +411,27 @@ class TorchLearner:
     # -- state --------------------------------------------------------------------------------
 
     def save(self, path: str | Path) -> None:
-        """Model (safetensors) and tokenizer, optimizer, scheduler, RNG and counters."""
+        """Model (safetensors) and tokenizer, optimizer, scheduler, RNG and counters. Sharded: the
+        whole state is gathered and rank 0 writes it in the single-process format (the optimizer
+        state keyed by parameter index), so any world size resumes from it and `tether eval`
+        reads it."""
         path = Path(path)
-        self.model.save_pretrained(path / "model", safe_serialization=True)
+        if self.group.world == 1:
+            self.model.save_pretrained(path / "model", safe_serialization=True)
+            optimizer = self.optimizer.state_dict()
+        else:
+            weights, optimizer = self._gather_state()
+            if self.group.rank != 0:
+                return
+            from safetensors.torch import save_file
+
+            (path / "model").mkdir(parents=True, exist_ok=True)
+            self.model.config.save_pretrained(path / "model")
+            save_file({name: t.contiguous() for name, t in weights.items()},
+                      str(path / "model" / "model.safetensors"), metadata={"format": "pt"})
         self.tokenizer.save_pretrained(path / "model")
         torch.save({
-            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "committed": self.committed, "skipped": self.skipped,
         }, path / "learner.pt")
@@ -426,15 +441,58 @@ class TorchLearner:
 
         path = Path(path)
         state = load_file(str(path / "model" / "model.safetensors"))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        tied = {name for name in missing if name.endswith("lm_head.weight")}
-        if set(missing) - tied or unexpected:
+        expected = set(self.names)
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
             raise ConfigError(f"checkpoint {path} does not match the model: missing "
-                              f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}")
+                              f"{missing[:3]}, unexpected {unexpected[:3]}")
         # onto the CPU first: the optimizer moves its state to each parameter's device, so a
         # checkpoint loads wherever this learner trains
         extra = torch.load(path / "learner.pt", weights_only=False, map_location="cpu")
-        self.optimizer.load_state_dict(extra["optimizer"])
+        if self.group.world == 1:
+            self.model.load_state_dict(state, strict=False)  # a tied head follows its embedding
+            self.optimizer.load_state_dict(extra["optimizer"])
+        else:
+            self._scatter_state(state, extra["optimizer"])
         self.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["torch_rng"])
         self.committed, self.skipped = extra["committed"], extra["skipped"]
+
+    def _trainable_names(self) -> list[str]:
+        """The names of the optimizer's parameters, in its order (its state is keyed by index)."""
+        return [name for name, p in self.model.named_parameters() if p.requires_grad]
+
+    def _gather_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(whole weights, whole optimizer state keyed by index) on rank 0 (a collective)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(self.model, options=options)
+        by_name = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        if self.group.rank != 0:
+            return {}, {}
+        index = {name: i for i, name in enumerate(self._trainable_names())}
+        optimizer = {"state": {index[name]: value for name, value in by_name["state"].items()},
+                     "param_groups": [{**group, "params": [index[n] for n in group["params"]]}
+                                      for group in by_name["param_groups"]]}
+        return {name: weights[name] for name in self.names}, optimizer
+
+    def _scatter_state(self, weights: dict[str, torch.Tensor], optimizer: dict) -> None:
+        """Every rank takes its shards of whole weights and an index-keyed optimizer state."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        names = self._trainable_names()
+        options = StateDictOptions(full_state_dict=True, strict=False)  # a tied head follows its embedding
+        set_model_state_dict(self.model, weights, options=options)
+        by_name = {"state": {names[i]: value for i, value in optimizer["state"].items()},
+                   "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                                    for group in optimizer["param_groups"]]}
+        set_optimizer_state_dict(self.model, self.optimizer, by_name, options=options)
