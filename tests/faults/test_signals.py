@@ -178,3 +178,31 @@ def test_a_killed_raylet_is_reported_as_a_tether_error_and_leaves_nothing(tiny_m
     assert shm_left(run.shm) == []
     _ckpt, state = newest_state(run_dir)
     assert state["trained_batches"] <= len(rows(run_dir / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, None], ids=["ctrl-c", "rank-killed"])
+def test_learner_ranks_stop_with_the_run_and_a_killed_rank_is_named(tiny_model_dir, tmp_path, signum):
+    """train.world_size=2: Ctrl-C stops the ranks in order after the final checkpoint; a rank
+    killed mid-run fails the run naming it, and every rank and worker is gone."""
+    run_dir = tmp_path / "run"
+    args = recipe(tiny_model_dir, "train.world_size=2", "checkpoint.interval=2")
+    run = Run(["--run-dir", str(run_dir), *args], run_dir=run_dir)
+    run.wait_for_rows(3, timeout=180)
+    ranks = [line.split(":", 1)[0] for line in describe(run.look()).splitlines() if "spawn_main" in line]
+    assert len(ranks) == 2, describe(run.look())
+    if signum is None:
+        os.kill(int(ranks[1]), signal.SIGKILL)
+    else:
+        run.proc.send_signal(signum)
+    _out, err = run.finish(timeout=120)
+    if signum is None:
+        assert run.proc.returncode == 2, err[-3000:]
+        assert f"learner rank 1 (pid {ranks[1]}) died from signal SIGKILL" in err, err[-3000:]
+        assert "`tether train --resume` continues from it" in err
+    else:
+        assert run.proc.returncode == 130, err[-3000:]
+        _ckpt, state = newest_state(run_dir)
+        assert state["trained_batches"] == len(rows(run_dir / "metrics.jsonl"))
+    assert run.left() == ""
+    assert shm_left(run.shm) == []
+    assert leftovers(run_dir) == []
