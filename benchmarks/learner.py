@@ -14,7 +14,13 @@ Target (issue 4): at most 15% overhead. Also reported (issue 20): the update's n
 same thread count (``benchmarks/limits.py``). ``--device cuda`` runs the learners and the bare step on a
 GPU (``train.device=cuda``), timing each with the device synchronised.
 
+``--world-size 1,2`` instead measures the learner as ranks (``train.world_size``, each rank a
+process with ``--threads`` threads, FSDP2 over gloo, or NCCL with ``--device cuda``): per world
+size, the time of one update as the driver sees it, each rank's peak resident memory (and peak
+GPU memory on CUDA), and the time to gather the whole weights for a publication.
+
     python benchmarks/learner.py [--repeats 15] [--threads 1] [--device cpu|cuda] [--json]
+    python benchmarks/learner.py --world-size 1,2 [--repeats 15] [--threads 1] [--json]
 """
 
 from __future__ import annotations
@@ -142,13 +148,65 @@ def measure(repeats: int, threads: int, device: str = "cpu") -> dict:
     return out
 
 
+def _peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def measure_world(sizes: list[int], repeats: int, threads: int, device: str = "cpu") -> dict:
+    """Each world size's update time, per-rank peak memory and whole-weights gather time; world
+    size 1 also runs as one rank process, so the figures compare like with like."""
+    from tether.train.corrections import CorrectionSettings
+    from tether.train.learner import LearnerSettings
+    from tether.train.sharded import ShardedLearner
+
+    path, batch, _tok = setup()
+    settings = LearnerSettings(lr=1e-6, loss="ppo_clip", aggregation="token_mean", clip_high=0.28,
+                               anchor="proximal", shared_prefix=False, device=device,
+                               correction=CorrectionSettings(tis="token"))
+    out = {"device": device, "threads_per_rank": threads, "repeats": repeats, "sequences": 32, "worlds": {}}
+    for world in sizes:
+        learner = ShardedLearner(path, settings, world_size=world, threads=threads)
+        try:
+            for _ in range(3):  # warm up
+                learner.train(batch, train_version=0)
+            steps, gathers = [], []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                learner.train(batch, train_version=0)
+                steps.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                learner.export_weights()
+                gathers.append(time.perf_counter() - t0)
+            row = {"step_s": statistics.median(steps), "gather_weights_s": statistics.median(gathers),
+                   "rank_peak_rss_mb": [_peak_rss_mb(pid) for pid in learner.pids]}
+        finally:
+            learner.close()
+        out["worlds"][str(world)] = row
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU")
+    ap.add_argument("--world-size", default="", help="e.g. 1,2: the learner as that many ranks")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if a.world_size:
+        r = measure_world([int(w) for w in a.world_size.split(",")], a.repeats, a.threads, a.device)
+        if a.json:
+            print(json.dumps(r))
+            return 0
+        print(f"{r['sequences']} sequences per update on {a.device}, {a.threads} thread(s) per rank, "
+              f"median of {a.repeats}")
+        print(f"{'ranks':>6}{'update':>11}{'gather weights':>16}  peak memory per rank")
+        for world, row in r["worlds"].items():
+            memory = ", ".join(f"{m:.0f} MB" for m in row["rank_peak_rss_mb"])
+            step, gather = row["step_s"] * 1e3, row["gather_weights_s"] * 1e3
+            print(f"{world:>6}{step:>8.1f} ms{gather:>13.1f} ms  {memory}")
+        return 0
     r = measure(a.repeats, a.threads, a.device)
     if a.json:
         print(json.dumps(r))
