@@ -172,8 +172,11 @@ def test_a_killed_raylet_is_reported_as_a_tether_error_and_leaves_nothing(tiny_m
     os.kill(raylets[0], signal.SIGKILL)
     _out, err = run.finish(timeout=90)
     assert run.proc.returncode == 2, err[-3000:]
-    assert "without a Tether error" in err and "raylet died" in err
-    assert f"`tether train --resume {run_dir}` continues the run" in err
+    # Ray either ends the driver at once (the supervisor reports it) or first tells it that the
+    # rollout actor died (a Tether error naming the actor): either way the error says how to go on
+    assert ("without a Tether error" in err and "raylet died" in err) or (
+        "Ray actor" in err and "died" in err), err[-3000:]
+    assert f"tether train --resume {run_dir}`" in err, err[-3000:]
     assert run.left() == ""
     assert shm_left(run.shm) == []
     _ckpt, state = newest_state(run_dir)

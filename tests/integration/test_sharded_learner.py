@@ -132,3 +132,21 @@ def test_a_run_with_two_ranks_follows_the_plan_and_resumes_at_any_world_size(tin
     assert done["trained_batches"] == 6
     for a, b in zip(rows(single / "metrics.jsonl")[3:], metrics[3:], strict=True):
         assert a["loss/policy"] == pytest.approx(b["loss/policy"], rel=1e-3, abs=1e-5)
+
+
+def test_two_ranks_beside_ray_rollout_actors_follow_the_plan(tiny_model_dir, tmp_path):
+    pytest.importorskip("ray")
+    from test_train import recipe, rows
+
+    from tether.config import load_config
+    from tether.loop import Timings, simulate, summarize
+    from tether.runtime.run import train
+
+    cfg = load_config(None, recipe(tiny_model_dir, "train.world_size=2", "rollout.backend=ray",
+                                   "ray.local_cpus=2", "eval.interval=0", "checkpoint.interval=0"))
+    summary = train(cfg, tmp_path / "run", progress_plain=True)
+    metrics = rows(tmp_path / "run" / "metrics.jsonl")
+    commits = tuple(int(m["async/optimizer_updates"]) for m in metrics)
+    plan = simulate(cfg.budget(), Timings(commits=commits))
+    assert [m["staleness/updates"] for m in metrics] == [r.staleness_updates for r in plan.trace.records]
+    assert summary["syncs_after"] == summarize(plan)["syncs_after"]

@@ -246,6 +246,7 @@ def test_a_worker_killed_mid_run_fails_the_run_with_a_clear_error(tiny_model_dir
     assert proc.returncode == 2, err[-2000:]
     assert "worker rollout-0" in err and "died from signal SIGKILL" in err
     assert err.count("died from signal SIGKILL") == 1, err[-3000:]  # reported once, not again at teardown
+    assert f"tether train: the run directory is {run_dir}" in err, err[-3000:]  # and what is left of it
     assert wait_gone(family) == []
 
 

@@ -45,6 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ns.func(ns)
     except TetherError as exc:
         print(f"tether {ns.command}: error: {exc}", file=sys.stderr)
+        for note in getattr(exc, "__notes__", ()):  # what to do next, added where it is known
+            print(f"tether {ns.command}: {note}", file=sys.stderr)
         return 2
 
 

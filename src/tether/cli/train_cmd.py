@@ -81,7 +81,7 @@ def run(ns: argparse.Namespace) -> int:
             argv += ["--run-dir", str(run_dir)]  # the child must not pick another timestamp
         return supervise.supervise(argv, run_dir)
     _logging()
-    from tether.errors import StopRequested
+    from tether.errors import RunBusyError, StopRequested, TetherError
     from tether.runtime.run import train
 
     try:
@@ -91,6 +91,10 @@ def run(ns: argparse.Namespace) -> int:
         stopped = exc if isinstance(exc, StopRequested) else StopRequested("SIGINT")
         print(f"tether train: stopped by {stopped.signal_name}; {_where_to_resume(run_dir)}", file=sys.stderr)
         return stopped.exit_code
+    except TetherError as exc:
+        if not isinstance(exc, ConfigError | RunBusyError):  # a run that failed while running
+            exc.add_note(_where_to_resume(run_dir))
+        raise
     if not ns.no_report:
         from tether.runtime.report import write_report
 
