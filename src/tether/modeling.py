@@ -5,6 +5,7 @@ Shared by the rollout engine, the learner and warm start, so none of them depend
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,15 +27,38 @@ def load_tokenizer(path: str | Path):
     return tokenizer
 
 
+SHARDED_MARKER = "TETHER_SHARDED_CHECKPOINT.txt"
+"""In a sharded checkpoint's ``learner/model`` folder: its weights are the shards beside it."""
+
+
 def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a local directory, offline; a clear error when it is not one."""
+    """(model, tokenizer) from a local directory, offline; a clear error when it is not one. The
+    model folder of a sharded checkpoint (``checkpoint.sharded``) reads its weights from the
+    shards beside it, whole, in this process."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    path = Path(path)
     tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(Path(path), dtype=dtype, local_files_only=True)
+    if (path / SHARDED_MARKER).is_file():
+        return _from_shards(path, dtype), tokenizer
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model, tokenizer
+
+
+def _from_shards(path: Path, dtype: torch.dtype):
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # one process reading shards is what we mean
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path.parent / "sharded"), no_dist=True)
+    model.load_state_dict(state["model"])
+    return model
 
 
 def torch_device(name: str, *, who: str, fix: str) -> torch.device:

@@ -150,3 +150,40 @@ def test_two_ranks_beside_ray_rollout_actors_follow_the_plan(tiny_model_dir, tmp
     plan = simulate(cfg.budget(), Timings(commits=commits))
     assert [m["staleness/updates"] for m in metrics] == [r.staleness_updates for r in plan.trace.records]
     assert summary["syncs_after"] == summarize(plan)["syncs_after"]
+
+
+def test_sharded_checkpoints_resume_exactly_continue_at_one_process_and_evaluate(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from test_train import ROOT, recipe, rows
+
+    from tether.config import load_config
+    from tether.runtime.run import train
+
+    two = ["train.world_size=2", "checkpoint.sharded=true"]
+    whole = tmp_path / "whole"
+    train(load_config(None, recipe(tiny_model_dir, *two)), whole, progress_plain=True)
+    ckpt = sorted((whole / "checkpoints").iterdir())[-1] / "learner"
+    shards = sorted(p.name for p in (ckpt / "sharded").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own
+    assert not (ckpt / "model" / "model.safetensors").exists()  # no process held the whole state
+    parts = tmp_path / "parts"
+    train(load_config(None, recipe(tiny_model_dir, *two, "train.num_batches=3")), parts, progress_plain=True)
+    train(load_config(parts / "config.yaml", ["train.num_batches=6"]), parts, resume=True,
+          progress_plain=True)
+    keys = ("batch_index", "staleness/updates", "reward/mean", "loss/policy")
+    assert [{k: m[k] for k in keys} for m in rows(parts / "metrics.jsonl")] == [
+        {k: m[k] for k in keys} for m in rows(whole / "metrics.jsonl")]
+    single = tmp_path / "single"
+    train(load_config(None, recipe(tiny_model_dir, *two, "train.num_batches=3")), single, progress_plain=True)
+    done = train(load_config(single / "config.yaml", ["train.num_batches=6", "train.world_size=1",
+                                                      "checkpoint.sharded=false"]),
+                 single, resume=True, progress_plain=True)
+    assert done["trained_batches"] == 6
+    # `tether eval` reads the shards whole, in one process, and scores what the run scored
+    out = subprocess.run([sys.executable, "-m", "tether.cli.main", "eval", str(whole)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    last = rows(whole / "eval.jsonl")[-1]["eval/pass_at_1"]
+    assert f"{last:.1%}" in out.stdout, out.stdout

@@ -124,6 +124,7 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
         (["train.world_size=3", "rollout.batch_size=4", "train.updates_per_batch=2"],
          "leaves some with 2; raise rollout.batch_size"),
         (["train.world_size=2", "train.device=cuda:1"], "names one GPU"),
+        (["checkpoint.sharded=true"], "checkpoint.sharded=true has no effect with train.world_size=1"),
         (["rollout.engine=vllm", "vllm.dtype=auto"],
          "vllm.dtype must be one of 'float32', 'bfloat16', 'float16'"),
         (["rollout.engine=vllm", "vllm.gpu_memory_utilization=0"],

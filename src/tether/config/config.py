@@ -173,6 +173,10 @@ class Config:
     def _check_world(self) -> None:
         t, r = self.train, self.rollout
         if t.world_size == 1:
+            if self.checkpoint.sharded:
+                raise ConfigError("checkpoint.sharded=true has no effect with train.world_size=1 (one "
+                                  "process writes the whole state); set train.world_size > 1, or leave "
+                                  "it false")
             return
         if self.ray.learner == "actor":
             raise ConfigError(f"train.world_size={t.world_size} runs the learner's ranks as processes of "

@@ -277,6 +277,13 @@ class CheckpointSection:
         min=0,
     )
     keep: int = knob(3, "Keep the newest this many checkpoints (0 = keep all).", min=0)
+    sharded: bool = knob(
+        False,
+        "With train.world_size > 1: each rank writes its own shards of the model and optimizer "
+        "(torch.distributed.checkpoint), so no process ever holds the whole state; a resume at any "
+        "world size reshards them, and `tether eval` and model.path read them. false = gathered "
+        "whole on rank 0 into the single-process format.",
+    )
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ def learner_settings(cfg: Config):
         grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, shared_prefix=t.shared_prefix,
         temperature=cfg.rollout.temperature,
         max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed, device=t.device,
+        sharded_checkpoints=cfg.checkpoint.sharded,
     )
 
 

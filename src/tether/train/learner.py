@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +80,8 @@ class LearnerSettings:
     seed: int = 0
     device: str = "cpu"
     """Where the model trains ('cpu', 'cuda', 'cuda:N'); weights are exported from there."""
+    sharded_checkpoints: bool = False
+    """With several ranks: each writes its own shards (torch.distributed.checkpoint)."""
 
 
 class _Stats:
@@ -416,6 +419,8 @@ class TorchLearner:
         state keyed by parameter index), so any world size resumes from it and `tether eval`
         reads it."""
         path = Path(path)
+        if self.group.world > 1 and self.s.sharded_checkpoints:
+            return self._save_sharded(path)
         if self.group.world == 1:
             self.model.save_pretrained(path / "model", safe_serialization=True)
             optimizer = self.optimizer.state_dict()
@@ -437,26 +442,33 @@ class TorchLearner:
         }, path / "learner.pt")
 
     def load(self, path: str | Path) -> None:
+        """Continue from a checkpoint written at any world size, whole or sharded."""
+        path = Path(path)
+        # onto the CPU first: the optimizer moves its state to each parameter's device, so a
+        # checkpoint loads wherever this learner trains
+        extra = torch.load(path / "learner.pt", weights_only=False, map_location="cpu")
+        if extra.get("format") == "sharded":
+            self._load_sharded(path)
+        else:
+            self._load_whole(path, extra["optimizer"])
+        self.scheduler.load_state_dict(extra["scheduler"])
+        torch.set_rng_state(extra["torch_rng"])
+        self.committed, self.skipped = extra["committed"], extra["skipped"]
+
+    def _load_whole(self, path: Path, optimizer: dict) -> None:
         from safetensors.torch import load_file
 
-        path = Path(path)
         state = load_file(str(path / "model" / "model.safetensors"))
         expected = set(self.names)
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
             raise ConfigError(f"checkpoint {path} does not match the model: missing "
                               f"{missing[:3]}, unexpected {unexpected[:3]}")
-        # onto the CPU first: the optimizer moves its state to each parameter's device, so a
-        # checkpoint loads wherever this learner trains
-        extra = torch.load(path / "learner.pt", weights_only=False, map_location="cpu")
         if self.group.world == 1:
             self.model.load_state_dict(state, strict=False)  # a tied head follows its embedding
-            self.optimizer.load_state_dict(extra["optimizer"])
+            self.optimizer.load_state_dict(optimizer)
         else:
-            self._scatter_state(state, extra["optimizer"])
-        self.scheduler.load_state_dict(extra["scheduler"])
-        torch.set_rng_state(extra["torch_rng"])
-        self.committed, self.skipped = extra["committed"], extra["skipped"]
+            self._scatter_state(state, optimizer)
 
     def _trainable_names(self) -> list[str]:
         """The names of the optimizer's parameters, in its order (its state is keyed by index)."""
@@ -496,3 +508,41 @@ class TorchLearner:
                    "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
                                     for group in optimizer["param_groups"]]}
         set_optimizer_state_dict(self.model, self.optimizer, by_name, options=options)
+
+    # -- sharded checkpoints (checkpoint.sharded) -------------------------------------------------
+
+    def _save_sharded(self, path: Path) -> None:
+        """Every rank writes its own shards of the model and the optimizer (a collective); rank 0
+        adds the config, tokenizer, schedule, RNG and counters."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from tether.modeling import SHARDED_MARKER
+
+        weights, optimizer = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": weights, "optimizer": optimizer}, checkpoint_id=str(path / "sharded"))
+        if self.group.rank != 0:
+            return
+        (path / "model").mkdir(parents=True, exist_ok=True)
+        self.model.config.save_pretrained(path / "model")
+        self.tokenizer.save_pretrained(path / "model")
+        (path / "model" / SHARDED_MARKER).write_text(
+            "This model's weights are shards in ../sharded (torch.distributed.checkpoint), written by "
+            f"{self.group.world} learner ranks. Tether reads them as a model directory.\n")
+        torch.save({"format": "sharded", "world_size": self.group.world,
+                    "scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+                    "committed": self.committed, "skipped": self.skipped}, path / "learner.pt")
+
+    def _load_sharded(self, path: Path) -> None:
+        """Each rank reads the shards it needs (resharded to this world size; one process reads
+        them whole)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        weights, optimizer = get_state_dict(self.model, self.optimizer)
+        state = {"model": weights, "optimizer": optimizer}
+        with warnings.catch_warnings():  # one process reading shards is what we mean
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path / "sharded"), no_dist=self.group.world == 1)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
