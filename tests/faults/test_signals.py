@@ -209,3 +209,29 @@ def test_learner_ranks_stop_with_the_run_and_a_killed_rank_is_named(tiny_model_d
     assert run.left() == ""
     assert shm_left(run.shm) == []
     assert leftovers(run_dir) == []
+
+
+def test_a_killed_rank_actor_fails_the_run_naming_its_rank_and_the_run_resumes(tiny_model_dir, tmp_path):
+    """train.world_size=2 with ray.learner=actor: one actor per rank; killing one stops the other
+    (it waits for it in a collective), names the rank, and the run resumes from its checkpoint."""
+    pytest.importorskip("ray")
+    run_dir = tmp_path / "run"
+    args = recipe(tiny_model_dir, "train.world_size=2", "rollout.backend=ray", "ray.local_cpus=3",
+                  "ray.learner=actor", "checkpoint.interval=2")
+    run = Run(["--run-dir", str(run_dir), *args], run_dir=run_dir)
+    run.wait_for_rows(3, timeout=240)
+    ranks = [int(line.split(":", 1)[0]) for line in describe(run.look()).splitlines()
+             if "ray::_LearnerActor" in line]
+    assert len(ranks) == 2, describe(run.look())
+    os.kill(ranks[-1], signal.SIGKILL)
+    _out, err = run.finish(timeout=120)
+    assert run.proc.returncode == 2, err[-3000:]
+    assert "the learner's Ray actor of rank" in err and "died" in err, err[-3000:]
+    assert f"tether train --resume {run_dir}`" in err, err[-3000:]
+    assert run.left() == ""
+    _ckpt, state = newest_state(run_dir)
+    resumed = Run(["--resume", str(run_dir), f"train.num_batches={state['trained_batches'] + 2}"])
+    _out, err = resumed.finish(timeout=240)
+    assert resumed.proc.returncode == 0, err[-3000:]
+    assert len(rows(run_dir / "metrics.jsonl")) >= state["trained_batches"] + 2
+    assert resumed.left() == ""

@@ -187,3 +187,23 @@ def test_sharded_checkpoints_resume_exactly_continue_at_one_process_and_evaluate
     assert out.returncode == 0, out.stderr[-3000:]
     last = rows(whole / "eval.jsonl")[-1]["eval/pass_at_1"]
     assert f"{last:.1%}" in out.stdout, out.stdout
+
+
+def test_ranks_as_ray_actors_train_batch_for_batch_like_local_ranks(tiny_model_dir, tmp_path):
+    pytest.importorskip("ray")
+    from test_train import recipe, rows
+
+    from tether.config import load_config
+    from tether.runtime.run import train
+
+    keys = ("batch_index", "async/behavior_version", "staleness/updates", "reward/mean", "loss/policy")
+    two = ["train.world_size=2", "rollout.backend=ray", "ray.local_cpus=3"]
+    train(load_config(None, recipe(tiny_model_dir, *two)), tmp_path / "local", progress_plain=True)
+    actors = tmp_path / "actors"
+    train(load_config(None, recipe(tiny_model_dir, *two, "ray.learner=actor")), actors, progress_plain=True)
+    local = rows(tmp_path / "local" / "metrics.jsonl")
+    assert [{k: m[k] for k in keys} for m in rows(actors / "metrics.jsonl")] == [
+        {k: m[k] for k in keys} for m in local]
+    assert [e["eval/pass_at_1"] for e in rows(actors / "eval.jsonl")] == [
+        e["eval/pass_at_1"] for e in rows(tmp_path / "local" / "eval.jsonl")]
+    assert sorted((actors / "checkpoints").iterdir())  # written by the rank actors

@@ -178,10 +178,6 @@ class Config:
                                   "process writes the whole state); set train.world_size > 1, or leave "
                                   "it false")
             return
-        if self.ray.learner == "actor":
-            raise ConfigError(f"train.world_size={t.world_size} runs the learner's ranks as processes of "
-                              "the driver's machine; ranks as Ray actors are not built yet, so set "
-                              "ray.learner=driver, or train.world_size=1")
         groups = r.batch_size // t.updates_per_batch  # the fewest whole groups a mini-batch can hold
         if groups < t.world_size:
             raise ConfigError(f"train.world_size={t.world_size} ranks split each mini-batch by whole prompt "

@@ -389,8 +389,8 @@ def ray_options(cfg: Config):
     return RayOptions(address=r.address, local_cpus=r.local_cpus,
                       cpus_per_worker=r.cpus_per_worker or float(cfg.rollout.threads_per_worker),
                       gpus_per_worker=r.gpus_per_worker,
-                      reserved_cpus=float(cfg.train.threads) if r.learner == "actor" else 0.0,
-                      reserved_gpus=learner_gpus(cfg))
+                      reserved_cpus=float(cfg.train.threads * cfg.train.world_size) if r.learner == "actor"
+                      else 0.0, reserved_gpus=learner_gpus(cfg) * cfg.train.world_size)
 
 
 def learner_gpus(cfg: Config) -> float:
