@@ -153,10 +153,11 @@ class TrainSection:
     )
     world_size: int = knob(
         1,
-        "Learner ranks: 1 = one process (the driver's, or ray.learner=actor's). N > 1 = N processes on "
-        "this machine training one FSDP2-sharded model (gloo on CPU; NCCL on GPUs, rank r on cuda:r), "
-        "each mini-batch split across them by whole prompt groups, with the single-process update "
-        "(docs/distributed.md). Every mini-batch needs at least N prompt groups.",
+        "Learner ranks: 1 = one process (the driver's, or ray.learner=actor's). N > 1 = N ranks training "
+        "one FSDP2-sharded model (gloo on CPU; NCCL on GPUs): processes of this machine (rank r on "
+        "cuda:r), or with ray.learner=actor one Ray actor per rank. Each mini-batch is split across them "
+        "by whole prompt groups, with the single-process update (docs/distributed.md); every mini-batch "
+        "needs at least N prompt groups.",
         min=1,
     )
     device: str = knob(
