@@ -207,3 +207,30 @@ def test_ranks_as_ray_actors_train_batch_for_batch_like_local_ranks(tiny_model_d
     assert [e["eval/pass_at_1"] for e in rows(actors / "eval.jsonl")] == [
         e["eval/pass_at_1"] for e in rows(tmp_path / "local" / "eval.jsonl")]
     assert sorted((actors / "checkpoints").iterdir())  # written by the rank actors
+
+
+def test_a_non_finite_gradient_on_one_rank_skips_the_update_on_every_rank(tiny_model_dir):
+    """One token of the last group — rank 1's share of the second mini-batch — gets an engine
+    log-prob so low that its ratio π/μ overflows: only rank 1's loss is infinite, yet the
+    gradient norm is the global one, so both ranks skip that update and commit the first."""
+    import dataclasses
+
+    batch = batches(tiny_model_dir)[0]
+    scored = batch.payload
+    row = len(scored.rewards) - 1  # the last sample of the last group: reward 0, advantage < 0
+    logprobs = [list(lp) for lp in scored.logprobs]
+    logprobs[row][0] = -1e30
+    poisoned = dataclasses.replace(batch, payload=dataclasses.replace(scored, logprobs=logprobs))
+    settings = LearnerSettings(lr=1e-3, updates_per_batch=2, anchor="behavior", shared_prefix=False)
+    solo = TorchLearner(tiny_model_dir, settings).train(poisoned, train_version=0)
+    sharded = ShardedLearner(tiny_model_dir, settings, world_size=2)
+    try:
+        two = sharded.train(poisoned, train_version=0)
+        after = sharded.export_weights()
+        again = sharded.train(batch, train_version=1)  # every rank still agrees on the clock
+    finally:
+        sharded.close()
+    assert (solo.committed_updates, two.committed_updates) == (1, 1)
+    assert two.metrics["train/skipped_nonfinite_grad"] == 1.0
+    assert all(torch.isfinite(t).all() for t in after.values())
+    assert again.committed_updates == 2
