@@ -81,6 +81,7 @@ def worker_main(spec: WorkerSpec, requests: Connection, results: Connection,
             return  # the driver is gone: exit rather than linger as an orphan
         kind = msg[0]
         if kind == "stop":
+            worker.close()
             return
         index = msg[1].batch_index if kind == "generate" else None
         try:

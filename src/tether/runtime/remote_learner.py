@@ -198,10 +198,27 @@ class RemoteLearner:
                 self.close()
                 raise LearnerLostError(self._lost(rank, exc, doing)) from None
             except BaseException:
-                if self.world > 1:
+                if self.world > 1:  # a rank whose peer died fails in its collective: name the dead one
+                    dead = self._first_dead(pending)
                     self.close()
+                    if dead is not None:
+                        raise LearnerLostError(self._lost(*dead, doing)) from None
                 raise
         return [answers[r] for r in ranks] if every else answers[ranks[0]]
+
+    def _first_dead(self, pending: dict, wait_s: float = 10.0):
+        """(rank, error) of a rank among ``pending`` whose actor died, waiting up to ``wait_s`` for
+        their answers; None if none did."""
+        ray = self.ray
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                return pending[ref], exc
+            except BaseException:
+                continue
+        return None
 
     def _lost(self, rank: int, exc, doing: str) -> str:
         pid, node = self.pids[rank], self.nodes[rank]

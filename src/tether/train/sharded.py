@@ -194,6 +194,10 @@ class ShardedLearner:
                     except (EOFError, OSError):
                         self._lost(rank, doing)
                     if answer[0] == "error":
+                        # a rank whose peer died fails in its collective: name the dead one
+                        dead = self._first_dead(exclude=rank)
+                        if dead is not None:
+                            self._lost(dead, doing)
                         self.close(grace_s=1.0)  # the others may wait in a collective for it
                         raise LearnerError(f"learner rank {rank} failed {doing}: {answer[1]}",
                                            remote_traceback=answer[2])
@@ -201,6 +205,17 @@ class ShardedLearner:
                 elif self._procs[rank].sentinel in ready:
                     self._lost(rank, doing)
         return [answers[r] for r in range(self.world)]
+
+    def _first_dead(self, *, exclude: int, wait_s: float = 2.0) -> int | None:
+        """A rank other than ``exclude`` whose process has died (given ``wait_s`` to be seen)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self._procs):
+                if rank != exclude and proc.exitcode is not None:
+                    return rank
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
 
     def _lost(self, rank: int, doing: str):
         proc = self._procs[rank]
