@@ -21,6 +21,7 @@ What it guarantees, checked by ``tests/vllm_cpu``:
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -138,10 +139,7 @@ class VLLMEngine:
         self.stop_ids = list(stop_ids)
         self._version = version
         self.tied = tied_names(model_path)
-        self._vllm = vllm
         with open(os.path.join(model_path, "config.json")) as f:
-            import json
-
             self.max_positions = json.load(f).get("max_position_embeddings")
         _require_processed_logprobs(vllm.__version__)
         self.llm = vllm.LLM(
