@@ -119,8 +119,6 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
         (["rollout.backend=slurm"], "rollout.backend must be one of 'local', 'ray'"),
         (["vllm.dtype=bfloat16"], "the vllm section is set but rollout.engine is 'torch'"),
         (["rollout.engine=sglang"], "rollout.engine must be one of 'torch', 'vllm'"),
-        (["train.world_size=2", "rollout.backend=ray", "ray.learner=actor"],
-         "ranks as Ray actors are not built yet"),
         (["train.world_size=3", "rollout.batch_size=4", "train.updates_per_batch=2"],
          "leaves some with 2; raise rollout.batch_size"),
         (["train.world_size=2", "train.device=cuda:1"], "names one GPU"),
