@@ -8,7 +8,8 @@
     ├── QueueClosedError          a rollout-batch queue was closed while someone used it
     ├── QueueTimeoutError         a blocking queue call ran past its timeout
     ├── RolloutError              generation or scoring failed; carries the worker, batch and cause
-    ├── LearnerLostError          the learner's Ray actor died or stopped answering (ray.learner=actor)
+    ├── LearnerLostError          the learner's Ray actor, or one of its ranks, died or stopped answering
+    ├── LearnerError              an exception inside a learner rank; carries the rank's traceback
     ├── RunBusyError              another process holds the run directory's lock
     ├── CheckpointError           a checkpoint could not be written; the last good one is kept
     ├── DataError                 a dataset file, row or column is unusable; names file, row, expectation
@@ -82,7 +83,18 @@ class RolloutError(TetherError):
 
 
 class LearnerLostError(TetherError):
-    """The learner's Ray actor (``ray.learner: actor``) died or stopped answering."""
+    """The learner's Ray actor (``ray.learner: actor``), or one of its ranks
+    (``train.world_size`` > 1), died or stopped answering."""
+
+
+class LearnerError(TetherError):
+    """An exception inside a learner rank process; the message ends with its traceback."""
+
+    def __init__(self, message: str, *, remote_traceback: str = "") -> None:
+        self.remote_traceback = remote_traceback
+        if remote_traceback:
+            message = f"{message}\n\nOriginal traceback:\n{remote_traceback.rstrip()}"
+        super().__init__(message)
 
 
 class DataError(TetherError, ValueError):

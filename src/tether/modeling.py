@@ -48,17 +48,25 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32):
 
 
 def _from_shards(path: Path, dtype: torch.dtype):
-    import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # one process reading shards is what we mean
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path.parent / "sharded"), no_dist=True)
+    state = read_shards({"model": model.state_dict()}, path.parent / "sharded", single_process=True)
     model.load_state_dict(state["model"])
     return model
+
+
+def read_shards(state: dict, path: Path, *, single_process: bool) -> dict:
+    """Fill ``state`` (its tensors say what to read and how it is sharded here) from the
+    torch.distributed.checkpoint shards in ``path``; ``single_process``: this process alone reads
+    them, whole."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # one process reading shards is what is meant
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=single_process)
+    return state
 
 
 def torch_device(name: str, *, who: str, fix: str) -> torch.device:
@@ -84,6 +92,14 @@ def learner_device(name: str) -> torch.device:
     """``train.device`` as a torch device, checked."""
     return torch_device(name, who=f"train.device={name}",
                         fix="install a CUDA build of torch on a machine with a GPU, or set train.device=cpu")
+
+
+def copy_weights(model: torch.nn.Module, weights) -> None:
+    """Copy ``weights`` (name → tensor, e.g. a learner's exported ones) into ``model``'s parameters."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)
 
 
 def unique_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:

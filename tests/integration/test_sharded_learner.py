@@ -100,10 +100,9 @@ def test_a_killed_rank_fails_the_call_naming_it_and_no_rank_is_left(tiny_model_d
 
 
 def test_a_run_with_two_ranks_follows_the_plan_and_resumes_at_any_world_size(tiny_model_dir, tmp_path):
-    from test_train import recipe, rows
+    from test_train import assert_follows_plan, recipe, rows
 
     from tether.config import load_config
-    from tether.loop import Timings, simulate, summarize
     from tether.runtime.run import train
 
     keys = ("step", "batch_index", "async/behavior_version", "staleness/updates", "reward/mean",
@@ -111,11 +110,7 @@ def test_a_run_with_two_ranks_follows_the_plan_and_resumes_at_any_world_size(tin
     two = ["train.world_size=2"]
     whole = load_config(None, recipe(tiny_model_dir, *two))
     summary = train(whole, tmp_path / "whole", progress_plain=True)
-    metrics = rows(tmp_path / "whole" / "metrics.jsonl")
-    commits = tuple(int(m["async/optimizer_updates"]) for m in metrics)
-    plan = simulate(whole.budget(), Timings(commits=commits))
-    assert [m["staleness/updates"] for m in metrics] == [r.staleness_updates for r in plan.trace.records]
-    assert summary["syncs_after"] == summarize(plan)["syncs_after"]
+    metrics, _plan = assert_follows_plan(whole, tmp_path / "whole", summary)
     assert [e["step"] for e in rows(tmp_path / "whole" / "eval.jsonl")] == [0, 3, 6]
     # stopped after 3 batches, resumed at two ranks: row for row the same run
     parts = tmp_path / "parts"
@@ -136,20 +131,15 @@ def test_a_run_with_two_ranks_follows_the_plan_and_resumes_at_any_world_size(tin
 
 def test_two_ranks_beside_ray_rollout_actors_follow_the_plan(tiny_model_dir, tmp_path):
     pytest.importorskip("ray")
-    from test_train import recipe, rows
+    from test_train import assert_follows_plan, recipe
 
     from tether.config import load_config
-    from tether.loop import Timings, simulate, summarize
     from tether.runtime.run import train
 
     cfg = load_config(None, recipe(tiny_model_dir, "train.world_size=2", "rollout.backend=ray",
                                    "ray.local_cpus=2", "eval.interval=0", "checkpoint.interval=0"))
     summary = train(cfg, tmp_path / "run", progress_plain=True)
-    metrics = rows(tmp_path / "run" / "metrics.jsonl")
-    commits = tuple(int(m["async/optimizer_updates"]) for m in metrics)
-    plan = simulate(cfg.budget(), Timings(commits=commits))
-    assert [m["staleness/updates"] for m in metrics] == [r.staleness_updates for r in plan.trace.records]
-    assert summary["syncs_after"] == summarize(plan)["syncs_after"]
+    assert_follows_plan(cfg, tmp_path / "run", summary)
 
 
 def test_sharded_checkpoints_resume_exactly_continue_at_one_process_and_evaluate(tiny_model_dir, tmp_path):

@@ -39,18 +39,24 @@ def rows(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
+def assert_follows_plan(cfg, run_dir, summary):
+    """The run's per-batch staleness and its publications are `tether plan`'s for the updates it
+    actually committed (a group with nothing to learn from commits nothing); returns (metrics,
+    plan)."""
+    metrics = rows(Path(run_dir) / "metrics.jsonl")
+    plan = simulate(cfg.budget(), Timings(commits=tuple(int(m["async/optimizer_updates"]) for m in metrics)))
+    assert [m["staleness/updates"] for m in metrics] == [r.staleness_updates for r in plan.trace.records]
+    assert summary["syncs_after"] == summarize(plan)["syncs_after"]
+    return metrics, plan
+
+
 @pytest.mark.parametrize(("s", "u"), [(0, 1), (1, 1), (2, 2)])
 def test_staleness_and_publications_match_tether_plan(tiny_model_dir, tmp_path, s, u):
     cfg = load_config(None, recipe(tiny_model_dir, f"async.max_staleness={s}", f"async.max_inflight={s + 1}",
                                    f"train.updates_per_batch={u}", "train.num_batches=8",
                                    "eval.interval=0", "checkpoint.interval=0"))
     summary = train(cfg, tmp_path / "run", progress_plain=True)
-    metrics = rows(tmp_path / "run" / "metrics.jsonl")
-    # the plan with the updates the run actually committed (a group with nothing to learn from
-    # commits nothing): every batch's staleness and every publication agree
-    plan = simulate(cfg.budget(), Timings(commits=tuple(int(m["async/optimizer_updates"]) for m in metrics)))
-    assert [m["staleness/updates"] for m in metrics] == [r.staleness_updates for r in plan.trace.records]
-    assert summary["syncs_after"] == summarize(plan)["syncs_after"]
+    metrics, plan = assert_follows_plan(cfg, tmp_path / "run", summary)
     for m in metrics:  # where it accrued, from the real completion times: the parts add up
         parts = [m[f"staleness/{p}_updates"] for p in ("at_launch", "generating", "queued")]
         assert min(parts) >= 0 and sum(parts) == m["staleness/updates"]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from tether.decoding.sampling import SamplingParams
+from tether.errors import ConfigError
 
 FinishReason = Literal["stop", "length"]
 
@@ -47,3 +48,16 @@ class Engine(Protocol):
     def load_weights(self, weights: Mapping[str, Any], version: int) -> None:
         """Make ``weights`` (name → tensor) current as ``version``; only called while idle."""
         ...
+
+
+def check_context(prompts: Sequence[Sequence[int]], params: SamplingParams,
+                  max_positions: int | None) -> None:
+    """Refuse a batch whose longest prompt plus ``max_new_tokens`` does not fit the model's context
+    (None: no known limit), naming both numbers."""
+    longest = max(len(p) for p in prompts)
+    if max_positions is not None and longest + params.max_new_tokens > max_positions:
+        raise ConfigError(
+            f"a {longest}-token prompt plus rollout.max_new_tokens={params.max_new_tokens} exceeds "
+            f"the model's context of {max_positions} positions; lower data.max_prompt_tokens "
+            "or rollout.max_new_tokens"
+        )

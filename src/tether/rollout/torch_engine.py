@@ -8,7 +8,7 @@ import torch
 
 from tether.decoding.sampling import SamplingParams, sample, stepper_for
 from tether.errors import ConfigError
-from tether.rollout.engine import Completion
+from tether.rollout.engine import Completion, check_context
 
 
 class TorchEngine:
@@ -30,13 +30,7 @@ class TorchEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, samples_per_prompt: int,
                  params: SamplingParams, seed: int) -> list[list[Completion]]:
-        longest = max(len(p) for p in prompts)
-        if self.max_positions is not None and longest + params.max_new_tokens > self.max_positions:
-            raise ConfigError(
-                f"a {longest}-token prompt plus rollout.max_new_tokens={params.max_new_tokens} exceeds "
-                f"the model's context of {self.max_positions} positions; lower data.max_prompt_tokens "
-                "or rollout.max_new_tokens"
-            )
+        check_context(prompts, params, self.max_positions)
         # one generator per batch on the engine's device: the same seed draws the same tokens on
         # the same kind of device (CPU and CUDA streams differ)
         generator = torch.Generator(device=self.device).manual_seed(seed)

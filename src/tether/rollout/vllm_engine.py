@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from tether.decoding.sampling import SamplingParams
 from tether.errors import ConfigError
-from tether.rollout.engine import Completion
+from tether.rollout.engine import Completion, check_context
 
 INSTALL_HINT = ("install vLLM's build for this machine: `make vllm` (CPU, a separate virtual "
                 "environment .venv-vllm whose pins vLLM needs) or `pip install 'tether[vllm]'` on a GPU "
@@ -159,13 +159,7 @@ class VLLMEngine:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        longest = max(len(p) for p in prompts)
-        if self.max_positions is not None and longest + params.max_new_tokens > self.max_positions:
-            raise ConfigError(
-                f"a {longest}-token prompt plus rollout.max_new_tokens={params.max_new_tokens} exceeds "
-                f"the model's context of {self.max_positions} positions; lower data.max_prompt_tokens "
-                "or rollout.max_new_tokens"
-            )
+        check_context(prompts, params, self.max_positions)
         requests = [
             VSamplingParams(n=samples_per_prompt, temperature=params.temperature, top_k=params.top_k,
                             top_p=params.top_p, max_tokens=params.max_new_tokens, logprobs=0,

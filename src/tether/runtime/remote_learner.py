@@ -107,15 +107,12 @@ class _LearnerActor:
     def evaluate(self, step: int) -> Mapping[str, float] | None:
         if self.world == 1:
             return self.evaluator(step)
-        import torch
+        from tether.modeling import copy_weights
 
         weights = self.learner.export_weights()
         if self.rank != 0:
             return None
-        params = dict(self.eval_model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                params[name].copy_(tensor)
+        copy_weights(self.eval_model, weights)
         return self.evaluator(step)
 
     def save(self, path: str) -> None:

@@ -290,9 +290,7 @@ def local_learner(cfg: Config, model_path, eval_examples, score, stop_text: str)
 
 
 def _sharded_learner(cfg: Config, model_path, eval_examples, score, stop_text: str):
-    import torch
-
-    from tether.modeling import learner_device, load_causal_lm
+    from tether.modeling import copy_weights, learner_device, load_causal_lm
     from tether.train.sharded import ShardedLearner
 
     learner = ShardedLearner(model_path, learner_settings(cfg), world_size=cfg.train.world_size,
@@ -304,12 +302,8 @@ def _sharded_learner(cfg: Config, model_path, eval_examples, score, stop_text: s
     except BaseException:
         learner.close()
         raise
-    params = dict(model.named_parameters())
-
     def evaluate(step: int):
-        with torch.no_grad():
-            for name, tensor in learner.export_weights().items():
-                params[name].copy_(tensor)
+        copy_weights(model, learner.export_weights())
         return held_out(step)
 
     return learner, evaluate

@@ -22,8 +22,13 @@ class Solo:
         """This rank's rows of a mini-batch (``rows``: global row indices)."""
         return rows
 
+    def collect(self, values: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, values) of every rank's ``values`` at its global ``rows``, in row order."""
+        return rows, values
+
     def gather(self, values: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
         """A tensor of ``n`` rows holding every rank's ``values`` at its global ``rows``."""
+        rows, values = self.collect(values, rows)
         if len(rows) == n and bool((rows == torch.arange(n, device=rows.device)).all()):
             return values
         out = values.new_zeros((n, *values.shape[1:]))
@@ -51,13 +56,13 @@ class Ranks(Solo):
         mine = distinct.tensor_split(self.world)[self.rank]  # contiguous runs of whole groups
         return rows[torch.isin(groups, mine)]
 
-    def gather(self, values: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    def collect(self, values: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         parts: list = [None] * self.world
         self.dist.all_gather_object(parts, (rows.cpu(), values.detach().cpu()))
-        out = values.new_zeros((n, *values.shape[1:]))
-        for their_rows, their_values in parts:
-            out[their_rows.to(out.device)] = their_values.to(out.device)
-        return out
+        rows = torch.cat([r for r, _ in parts]).to(values.device)
+        values = torch.cat([v for _, v in parts]).to(values.device)
+        order = torch.argsort(rows)
+        return rows[order], values[order]
 
     def most(self, count: int) -> int:
         t = torch.tensor([count], dtype=torch.long)

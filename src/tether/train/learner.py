@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from tether.errors import ConfigError
 from tether.loop.protocols import RolloutBatch, TrainResult
 from tether.modeling import learner_device, load_causal_lm, unique_parameters
 from tether.procinfo import peak_rss_mb
+from tether.train import fsdp
 from tether.train.advantages import Advantages, group_advantages, overlong_penalty
 from tether.train.batch import TrainBatch, to_train_batch, token_logprobs
 from tether.train.collective import Solo
@@ -122,7 +122,7 @@ class TorchLearner:
             self.ref_model, _ = load_causal_lm(model_path)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         if self.group.world > 1:
-            self._shard()
+            fsdp.shard(self.model)
         self.forward = self._forward_for(self.model)
         self.ref_forward = self._forward_for(self.ref_model) if self.ref_model is not None else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -144,11 +144,7 @@ class TorchLearner:
         (a collective), returned on rank 0 (other ranks get an empty dict)."""
         if self.group.world == 1:
             return unique_parameters(self.model)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = get_model_state_dict(self.model, options=options)
-        return {name: full[name] for name in self.names} if full else {}
+        return fsdp.whole_weights(self.model, self.names)
 
     def train(self, batch: RolloutBatch, *, train_version: int) -> TrainResult:
         s = self.s
@@ -171,21 +167,6 @@ class TorchLearner:
         for rows, share in zip(minibatches, shares, strict=True):
             committed += self._update(tb, rows, share, adv.values, mask, same, old, ref, stats)
         return TrainResult(committed, u, self._metrics(stats, adv.frac_zero_std, u - committed))
-
-    def _shard(self) -> None:
-        """FSDP2: each decoder layer a unit of its own, the rest (embeddings, final norm, a tied
-        head) in the root's; gradients are summed over ranks, not averaged, because each rank's
-        loss is already its part of the mini-batch's (normalised by the whole mini-batch's counts)."""
-        from torch.distributed.fsdp import fully_shard
-
-        units = [m for m in self.model.modules() if isinstance(m, torch.nn.ModuleList)][:1]
-        layers = list(units[0]) if units else []
-        for layer in layers:
-            fully_shard(layer)
-        fully_shard(self.model)
-        for unit in [*layers, self.model]:
-            unit.set_gradient_divide_factor(1.0)
-            unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-scaled one)
 
     def _check_shares(self, minibatches, group_size: int) -> None:
         """Every rank needs rows of every mini-batch: refuse mini-batches of fewer prompt groups
@@ -319,7 +300,7 @@ class TorchLearner:
             if self.group.world > 1:  # the figures of the whole micro-batch, from every rank's rows
                 policy, kl, loss_metrics, logp, entropy, anchor, keep = self._whole(
                     part, logp.detach(), entropy, anchor, adv, keep, weights, ref, total_tokens, total_seqs,
-                    settings, tb.size)
+                    settings)
                 total = policy if kl is None else policy + s.kl_coef * kl
             if kl is not None:
                 stats.add("loss/kl", kl.detach())
@@ -344,18 +325,16 @@ class TorchLearner:
         return 1
 
     def _whole(self, part, logp, entropy, anchor, adv, keep, weights, ref, total_tokens, total_seqs,
-               settings, n):
+               settings):
         """The loss figures of one micro-batch over every rank's rows (this rank's ``part`` and the
         others'), computed as one process would: (policy, kl, loss metrics, logp, entropy, anchor,
         keep) of those rows."""
         s = self.s
         fields = torch.stack([logp, entropy, anchor, keep, weights,
                               ref[part] if ref is not None else torch.zeros_like(logp)], dim=1)
-        full = self.group.gather(fields, part, n)
-        present = self.group.gather(torch.ones(len(part), 1, device=logp.device), part, n)[:, 0] > 0
-        logp, entropy, anchor, keep, weights, ref_rows = full[present].unbind(1)
-        idx = torch.nonzero(present).squeeze(1)
-        inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[idx], mask=keep)
+        rows, full = self.group.collect(fields, part)
+        logp, entropy, anchor, keep, weights, ref_rows = full.unbind(1)
+        inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[rows], mask=keep)
         with torch.no_grad():
             per_token, loss_metrics = self.loss_fn(inputs, settings)
             policy = aggregate(per_token * weights, keep, s.aggregation, norm_constant=s.max_new_tokens,
@@ -414,32 +393,43 @@ class TorchLearner:
     # -- state --------------------------------------------------------------------------------
 
     def save(self, path: str | Path) -> None:
-        """Model (safetensors) and tokenizer, optimizer, scheduler, RNG and counters. Sharded: the
-        whole state is gathered and rank 0 writes it in the single-process format (the optimizer
-        state keyed by parameter index), so any world size resumes from it and `tether eval`
-        reads it."""
+        """Model (safetensors) and tokenizer, optimizer, scheduler, RNG and counters. With ranks,
+        either gathered whole and written by rank 0 in the single-process format (any world size
+        resumes from it), or (``sharded_checkpoints``) each rank's own shards, the model folder
+        then holding the config, the tokenizer and a marker saying where its weights are."""
         path = Path(path)
-        if self.group.world > 1 and self.s.sharded_checkpoints:
-            return self._save_sharded(path)
+        extra = {"scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+                 "committed": self.committed, "skipped": self.skipped}
+        weights = None
         if self.group.world == 1:
             self.model.save_pretrained(path / "model", safe_serialization=True)
-            optimizer = self.optimizer.state_dict()
+            extra["optimizer"] = self.optimizer.state_dict()
+        elif self.s.sharded_checkpoints:
+            fsdp.save_shards(self.model, self.optimizer, path / "sharded")
+            extra.update(format="sharded", world_size=self.group.world)
         else:
-            weights, optimizer = self._gather_state()
-            if self.group.rank != 0:
-                return
-            from safetensors.torch import save_file
-
-            (path / "model").mkdir(parents=True, exist_ok=True)
-            self.model.config.save_pretrained(path / "model")
-            save_file({name: t.contiguous() for name, t in weights.items()},
-                      str(path / "model" / "model.safetensors"), metadata={"format": "pt"})
+            weights, extra["optimizer"] = fsdp.gather_state(self.model, self.optimizer, self.names)
+        if self.group.rank != 0:
+            return
+        if self.group.world > 1:
+            self._write_model_folder(path / "model", weights)
         self.tokenizer.save_pretrained(path / "model")
-        torch.save({
-            "optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "committed": self.committed, "skipped": self.skipped,
-        }, path / "learner.pt")
+        torch.save(extra, path / "learner.pt")
+
+    def _write_model_folder(self, folder: Path, weights: dict[str, torch.Tensor] | None) -> None:
+        from tether.modeling import SHARDED_MARKER
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self.model.config.save_pretrained(folder)
+        if weights is None:
+            (folder / SHARDED_MARKER).write_text(
+                "This model's weights are shards in ../sharded (torch.distributed.checkpoint), written "
+                f"by {self.group.world} learner ranks. Tether reads them as a model directory.\n")
+            return
+        from safetensors.torch import save_file
+
+        save_file({name: t.contiguous() for name, t in weights.items()}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
 
     def load(self, path: str | Path) -> None:
         """Continue from a checkpoint written at any world size, whole or sharded."""
@@ -448,7 +438,8 @@ class TorchLearner:
         # checkpoint loads wherever this learner trains
         extra = torch.load(path / "learner.pt", weights_only=False, map_location="cpu")
         if extra.get("format") == "sharded":
-            self._load_sharded(path)
+            fsdp.load_shards(self.model, self.optimizer, path / "sharded",
+                             single_process=self.group.world == 1)
         else:
             self._load_whole(path, extra["optimizer"])
         self.scheduler.load_state_dict(extra["scheduler"])
@@ -468,81 +459,4 @@ class TorchLearner:
             self.model.load_state_dict(state, strict=False)  # a tied head follows its embedding
             self.optimizer.load_state_dict(optimizer)
         else:
-            self._scatter_state(state, optimizer)
-
-    def _trainable_names(self) -> list[str]:
-        """The names of the optimizer's parameters, in its order (its state is keyed by index)."""
-        return [name for name, p in self.model.named_parameters() if p.requires_grad]
-
-    def _gather_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """(whole weights, whole optimizer state keyed by index) on rank 0 (a collective)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(self.model, options=options)
-        by_name = get_optimizer_state_dict(self.model, self.optimizer, options=options)
-        if self.group.rank != 0:
-            return {}, {}
-        index = {name: i for i, name in enumerate(self._trainable_names())}
-        optimizer = {"state": {index[name]: value for name, value in by_name["state"].items()},
-                     "param_groups": [{**group, "params": [index[n] for n in group["params"]]}
-                                      for group in by_name["param_groups"]]}
-        return {name: weights[name] for name in self.names}, optimizer
-
-    def _scatter_state(self, weights: dict[str, torch.Tensor], optimizer: dict) -> None:
-        """Every rank takes its shards of whole weights and an index-keyed optimizer state."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        names = self._trainable_names()
-        options = StateDictOptions(full_state_dict=True, strict=False)  # a tied head follows its embedding
-        set_model_state_dict(self.model, weights, options=options)
-        by_name = {"state": {names[i]: value for i, value in optimizer["state"].items()},
-                   "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
-                                    for group in optimizer["param_groups"]]}
-        set_optimizer_state_dict(self.model, self.optimizer, by_name, options=options)
-
-    # -- sharded checkpoints (checkpoint.sharded) -------------------------------------------------
-
-    def _save_sharded(self, path: Path) -> None:
-        """Every rank writes its own shards of the model and the optimizer (a collective); rank 0
-        adds the config, tokenizer, schedule, RNG and counters."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        from tether.modeling import SHARDED_MARKER
-
-        weights, optimizer = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": weights, "optimizer": optimizer}, checkpoint_id=str(path / "sharded"))
-        if self.group.rank != 0:
-            return
-        (path / "model").mkdir(parents=True, exist_ok=True)
-        self.model.config.save_pretrained(path / "model")
-        self.tokenizer.save_pretrained(path / "model")
-        (path / "model" / SHARDED_MARKER).write_text(
-            "This model's weights are shards in ../sharded (torch.distributed.checkpoint), written by "
-            f"{self.group.world} learner ranks. Tether reads them as a model directory.\n")
-        torch.save({"format": "sharded", "world_size": self.group.world,
-                    "scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
-                    "committed": self.committed, "skipped": self.skipped}, path / "learner.pt")
-
-    def _load_sharded(self, path: Path) -> None:
-        """Each rank reads the shards it needs (resharded to this world size; one process reads
-        them whole)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        weights, optimizer = get_state_dict(self.model, self.optimizer)
-        state = {"model": weights, "optimizer": optimizer}
-        with warnings.catch_warnings():  # one process reading shards is what we mean
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(path / "sharded"), no_dist=self.group.world == 1)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+            fsdp.scatter_state(self.model, self.optimizer, state, optimizer)

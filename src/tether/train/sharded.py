@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from tether.errors import LearnerLostError, TetherError
+from tether.errors import LearnerError, LearnerLostError
 from tether.loop.protocols import RolloutBatch, TrainResult
 from tether.train.learner import LearnerSettings
 
@@ -227,10 +227,3 @@ class ShardedLearner:
         raise LearnerLostError(f"learner rank {rank} (pid {proc.pid}) {how} {doing}; the run's last "
                                "checkpoint is intact: `tether train --resume` continues from it")
 
-
-class LearnerError(TetherError):
-    """An exception inside a learner rank, with its traceback."""
-
-    def __init__(self, message: str, *, remote_traceback: str = "") -> None:
-        super().__init__(message)
-        self.remote_traceback = remote_traceback

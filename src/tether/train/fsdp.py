@@ -1,0 +1,101 @@
+"""What a learner whose model FSDP2 shards over ranks needs besides the training math.
+
+The sharding itself; the whole weights for a publication; and its state for a checkpoint, either
+gathered whole in the single-process format (weights by name, AdamW's state keyed by parameter
+index, so any world size reads it) or as each rank's own shards (torch.distributed.checkpoint).
+Every function here is a collective: every rank calls it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def shard(model: torch.nn.Module) -> None:
+    """Each decoder layer a unit of its own, the rest (embeddings, final norm, a tied head) the
+    root's. Gradients are summed over ranks, not averaged: each rank's loss is already its part of
+    the mini-batch's (normalised by the whole mini-batch's counts)."""
+    from torch.distributed.fsdp import fully_shard
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)][:1]
+    layers = list(lists[0]) if lists else []
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    for unit in [*layers, model]:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-scaled one)
+
+
+def _whole():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def whole_weights(model: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """``names`` → whole tensors on the CPU, on rank 0 (the other ranks get an empty dict)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    full = get_model_state_dict(model, options=_whole())
+    return {name: full[name] for name in names} if full else {}
+
+
+def trainable_names(model: torch.nn.Module) -> list[str]:
+    """The names of the optimizer's parameters, in its order (its state is keyed by index)."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def gather_state(model, optimizer, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """(whole weights of ``names``, whole optimizer state keyed by index) on rank 0; ({}, {})
+    on the others."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    weights = whole_weights(model, names)
+    by_name = get_optimizer_state_dict(model, optimizer, options=_whole())
+    if not weights:
+        return {}, {}
+    index = {name: i for i, name in enumerate(trainable_names(model))}
+    return weights, {"state": {index[name]: value for name, value in by_name["state"].items()},
+                     "param_groups": [{**group, "params": [index[n] for n in group["params"]]}
+                                      for group in by_name["param_groups"]]}
+
+
+def scatter_state(model, optimizer, weights: dict[str, torch.Tensor], state: dict) -> None:
+    """Each rank takes its shards of whole weights and of an index-keyed optimizer state."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    names = trainable_names(model)
+    options = StateDictOptions(full_state_dict=True, strict=False)  # a tied head follows its embedding
+    set_model_state_dict(model, weights, options=options)
+    by_name = {"state": {names[i]: value for i, value in state["state"].items()},
+               "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                                for group in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=options)
+
+
+def save_shards(model, optimizer, path: Path) -> None:
+    """Every rank writes its own shards of the model and the optimizer into ``path``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    weights, state = get_state_dict(model, optimizer)
+    dcp.save({"model": weights, "optimizer": state}, checkpoint_id=str(path))
+
+
+def load_shards(model, optimizer, path: Path, *, single_process: bool) -> None:
+    """Each rank reads the shards it needs from ``path``, resharded to this world size (one
+    process reads them whole)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from tether.modeling import read_shards
+
+    weights, state = get_state_dict(model, optimizer)
+    loaded = read_shards({"model": weights, "optimizer": state}, path, single_process=single_process)
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
