@@ -9,7 +9,8 @@
 # weight load from CPU tensors, the lean decoder against the transformers forward) and a rollout
 # worker on CUDA, i.e. what a Ray actor with ray.gpus_per_worker > 0 runs; the learner on CUDA
 # (train.device=cuda) step for step against the CPU learner, its checkpoint loading on a CPU, and
-# held-out evaluation on the device (tests marked `gpu`); then the engine and learner benchmarks
+# held-out evaluation on the device, and with two or more GPUs the learner's NCCL ranks
+# (train.world_size=2) against one GPU (tests marked `gpu`); then the engine and learner benchmarks
 # on the GPU (engine_cuda.json and learner_cuda.json beside the log); and, where vLLM's CUDA build is
 # installed, the vLLM engine on the GPU beside the built-in one (tokens/s, weight loads, its
 # log-probs against a transformers forward: vllm_cuda.json). Ray itself is not needed

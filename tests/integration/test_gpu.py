@@ -178,6 +178,34 @@ def test_the_learner_on_the_device_takes_the_cpu_learners_steps(tiny_model_dir, 
     assert back.train(batch, train_version=2).committed_updates == 2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="learner ranks on NCCL need two CUDA devices (two ranks cannot share one)")
+def test_two_nccl_ranks_take_the_single_device_learners_steps(tiny_model_dir):
+    """train.world_size=2 on CUDA: NCCL ranks on cuda:0 and cuda:1 make the one-GPU update,
+    publish whole weights to host memory, and report each rank's largest peak memory."""
+    from tether.train.sharded import ShardedLearner
+
+    batch = rollout_batch(tiny_model_dir)
+    settings = LearnerSettings(lr=5e-5, updates_per_batch=2, shared_prefix=False, kl_coef=0.01,
+                               device="cuda")
+    one = TorchLearner(tiny_model_dir, settings)
+    two = ShardedLearner(tiny_model_dir, settings, world_size=2)
+    try:
+        for version in range(2):
+            a, b = one.train(batch, train_version=version), two.train(batch, train_version=version)
+            assert (a.committed_updates, b.committed_updates) == (2, 2)
+            for key in ("loss/policy", "loss/kl", "ratio/mean", "train/entropy"):
+                assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-3, abs=1e-5), key
+            assert b.metrics["memory/trainer_gpu_peak_mb"] > 0
+        weights = two.export_weights()
+    finally:
+        two.close()
+    for name, p in one.export_weights().items():
+        assert weights[name].device.type == "cpu"
+        torch.testing.assert_close(weights[name], p.detach().cpu(), atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_held_out_evaluation_runs_on_the_learners_device(tiny_model_dir, device):
     from tether.data.rewards import scorer

@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 from test_learner import sampled_batch  # noqa: E402
 
 from procs import wait_gone  # noqa: E402
-from tether.errors import LearnerLostError  # noqa: E402
+from tether.errors import ConfigError, LearnerLostError  # noqa: E402
 from tether.train.corrections import CorrectionSettings  # noqa: E402
 from tether.train.learner import LearnerSettings, TorchLearner  # noqa: E402
 from tether.train.sharded import ShardedLearner  # noqa: E402
@@ -179,8 +179,13 @@ def test_sharded_checkpoints_resume_exactly_continue_at_one_process_and_evaluate
     assert f"{last:.1%}" in out.stdout, out.stdout
 
 
-def test_ranks_as_ray_actors_train_batch_for_batch_like_local_ranks(tiny_model_dir, tmp_path):
+def test_ranks_as_ray_actors_train_batch_for_batch_like_local_ranks(tiny_model_dir, tmp_path, caplog):
+    """One actor per rank, all in one placement group, giving the rows local ranks give."""
     pytest.importorskip("ray")
+    import logging
+    import re
+
+    caplog.set_level(logging.INFO, logger="tether")
     from test_train import recipe, rows
 
     from tether.config import load_config
@@ -197,6 +202,27 @@ def test_ranks_as_ray_actors_train_batch_for_batch_like_local_ranks(tiny_model_d
     assert [e["eval/pass_at_1"] for e in rows(actors / "eval.jsonl")] == [
         e["eval/pass_at_1"] for e in rows(tmp_path / "local" / "eval.jsonl")]
     assert sorted((actors / "checkpoints").iterdir())  # written by the rank actors
+    placed = [r.getMessage() for r in caplog.records if "learner rank actors ready" in r.getMessage()]
+    one_group = r"in placement group\(s\) \['[0-9a-f]{8,}'\] \(PACK\)"
+    assert len(placed) == 1 and re.search(one_group, placed[0]), placed
+
+
+def test_learner_ranks_that_cannot_be_placed_are_refused_before_any_starts(tiny_model_dir, tmp_path):
+    """Two ranks of 2 CPUs each do not fit a 3-CPU Ray instance: refused at once, saying what to
+    change, instead of one rank waiting forever for the other."""
+    pytest.importorskip("ray")
+    from test_train import recipe
+
+    from tether.config import load_config
+    from tether.runtime.run import train
+
+    cfg = load_config(None, recipe(tiny_model_dir, "train.world_size=2", "train.threads=2",
+                                   "rollout.backend=ray", "ray.local_cpus=3", "ray.learner=actor"))
+    with pytest.raises(ConfigError, match=r"learner ranks of \{'CPU': 2.0\} each cannot be placed \(PACK\) "
+                                          r"on this Ray cluster: it has room for 1"):
+        train(cfg, tmp_path / "run", progress_plain=True)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert not checkpoints.exists() or not any(checkpoints.iterdir())
 
 
 def test_a_non_finite_gradient_on_one_rank_skips_the_update_on_every_rank(tiny_model_dir):
@@ -224,3 +250,37 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_update_on_every_rank(tiny_m
     assert two.metrics["train/skipped_nonfinite_grad"] == 1.0
     assert all(torch.isfinite(t).all() for t in after.values())
     assert again.committed_updates == 2
+
+
+def _most_of_ranks(rank: int, init_file: str, out) -> None:
+    import torch.distributed as dist
+
+    from tether.train.collective import Ranks
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        group = Ranks()
+        out.put((rank, group.most(100.5 * (1 + rank)), group.most(3 - rank)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_largest_value_over_ranks_keeps_its_type(tmp_path):
+    """``most`` (micro-batch counts, each rank's peak memory) is the largest over the ranks, an
+    int staying an int: every rank reports rank 1's memory, and rank 0's count."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_most_of_ranks, args=(r, str(tmp_path / "init"), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        answers = sorted(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert answers == [(0, 201.0, 3), (1, 201.0, 3)]
+    assert all(type(count) is int for _, _, count in answers)

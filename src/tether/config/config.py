@@ -165,10 +165,15 @@ class Config:
     def _check_ray(self) -> None:
         r = self.ray
         if self.rollout.backend != "ray" and (r.address or r.local_cpus or r.cpus_per_worker
-                                              or r.gpus_per_worker or r.learner != "driver"):
+                                              or r.gpus_per_worker or r.learner != "driver"
+                                              or r.learner_placement != "PACK"):
             raise ConfigError("the ray section is set but rollout.backend is "
                               f"{self.rollout.backend!r}; set rollout.backend=ray to use it, or remove "
                               "the ray keys")
+        if r.learner_placement != "PACK" and (r.learner != "actor" or self.train.world_size == 1):
+            raise ConfigError(f"ray.learner_placement={r.learner_placement} places learner ranks, which "
+                              "exist only with ray.learner=actor and train.world_size > 1; set both, or "
+                              "remove ray.learner_placement")
 
     def _check_world(self) -> None:
         t, r = self.train, self.rollout

@@ -428,6 +428,13 @@ class RaySection:
         "going straight from it to the object store. With 'actor' on a cluster, the run directory "
         "must be on a filesystem the learner's node sees (it writes the checkpoints).",
     )
+    learner_placement: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = knob(
+        "PACK",
+        "With ray.learner=actor and train.world_size > 1: the Ray placement group strategy of the "
+        "ranks' bundles (train.threads CPUs each, plus one GPU when train.device is CUDA), reserved "
+        "together before any rank starts. PACK = as few nodes as fit (one node's fast links when it "
+        "has room); STRICT_PACK = one node or refuse; SPREAD / STRICT_SPREAD = across nodes.",
+    )
     gpus_per_worker: float = knob(
         0.0,
         "GPUs each rollout actor requests; above 0 the actor's engine samples on its GPU (CUDA, "

@@ -90,7 +90,8 @@ class _LearnerActor:
         import ray
 
         layout = self.snapshot.layout if self.snapshot is not None else None
-        return os.getpid(), ray.get_runtime_context().get_node_id(), layout
+        context = ray.get_runtime_context()
+        return os.getpid(), context.get_node_id(), layout, context.get_placement_group_id()
 
     def train(self, batch: RolloutBatch, train_version: int) -> TrainResult | None:
         result = self.learner.train(batch, train_version=train_version)
@@ -141,15 +142,19 @@ class RemoteLearner:
                                   f"cluster for {asked}, and it has {have:g}; set train.device=cpu"
                                   + (", lower train.world_size" if self.world > 1 else "")
                                   + ", or start Ray on nodes with GPUs")
-        remote = ray.remote(_LearnerActor)
-        self.handles = [
-            remote.options(num_cpus=cfg.train.threads, num_gpus=gpus, max_restarts=0,
-                           name=f"tether-learner-{rank}-{os.getpid()}-{id(self):x}",
-                           ).remote(cfg, str(model_path), list(eval_examples), stop_text, rank, self.world)
-            for rank in range(self.world)]
+        self.group = None
+        self.handles = []
         self.pids: list[int | None] = [None] * self.world
         self.nodes: list[str | None] = [None] * self.world
         try:
+            placement = self._place(cfg, gpus, startup_timeout_s) if self.world > 1 else [{}]
+            remote = ray.remote(_LearnerActor)
+            self.handles = [
+                remote.options(num_cpus=cfg.train.threads, num_gpus=gpus, max_restarts=0,
+                               name=f"tether-learner-{rank}-{os.getpid()}-{id(self):x}", **placement[rank],
+                               ).remote(cfg, str(model_path), list(eval_examples), stop_text, rank,
+                                        self.world)
+                for rank in range(self.world)]
             if self.world > 1:
                 address = self._call("address", ranks=[0], timeout=startup_timeout_s, doing="while starting")
                 self._call("join", address, timeout=startup_timeout_s, doing="while starting")
@@ -160,6 +165,36 @@ class RemoteLearner:
         self.pids = [d[0] for d in described]
         self.nodes = [d[1] for d in described]
         self.layout = described[0][2]
+        self.placement = [d[3] for d in described]  # each rank's placement group (None: world 1)
+
+    def _place(self, cfg: Config, gpus: float, timeout_s: float) -> list[dict]:
+        """Reserve one bundle per rank (train.threads CPUs, and a GPU when training on CUDA) in a
+        placement group, so every rank starts together or none does, on as few nodes as
+        ``ray.learner_placement`` allows; the actor options that put rank r in bundle r."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray, strategy = self.ray, cfg.ray.learner_placement
+        bundle = {"CPU": float(cfg.train.threads), **({"GPU": gpus} if gpus else {})}
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        fits = [min(int(res.get(k, 0.0) // v) for k, v in bundle.items()) for res in nodes]  # ranks per node
+        room = {"STRICT_PACK": max(fits, default=0), "STRICT_SPREAD": sum(f > 0 for f in fits)}.get(
+            strategy, sum(fits))
+        if room < self.world:
+            raise ConfigError(
+                f"train.world_size={self.world} learner ranks of {bundle} each cannot be placed "
+                f"({strategy}) on this Ray cluster: it has room for {room} ({len(nodes)} node(s)); "
+                "lower train.world_size or train.threads, raise ray.local_cpus, add nodes, or choose "
+                "another ray.learner_placement")
+        self.group = placement_group([dict(bundle) for _ in range(self.world)], strategy=strategy,
+                                     name=f"tether-learner-{os.getpid()}-{id(self):x}")
+        ready, _ = ray.wait([self.group.ready()], timeout=timeout_s)
+        if not ready:
+            raise LearnerLostError(f"the Ray cluster did not place the {self.world} learner ranks "
+                                   f"({strategy}, {bundle} each) within {timeout_s:.0f}s: other work "
+                                   "holds the resources")
+        return [{"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=self.group, placement_group_bundle_index=rank)} for rank in range(self.world)]
 
     @property
     def pid(self) -> int | None:
@@ -255,3 +290,9 @@ class RemoteLearner:
         for handle in getattr(self, "handles", []):
             with contextlib.suppress(Exception):
                 self.ray.kill(handle, no_restart=True)
+        if getattr(self, "group", None) is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.group)
+            self.group = None

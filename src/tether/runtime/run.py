@@ -266,7 +266,12 @@ def _learner(cfg: Config, prepared: Prepared, session, stack: contextlib.ExitSta
         learner = RemoteLearner(session.ray, cfg, str(prepared.model_path), prepared.data.eval,
                                 prepared.data.stop_text)
         stack.callback(learner.close)
-        log.info("ray: learner actor ready (pid %s)", learner.pid)
+        if learner.world == 1:
+            log.info("ray: learner actor ready (pid %s)", learner.pid)
+        else:
+            log.info("ray: %d learner rank actors ready (pids %s) in placement group(s) %s (%s)",
+                     learner.world, learner.pids, sorted(set(map(str, learner.placement))),
+                     cfg.ray.learner_placement)
         return learner, learner.evaluate
     data = prepared.data
     learner, evaluate = local_learner(cfg, prepared.model_path, data.eval, prepared.score, data.stop_text)

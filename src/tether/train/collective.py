@@ -35,9 +35,9 @@ class Solo:
         out[rows] = values
         return out
 
-    def most(self, count: int) -> int:
-        """The largest ``count`` over the ranks."""
-        return count
+    def most(self, value: float) -> float:
+        """The largest ``value`` over the ranks (an int stays an int)."""
+        return value
 
 
 class Ranks(Solo):
@@ -64,7 +64,9 @@ class Ranks(Solo):
         order = torch.argsort(rows)
         return rows[order], values[order]
 
-    def most(self, count: int) -> int:
-        t = torch.tensor([count], dtype=torch.long)
+    def most(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)  # exact for any count below 2**53
+        if self.dist.get_backend() == "nccl":
+            t = t.cuda()
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
-        return int(t.item())
+        return type(value)(t.item())

@@ -118,11 +118,13 @@ class TorchLearner:
         self.model.to(self.device).train()
         self.names = list(unique_parameters(self.model))  # the published names, tied ones once
         self.ref_model = None
-        if settings.kl_coef > 0:  # frozen: every rank keeps a whole copy
+        if settings.kl_coef > 0:  # frozen; with ranks sharded like the model, so no rank holds it whole
             self.ref_model, _ = load_causal_lm(model_path)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         if self.group.world > 1:
             fsdp.shard(self.model)
+            if self.ref_model is not None:
+                fsdp.shard(self.ref_model)
         self.forward = self._forward_for(self.model)
         self.ref_forward = self._forward_for(self.ref_model) if self.ref_model is not None else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -380,9 +382,10 @@ class TorchLearner:
         for reason in ("train/skipped_no_signal", "train/skipped_nonfinite_grad"):
             out[reason] = float(stats.skips.get(reason, 0))
         out["reward/frac_zero_std"] = frac_zero_std
-        out["memory/trainer_peak_mb"] = peak_rss_mb()
+        out["memory/trainer_peak_mb"] = self.group.most(peak_rss_mb())  # with ranks: the largest rank's
         if self.device.type == "cuda":
-            out["memory/trainer_gpu_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+            gpu_peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+            out["memory/trainer_gpu_peak_mb"] = self.group.most(gpu_peak)
         if stats.ratios:
             ratios = torch.cat(stats.ratios)
             out.update({"ratio/mean": float(ratios.mean()), "ratio/std": float(ratios.std(unbiased=False)),
