@@ -318,3 +318,17 @@ def test_the_own_data_example_recipe_runs_with_its_dataset_and_reward_file(tiny_
     spec.loader.exec_module(module)
     assert module.reward("upper abc=", "ABC", "ABC", {"word": "abc"}) == 1.0
     assert module.reward("upper abc=", "ABX", "ABC", {"word": "abc"}) == pytest.approx(0.5 * 2 / 3)
+
+
+def test_a_run_where_nothing_is_ever_right_still_ends_with_its_report(tiny_model_dir, tmp_path):
+    """The untrained tiny model never answers right: every group has zero variance and is dropped,
+    so no batch has a mismatch figure. The run still ends with exit 0 and its plots (a log axis
+    over no positive value used to fail the report after the training had finished)."""
+    from tether.cli.main import main
+
+    args = [a for a in recipe(tiny_model_dir, "train.num_batches=3", "eval.interval=0", "checkpoint.interval=0")
+            if not a.startswith("reward.function=")]
+    assert main(["train", *args, "--run-dir", str(tmp_path / "run")]) == 0
+    metrics = rows(tmp_path / "run" / "metrics.jsonl")
+    assert all(m["reward/mean"] == 0.0 for m in metrics)
+    assert (tmp_path / "run" / "plots" / "ratios.png").stat().st_size > 1000

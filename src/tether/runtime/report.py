@@ -122,10 +122,12 @@ def write_report(run_dir: Path) -> list[Path]:
     axes[1].set_title("Ratios against staleness")
     # |log π_old − log μ|: all tokens (staleness and numerics) and only the tokens sampled with
     # the trained weights themselves (numerics alone, where a batch has any)
-    axes[2].scatter(stale, _col(metrics, "mismatch/logprob_abs_diff_max"), s=8, label="all tokens")
-    axes[2].scatter(stale, _col(metrics, "mismatch/numeric_logprob_abs_diff_max"), s=8,
-                    label="same weights (numerics)")
-    axes[2].set_yscale("log")
+    mismatch = _col(metrics, "mismatch/logprob_abs_diff_max")
+    numeric = _col(metrics, "mismatch/numeric_logprob_abs_diff_max")
+    axes[2].scatter(stale, mismatch, s=8, label="all tokens")
+    axes[2].scatter(stale, numeric, s=8, label="same weights (numerics)")
+    if any(v > 0 for v in mismatch + numeric):  # NaN or exactly 0 throughout has no log scale
+        axes[2].set_yscale("log")
     axes[2].set_xlabel("staleness (batches)")
     axes[2].legend()
     axes[2].set_title("max |log π_old − log μ|")
