@@ -326,8 +326,8 @@ def test_a_run_where_nothing_is_ever_right_still_ends_with_its_report(tiny_model
     over no positive value used to fail the report after the training had finished)."""
     from tether.cli.main import main
 
-    args = [a for a in recipe(tiny_model_dir, "train.num_batches=3", "eval.interval=0", "checkpoint.interval=0")
-            if not a.startswith("reward.function=")]
+    short = recipe(tiny_model_dir, "train.num_batches=3", "eval.interval=0", "checkpoint.interval=0")
+    args = [a for a in short if not a.startswith("reward.function=")]
     assert main(["train", *args, "--run-dir", str(tmp_path / "run")]) == 0
     metrics = rows(tmp_path / "run" / "metrics.jsonl")
     assert all(m["reward/mean"] == 0.0 for m in metrics)

@@ -188,3 +188,27 @@ def test_the_plan_says_where_dynamic_sampling_draws_from(capsys):
     assert doc["dynamic_sampling"]["max_prompts_per_batch"] == 24
     where = doc["dynamic_sampling"]["extra_prompts_of_batch_k"]
     assert where == "positions 16·k … 16·k + 15 of the extra stream"
+
+
+def test_the_plan_models_publishing_without_draining(capsys):
+    """keep: a publication after every step, batches generated under more than one version, and
+    per-token staleness below the batch's own (its oldest token's) — never above the budget."""
+    args = ["--max-staleness", "2", "--max-inflight", "2", "--workers", "2", "--gen-time", "1",
+            "--gen-jitter", "1.0", "--train-time", "0.5", "--num-batches", "60"]
+    drain = plan_json(capsys, *args)
+    keep = plan_json(capsys, *args, "--inflight-update", "keep")
+    assert keep["settings"]["inflight_update"] == "keep"
+    assert keep["syncs_after"] == list(range(1, 60))
+    assert drain["syncs_after"] != keep["syncs_after"]
+    sm = keep["summary"]
+    assert sm["max_staleness_batches"] <= 2
+    assert sm["multi_version_batch_frac"] > 0.3 and drain["summary"]["multi_version_batch_frac"] == 0
+    assert sm["mean_token_staleness_updates"] < sm["mean_staleness_batches"]
+    assert drain["summary"]["mean_token_staleness_updates"] == drain["summary"]["mean_staleness_batches"]
+    assert main(["plan", *args, "--inflight-update", "keep"]) == 0
+    assert "per token (inflight_update=keep): mean staleness" in capsys.readouterr().out
+
+
+def test_the_plan_refuses_the_modes_it_does_not_model(capsys):
+    assert main(["plan", "async.inflight_update=abort"]) == 2
+    assert "tether plan models async.inflight_update=drain and keep" in capsys.readouterr().err

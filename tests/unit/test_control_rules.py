@@ -242,3 +242,29 @@ def test_idle_sync_only_when_asked_idle_ahead_and_nothing_else_due():
     c.mark_published()
     c.commit(1)
     assert c.sync_decision(8, engines_idle=True).reasons == ("eval",)  # never idle at the end
+
+
+def test_without_draining_a_launch_is_bounded_by_the_oldest_version_still_generating():
+    """S = 1, U = 1, keep: batches A and B launched at v0; A trains (T = 1) and v1 is published
+    while B still generates. Launching C now (at v1) would let C finish first and train before
+    B, which would then train at staleness 2 > 1: no slot while B (v0) generates; once B is
+    done, the published version bounds the launch as when draining."""
+    c = AsyncControl(BudgetSettings(max_staleness=1, max_inflight=2, total_batches=10,
+                                    inflight_update="keep"))
+    assert c.launch_slots(inflight=0, ready=0, trained_batches=0) == 2
+    c.commit(1)
+    c.mark_published()
+    assert c.sync_decision(1).reasons == ()  # published above: the trainer is not ahead
+    assert c.launch_slots(inflight=1, ready=0, trained_batches=1) == 1  # the drain rule's answer
+    assert c.launch_slots(inflight=1, ready=0, trained_batches=1, oldest_generating=0) == 0
+    assert c.launch_slots(inflight=0, ready=1, trained_batches=1, oldest_generating=None) == 1
+    c.commit(1)
+    assert c.sync_decision(2).reasons == ("eager",)
+    with pytest.raises(ControlError, match="ahead of the published version"):
+        c.freshness(oldest_generating=2)
+
+
+def test_draining_never_publishes_eagerly():
+    c = AsyncControl(BudgetSettings(max_staleness=2, total_batches=10))
+    c.commit(1)
+    assert c.sync_decision(1).reasons == ()

@@ -1,12 +1,14 @@
 """Randomized invariant fuzzing of the control plane through the real loop (DESIGN §2).
 
 Thousands of random settings — partially committed steps, random eval/save intervals, in-flight
-caps, worker counts and generation-time jitter — each run to the end in virtual time, checking:
-the queue is empty at every budget sync and hard boundary (an ``idle`` sync, with
-``sync_when_idle``, finds nothing in flight but may leave older batches queued); consumed
-staleness (measured from the data) never exceeds the budget; admission never starves the queue
-while refusing to launch (the loop would raise); versions never decrease; every launched batch
-is accounted for exactly once.
+caps, worker counts, generation-time jitter and every ``async.inflight_update`` mode — each run
+to the end in virtual time, checking: the queue is empty at every draining sync and at every hard
+boundary (an ``idle`` sync, with ``sync_when_idle``, finds nothing in flight but may leave older
+batches queued; without draining, a publication that is not for a boundary leaves generations
+running and switches them to the new weights); consumed staleness (measured from the data's
+oldest token) never exceeds the budget; admission never starves the queue while refusing to
+launch (the loop would raise); versions never decrease; every launched batch is accounted for
+exactly once.
 """
 
 import random
@@ -14,6 +16,7 @@ import random
 import pytest
 
 from tether.control import AsyncControl, BudgetSettings
+from tether.errors import StaleBatchError
 from tether.loop import Driver, LoopObserver
 from tether.loop.virtual import SimHooks, SimLearner, SimPool, Timings, VirtualClock
 
@@ -35,9 +38,13 @@ class InvariantChecker(LoopObserver):
         if event.kind == "sync":
             self.syncs += 1
             idle = event.detail["reasons"] == ("idle",)
+            boundary = {"eval", "save"} & set(event.detail["reasons"])
             if idle and self.pool.inflight:
                 self.violations.append("idle sync with generation in flight")
-            if not idle and event.detail["outstanding"] != 0:
+            if not self.pool.drains and not boundary:
+                if event.detail["drained"]:
+                    self.violations.append("a non-draining mode drained for a non-boundary sync")
+            elif not idle and event.detail["outstanding"] != 0:
                 self.violations.append(f"{event.detail['outstanding']} outstanding at sync")
         if event.kind in ("eval", "save") and (self.pool.inflight or driver.ready):
             self.violations.append(f"work outstanding at {event.kind}")
@@ -72,7 +79,8 @@ def random_trial(rng: random.Random) -> tuple[BudgetSettings, Timings]:
         total_batches=rng.randint(1, 40),
         eval_interval=rng.choice([0, 0, rng.randint(1, 12)]),
         save_interval=rng.choice([0, 0, rng.randint(1, 12)]),
-        sync_when_idle=rng.random() < 0.5,
+        inflight_update=(mode := rng.choice(["drain", "drain", "keep", "recompute", "abort"])),
+        sync_when_idle=mode == "drain" and rng.random() < 0.5,
     )
     timings = Timings(
         gen_time=rng.uniform(0.01, 3.0),
@@ -88,7 +96,7 @@ def random_trial(rng: random.Random) -> tuple[BudgetSettings, Timings]:
 
 def check_trial(settings: BudgetSettings, timings: Timings) -> list[str]:
     clock = VirtualClock()
-    pool = SimPool(clock, timings)
+    pool = SimPool(clock, timings, drains=settings.drains)
     learner = SimLearner(clock, timings, settings.updates_per_batch)
     ref: list = []
     checker = InvariantChecker(pool, ref)
@@ -108,29 +116,51 @@ def check_trial(settings: BudgetSettings, timings: Timings) -> list[str]:
         v.append("a launched batch was not trained exactly once")
     if state.trained_batches != settings.total_batches or pool.inflight or driver.ready:
         v.append("run did not end with every batch trained and nothing outstanding")
-    return v
+    return v, learner.spanning
 
 
 @pytest.mark.timeout(300)
 def test_invariants_hold_over_thousands_of_random_trials():
     rng = random.Random(20261129)
-    partial_trials = 0
+    partial_trials = switched = 0
     failures = []
     for trial in range(TRIALS):
         settings, timings = random_trial(rng)
         partial_trials += bool(timings.commits and min(timings.commits) < settings.updates_per_batch)
-        violations = check_trial(settings, timings)
+        violations, spans = check_trial(settings, timings)
+        switched += spans > 0
         if violations:
             failures.append((trial, settings, timings, violations[:3]))
     assert not failures, failures[:5]
     assert partial_trials > TRIALS // 3  # the partially committed case is well covered
-
+    assert switched > TRIALS // 10  # batches that really changed weights mid-generation
 
 def test_the_checker_catches_a_broken_admission_rule(monkeypatch):
     """The fuzzer can fail: admit one batch too many and it reports over-budget staleness."""
-    monkeypatch.setattr(AsyncControl, "freshness", lambda self: (
+    monkeypatch.setattr(AsyncControl, "freshness", lambda self, _oldest=None: (
         (self.settings.staleness_budget - self.publish_lag) // self.settings.updates_per_batch + 2
     ))
     settings = BudgetSettings(max_staleness=1, updates_per_batch=1, max_inflight=4, total_batches=8)
     with pytest.raises(Exception, match="outstanding at a weight sync"):
         check_trial(settings, Timings())
+
+
+def test_the_checker_catches_the_drain_rule_used_without_draining(monkeypatch):
+    """Without draining, the launch rule must bound by the oldest version still generating: the
+    draining rule (the published version's lag only) lets a later launch overtake an older batch,
+    which then trains above budget — the fuzzer sees it in the data."""
+    original = AsyncControl.freshness
+    monkeypatch.setattr(AsyncControl, "freshness", lambda self, _oldest=None: original(self))
+    rng = random.Random(7)
+    caught = 0
+    for _ in range(300):
+        settings, timings = random_trial(rng)
+        if settings.drains:
+            continue
+        try:
+            violations, _ = check_trial(settings, timings)
+        except StaleBatchError:  # the loop's own fail-closed check at consumption saw it first
+            caught += 1
+        else:
+            caught += any("> budget" in v for v in violations)
+    assert caught > 0

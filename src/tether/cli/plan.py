@@ -17,6 +17,7 @@ FLAG_KEYS = {
     "num_batches": "train.num_batches",
     "max_inflight": "async.max_inflight",
     "sync_when_idle": "async.sync_when_idle",
+    "inflight_update": "async.inflight_update",
     "eval_interval": "eval.interval",
     "save_interval": "checkpoint.interval",
     "workers": "rollout.num_workers",
@@ -45,6 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-inflight", type=int, help="concurrent generations (async.max_inflight)")
     p.add_argument("--sync-when-idle", action="store_const", const="true",
                    help="also publish whenever no generation is in flight (async.sync_when_idle)")
+    p.add_argument("--inflight-update", choices=["drain", "keep"],
+                   help="whether a publication waits for generations in flight (async.inflight_update); "
+                   "the planner models drain and keep")
     p.add_argument("--eval-interval", type=int, help="eval every N batches, 0 = off (eval.interval)")
     p.add_argument("--save-interval", type=int,
                    help="checkpoint every N batches, 0 = off (checkpoint.interval)")
@@ -93,6 +97,11 @@ def timings_of(cfg: Config) -> Timings:
 
 def run(ns: argparse.Namespace) -> int:
     cfg = config_from_args(ns)
+    if cfg.async_.inflight_update in ("recompute", "abort"):
+        raise ConfigError(f"tether plan models async.inflight_update=drain and keep; the extra work of "
+                          f"{cfg.async_.inflight_update} (a prefix run again, or sequences sampled again) "
+                          "depends on each sequence's length, which the planner does not model yet; plan "
+                          "with keep for the schedule and the staleness bound, which are the same")
     sim = simulate(cfg.budget(), timings_of(cfg), num_groups=cfg.rollout.batch_size,
                    group_size=cfg.rollout.group_size, anchor=cfg.train.anchor)
     doc = plan_document(sim)
@@ -154,6 +163,10 @@ def render_text(sim: Simulation, doc: dict, *, width: int = 72, show_all: bool =
         f"where it accrued (mean updates): {sm['mean_staleness_at_launch_updates']:.2f} publish lag at "
         f"launch, {sm['mean_staleness_generating_updates']:.2f} while generating, "
         f"{sm['mean_staleness_queued_updates']:.2f} waiting to be trained",
+        *([] if s.drains else [
+            f"per token (inflight_update={s.inflight_update}): mean staleness "
+            f"{sm['mean_token_staleness_updates']:.2f} updates (a batch's own is its oldest token's); "
+            f"{sm['multi_version_batch_frac']:.0%} of batches generated under more than one version"]),
         f"time: {sm['makespan_s']:.2f}s total, {sm['mean_step_time_s']:.3f}s per batch; trainer "
         f"idle {sm['trainer_idle_fraction']:.0%}, generators idle {sm['generator_idle_fraction']:.0%}",
         "",

@@ -19,6 +19,7 @@ from tether.config.schema import (
     CorrectionSection,
     DataSection,
     EvalSection,
+    MetricsSection,
     ModelSection,
     PlanSection,
     RaySection,
@@ -51,6 +52,7 @@ class Config:
     reward: RewardSection = dataclasses.field(default_factory=RewardSection)
     warmstart: WarmstartSection = dataclasses.field(default_factory=WarmstartSection)
     plan: PlanSection = dataclasses.field(default_factory=PlanSection)
+    metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> Config:
@@ -84,6 +86,7 @@ class Config:
         self._check_corrections()
         self._check_ray()
         self._check_vllm()
+        self._check_inflight()
         self._check_world()
 
     def _check_data(self) -> None:
@@ -177,6 +180,9 @@ class Config:
 
     def _check_world(self) -> None:
         t, r = self.train, self.rollout
+        if t.world_size > 1 and self.metrics.attribution:
+            raise ConfigError("metrics.attribution is not built for learner ranks yet (train.world_size="
+                              f"{t.world_size}); set train.world_size=1, or metrics.attribution=false")
         if t.world_size == 1:
             if self.checkpoint.sharded:
                 raise ConfigError("checkpoint.sharded=true has no effect with train.world_size=1 (one "
@@ -192,6 +198,21 @@ class Config:
         if t.device.startswith("cuda:"):
             raise ConfigError(f"train.device={t.device} names one GPU, but train.world_size={t.world_size} "
                               "ranks use cuda:0 … cuda:N-1; set train.device=cuda")
+
+    def _check_inflight(self) -> None:
+        mode = self.async_.inflight_update
+        if mode == "drain":
+            return
+        if self.async_.sync_when_idle:
+            raise ConfigError(f"async.sync_when_idle has no effect with async.inflight_update={mode}, "
+                              "which publishes after every step without waiting; remove one of them")
+        if self.rollout.engine != "torch" or self.rollout.backend != "local":
+            raise ConfigError(f"async.inflight_update={mode} switches weights mid-generation, which the "
+                              "built-in engine with local workers does (rollout.engine=torch, "
+                              "rollout.backend=local); this recipe has "
+                              f"rollout.engine={self.rollout.engine}, "
+                              f"rollout.backend={self.rollout.backend}. Use those, or "
+                              "async.inflight_update=drain")
 
     def _check_vllm(self) -> None:
         if self.rollout.engine != "vllm" and self.vllm != VllmSection():
@@ -222,6 +243,7 @@ class Config:
             on_stale=self.async_.on_stale,
             max_consecutive_drops=self.async_.max_consecutive_drops,
             sync_when_idle=self.async_.sync_when_idle,
+            inflight_update=self.async_.inflight_update,
         )
 
 

@@ -18,6 +18,8 @@ from tether.errors import ConfigError
 
 OnStale = Literal["error", "drop"]
 ON_STALE_CHOICES: tuple[str, ...] = ("error", "drop")
+InflightUpdate = Literal["drain", "keep", "recompute", "abort"]
+INFLIGHT_UPDATE_CHOICES: tuple[str, ...] = ("drain", "keep", "recompute", "abort")
 
 
 def _require_int(name: str, value: object, minimum: int) -> None:
@@ -51,6 +53,13 @@ class BudgetSettings:
     """Also publish after any step at which the engines are idle and there is something new
     (an ``idle`` sync), not only when the budget or a boundary forces it. Never waits for
     generation; keeps the pipeline full at S >= 1 when training is the slower side."""
+    inflight_update: InflightUpdate = "drain"
+    """How a publication meets generations in flight. ``drain`` waits for them (DESIGN §2 rule 5
+    as written). ``keep``, ``recompute`` and ``abort`` publish without waiting (the engines
+    switch mid-generation; the modes differ in the engine, not here): the sync rule then
+    publishes after every step the trainer is ahead (nothing waits), and admission bounds each
+    launch by the oldest version still generating (``AsyncControl.freshness``). Eval and
+    checkpoint boundaries find nothing in flight in every mode."""
 
     def __post_init__(self) -> None:
         _require_int("async.max_staleness", self.max_staleness, 0)
@@ -60,12 +69,24 @@ class BudgetSettings:
         _require_int("eval.interval", self.eval_interval, 0)
         _require_int("checkpoint.interval", self.save_interval, 0)
         _require_int("async.max_consecutive_drops", self.max_consecutive_drops, 1)
+        if self.inflight_update not in INFLIGHT_UPDATE_CHOICES:
+            raise ConfigError(f"async.inflight_update must be one of {', '.join(INFLIGHT_UPDATE_CHOICES)}, "
+                              f"got {self.inflight_update!r}")
+        if self.sync_when_idle and not self.drains:
+            raise ConfigError(f"async.sync_when_idle has no effect with async.inflight_update="
+                              f"{self.inflight_update}, which publishes after every step without waiting; "
+                              "remove one of them")
         if self.on_stale not in ON_STALE_CHOICES:
             raise ConfigError(
                 f"async.on_stale must be one of {', '.join(ON_STALE_CHOICES)}, got {self.on_stale!r}"
             )
 
     # -- derived quantities -------------------------------------------------------------------
+
+    @property
+    def drains(self) -> bool:
+        """Every publication waits for the generations in flight (``inflight_update=drain``)."""
+        return self.inflight_update == "drain"
 
     @property
     def staleness_budget(self) -> int:
@@ -78,9 +99,12 @@ class BudgetSettings:
         return self.max_staleness + 1
 
     def _next_publication(self, last: int) -> int:
-        """After a publication following step ``last``, the step after which the lazy rule (every
-        update committed, no idle syncs) publishes next: the next eval or save boundary, or
-        ``admission_depth`` batches on when the budget is spent, whichever comes first."""
+        """After a publication following step ``last``, the step after which the sync rule (every
+        update committed, no idle syncs) publishes next. Draining: lazily, at the next eval or
+        save boundary, or ``admission_depth`` batches on when the budget is spent, whichever
+        comes first. Without draining: after the very next step."""
+        if not self.drains:
+            return last + 1
         boundaries = [(last // i + 1) * i for i in (self.eval_interval, self.save_interval) if i > 0]
         return min([last + self.admission_depth, *boundaries])
 
@@ -106,6 +130,8 @@ class BudgetSettings:
         of ``admission_depth`` — DESIGN §1 (S = 3 with eval every 6: publications after 4, 6,
         10, 12, …: gaps (4, 2)). Computed once per settings: the driver reads it every step."""
         intervals = [i for i in (self.eval_interval, self.save_interval) if i > 0]
+        if not self.drains:
+            return (1,)
         if not intervals:
             return (self.admission_depth,)
         cycle = math.lcm(*intervals)
@@ -138,10 +164,25 @@ class BudgetSettings:
     def effective_max_staleness(self) -> int:
         """The deepest staleness, in batches, data can actually reach in this run.
 
-        The budget caps it at S, the longest gap between publications at ``gap − 1``, a short
-        run at ``total_batches − 1``.
+        The budget caps it at S, a short run at ``total_batches − 1``, and the longest gap
+        between publications at ``gap − 1`` — without draining, where publications do not wait
+        and so do not bound it, the longest gap between hard boundaries (admission never
+        launches past one, and each publishes).
         """
-        return min(self.max_staleness, max(self.sync_gaps) - 1, self.total_batches - 1)
+        return min(self.max_staleness, max(self.capping_gaps) - 1, self.total_batches - 1)
+
+    @property
+    def capping_gaps(self) -> tuple[int, ...]:
+        """The gaps that cap staleness: between publications when they drain, else between hard
+        boundaries (the run's length when there are none)."""
+        if self.drains:
+            return self.sync_gaps
+        intervals = [i for i in (self.eval_interval, self.save_interval) if i > 0]
+        if not intervals:
+            return (self.total_batches,)
+        cycle = math.lcm(*intervals)
+        steps = sorted({0, *(k for i in intervals for k in range(i, cycle + 1, i))})
+        return tuple(b - a for a, b in itertools.pairwise(steps))
 
     # -- hard boundaries ----------------------------------------------------------------------
 

@@ -16,6 +16,23 @@ of them), and each batch consumed before it adds at most U updates, so the j-th 
 (j = 0, 1, …) trains at staleness ≤ publish_lag + j·U. ``freshness`` is the number of j that keep
 this within the budget; the floor means a partially committed step never admits a generation
 the budget cannot cover.
+
+Without draining (``inflight_update`` keep, recompute, abort) a publication leaves generations
+running, so outstanding batches were launched under different versions, and batches complete in
+any order: one launched later may overtake an older one and train before it. A batch's
+staleness is still measured from its *oldest* token, whose version is its launch version v_b
+(tokens after a switch are newer). Worst case for a batch still generating: every other
+outstanding batch trains first. With n batches outstanding after a launch (the new ones
+included), the bound for a generating batch b is
+
+    train_version − v_b + (n − 1)·U ≤ S·U,
+
+tightest for the oldest launch version still generating, v_min. So the rule is the one above
+with ``lag = train_version − min(rollout_version, v_min)`` in place of ``publish_lag``: it keeps
+the bound for every batch already generating (its count of batches ahead never exceeds n − 1) and
+for the new ones (launched at the published version, ≥ v_min). Batches already complete sit in
+the FIFO in training order and nothing launched later can overtake them. When every generation
+was launched at the published version — always, when syncs drain — it is the rule above.
 """
 
 from __future__ import annotations
@@ -152,19 +169,29 @@ class AsyncControl:
 
     # -- admission ----------------------------------------------------------------------------
 
-    def freshness(self) -> int:
-        """Batches that may be outstanding against the current published version."""
+    def freshness(self, oldest_generating: int | None = None) -> int:
+        """Batches that may be outstanding, given the oldest launch version of the generations
+        still running (``oldest_generating``; None when none is, or when syncs drain and so every
+        one was launched at the published version)."""
         budget = self.settings.staleness_budget
         lag = self.publish_lag
+        if oldest_generating is not None:
+            if oldest_generating > self._rollout_version:
+                raise ControlError(f"a generation launched at version {oldest_generating} is ahead of "
+                                   f"the published version {self._rollout_version}")
+            lag = self._train_version - oldest_generating
         if self.publish_required or lag > budget:
             return 0
         return (budget - lag) // self.settings.updates_per_batch + 1
 
-    def launch_slots(self, *, inflight: int, ready: int, trained_batches: int) -> int:
-        """How many generations to launch now (DESIGN §2 rule 2)."""
+    def launch_slots(self, *, inflight: int, ready: int, trained_batches: int,
+                     oldest_generating: int | None = None) -> int:
+        """How many generations to launch now (DESIGN §2 rule 2; ``oldest_generating``: see
+        ``freshness``)."""
         s = self.settings
         boundary = s.next_hard_boundary(trained_batches)
-        allowed = min(self.freshness(), s.total_batches - trained_batches, boundary - trained_batches)
+        allowed = min(self.freshness(oldest_generating), s.total_batches - trained_batches,
+                      boundary - trained_batches)
         return max(0, min(s.max_inflight - inflight, allowed - inflight - ready))
 
     # -- sync rule ----------------------------------------------------------------------------
@@ -172,7 +199,8 @@ class AsyncControl:
     def sync_decision(self, step: int, *, engines_idle: bool = False) -> SyncDecision:
         """After ``step`` trained batches: publish for an eval, a save, or an exhausted budget;
         with ``sync_when_idle``, also whenever the engines are idle and the trainer is ahead
-        (reason ``idle``: nothing to drain, so publishing costs only the copy).
+        (reason ``idle``: nothing to drain, so publishing costs only the copy); without draining,
+        whenever the trainer is ahead (reason ``eager``).
 
         An idle sync is safe for the budget: admission bounds each launch by the batches then
         outstanding, whatever version they were launched under, so batches still queued from an
@@ -188,4 +216,6 @@ class AsyncControl:
         if (not reasons and s.sync_when_idle and engines_idle and self.publish_lag > 0
                 and step < s.total_batches):
             reasons.append("idle")
+        if not reasons and not s.drains and self.publish_lag > 0 and step < s.total_batches:
+            reasons.append("eager")  # publishing waits for nothing: keep the engines current
         return SyncDecision(tuple(reasons))

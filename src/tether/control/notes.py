@@ -37,7 +37,7 @@ def admission_notes(s: BudgetSettings, *, anchor: str | None = None) -> list[Adm
     notes: list[AdmissionNote] = []
     depth = s.admission_depth
     schedule = s.describe_sync_schedule()
-    longest = max(s.sync_gaps)
+    longest = max(s.capping_gaps)
     if s.max_staleness == 0:
         notes.append(
             AdmissionNote(
@@ -56,7 +56,7 @@ def admission_notes(s: BudgetSettings, *, anchor: str | None = None) -> list[Adm
                 f"{s.max_inflight - depth} slot(s) are never used.",
             )
         )
-    if depth > s.max_inflight + 1:
+    if depth > s.max_inflight + 1 and s.drains:
         notes.append(
             AdmissionNote(
                 "depth_surplus",
@@ -75,13 +75,14 @@ def admission_notes(s: BudgetSettings, *, anchor: str | None = None) -> list[Adm
         notes.append(
             AdmissionNote(
                 "boundary_clamp",
-                f"{which} is below admission_depth={depth}: weights are published {schedule}, "
-                f"and data is never more than {longest - 1} batch(es) stale, not the "
+                f"{which} is below admission_depth={depth}: "
+                + (f"weights are published {schedule}, and " if s.drains else "admission stops at each, so ")
+                + f"data is never more than {longest - 1} batch(es) stale, not the "
                 f"{s.max_staleness} that async.max_staleness allows; the rest of the budget is "
                 "never spent.",
             )
         )
-    if s.total_batches < min(s.sync_gaps):
+    if s.drains and s.total_batches < min(s.sync_gaps):
         notes.append(
             AdmissionNote(
                 "short_run",

@@ -104,6 +104,10 @@ class FastDecoder:
         """The weights changed (a load); re-read them at the next prefill."""
         self.layers = None
 
+    def reload(self) -> None:
+        """The weights changed mid-generation: re-read them now (the KV cache stays)."""
+        self.refresh()
+
     def refresh(self, *, detach: bool = True, contiguous: bool = True) -> None:
         """Re-read the parameters now. ``detach=False`` keeps the (transposed, stacked) weights
         in the autograd graph, for a training forward. ``contiguous=False`` makes the transposed

@@ -9,13 +9,21 @@ sampled from — softmax(logits / temperature) after top-k and top-p truncation 
 Without truncation that equals the trainer's log-softmax of the same logits at the same
 temperature; with truncation it does not, and the importance ratio then measures the truncation
 too. Greedy decoding returns log-probs at temperature 1.
+
+Weights may change mid-generation (``async.inflight_update``): ``sample`` asks ``poll`` before
+every decode step whether new weights were put in place, and stamps each token with the version
+whose forward produced its logits. Then ``keep`` continues with the KV cache of the prefix as
+computed by the old weights; ``recompute`` first runs the whole prefix (prompt and tokens so far)
+again under the new weights; ``abort`` drops every unfinished sequence and samples it again from
+its prompt under the new weights (its discarded tokens are counted as wasted).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from functools import cache as _memo
 
 import torch
@@ -49,6 +57,12 @@ class Completions:
     logprobs: list[list[float]]
     finish_reasons: list[str]
     """``stop`` (a stop token was sampled) or ``length`` (``max_new_tokens`` reached)."""
+    versions: list[list[int]] = field(default_factory=list)
+    """The policy version of each token: the weights whose forward gave its logits."""
+    wasted_tokens: int = 0
+    """Tokens sampled and then dropped by ``abort``."""
+    switches: int = 0
+    """Weight changes seen while sampling."""
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu"):
@@ -120,6 +134,9 @@ class _TransformersStepper:
     def invalidate(self) -> None:
         """Nothing to do: the model's own forward always reads its current weights."""
 
+    def reload(self) -> None:
+        """Weights changed mid-generation: nothing to do (see ``invalidate``)."""
+
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
                 repeats: int = 1) -> torch.Tensor:
         ids, mask = ids.repeat_interleave(repeats, 0), mask.repeat_interleave(repeats, 0)
@@ -158,19 +175,29 @@ def sample(
     generator: torch.Generator | None = None,
     stepper=None,
     samples_per_prompt: int = 1,
+    version: int = 0,
+    poll: Callable[[], int | None] | None = None,
+    inflight_update: str = "keep",
 ) -> Completions:
     """Sample ``samples_per_prompt`` completions per prompt, prompt-major (prompt 0's samples
     first); each prompt's prefill runs once for its whole group.
 
     ``stepper`` (from ``stepper_for``) can be reused across calls; after the model's weights
     change, call its ``invalidate()`` (the lean decoder keeps transposed copies of them).
+    ``version`` is the weights' version now; ``poll``, asked before each decode step, returns a
+    newer version once it has put newer weights in place (else None), and ``inflight_update``
+    (keep, recompute, abort) says what happens to the sequences then (module docstring).
     """
+    if inflight_update not in ("keep", "recompute", "abort"):
+        raise ValueError(f"inflight_update must be keep, recompute or abort, got {inflight_update!r}")
     stepper = stepper if stepper is not None else stepper_for(model)
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
     batch = ids.shape[0] * samples_per_prompt
     stop = torch.as_tensor(list(stop_ids), dtype=torch.long, device=device)
     logits = stepper.prefill(ids, mask, params.max_new_tokens, samples_per_prompt)  # (B·n, V)
+    step_versions: list[int] = []  # the version of each step's logits
+    switches = 0
 
     tokens = torch.empty((batch, params.max_new_tokens), dtype=torch.long, device=device)  # (B, N)
     logps = torch.empty((batch, params.max_new_tokens), dtype=torch.float32, device=device)  # (B, N)
@@ -187,6 +214,7 @@ def sample(
             tok = categorical(dist, generator)
         tokens[:, t] = tok
         logps[:, t] = dist.gather(-1, tok[:, None]).squeeze(-1)
+        step_versions.append(version)
         steps = t + 1
         if len(stop):
             hit = torch.isin(tok, stop) & ~done
@@ -196,14 +224,51 @@ def sample(
                 break
         if t + 1 == params.max_new_tokens:
             break
-        logits = stepper.decode(tok)
+        newer = poll() if poll is not None else None
+        if newer is None:
+            logits = stepper.decode(tok)
+            continue
+        version, switches = newer, switches + 1
+        stepper.reload()
+        if inflight_update == "abort":
+            return _resample_unfinished(
+                model, prompts, params, tokens[:, :steps], logps[:, :steps], lengths, done, step_versions,
+                switches, stop_ids=stop_ids, pad_id=pad_id, generator=generator, stepper=stepper,
+                samples_per_prompt=samples_per_prompt, version=version, poll=poll)
+        if inflight_update == "recompute":  # the whole prefix again, under the new weights
+            prefix = torch.cat([ids.repeat_interleave(samples_per_prompt, 0), tokens[:, :steps]], dim=1)
+            prefix_mask = torch.cat([mask.repeat_interleave(samples_per_prompt, 0),
+                                     torch.ones_like(tokens[:, :steps], dtype=mask.dtype)], dim=1)
+            logits = stepper.prefill(prefix, prefix_mask, params.max_new_tokens - steps)
+        else:  # keep: the prefix's KV cache stays as the old weights computed it
+            logits = stepper.decode(tok)
+    return _completions(tokens[:, :steps], logps[:, :steps], lengths, done, step_versions, switches)
 
-    tokens_l = tokens[:, :steps].tolist()
-    logps_l = logps[:, :steps].tolist()
+
+def _completions(tokens: torch.Tensor, logps: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor,
+                 step_versions: list[int], switches: int, wasted: int = 0) -> Completions:
+    """Each row cut at its length: (B, steps) tokens and log-probs, per-step versions."""
     lens = lengths.tolist()
-    finished = done.tolist()
     return Completions(
-        tokens=[row[:n] for row, n in zip(tokens_l, lens, strict=True)],
-        logprobs=[row[:n] for row, n in zip(logps_l, lens, strict=True)],
-        finish_reasons=["stop" if f else "length" for f in finished],
+        tokens=[row[:n] for row, n in zip(tokens.tolist(), lens, strict=True)],
+        logprobs=[row[:n] for row, n in zip(logps.tolist(), lens, strict=True)],
+        finish_reasons=["stop" if f else "length" for f in done.tolist()],
+        versions=[step_versions[:n] for n in lens],
+        wasted_tokens=wasted, switches=switches,
     )
+
+
+def _resample_unfinished(model, prompts, params, tokens, logps, lengths, done, step_versions, switches, *,
+                         samples_per_prompt: int, **again) -> Completions:
+    """``abort``: keep the finished rows; sample every unfinished one again from its prompt,
+    under the weights just put in place (further switches are handled the same way)."""
+    out = _completions(tokens, logps, lengths, done, step_versions, switches)
+    redo = [r for r, finished in enumerate(done.tolist()) if not finished]
+    wasted = tokens.shape[1] * len(redo)
+    fresh = sample(model, [prompts[r // samples_per_prompt] for r in redo], params, samples_per_prompt=1,
+                   inflight_update="abort", **again)
+    for k, r in enumerate(redo):
+        out.tokens[r], out.logprobs[r] = fresh.tokens[k], fresh.logprobs[k]
+        out.finish_reasons[r], out.versions[r] = fresh.finish_reasons[k], fresh.versions[k]
+    return dataclasses.replace(out, wasted_tokens=wasted + fresh.wasted_tokens,
+                               switches=switches + fresh.switches)

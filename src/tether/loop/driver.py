@@ -4,9 +4,11 @@ Single-threaded; the pool's workers run concurrently with it. The same loop runs
 virtual time (``tether plan``) and in tests, against the ``RolloutPool`` and ``Learner`` seams.
 
 Waiting: when nothing is ready the loop blocks until the *next* in-flight batch completes, not
-specifically the oldest. Every outstanding batch was launched against the same published version
-(each sync drains them all), so the order of consumption cannot change any batch's staleness
-bound, and taking whichever finishes first keeps the trainer from idling behind a slow one.
+specifically the oldest. When syncs drain, every outstanding batch was launched against the same
+published version, so the order of consumption cannot change any batch's staleness bound; when
+they do not (``async.inflight_update``), admission assumes the worst order for every batch still
+generating (tether.control.control). Either way taking whichever finishes first keeps the trainer
+from idling behind a slow one.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class Driver:
         # where each batch's staleness accrued: the train version when it was launched and when
         # it completed (from the commit history and the pool's completion time, else at reaping)
         self._launch_version: dict[int, int] = {}
+        self._generating: dict[int, int] = {}  # launch index → published version it was launched at
         self._complete_version: dict[int, int] = {}
         self._commits: list[tuple[float, int]] = []  # (when, train version after that commit)
         self._start_version = 0
@@ -247,6 +250,7 @@ class Driver:
 
     def _reap(self, batches: list[RolloutBatch]) -> None:
         for batch in batches:
+            self._generating.pop(batch.index, None)
             self.ready.append(batch)
             self._complete_version[batch.index] = self._version_at(batch.completed_at)
             detail = {} if batch.completed_at is None else {"completed_at": batch.completed_at,
@@ -255,7 +259,8 @@ class Driver:
 
     def _launch(self) -> None:
         slots = self.control.launch_slots(
-            inflight=self.pool.inflight, ready=len(self.ready), trained_batches=self.trained
+            inflight=self.pool.inflight, ready=len(self.ready), trained_batches=self.trained,
+            oldest_generating=min(self._generating.values(), default=None),
         )
         for _ in range(slots):
             if self.pending:
@@ -264,6 +269,7 @@ class Driver:
                 index, self.launched = self.launched, self.launched + 1
             request = GenerationRequest(index=index, version=self.control.rollout_version)
             self._launch_version[index] = self.control.train_version
+            self._generating[index] = request.version
             self.pool.launch(request)
             self.outstanding.add(index)
             self._emit("launch", batch=request.index, version=request.version)
@@ -289,12 +295,22 @@ class Driver:
             )
 
     def _publish(self, reasons: tuple[str, ...]) -> tuple[float, Mapping[str, float] | None]:
-        """Quiesce, check nothing was outstanding, publish if there is anything new.
+        """Quiesce, check nothing was outstanding, publish if there is anything new. Without
+        draining (``async.inflight_update``), a publication that is not for a boundary leaves the
+        generations running and the queue as it is.
 
         Returns the seconds it took and the pool's publication metrics (None if nothing new).
         """
         t0 = self.clock()
         outstanding = self.pool.inflight + len(self.ready)
+        if not self.settings.drains and not {"eval", "save", "resume"} & set(reasons):
+            sync_metrics = self.pool.publish(self.learner.export_weights(), self.control.train_version)
+            self.control.mark_published()
+            t1 = self.clock()
+            self._emit("sync", t=t0, end=t1, version=self.control.rollout_version,
+                       detail={"step": self.trained, "reasons": reasons, "published": True,
+                               "outstanding": outstanding, "drained": False})
+            return t1 - t0, sync_metrics
         self._reap(self.pool.quiesce(self.wait_timeout_s))
         if self.ready and reasons != ("idle",):  # an idle sync may leave older batches queued
             raise ControlError(
@@ -310,7 +326,7 @@ class Driver:
         t1 = self.clock()
         self._emit("sync", t=t0, end=t1, version=self.control.rollout_version,
                    detail={"step": self.trained, "reasons": reasons, "published": published,
-                           "outstanding": outstanding})
+                           "outstanding": outstanding, "drained": True})
         return t1 - t0, sync_metrics
 
     def _evaluate(self, step: int) -> float:
@@ -353,6 +369,11 @@ class Driver:
             self.last_publication = self.trained
         if batch.newest_version is not None:
             metrics["staleness/span_updates"] = batch.newest_version - batch.behavior_version
+        if batch.version_shares:  # per token: the batch's own staleness is its oldest token's
+            consumed = batch.behavior_version + staleness.updates
+            metrics["staleness/token_mean_updates"] = sum(
+                share * (consumed - version) for version, share in batch.version_shares.items())
+            metrics["staleness/token_min_updates"] = consumed - max(batch.version_shares)
         metrics.update(self._accrual(batch, staleness))
         self.observer.on_batch(BatchRecord(
             step=self.trained, batch_index=batch.index, behavior_version=batch.behavior_version,
@@ -372,7 +393,9 @@ class Driver:
         ``staleness/updates``): the engines' publish lag when it was launched, the updates
         committed while it was generated (launch → complete), and while it waited to be trained
         (complete → consumed)."""
-        launched = self._launch_version.pop(batch.index, batch.behavior_version)
+        # without draining a batch queued behind others may start after a publication: its oldest
+        # token is then newer than the train version at its launch, and its staleness starts there
+        launched = max(batch.behavior_version, self._launch_version.pop(batch.index, batch.behavior_version))
         completed = max(launched, self._complete_version.pop(batch.index, launched))
         consumed = batch.behavior_version + staleness.updates
         return {"staleness/at_launch_updates": launched - batch.behavior_version,

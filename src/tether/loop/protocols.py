@@ -46,6 +46,9 @@ class RolloutBatch:
     work_s: float | None = None
     """Seconds the worker spent generating and scoring it (the rest of launch → ready is queueing
     behind other batches and waiting to be reaped); None if unknown."""
+    version_shares: Mapping[int, float] | None = None
+    """The share of its completion tokens generated under each policy version (summing to 1);
+    more than one version when weights changed mid-generation. None if the pool does not say."""
 
     def __post_init__(self) -> None:
         if self.num_groups < 1 or self.group_size < 1:
@@ -99,7 +102,9 @@ class RolloutPool(Protocol):
         ...
 
     def publish(self, weights: Any, version: int) -> Mapping[str, float]:
-        """Load ``weights`` as ``version`` into every engine (called only while quiesced)."""
+        """Load ``weights`` as ``version`` into every engine: while quiesced, or — for a pool
+        built for ``async.inflight_update`` other than drain — with generations running, which
+        continue under the new weights."""
         ...
 
 

@@ -71,14 +71,36 @@ class _Generation:
     seq: int
     request: GenerationRequest = field(compare=False)
     start: float = field(compare=False, default=0.0)
+    switches: list[tuple[float, int]] = field(compare=False, default_factory=list)
+    """(when, version) of every publication while it was outstanding (without draining)."""
+
+    def segments(self) -> list[tuple[int, float]]:
+        """(version, share of its generation time) in order: tokens come at an even pace, so
+        the share of time under a version is the share of its tokens."""
+        version, cuts = self.request.version, []
+        for t, v in self.switches:
+            if t <= self.start:
+                version = v  # it had not started yet: it starts under the newer weights
+            elif t < self.complete:
+                cuts.append((t, v))
+        span = self.complete - self.start
+        if span <= 0 or not cuts:
+            return [(version, 1.0)]
+        out, t0 = [], self.start
+        for t, v in cuts:
+            out.append((version, (t - t0) / span))
+            version, t0 = v, t
+        out.append((version, (self.complete - t0) / span))
+        return out
 
 
 class SimPool:
     """A pool of ``workers`` simulated engines that stamp their version into the data."""
 
     def __init__(self, clock: VirtualClock, timings: Timings, *, num_groups: int = 1,
-                 group_size: int = 1) -> None:
+                 group_size: int = 1, drains: bool = True) -> None:
         self.clock = clock
+        self.drains = drains
         self.t = timings
         self.num_groups = num_groups
         self.group_size = group_size
@@ -118,12 +140,15 @@ class SimPool:
         self.launched.append(request)
 
     def _batch(self, g: _Generation) -> RolloutBatch:
-        n = self.num_groups * self.group_size
-        payload = {"versions": [g.request.version] * n, "start": g.start, "complete": g.complete}
-        return RolloutBatch(index=g.request.index, behavior_version=g.request.version,
+        segments = g.segments()
+        shares: dict[int, float] = {}
+        for version, share in segments:
+            shares[version] = shares.get(version, 0.0) + share
+        payload = {"versions": [v for v, _ in segments], "start": g.start, "complete": g.complete}
+        return RolloutBatch(index=g.request.index, behavior_version=segments[0][0],
                             num_groups=self.num_groups, group_size=self.group_size,
-                            payload=payload, newest_version=g.request.version,
-                            completed_at=g.complete, work_s=g.complete - g.start)
+                            payload=payload, newest_version=segments[-1][0],
+                            completed_at=g.complete, work_s=g.complete - g.start, version_shares=shares)
 
     def reap(self) -> list[RolloutBatch]:
         out = []
@@ -143,11 +168,13 @@ class SimPool:
         return self.reap()
 
     def publish(self, weights: Any, version: int) -> Mapping[str, float]:
-        if self._heap:
+        if self._heap and self.drains:
             raise ControlError("publish while generations are in flight")
         self.clock.now += self.t.sync_time
         self.version = version
         self.publishes.append((self.clock.now, version))
+        for g in self._heap:  # without draining: each switches to the new weights from now on
+            g.switches.append((self.clock.now, version))
         return {}
 
 
@@ -161,12 +188,14 @@ class SimLearner:
         self.version = 0
         self.busy_s = 0.0
         self.trained: list[tuple[int, int, int]] = []
+        self.spanning = 0  # batches generated under more than one version
 
     def train(self, batch: RolloutBatch, *, train_version: int) -> TrainResult:
         duration = self.u * self.t.train_time
         self.clock.now += duration
         self.busy_s += duration
         self.trained.append((batch.index, train_version, min(batch.payload["versions"])))
+        self.spanning += len(set(batch.payload["versions"])) > 1
         n = len(self.trained) - 1
         committed = self.t.commits[n % len(self.t.commits)] if self.t.commits else self.u
         self.version = train_version + committed
@@ -208,7 +237,7 @@ def simulate(settings: BudgetSettings, timings: Timings, *, observer: LoopObserv
              num_groups: int = 1, group_size: int = 1, anchor: str | None = None) -> Simulation:
     """Run the real driver loop in virtual time (``anchor``: train.anchor, for its notes)."""
     clock = VirtualClock()
-    pool = SimPool(clock, timings, num_groups=num_groups, group_size=group_size)
+    pool = SimPool(clock, timings, num_groups=num_groups, group_size=group_size, drains=settings.drains)
     learner = SimLearner(clock, timings, settings.updates_per_batch)
     trace = TraceRecorder()
     driver = Driver(AsyncControl(settings), pool, learner, hooks=SimHooks(clock, timings),
@@ -244,6 +273,11 @@ def summarize(sim: Simulation) -> dict[str, Any]:
                                                   for r in sim.trace.records) / trained if trained else 0.0)
            for part in ("at_launch", "generating", "queued")},
         "max_staleness_batches": max(staleness, default=0.0),
+        # per token: each batch's tokens by the version that produced them (keep: several)
+        "mean_token_staleness_updates": (
+            sum(r.metrics.get("staleness/token_mean_updates", r.staleness_updates) for r in sim.trace.records)
+            / trained if trained else 0.0),
+        "multi_version_batch_frac": sim.learner.spanning / trained if trained else 0.0,
         "makespan_s": makespan,
         "mean_step_time_s": makespan / trained if trained else 0.0,
         "trainer_idle_fraction": 1 - sim.learner.busy_s / makespan if makespan > 0 else 0.0,
@@ -264,6 +298,7 @@ def plan_document(sim: Simulation) -> dict[str, Any]:
             "num_batches": sim.settings.total_batches,
             "eval_interval": sim.settings.eval_interval,
             "save_interval": sim.settings.save_interval,
+            "inflight_update": sim.settings.inflight_update,
             "timings": {k: (list(v) if isinstance(v, tuple) else v)
                         for k, v in sim.timings.__dict__.items()},
         },

@@ -187,6 +187,25 @@ class WeightReader:
         """Check the block holds a complete write of ``version``; returns seconds spent."""
         return self._block.verify(version)
 
+    def newest(self) -> int | None:
+        """The version of a complete write in the block now, None while one is being written.
+        A cheap look at the header: nothing is verified."""
+        state, version = (int(x) for x in self._block.header[:2])
+        return version if state == _COMPLETE else None
+
+    def copy(self, version: int, into: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Copy the whole block into ``into`` (a private uint8 buffer of ``layout.total_bytes``)
+        and verify the copy holds a complete write of ``version``: its views, or None when a
+        publication overwrote the block while it was copied (torn; try again later)."""
+        layout = self._block.layout
+        into.copy_(torch.frombuffer(self._block.shm.buf, dtype=torch.uint8, count=layout.total_bytes))
+        copied = _Block(into, self._block.layout)
+        try:
+            copied.verify(version)
+        except ChannelError:
+            return None
+        return dict(copied.views)
+
     def close(self) -> None:
         self._block.close()
 

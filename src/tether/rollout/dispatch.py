@@ -48,6 +48,8 @@ class PoolSettings:
     engine: Literal["torch", "vllm"] = "torch"
     vllm: Any = None
     """``tether.rollout.vllm_engine.VllmOptions`` with ``engine="vllm"``."""
+    inflight_update: Literal["drain", "keep", "recompute", "abort"] = "drain"
+    """``async.inflight_update``: whether a publication waits for the batches in flight."""
 
     def worker_spec(self, worker_id: int, version: int, **where: Any):
         """The ``WorkerSpec`` of worker ``worker_id`` starting at ``version``; ``where`` adds the
@@ -57,7 +59,8 @@ class PoolSettings:
         return WorkerSpec(worker_id=worker_id, model_path=self.model_path, reward=self.reward, task=self.task,
                           stop_text=self.stop_text, num_threads=self.threads_per_worker,
                           reward_on_error=self.reward_on_error, initial_version=version,
-                          engine=self.engine, vllm=self.vllm, seed=self.seed, **where)
+                          engine=self.engine, vllm=self.vllm, seed=self.seed,
+                          inflight_update=self.inflight_update, **where)
 
 
 class WorkerSlot:
@@ -102,6 +105,11 @@ class DispatchingPool:
         """Make every worker verify and load ``weights`` as ``version``; return sync metrics
         including ``sync/publish_s``, ``sync/bytes`` and ``sync/load_s`` (the slowest load)."""
         raise NotImplementedError
+
+    def _put_inflight(self, weights: Mapping[str, Any], version: int) -> dict[str, float]:
+        """Without draining: make ``weights`` readable as ``version`` while workers generate
+        (each switches to it between decode steps); return ``sync/publish_s``, ``sync/bytes``."""
+        raise NotImplementedError(f"{type(self).__name__} publishes only between batches")
 
     def close(self) -> None:
         raise NotImplementedError
@@ -158,7 +166,15 @@ class DispatchingPool:
         return self._taken(out)
 
     def publish(self, weights: Mapping[str, Any], version: int) -> Mapping[str, float]:
-        """Have every worker verify and load ``weights`` as ``version`` (only while quiesced)."""
+        """Have every worker verify and load ``weights`` as ``version``: while quiesced, or —
+        without draining — as they generate (they switch between decode steps)."""
+        if self.settings.inflight_update != "drain":
+            metrics = self._put_inflight(weights, version)
+            self.version = version
+            seconds = metrics["sync/publish_s"]
+            metrics["sync/gbps"] = metrics["sync/bytes"] / seconds / 1e9 if seconds > 0 else 0.0
+            metrics["sync/inflight_batches"] = float(self.inflight)
+            return metrics
         if self.inflight:
             raise RolloutError(f"publish of version {version} while {self.inflight} batch(es) are in flight")
         t0 = time.perf_counter()
@@ -215,9 +231,16 @@ class DispatchingPool:
             self._fail(RolloutError(f"incomplete rollout batch: {exc}", worker=w.name, batch_index=index))
             return
         metrics = {**scored.metrics, "async/newest_version": float(scored.newest_version)}
+        counts: dict[int, int] = {}
+        for versions in scored.versions:
+            for v in versions:
+                counts[v] = counts.get(v, 0) + 1
+        tokens = sum(counts.values())
+        shares = {v: n / tokens for v, n in sorted(counts.items())} if tokens else None
         batch = RolloutBatch(index=index, behavior_version=scored.oldest_version,
                              newest_version=scored.newest_version, num_groups=scored.num_groups,
                              group_size=scored.group_size, payload=scored, metrics=metrics,
+                             version_shares=shares,
                              completed_at=time.monotonic(),
                              work_s=metrics.get("time/generate", 0.0) + metrics.get("time/score", 0.0))
         with self._lock:

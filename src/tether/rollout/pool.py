@@ -5,7 +5,8 @@ this backend adds processes. A collector thread watches every worker's result pi
 sentinel, accepts each complete scored batch, and turns a worker's error — or its death — into a
 ``RolloutError`` that names the worker, the batch and the cause, with the original traceback.
 Weights go through the shared-memory ``WeightChannel``; workers load them only while the pool is
-quiesced.
+quiesced — or, with ``async.inflight_update`` other than drain, switch to each new version
+between decode steps (``tether.rollout.worker._ChannelWorker``).
 
 Workers die with the driver however it ends: each holds the read end of a *lifeline* pipe whose
 only write end is the driver's, and exits the moment it reads end-of-file (the driver closed the
@@ -190,6 +191,9 @@ class ProcessPool(DispatchingPool):
             loads.append(seconds)
         metrics["sync/load_s"] = max(loads)
         return metrics
+
+    def _put_inflight(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        return dict(self.channel.publish(weights, version))  # workers watch the channel's header
 
     def _fail(self, err: RolloutError) -> None:
         self._completed.report_error(err)

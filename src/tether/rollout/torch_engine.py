@@ -23,6 +23,22 @@ class TorchEngine:
         self._version = version
         self.device = next(self.model.parameters()).device
         self.stepper = stepper_for(self.model)
+        self.poll = None
+        self.inflight_update = "keep"
+        self.wasted_tokens = 0  # by abort, since the last ``take_counts``
+        self.switches = 0
+
+    def watch(self, poll, inflight_update: str) -> None:
+        """Switch weights mid-generation: before every decode step ``poll`` puts newer weights in
+        place (through ``bind``) and returns their version, or returns None;
+        ``inflight_update`` (keep, recompute, abort) says what happens to the sequences then."""
+        self.poll, self.inflight_update = poll, inflight_update
+
+    def take_counts(self) -> tuple[int, int]:
+        """(tokens wasted by abort, weight switches) since the last call."""
+        counts = (self.wasted_tokens, self.switches)
+        self.wasted_tokens = self.switches = 0
+        return counts
 
     @property
     def version(self) -> int:
@@ -36,11 +52,13 @@ class TorchEngine:
         generator = torch.Generator(device=self.device).manual_seed(seed)
         out = sample(self.model, [list(p) for p in prompts], params, stop_ids=self.stop_ids,
                      pad_id=self.pad_id, generator=generator, stepper=self.stepper,
-                     samples_per_prompt=samples_per_prompt)
-        v = self._version
+                     samples_per_prompt=samples_per_prompt, version=self._version, poll=self.poll,
+                     inflight_update=self.inflight_update)
+        self.wasted_tokens += out.wasted_tokens
+        self.switches += out.switches
         completions = [
-            Completion(token_ids=t, logprobs=lp, versions=[v] * len(t), finish_reason=f)  # type: ignore[arg-type]
-            for t, lp, f in zip(out.tokens, out.logprobs, out.finish_reasons, strict=True)
+            Completion(token_ids=t, logprobs=lp, versions=vs, finish_reason=f)  # type: ignore[arg-type]
+            for t, lp, vs, f in zip(out.tokens, out.logprobs, out.versions, out.finish_reasons, strict=True)
         ]
         n = samples_per_prompt
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]

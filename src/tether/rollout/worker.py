@@ -57,6 +57,9 @@ class WorkerSpec:
     vllm: VllmOptions | None = None
     """The ``vllm`` section's settings, with ``engine="vllm"``."""
     seed: int = 0
+    inflight_update: Literal["drain", "keep", "recompute", "abort"] = "drain"
+    """drain: load weights between batches, when told; otherwise switch to each newly published
+    version between decode steps (``_ChannelWorker``)."""
 
 
 def worker_main(spec: WorkerSpec, requests: Connection, results: Connection,
@@ -165,6 +168,13 @@ class Rollout:
         n = len(batch.rewards)  # the pool checks the batch is whole when it arrives
         mean = sum(batch.rewards) / n
         tokens = sum(len(t) for t in batch.completion_ids)
+        if self.spec.inflight_update != "drain":
+            wasted, switches = self.engine.take_counts()
+            batch.metrics.update({
+                "rollout/weight_switches": float(switches),
+                "rollout/wasted_tokens": float(wasted),
+                "staleness/multi_version_seq_frac": sum(len(set(v)) > 1 for v in batch.versions) / n,
+            })
         batch.metrics.update({
             "reward/mean": mean,
             "reward/std": math.sqrt(sum((r - mean) ** 2 for r in batch.rewards) / n),
@@ -208,7 +218,14 @@ class Rollout:
 
 
 class _ChannelWorker(Rollout):
-    """A process worker: its parameters are bound to the shared-memory channel's views."""
+    """A process worker. Draining, its parameters are bound to the shared-memory channel's views
+    and it loads a version when told, between batches. Otherwise (``inflight_update``) the
+    channel is written while it generates, so it samples from a private copy instead: before
+    every decode step it looks at the channel's header, and when a newer version is complete it
+    copies the block into its spare buffer, verifies the copy (version and checksum: a copy torn
+    by a publication in progress is refused and tried again at the next step) and binds to it."""
+
+    WAIT_S = 60.0  # for the version a batch was launched at to be readable
 
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(spec)
@@ -216,10 +233,50 @@ class _ChannelWorker(Rollout):
 
         assert spec.channel_name is not None and spec.channel_layout is not None
         self.reader = WeightReader(spec.channel_name, spec.channel_layout)
-        self.use_weights(self.reader.views())
-        self.load(spec.initial_version)
+        if spec.inflight_update == "drain":
+            self.use_weights(self.reader.views())
+            self.load(spec.initial_version)
+            return
+        import torch
+
+        if not hasattr(self.engine, "watch"):
+            raise ValueError(f"async.inflight_update={spec.inflight_update} needs an engine that switches "
+                             "weights mid-generation; the built-in engine (rollout.engine=torch) does")
+        self.buffers = [torch.empty(spec.channel_layout.total_bytes, dtype=torch.uint8) for _ in range(2)]
+        self.current = 1
+        self.reader.verify(spec.initial_version)
+        if self._switch(spec.initial_version) is None:
+            raise RuntimeError(f"the weight channel changed while version {spec.initial_version} was read")
+        self.engine.watch(self._poll, spec.inflight_update)
 
     def load(self, version: int) -> float:
         seconds = self.reader.verify(version)
         self.engine.load_weights(self.reader.views(), version)
         return seconds
+
+    def _switch(self, version: int) -> int | None:
+        spare = 1 - self.current
+        views = self.reader.copy(version, self.buffers[spare])
+        if views is None:
+            return None
+        self.engine.bind(views, version)
+        self.current = spare
+        return version
+
+    def _poll(self) -> int | None:
+        newest = self.reader.newest()
+        if newest is None or newest <= self.engine.version:
+            return None
+        return self._switch(newest)
+
+    def generate(self, item: WorkItem) -> ScoredBatch:
+        if self.spec.inflight_update != "drain":  # start at least at the version it was launched at
+            deadline = time.monotonic() + self.WAIT_S
+            while self.engine.version < item.version:
+                if self._poll() is None:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"version {item.version} did not become readable in the weight "
+                                           f"channel within {self.WAIT_S:.0f}s")
+                    time.sleep(0.001)
+            self._poll()  # anything newer that is already complete
+        return super().generate(item)

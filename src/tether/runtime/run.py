@@ -46,7 +46,8 @@ def learner_settings(cfg: Config):
         grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, shared_prefix=t.shared_prefix,
         temperature=cfg.rollout.temperature,
         max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed, device=t.device,
-        sharded_checkpoints=cfg.checkpoint.sharded,
+        sharded_checkpoints=cfg.checkpoint.sharded, attribution=cfg.metrics.attribution,
+        staleness_budget=cfg.async_.max_staleness * t.updates_per_batch,
     )
 
 
@@ -332,7 +333,7 @@ def _pool_settings(cfg: Config, prepared: Prepared, params):
         threads_per_worker=cfg.rollout.threads_per_worker, group_size=cfg.rollout.group_size, params=params,
         reward=cfg.reward.function, task=cfg.data.task or None, stop_text=prepared.data.stop_text,
         reward_on_error=cfg.reward.on_error, seed=cfg.run.seed, dynamic=dynamic_sampling(cfg),
-        engine=cfg.rollout.engine, vllm=vllm_options(cfg),
+        engine=cfg.rollout.engine, vllm=vllm_options(cfg), inflight_update=cfg.async_.inflight_update,
     )
 
 

@@ -146,11 +146,12 @@ SAFE = (
     "train.threads", "train.device", "train.world_size", "rollout.threads_per_worker",
     "rollout.num_workers", "rollout.backend", "rollout.engine", "vllm.", "ray.", "eval.", "checkpoint.",
     "plan.", "run.wandb_project",
-    "async.wait_timeout_s", "async.max_consecutive_drops", "warmstart.",
+    "async.wait_timeout_s", "async.max_consecutive_drops", "warmstart.", "metrics.",
 )
 HELD_OUT = ("data.num_eval", "data.eval_dataset")
 DATA_ORDER = ("run.seed", "rollout.batch_size", "data.")
 SCHEDULE = ("async.max_staleness", "async.max_inflight", "async.on_stale", "async.sync_when_idle",
+            "async.inflight_update",
             "train.updates_per_batch")
 
 

@@ -82,6 +82,10 @@ class LearnerSettings:
     """Where the model trains ('cpu', 'cuda', 'cuda:N'); weights are exported from there."""
     sharded_checkpoints: bool = False
     """With several ranks: each writes its own shards (torch.distributed.checkpoint)."""
+    attribution: bool = False
+    """Split each token's log π_old/μ into staleness and numerics (``tether.train.attribution``)."""
+    staleness_budget: int = 0
+    """S·U: how many versions back a batch's tokens can be (the attribution keeps that many)."""
 
 
 class _Stats:
@@ -128,6 +132,14 @@ class TorchLearner:
         self.forward = self._forward_for(self.model)
         self.ref_forward = self._forward_for(self.ref_model) if self.ref_model is not None else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.attribution = None
+        if settings.attribution:
+            if self.group.world > 1:
+                raise ConfigError("metrics.attribution is not built for learner ranks yet; set "
+                                  "train.world_size=1 or metrics.attribution=false")
+            from tether.train.attribution import Attribution
+
+            self.attribution = Attribution(self.model, settings.staleness_budget)
         # the fused kernel: one pass over every parameter instead of a handful of small ops per
         # tensor (2.2 against 9.8 ms a step for the demo model on one CPU thread)
         self.optimizer = torch.optim.AdamW(self.params, lr=settings.lr, betas=settings.betas,
@@ -165,10 +177,20 @@ class TorchLearner:
         mine = torch.cat(shares)
         old = None if inline_old else self._no_grad_logp(self.model, tb, mine)
         ref = self._no_grad_logp(self.ref_model, tb, mine) if self.ref_model is not None else None
+        split = self._attribute(tb, old, mine, train_version) if self.attribution is not None else {}
         committed = 0
         for rows, share in zip(minibatches, shares, strict=True):
             committed += self._update(tb, rows, share, adv.values, mask, same, old, ref, stats)
-        return TrainResult(committed, u, self._metrics(stats, adv.frac_zero_std, u - committed))
+        return TrainResult(committed, u, {**self._metrics(stats, adv.frac_zero_std, u - committed), **split})
+
+    def _attribute(self, tb: TrainBatch, old: torch.Tensor | None, mine: torch.Tensor,
+                   train_version: int) -> dict[str, float]:
+        """``attribution/*`` of the batch, before its updates (π_old is the weights now)."""
+        assert self.attribution is not None
+        self.attribution.remember(train_version, self.model)
+        old = old if old is not None else self._no_grad_logp(self.model, tb, mine)
+        return self.attribution.split(tb.behavior_versions, tb.mask, old, tb.behavior_logp, train_version,
+                                      lambda model: self._no_grad_logp(model, tb, mine))
 
     def _check_shares(self, minibatches, group_size: int) -> None:
         """Every rank needs rows of every mini-batch: refuse mini-batches of fewer prompt groups
@@ -228,7 +250,7 @@ class TorchLearner:
     def _no_grad_logp(self, model, tb: TrainBatch, mine: torch.Tensor) -> torch.Tensor:
         """log π of ``model`` for every row of ``tb`` (N, L − 1): this rank computes ``mine``,
         the others theirs."""
-        forward = self.forward if model is self.model else self.ref_forward
+        forward = {id(self.model): self.forward, id(self.ref_model): self.ref_forward}.get(id(model))
         parts = []
         with torch.no_grad():
             for rows in self._micro(mine):

@@ -1,0 +1,86 @@
+"""Exact attribution of the importance log-ratio (``metrics.attribution``).
+
+For a token sampled by the engine under version v, with μ the engine's log-prob and π_old the
+learner's recomputation with the weights it holds when the batch trains:
+
+    log π_old/μ  =  log π_old/π_v  +  log π_v/μ
+                    (staleness)      (numerics)
+
+π_v is the learner's own forward with the weights of version v, kept for that purpose: the
+staleness part is what the updates since v changed, the numeric part what the engine's kernels,
+precision and sampling path add at the same weights (both exact per token, and they add up to the
+total). ``mismatch/numeric_*`` measures the second only on tokens whose v is the current version;
+this measures it on every token, and the first beside it.
+
+The learner keeps a copy of its weights for each version a future batch can still hold: a batch
+trains at staleness ≤ budget, so its tokens' versions are ≥ train_version − budget; at most
+budget + 1 copies, their memory reported. Versions the learner never held as a whole step's end
+(intermediate updates of a step are never published) or held before a resume are not available:
+their tokens are left out and ``attribution/token_frac`` says how many were covered.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+
+
+class Attribution:
+    """Weight copies by version, and the per-batch split of log π_old/μ."""
+
+    def __init__(self, model: torch.nn.Module, budget_updates: int) -> None:
+        self.budget = budget_updates
+        self.copies: dict[int, dict[str, torch.Tensor]] = {}
+        self.scratch = copy.deepcopy(model).eval().requires_grad_(False)  # loads a kept version
+
+    def remember(self, version: int, model: torch.nn.Module) -> None:
+        """Keep ``model``'s weights as ``version`` (the learner's now), and let go of every
+        version no future batch can hold."""
+        if version not in self.copies:
+            self.copies[version] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        for old in [v for v in self.copies if v < version - self.budget]:
+            del self.copies[old]
+
+    @property
+    def memory_mb(self) -> float:
+        return sum(t.numel() * t.element_size() for c in self.copies.values() for t in c.values()) / 2**20
+
+    def split(self, versions: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor,
+              behavior_logp: torch.Tensor, train_version: int,
+              logp_of: Callable[[torch.nn.Module], torch.Tensor]) -> dict[str, float]:
+        """``attribution/*`` for one batch: ``versions`` (N, T) each token's version, ``mask``
+        (N, T) the completion tokens, ``old_logp`` log π_old, ``behavior_logp`` log μ, and
+        ``logp_of(model)`` a model's log-probs of the batch (N, T)."""
+        m = mask.bool()
+        at_version = torch.full_like(old_logp, float("nan"))
+        at_version[m & (versions == train_version)] = old_logp[m & (versions == train_version)]
+        for v in sorted(set(versions[m].tolist()) - {train_version}):
+            if v not in self.copies:
+                continue
+            self.scratch.load_state_dict(self.copies[v])
+            tokens = m & (versions == v)
+            with torch.no_grad():
+                at_version[tokens] = logp_of(self.scratch)[tokens]
+        covered = m & ~torch.isnan(at_version)
+        out = {"attribution/token_frac": float(covered.sum()) / max(int(m.sum()), 1),
+               "attribution/versions_kept": float(len(self.copies)),
+               "attribution/memory_mb": self.memory_mb}
+        if not covered.any():
+            return out
+        total = (old_logp - behavior_logp)[covered]
+        stale = (old_logp - at_version)[covered]
+        numeric = (at_version - behavior_logp)[covered]
+        size = stale.abs().sum() + numeric.abs().sum()
+        out.update({
+            "attribution/total_logratio_abs_mean": float(total.abs().mean()),
+            "attribution/staleness_logratio_abs_mean": float(stale.abs().mean()),
+            "attribution/staleness_logratio_abs_max": float(stale.abs().max()),
+            "attribution/numeric_logratio_abs_mean": float(numeric.abs().mean()),
+            "attribution/numeric_logratio_abs_max": float(numeric.abs().max()),
+            # how much of the ratio's size each cause accounts for (NaN when both are exactly 0)
+            "attribution/staleness_share": float(stale.abs().sum() / size) if size > 0 else float("nan"),
+            "attribution/residual_abs_max": float((total - stale - numeric).abs().max()),
+        })
+        return out

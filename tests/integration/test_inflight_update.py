@@ -1,0 +1,131 @@
+"""Publications that do not wait for the generations in flight (``async.inflight_update``), with
+real worker processes and the shared-memory channel: the versions stamped on tokens are the
+weights that produced them, no batch trains above the budget, and with a single version in
+flight keep is drain. With ``metrics.attribution`` the runs also show what each mode costs in
+numerics: nothing for recompute and abort (each token is exactly its version's), the old prefix
+cache for keep."""
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from test_pool import STREAM  # noqa: E402
+from test_train import recipe, rows  # noqa: E402
+
+from tether.config import load_config  # noqa: E402
+from tether.decoding.sampling import SamplingParams  # noqa: E402
+from tether.loop.protocols import GenerationRequest  # noqa: E402
+from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
+from tether.rollout.pool import PoolSettings, ProcessPool  # noqa: E402
+from tether.runtime.run import train  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def publish_while_generating(model_dir, mode):
+    """Launch one batch of long completions and publish perturbed weights, a new version every
+    few milliseconds, until it comes back. Returns the batch and each version's weights."""
+    model, _ = load_causal_lm(model_dir)
+    settings = PoolSettings(model_path=str(model_dir), task="arithmetic", group_size=8, stop_text="",
+                            params=SamplingParams(max_new_tokens=40), inflight_update=mode)
+    weights = {0: {k: v.clone() for k, v in unique_parameters(model).items()}}
+    with ProcessPool(settings, STREAM.batch, unique_parameters(model)) as pool:
+        pool.launch(GenerationRequest(index=0, version=0))
+        got, gen = [], torch.Generator().manual_seed(1)
+        while not got:
+            assert len(weights) < 5000, "the batch never came back"
+            version = len(weights)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.02 * torch.randn(p.shape, generator=gen))
+            weights[version] = {k: v.clone() for k, v in unique_parameters(model).items()}
+            metrics = pool.publish(unique_parameters(model), version)
+            assert metrics["sync/inflight_batches"] == 1.0
+            time.sleep(0.003)
+            got = pool.reap()
+    return got[0], weights
+
+
+def teacher_forced(model, weights, prompt, completion):
+    model.load_state_dict(weights, strict=False)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1: -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def test_recompute_stamps_each_token_with_the_weights_that_produced_it(tiny_model_dir):
+    """Under recompute every token's log-prob is its version's own teacher-forced one, so the
+    stamp names exactly the weights the worker switched to mid-generation."""
+    batch, weights = publish_while_generating(tiny_model_dir, "recompute")
+    scored = batch.payload
+    spanning = [vs for vs in scored.versions if len(set(vs)) > 1]
+    assert spanning, "no sequence saw a publication: the test checked nothing"
+    assert batch.behavior_version == min(min(vs) for vs in scored.versions)
+    assert batch.metrics["rollout/weight_switches"] >= 1
+    assert batch.metrics["staleness/multi_version_seq_frac"] == len(spanning) / len(scored.versions)
+    model, _ = load_causal_lm(tiny_model_dir)
+    model.eval()
+    for g, prompt in enumerate(scored.prompt_ids):
+        for s in range(scored.group_size):
+            row = g * scored.group_size + s
+            toks, lps, vs = scored.completion_ids[row], scored.logprobs[row], scored.versions[row]
+            assert vs == sorted(vs) and set(vs) <= set(weights)
+            for v in set(vs):
+                at = [k for k, x in enumerate(vs) if x == v]
+                expected = teacher_forced(model, weights[v], prompt, toks)[at]
+                assert torch.allclose(torch.tensor(lps)[at], expected, atol=1e-4), (row, v)
+
+
+def test_abort_leaves_every_sequence_under_one_version_and_counts_the_waste(tiny_model_dir):
+    batch, _weights = publish_while_generating(tiny_model_dir, "abort")
+    scored = batch.payload
+    assert all(len(set(vs)) == 1 for vs in scored.versions)
+    assert batch.metrics["rollout/weight_switches"] >= 1
+    assert batch.metrics["rollout/wasted_tokens"] > 0
+    assert batch.behavior_version > 0  # every unfinished row was sampled again, later
+
+
+def test_keep_with_one_version_in_flight_trains_what_drain_trains(tiny_model_dir, tmp_path):
+    """At S = 0 nothing is generating when weights are published, so keep is drain, row for row."""
+    keys = ("batch_index", "async/behavior_version", "staleness/updates", "reward/mean", "loss/policy")
+    got = {}
+    for mode in ("drain", "keep"):
+        cfg = load_config(None, recipe(tiny_model_dir, "async.max_staleness=0", "async.max_inflight=1",
+                                       f"async.inflight_update={mode}", "metrics.attribution=true"))
+        train(cfg, tmp_path / mode, progress_plain=True)
+        got[mode] = [{k: m[k] for k in keys} for m in rows(tmp_path / mode / "metrics.jsonl")]
+    assert got["keep"] == got["drain"]
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute", "abort"])
+def test_every_mode_trains_within_the_budget_and_reports_per_token_staleness(tiny_model_dir, tmp_path, mode):
+    cfg = load_config(None, recipe(tiny_model_dir, "async.max_staleness=2", "async.max_inflight=2",
+                                   "rollout.group_size=4", "rollout.max_new_tokens=48",
+                                   "train.num_batches=12", "eval.interval=6", "checkpoint.interval=6",
+                                   f"async.inflight_update={mode}", "metrics.attribution=true"))
+    summary = train(cfg, tmp_path / "run", progress_plain=True)
+    metrics = rows(tmp_path / "run" / "metrics.jsonl")
+    assert len(metrics) == 12 and summary["trained_batches"] == 12
+    for m in metrics:
+        assert 0 <= m["staleness/updates"] <= 2  # the budget, from each batch's oldest token
+        assert m["staleness/token_min_updates"] <= m["staleness/token_mean_updates"] <= m["staleness/updates"]
+        assert m["async/newest_version"] <= m["async/train_version"]
+        # every version a token carries was a step's end the learner kept: the split covers them all
+        assert m["attribution/token_frac"] == 1.0 and m["attribution/residual_abs_max"] < 1e-5
+        if m["staleness/token_min_updates"] > 0:  # no token sampled by the weights trained now
+            assert m["attribution/staleness_logratio_abs_mean"] > 0
+        if mode in ("recompute", "abort"):  # each token is exactly its version's: numerics only
+            assert m["attribution/numeric_logratio_abs_max"] < 1e-5
+        elif m["staleness/multi_version_seq_frac"] > 0:  # the old prefix cache shows as numerics
+            assert m["attribution/numeric_logratio_abs_max"] > 1e-4
+    published = [e for e in rows(tmp_path / "run" / "events.jsonl") if e["kind"] == "sync" and e["published"]]
+    assert any(not e["drained"] for e in published)  # published with generation running
+    assert all(e["drained"] for e in published if {"eval", "save"} & set(e["reasons"]))
+    if mode == "abort":
+        assert any(m["rollout/wasted_tokens"] > 0 for m in metrics)
+        assert all(m["staleness/multi_version_seq_frac"] == 0 for m in metrics)
+    else:
+        assert any(m["staleness/multi_version_seq_frac"] > 0 for m in metrics)
