@@ -112,6 +112,9 @@ def test_every_mode_trains_within_the_budget_and_reports_per_token_staleness(tin
     for m in metrics:
         assert 0 <= m["staleness/updates"] <= 2  # the budget, from each batch's oldest token
         assert m["staleness/token_min_updates"] <= m["staleness/token_mean_updates"] <= m["staleness/updates"]
+        shares = {int(k.rsplit("_", 1)[1]): v for k, v in m.items() if k.startswith("staleness/token_share_")}
+        assert sum(shares.values()) == pytest.approx(1.0) and max(shares) == m["staleness/updates"]
+        assert sum(k * v for k, v in shares.items()) == pytest.approx(m["staleness/token_mean_updates"])
         assert m["async/newest_version"] <= m["async/train_version"]
         # every version a token carries was a step's end the learner kept: the split covers them all
         assert m["attribution/token_frac"] == 1.0 and m["attribution/residual_abs_max"] < 1e-5

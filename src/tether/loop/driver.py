@@ -374,6 +374,9 @@ class Driver:
             metrics["staleness/token_mean_updates"] = sum(
                 share * (consumed - version) for version, share in batch.version_shares.items())
             metrics["staleness/token_min_updates"] = consumed - max(batch.version_shares)
+            for version, share in batch.version_shares.items():  # a histogram: the share k updates old
+                key = f"staleness/token_share_{consumed - version}"
+                metrics[key] = metrics.get(key, 0.0) + share
         metrics.update(self._accrual(batch, staleness))
         self.observer.on_batch(BatchRecord(
             step=self.trained, batch_index=batch.index, behavior_version=batch.behavior_version,
