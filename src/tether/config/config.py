@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from tether.config.backends import RaySection, VllmSection
 from tether.config.fields import build_section, closest, section_fields
 from tether.config.schema import (
     SECTIONS,
@@ -22,12 +23,10 @@ from tether.config.schema import (
     MetricsSection,
     ModelSection,
     PlanSection,
-    RaySection,
     RewardSection,
     RolloutSection,
     RunSection,
     TrainSection,
-    VllmSection,
     WarmstartSection,
 )
 from tether.control import BudgetSettings
@@ -201,11 +200,9 @@ class Config:
 
     def _check_inflight(self) -> None:
         mode = self.async_.inflight_update
+        self.budget()  # the control plane's own rules (async.sync_when_idle has no effect without draining)
         if mode == "drain":
             return
-        if self.async_.sync_when_idle:
-            raise ConfigError(f"async.sync_when_idle has no effect with async.inflight_update={mode}, "
-                              "which publishes after every step without waiting; remove one of them")
         if self.rollout.engine != "torch" or self.rollout.backend != "local":
             raise ConfigError(f"async.inflight_update={mode} switches weights mid-generation, which the "
                               "built-in engine with local workers does (rollout.engine=torch, "

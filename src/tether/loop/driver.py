@@ -303,16 +303,10 @@ class Driver:
         """
         t0 = self.clock()
         outstanding = self.pool.inflight + len(self.ready)
-        if not self.settings.drains and not {"eval", "save", "resume"} & set(reasons):
-            sync_metrics = self.pool.publish(self.learner.export_weights(), self.control.train_version)
-            self.control.mark_published()
-            t1 = self.clock()
-            self._emit("sync", t=t0, end=t1, version=self.control.rollout_version,
-                       detail={"step": self.trained, "reasons": reasons, "published": True,
-                               "outstanding": outstanding, "drained": False})
-            return t1 - t0, sync_metrics
-        self._reap(self.pool.quiesce(self.wait_timeout_s))
-        if self.ready and reasons != ("idle",):  # an idle sync may leave older batches queued
+        drain = self.settings.drains or bool({"eval", "save", "resume"} & set(reasons))
+        if drain:
+            self._reap(self.pool.quiesce(self.wait_timeout_s))
+        if drain and self.ready and reasons != ("idle",):  # an idle sync may leave older batches queued
             raise ControlError(
                 f"{len(self.ready)} rollout batch(es) outstanding at a weight sync after "
                 f"{self.trained} batches (reasons: {', '.join(reasons)}); admission must leave "
@@ -326,7 +320,7 @@ class Driver:
         t1 = self.clock()
         self._emit("sync", t=t0, end=t1, version=self.control.rollout_version,
                    detail={"step": self.trained, "reasons": reasons, "published": published,
-                           "outstanding": outstanding, "drained": True})
+                           "outstanding": outstanding, "drained": drain})
         return t1 - t0, sync_metrics
 
     def _evaluate(self, step: int) -> float:

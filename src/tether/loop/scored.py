@@ -55,10 +55,12 @@ class ScoredBatch:
             if not len(toks) == len(lps) == len(vs):
                 raise ValueError(f"sample {i}: {len(toks)} tokens, {len(lps)} log-probs, {len(vs)} versions")
 
-    @property
-    def oldest_version(self) -> int:
-        return min((v for vs in self.versions for v in vs), default=0)
-
-    @property
-    def newest_version(self) -> int:
-        return max((v for vs in self.versions for v in vs), default=0)
+    def version_shares(self) -> dict[int, float]:
+        """version → the share of the batch's tokens sampled under it, oldest first (empty when
+        no sample has a token)."""
+        counts: dict[int, int] = {}
+        for versions in self.versions:
+            for v in versions:
+                counts[v] = counts.get(v, 0) + 1
+        total = sum(counts.values())
+        return {v: counts[v] / total for v in sorted(counts)}

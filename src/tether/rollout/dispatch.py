@@ -230,17 +230,12 @@ class DispatchingPool:
         except ValueError as exc:
             self._fail(RolloutError(f"incomplete rollout batch: {exc}", worker=w.name, batch_index=index))
             return
-        metrics = {**scored.metrics, "async/newest_version": float(scored.newest_version)}
-        counts: dict[int, int] = {}
-        for versions in scored.versions:
-            for v in versions:
-                counts[v] = counts.get(v, 0) + 1
-        tokens = sum(counts.values())
-        shares = {v: n / tokens for v, n in sorted(counts.items())} if tokens else None
-        batch = RolloutBatch(index=index, behavior_version=scored.oldest_version,
-                             newest_version=scored.newest_version, num_groups=scored.num_groups,
-                             group_size=scored.group_size, payload=scored, metrics=metrics,
-                             version_shares=shares,
+        shares = scored.version_shares()
+        oldest, newest = min(shares, default=0), max(shares, default=0)
+        metrics = {**scored.metrics, "async/newest_version": float(newest)}
+        batch = RolloutBatch(index=index, behavior_version=oldest, newest_version=newest,
+                             num_groups=scored.num_groups, group_size=scored.group_size, payload=scored,
+                             metrics=metrics, version_shares=shares or None,
                              completed_at=time.monotonic(),
                              work_s=metrics.get("time/generate", 0.0) + metrics.get("time/score", 0.0))
         with self._lock:
