@@ -156,6 +156,7 @@ def _peak_rss_mb(pid: int) -> float:
 def measure_world(sizes: list[int], repeats: int, threads: int, device: str = "cpu") -> dict:
     """Each world size's update time, per-rank peak memory and whole-weights gather time; world
     size 1 also runs as one rank process, so the figures compare like with like."""
+    from tether.rollout.channel import WeightChannel
     from tether.train.corrections import CorrectionSettings
     from tether.train.learner import LearnerSettings
     from tether.train.sharded import ShardedLearner
@@ -170,17 +171,24 @@ def measure_world(sizes: list[int], repeats: int, threads: int, device: str = "c
         try:
             for _ in range(3):  # warm up
                 learner.train(batch, train_version=0)
-            steps, gathers = [], []
-            for _ in range(repeats):
+            steps, gathers, writes = [], [], []
+            channel = WeightChannel.for_tensors(learner.export_weights())
+            for version in range(1, repeats + 1):
                 t0 = time.perf_counter()
                 learner.train(batch, train_version=0)
                 steps.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                learner.export_weights()
+                t0 = time.perf_counter()  # rank 0 gathers, pipes them to this process, which copies them in
+                channel.publish(dict(learner.export_weights()), version)
                 gathers.append(time.perf_counter() - t0)
-            row = {"step_s": statistics.median(steps), "gather_weights_s": statistics.median(gathers),
+                t0 = time.perf_counter()  # every rank writes its own rows into the shared block
+                channel.publish(learner.export_weights(), version)
+                writes.append(time.perf_counter() - t0)
+            channel.verify(repeats)
+            row = {"step_s": statistics.median(steps), "gather_publish_s": statistics.median(gathers),
+                   "sharded_publish_s": statistics.median(writes), "publish_bytes": channel.layout.payload_bytes,
                    "rank_peak_rss_mb": [_peak_rss_mb(pid) for pid in learner.pids]}
         finally:
+            channel.close()
             learner.close()
         out["worlds"][str(world)] = row
     return out
@@ -201,11 +209,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(f"{r['sequences']} sequences per update on {a.device}, {a.threads} thread(s) per rank, "
               f"median of {a.repeats}")
-        print(f"{'ranks':>6}{'update':>11}{'gather weights':>16}  peak memory per rank")
+        print(f"{'ranks':>6}{'update':>11}{'publish: gathered':>19}{'ranks write rows':>18}  "
+              "peak memory per rank")
         for world, row in r["worlds"].items():
             memory = ", ".join(f"{m:.0f} MB" for m in row["rank_peak_rss_mb"])
-            step, gather = row["step_s"] * 1e3, row["gather_weights_s"] * 1e3
-            print(f"{world:>6}{step:>8.1f} ms{gather:>13.1f} ms  {memory}")
+            step, gather, write = (row[k] * 1e3 for k in ("step_s", "gather_publish_s", "sharded_publish_s"))
+            print(f"{world:>6}{step:>8.1f} ms{gather:>16.1f} ms{write:>15.1f} ms  {memory}")
+        print(f"a publication: {row['publish_bytes'] / 1e6:.1f} MB into the weight channel, checksum included")
         return 0
     r = measure(a.repeats, a.threads, a.device)
     if a.json:

@@ -25,7 +25,8 @@ pytest.importorskip("transformers")
 from test_learner import sampled_batch  # noqa: E402
 
 from procs import wait_gone  # noqa: E402
-from tether.errors import ConfigError, LearnerLostError  # noqa: E402
+from tether.errors import ConfigError, LearnerError, LearnerLostError  # noqa: E402
+from tether.rollout.channel import ChannelError, WeightChannel  # noqa: E402
 from tether.train.corrections import CorrectionSettings  # noqa: E402
 from tether.train.learner import LearnerSettings, TorchLearner  # noqa: E402
 from tether.train.sharded import ShardedLearner  # noqa: E402
@@ -85,17 +86,40 @@ def test_two_ranks_make_the_single_process_update(tiny_model_dir, case):
             assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-4, abs=1e-6), key
 
 
-def test_a_killed_rank_fails_the_call_naming_it_and_no_rank_is_left(tiny_model_dir):
+def test_ranks_write_their_rows_into_the_channel_and_a_killed_rank_fails_naming_it(tiny_model_dir):
+    """A publication with ranks: every rank writes its own rows of each weight into the shared
+    block, which then holds exactly what gathering them whole gives. Weights exported before an
+    update are refused after it. A rank killed between calls fails the next one naming it; a
+    publication it could not finish leaves the block marked incomplete (no worker takes it), and
+    no rank is left."""
     rollout_batches = batches(tiny_model_dir)
     sharded = ShardedLearner(tiny_model_dir, LearnerSettings(lr=3e-3), world_size=2)
     pids = list(sharded.pids)
+    by_ranks = gathered = None
     try:
         sharded.train(rollout_batches[0], train_version=0)
+        exported = sharded.export_weights()
+        whole = {name: t.clone() for name, t in exported.items()}
+        gathered, by_ranks = WeightChannel.for_tensors(whole), WeightChannel.for_tensors(whole)
+        gathered.publish(whole, 1)
+        by_ranks.publish(exported, 1)
+        by_ranks.verify(1)
+        for name, t in gathered.views().items():
+            assert torch.equal(by_ranks.views()[name], t), name
+        assert any(torch.count_nonzero(t) for t in by_ranks.views().values())
+        sharded.train(rollout_batches[1], train_version=1)
+        with pytest.raises(LearnerError, match="exported before the learner last changed them"):
+            by_ranks.publish(exported, 2)
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(LearnerLostError, match=r"learner rank 1 \(pid \d+\) died from signal SIGKILL"):
-            sharded.train(rollout_batches[1], train_version=1)
+            by_ranks.publish(sharded.export_weights(), 2)
+        with pytest.raises(ChannelError, match="incomplete"):
+            by_ranks.verify(2)
     finally:
         sharded.close()
+        for channel in (gathered, by_ranks):
+            if channel is not None:
+                channel.close()
     assert wait_gone(pids) == []
 
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing import shared_memory
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -97,11 +98,22 @@ class _Block:
             extra, missing = set(tensors) - set(names), set(names) - set(tensors)
             raise ChannelError(f"published tensors do not match the channel layout "
                                f"(missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]})")
+
+        def copy_in() -> None:
+            with torch.no_grad():
+                for name in names:
+                    self.views[name].copy_(tensors[name])
+
+        return self.write_with(copy_in, version)
+
+    def write_with(self, copy_in: Callable[[], None], version: int) -> dict[str, float]:
+        """Publish ``version`` with ``copy_in`` filling the tensors' views (whoever does it: this
+        process, or learner ranks each writing its own rows): the block reads as being written
+        until it returns, and complete, with its checksum, after. If ``copy_in`` raises, the
+        block stays marked incomplete and no reader takes it."""
         t0 = time.perf_counter()
         self.header[0] = _WRITING
-        with torch.no_grad():
-            for name in names:
-                self.views[name].copy_(tensors[name])
+        copy_in()
         self.header[1] = version
         self.header[2] = self.checksum()
         self.header[3] = self.layout.data_bytes
@@ -137,6 +149,17 @@ def _map(shm: shared_memory.SharedMemory, layout: Layout) -> _Block:
     return _Block(torch.frombuffer(shm.buf, dtype=torch.uint8, count=layout.total_bytes), layout, shm)
 
 
+@runtime_checkable
+class ChannelWriter(Protocol):
+    """Weights that write themselves into a channel's block from elsewhere (learner ranks, each
+    its own rows). The channel marks the block as being written before ``write_into`` and
+    complete, with its checksum, after it returns."""
+
+    def write_into(self, name: str, layout: Layout) -> None:
+        """Copy every tensor of ``layout`` into the shared block called ``name``."""
+        ...
+
+
 class WeightChannel:
     """The publishing side: owns the shared block and unlinks it on ``close``."""
 
@@ -151,8 +174,11 @@ class WeightChannel:
     def for_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> WeightChannel:
         return cls(Layout.of(tensors))
 
-    def publish(self, tensors: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
-        """Copy ``tensors`` in as ``version``; returns ``sync/publish_s``, ``sync/bytes``."""
+    def publish(self, tensors: Mapping[str, torch.Tensor] | ChannelWriter, version: int) -> dict[str, float]:
+        """Write ``tensors`` in as ``version`` (copied by this process, or by a ``ChannelWriter``
+        straight from where they live); returns ``sync/publish_s``, ``sync/bytes``."""
+        if isinstance(tensors, ChannelWriter):
+            return self._block.write_with(lambda: tensors.write_into(self.name, self.layout), version)
         return self._block.write(tensors, version)
 
     def views(self) -> dict[str, torch.Tensor]:

@@ -1,9 +1,10 @@
 """What a learner whose model FSDP2 shards over ranks needs besides the training math.
 
-The sharding itself; the whole weights for a publication; and its state for a checkpoint, either
+The sharding itself; the whole weights for a publication, gathered on rank 0 or written by every
+rank straight into the weight channel's shared block; and its state for a checkpoint, either
 gathered whole in the single-process format (weights by name, AdamW's state keyed by parameter
 index, so any world size reads it) or as each rank's own shards (torch.distributed.checkpoint).
-Every function here is a collective: every rank calls it.
+Every rank calls every function here (all but ``write_own_rows`` are collectives).
 """
 
 from __future__ import annotations
@@ -41,6 +42,35 @@ def whole_weights(model: torch.nn.Module, names: list[str]) -> dict[str, torch.T
 
     full = get_model_state_dict(model, options=_whole())
     return {name: full[name] for name in names} if full else {}
+
+
+def write_own_rows(model: torch.nn.Module, names: list[str], views: dict[str, torch.Tensor], *,
+                   rank: int) -> None:
+    """Copy this rank's shard of every parameter in ``names`` into its rows of ``views`` (whole
+    tensors in a shared block): FSDP2 shards dim 0 as ``torch.chunk`` does, so rank r holds rows
+    [r·c, (r+1)·c) of each, c = ⌈rows / world⌉, the last rank fewer (or none). A parameter that
+    is not sharded (every rank holds it whole) is written by rank 0. No collective: together the
+    ranks fill every row, and nothing is gathered."""
+    from torch.distributed.tensor import DTensor
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            p, out = params[name], views[name]
+            if not isinstance(p, DTensor):
+                if rank == 0:
+                    out.copy_(p)
+                continue
+            mesh = p.device_mesh
+            world, rank = mesh.size(), mesh.get_local_rank()
+            local = p.to_local()
+            chunk = -(-out.shape[0] // world)
+            start = min(rank * chunk, out.shape[0])
+            rows = max(0, min(chunk, out.shape[0] - start))
+            if tuple(local.shape) != (rows, *out.shape[1:]):
+                raise ValueError(f"{name}: rank {rank}'s shard is {tuple(local.shape)}, not rows "
+                                 f"{start}:{start + rows} of the channel's {tuple(out.shape)}")
+            out[start:start + rows].copy_(local)
 
 
 def trainable_names(model: torch.nn.Module) -> list[str]:

@@ -20,6 +20,7 @@ import signal
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -67,6 +68,7 @@ def rank_main(spec: RankSpec, conn: Connection, lifeline: Connection) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
     conn.send(("ready", os.getpid()))
+    blocks: dict[str, Any] = {}  # the weight channel's shared block, attached at its first write
     try:
         while True:
             try:
@@ -81,6 +83,8 @@ def rank_main(spec: RankSpec, conn: Connection, lifeline: Connection) -> None:
                     answer = learner.train(msg[1], train_version=msg[2])
                 elif kind == "export":
                     answer = learner.export_weights()
+                elif kind == "write":
+                    answer = _write_rows(learner, msg[1], msg[2], blocks)
                 elif kind == "save":
                     answer = learner.save(msg[1])
                 elif kind == "load":
@@ -91,8 +95,59 @@ def rank_main(spec: RankSpec, conn: Connection, lifeline: Connection) -> None:
             except BaseException as exc:
                 conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
     finally:
+        for block in blocks.values():
+            block.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _write_rows(learner, name: str, layout, blocks: dict[str, Any]) -> None:
+    """This rank's rows of every weight, into the channel's shared block ``name``."""
+    from tether.rollout.channel import WeightReader
+    from tether.train import fsdp
+
+    if name not in blocks:
+        for old in blocks.values():
+            old.close()
+        blocks.clear()
+        blocks[name] = WeightReader(name, layout)  # attached to write: its views are the block's bytes
+    fsdp.write_own_rows(learner.model, learner.names, blocks[name].views(), rank=learner.group.rank)
+
+
+class RankWeights(Mapping):
+    """The ranks' weights as they are at export. A weight channel has every rank write its own
+    rows straight into the shared block (``write_into``: nothing is gathered, nothing crosses a
+    pipe); used as a mapping (a Ray snapshot, an evaluation copy, the channel's first write) they
+    are gathered whole on rank 0 once, on first use. Either must happen before the learner
+    changes them again (refused after)."""
+
+    def __init__(self, learner: ShardedLearner) -> None:
+        self._learner, self._epoch = learner, learner.epoch
+        self._whole: dict[str, Any] | None = None
+
+    def write_into(self, name: str, layout) -> None:
+        self._current()
+        self._learner._call(("write", name, layout), "while writing its rows of the weights into the channel")
+
+    def _gathered(self) -> dict[str, Any]:
+        if self._whole is None:
+            self._current()
+            self._whole = self._learner._call(("export",), "while gathering its weights for a publication")
+        return self._whole
+
+    def _current(self) -> None:
+        if self._learner.epoch != self._epoch:
+            raise LearnerError("these weights were exported before the learner last changed them; "
+                               "export them again")
+
+    def __getitem__(self, name: str) -> Any:
+        return self._gathered()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._gathered())
+
+    def __len__(self) -> int:
+        return len(self._gathered())
 
 
 class ShardedLearner:
@@ -103,6 +158,7 @@ class ShardedLearner:
         import torch.multiprocessing as mp
 
         self.world = world_size
+        self.epoch = 0  # counts changes to the weights (updates, loads): an export is of one epoch
         ctx = mp.get_context("spawn")
         self._dir = tempfile.TemporaryDirectory(prefix="tether-ranks-")
         init_file = os.path.join(self._dir.name, "init")
@@ -127,15 +183,17 @@ class ShardedLearner:
     # -- the learner interface ------------------------------------------------------------------
 
     def train(self, batch: RolloutBatch, *, train_version: int) -> TrainResult:
+        self.epoch += 1
         return self._call(("train", batch, train_version), f"while training batch {batch.index}")
 
-    def export_weights(self) -> dict[str, Any]:
-        return self._call(("export",), "while gathering its weights for a publication")
+    def export_weights(self) -> RankWeights:
+        return RankWeights(self)
 
     def save(self, path: str | Path) -> None:
         self._call(("save", str(path)), f"while saving {path}")
 
     def load(self, path: str | Path) -> None:
+        self.epoch += 1
         self._call(("load", str(path)), f"while loading {path}")
 
     def close(self, *, grace_s: float = 10.0) -> None:
