@@ -17,7 +17,8 @@ GPU (``train.device=cuda``), timing each with the device synchronised.
 ``--world-size 1,2`` instead measures the learner as ranks (``train.world_size``, each rank a
 process with ``--threads`` threads, FSDP2 over gloo, or NCCL with ``--device cuda``): per world
 size, the time of one update as the driver sees it, each rank's peak resident memory (and peak
-GPU memory on CUDA), and the time to gather the whole weights for a publication.
+GPU memory on CUDA), and a publication into the weight channel timed both ways: the weights
+gathered whole on rank 0 and copied in by the driver, and every rank writing its own rows.
 
     python benchmarks/learner.py [--repeats 15] [--threads 1] [--device cpu|cuda] [--json]
     python benchmarks/learner.py --world-size 1,2 [--repeats 15] [--threads 1] [--json]
@@ -185,7 +186,8 @@ def measure_world(sizes: list[int], repeats: int, threads: int, device: str = "c
                 writes.append(time.perf_counter() - t0)
             channel.verify(repeats)
             row = {"step_s": statistics.median(steps), "gather_publish_s": statistics.median(gathers),
-                   "sharded_publish_s": statistics.median(writes), "publish_bytes": channel.layout.payload_bytes,
+                   "sharded_publish_s": statistics.median(writes),
+                   "publish_bytes": channel.layout.payload_bytes,
                    "rank_peak_rss_mb": [_peak_rss_mb(pid) for pid in learner.pids]}
         finally:
             channel.close()
@@ -215,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             memory = ", ".join(f"{m:.0f} MB" for m in row["rank_peak_rss_mb"])
             step, gather, write = (row[k] * 1e3 for k in ("step_s", "gather_publish_s", "sharded_publish_s"))
             print(f"{world:>6}{step:>8.1f} ms{gather:>16.1f} ms{write:>15.1f} ms  {memory}")
-        print(f"a publication: {row['publish_bytes'] / 1e6:.1f} MB into the weight channel, checksum included")
+        print(f"a publication: {row['publish_bytes'] / 1e6:.1f} MB into the weight channel, "
+              "checksum included")
         return 0
     r = measure(a.repeats, a.threads, a.device)
     if a.json:
