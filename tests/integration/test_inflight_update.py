@@ -25,27 +25,38 @@ from tether.runtime.run import train  # noqa: E402
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def publish_while_generating(model_dir, mode):
+def publish_while_generating(model_dir, mode, **pool):
     """Launch one batch of long completions and publish perturbed weights, a new version every
-    few milliseconds, until it comes back. Returns the batch and each version's weights."""
+    few milliseconds, until it comes back. Returns the batch and each version's weights.
+    ``pool``: more PoolSettings (another engine)."""
     model, _ = load_causal_lm(model_dir)
     settings = PoolSettings(model_path=str(model_dir), task="arithmetic", group_size=8, stop_text="",
-                            params=SamplingParams(max_new_tokens=40), inflight_update=mode)
-    weights = {0: {k: v.clone() for k, v in unique_parameters(model).items()}}
+                            params=SamplingParams(max_new_tokens=40), inflight_update=mode, **pool)
     with ProcessPool(settings, STREAM.batch, unique_parameters(model)) as pool:
-        pool.launch(GenerationRequest(index=0, version=0))
-        got, gen = [], torch.Generator().manual_seed(1)
-        while not got:
-            assert len(weights) < 5000, "the batch never came back"
-            version = len(weights)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(0.02 * torch.randn(p.shape, generator=gen))
-            weights[version] = {k: v.clone() for k, v in unique_parameters(model).items()}
-            metrics = pool.publish(unique_parameters(model), version)
-            assert metrics["sync/inflight_batches"] == 1.0
-            time.sleep(0.003)
-            got = pool.reap()
+        batch, weights = publish_into(pool, model)
+    assert len(weights) <= 5000, "the batch never came back"
+    return batch, weights
+
+
+def publish_into(pool, model, index=0, version=0, seed=1, limit=5000, every_s=0.003):
+    """In ``pool``, holding ``model``'s weights as ``version``: launch batch ``index`` and publish
+    ``model`` perturbed again and again (changing it), every ``every_s`` seconds, until the batch
+    comes back; after ``limit`` publications, wait for it."""
+    weights = {version: {k: v.clone() for k, v in unique_parameters(model).items()}}
+    pool.launch(GenerationRequest(index=index, version=version))
+    got, gen = [], torch.Generator().manual_seed(seed)
+    while not got:
+        if len(weights) > limit:
+            return pool.wait(120)[0], weights
+        version += 1
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=gen))
+        weights[version] = {k: v.clone() for k, v in unique_parameters(model).items()}
+        metrics = pool.publish(unique_parameters(model), version)
+        assert metrics["sync/inflight_batches"] == 1.0
+        time.sleep(every_s)
+        got = pool.reap()
     return got[0], weights
 
 
@@ -59,14 +70,17 @@ def teacher_forced(model, weights, prompt, completion):
 def test_recompute_stamps_each_token_with_the_weights_that_produced_it(tiny_model_dir):
     """Under recompute every token's log-prob is its version's own teacher-forced one, so the
     stamp names exactly the weights the worker switched to mid-generation."""
-    batch, weights = publish_while_generating(tiny_model_dir, "recompute")
+    check_recompute_stamps(tiny_model_dir, *publish_while_generating(tiny_model_dir, "recompute"))
+
+
+def check_recompute_stamps(model_dir, batch, weights, atol=1e-4):
     scored = batch.payload
     spanning = [vs for vs in scored.versions if len(set(vs)) > 1]
     assert spanning, "no sequence saw a publication: the test checked nothing"
     assert batch.behavior_version == min(min(vs) for vs in scored.versions)
     assert batch.metrics["rollout/weight_switches"] >= 1
     assert batch.metrics["staleness/multi_version_seq_frac"] == len(spanning) / len(scored.versions)
-    model, _ = load_causal_lm(tiny_model_dir)
+    model, _ = load_causal_lm(model_dir)
     model.eval()
     for g, prompt in enumerate(scored.prompt_ids):
         for s in range(scored.group_size):
@@ -76,11 +90,14 @@ def test_recompute_stamps_each_token_with_the_weights_that_produced_it(tiny_mode
             for v in set(vs):
                 at = [k for k, x in enumerate(vs) if x == v]
                 expected = teacher_forced(model, weights[v], prompt, toks)[at]
-                assert torch.allclose(torch.tensor(lps)[at], expected, atol=1e-4), (row, v)
+                assert torch.allclose(torch.tensor(lps)[at], expected, atol=atol), (row, v)
 
 
 def test_abort_leaves_every_sequence_under_one_version_and_counts_the_waste(tiny_model_dir):
-    batch, _weights = publish_while_generating(tiny_model_dir, "abort")
+    check_abort(publish_while_generating(tiny_model_dir, "abort")[0])
+
+
+def check_abort(batch):
     scored = batch.payload
     assert all(len(set(vs)) == 1 for vs in scored.versions)
     assert batch.metrics["rollout/weight_switches"] >= 1

@@ -127,7 +127,7 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
         (["rollout.backend=ray", "ray.learner_placement=pack"],
          "ray.learner_placement must be one of 'PACK', 'STRICT_PACK'"),
         (["async.inflight_update=keep", "rollout.backend=ray"],
-         "async.inflight_update=keep switches weights mid-generation, which the built-in engine with local"),
+         "async.inflight_update=keep switches weights mid-generation, which local rollout workers do"),
         (["async.inflight_update=abort", "async.sync_when_idle=true"],
          "async.sync_when_idle has no effect with async.inflight_update=abort"),
         (["async.inflight_update=pause"], "async.inflight_update must be one of 'drain', 'keep'"),
@@ -149,6 +149,13 @@ def test_cross_key_rules(overrides, message):
 def test_gpu_rollout_actors_are_accepted_with_the_ray_backend():
     c = load_config(None, ["rollout.backend=ray", "ray.gpus_per_worker=0.5"])
     assert c.ray.gpus_per_worker == 0.5
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute", "abort"])
+def test_every_inflight_mode_is_accepted_with_either_engine_on_local_workers(mode):
+    for engine in ("torch", "vllm"):
+        c = load_config(None, [f"rollout.engine={engine}", f"async.inflight_update={mode}"])
+        assert (c.rollout.engine, c.async_.inflight_update) == (engine, mode)
 
 
 def test_a_dataset_recipe_is_accepted():

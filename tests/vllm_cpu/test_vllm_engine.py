@@ -27,16 +27,6 @@ STREAM = PromptStream(get_task("arithmetic").examples("train", 300, seed=0), bat
 TEMPERATURE = 0.8
 
 
-@pytest.fixture(scope="module")
-def demo_model(tmp_path_factory):
-    """A model of the demo's size and architecture (Qwen3, ~3.2M parameters), built here."""
-    from tether.data.tiny_model import init_model
-
-    path = tmp_path_factory.mktemp("models") / "small"
-    init_model(path, arch="qwen3", size="small", seed=0)
-    return path
-
-
 def start(model_dir, params):
     model, tokenizer = load_causal_lm(model_dir)
     settings = PoolSettings(model_path=str(model_dir), task="arithmetic", group_size=4, params=params,

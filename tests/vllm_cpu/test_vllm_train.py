@@ -29,16 +29,6 @@ DEMO = ROOT / "recipes" / "demo.yaml"
 REWARD = ROOT / "tests" / "integration" / "varied_reward.py"
 
 
-@pytest.fixture(scope="module")
-def demo_model(tmp_path_factory):
-    """The demo's model (Qwen3, ~3.2M parameters, character tokenizer), without its warm start."""
-    from tether.data.tiny_model import init_model
-
-    path = tmp_path_factory.mktemp("models") / "demo-small"
-    init_model(path, arch="qwen3", size="small", seed=0)
-    return path
-
-
 def short(model_dir, *extra):
     return [f"model.path={model_dir}", f"reward.function={REWARD}:reward", "rollout.engine=vllm",
             "train.num_batches=6",
@@ -83,3 +73,25 @@ def test_a_killed_vllm_worker_fails_the_run_clearly_and_leaves_nothing(demo_mode
     assert run.left() == ""
     assert shm_left(run.shm) == []
 
+
+
+def test_the_demo_recipe_on_vllm_publishes_without_draining_within_the_budget(demo_model, tmp_path):
+    """async.inflight_update=keep on vLLM: publications go out while batches generate, every
+    batch trains within the budget counted from its oldest token, and the per-token figures add up."""
+    cfg = load_config(DEMO, short(demo_model, "async.max_staleness=2", "async.max_inflight=2",
+                                  "rollout.max_new_tokens=32", "async.inflight_update=keep",
+                                  "metrics.attribution=true", "train.num_batches=8", "eval.interval=4"))
+    summary = train(cfg, tmp_path / "run", progress_plain=True)
+    metrics = rows(tmp_path / "run" / "metrics.jsonl")
+    assert len(metrics) == 8 and summary["trained_batches"] == 8
+    for m in metrics:
+        assert 0 <= m["staleness/updates"] <= 2
+        assert m["staleness/token_min_updates"] <= m["staleness/token_mean_updates"] <= m["staleness/updates"]
+        shares = {int(k.rsplit("_", 1)[1]): v for k, v in m.items() if k.startswith("staleness/token_share_")}
+        assert sum(shares.values()) == pytest.approx(1.0) and max(shares) == m["staleness/updates"]
+        assert m["attribution/token_frac"] == 1.0 and m["attribution/residual_abs_max"] < 1e-5
+    published = [e for e in rows(tmp_path / "run" / "events.jsonl") if e["kind"] == "sync" and e["published"]]
+    assert any(not e["drained"] for e in published)
+    assert all(e["drained"] for e in published if "eval" in e["reasons"])
+    assert any(m["staleness/multi_version_seq_frac"] > 0 for m in metrics)
+    assert all(m["rollout/wasted_tokens"] == 0 for m in metrics)

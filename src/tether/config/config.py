@@ -203,12 +203,10 @@ class Config:
         self.budget()  # the control plane's own rules (async.sync_when_idle has no effect without draining)
         if mode == "drain":
             return
-        if self.rollout.engine != "torch" or self.rollout.backend != "local":
-            raise ConfigError(f"async.inflight_update={mode} switches weights mid-generation, which the "
-                              "built-in engine with local workers does (rollout.engine=torch, "
-                              "rollout.backend=local); this recipe has "
-                              f"rollout.engine={self.rollout.engine}, "
-                              f"rollout.backend={self.rollout.backend}. Use those, or "
+        if self.rollout.backend != "local":
+            raise ConfigError(f"async.inflight_update={mode} switches weights mid-generation, which local "
+                              "rollout workers do (the built-in engine and vLLM alike); this recipe has "
+                              f"rollout.backend={self.rollout.backend}. Use rollout.backend=local, or "
                               "async.inflight_update=drain")
 
     def _check_vllm(self) -> None:

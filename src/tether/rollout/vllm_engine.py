@@ -16,7 +16,15 @@ What it guarantees, checked by ``tests/vllm_cpu``:
   survives;
 - seeds: every prompt's request carries its own seed (the batch seed plus its index), so the same
   seed, weights and prompts give the same tokens whatever else is batched with them (on CPU; see
-  docs/rollout.md for GPUs).
+  docs/rollout.md for GPUs);
+- in-flight updates (``async.inflight_update`` keep, recompute, abort; ``watch``): the engine is
+  stepped one scheduler step at a time, and before every step the worker may put newer weights in
+  place. Each step's new tokens carry the version loaded when the step ran. ``keep`` continues the
+  running requests on their KV cache (vLLM's pause-and-keep); ``recompute`` aborts them and adds
+  them again with their tokens so far appended to the prompt, so vLLM prefills that prefix under
+  the new weights; ``abort`` drops them (their tokens counted as wasted) and samples them again
+  from the prompt. Either way the prefix cache is cleared before any request is added under new
+  weights, so no cached block computed under older weights is reused.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tether.decoding.sampling import SamplingParams
@@ -124,6 +132,20 @@ def _require_processed_logprobs(version: str) -> None:
             f"ratios would silently compare different distributions; {INSTALL_HINT}")
 
 
+@dataclass
+class _Row:
+    """One sample being generated step by step: its prompt, seed and what it has so far."""
+
+    index: int
+    prompt: list[int]
+    seed: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: str = "length"
+    attempt: int = 0
+
+
 class VLLMEngine:
     """A vLLM ``LLM`` on a local model directory; stamps its version on every token."""
 
@@ -138,6 +160,12 @@ class VLLMEngine:
                               f"{INSTALL_HINT}") from exc
         self.stop_ids = list(stop_ids)
         self._version = version
+        self._cached_version = version  # the weights the prefix cache's blocks were computed under
+        self.poll = None
+        self.inflight_update = "keep"
+        self.wasted_tokens = 0  # by abort, since the last ``take_counts``
+        self.switches = 0
+        self._batches = 0
         self.tied = tied_names(model_path)
         with open(os.path.join(model_path, "config.json")) as f:
             self.max_positions = json.load(f).get("max_position_embeddings")
@@ -154,12 +182,32 @@ class VLLMEngine:
     def version(self) -> int:
         return self._version
 
+    def watch(self, poll, inflight_update: str) -> None:
+        """Switch weights mid-generation: before every scheduler step ``poll`` puts newer weights
+        in place (through ``bind``) and returns their version, or returns None;
+        ``inflight_update`` (keep, recompute, abort) says what happens to the running requests."""
+        if inflight_update not in ("keep", "recompute", "abort"):
+            raise ValueError(f"unknown in-flight update mode {inflight_update!r}")
+        self.poll, self.inflight_update = poll, inflight_update
+
+    def take_counts(self) -> tuple[int, int]:
+        """(tokens wasted by abort, weight switches) since the last call."""
+        counts = (self.wasted_tokens, self.switches)
+        self.wasted_tokens = self.switches = 0
+        return counts
+
+    def bind(self, weights: Mapping[str, Any], version: int) -> None:
+        """Load ``weights`` as ``version`` while requests may be running (their KV cache stays)."""
+        self.load_weights(weights, version)
+
     def generate(self, prompts: Sequence[Sequence[int]], *, samples_per_prompt: int,
                  params: SamplingParams, seed: int) -> list[list[Completion]]:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
         check_context(prompts, params, self.max_positions)
+        if self.poll is not None:
+            return self._generate_stepping(prompts, samples_per_prompt, params, seed)
         requests = [
             VSamplingParams(n=samples_per_prompt, temperature=params.temperature, top_k=params.top_k,
                             top_p=params.top_p, max_tokens=params.max_new_tokens, logprobs=0,
@@ -188,8 +236,80 @@ class VLLMEngine:
             if name not in weights and source in weights:
                 weights[name] = weights[source]
         self.llm.collective_rpc("tether_load_weights", args=(weights,))
-        self.llm.reset_prefix_cache()
         self._version = version
+        if not self.llm.llm_engine.has_unfinished_requests():  # mid-generation: before the next add
+            self._clear_prefix_cache()
+
+    def _clear_prefix_cache(self) -> None:
+        if self._cached_version != self._version:
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to clear its prefix cache after a weight load")
+            self._cached_version = self._version
+
+    def _generate_stepping(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
+                           seed: int) -> list[list[Completion]]:
+        """``generate`` one scheduler step at a time, polling for newer weights before each step.
+        Sample j of prompt i is its own request seeded ``seed + i + j``: the children ``generate``'s
+        n-sample requests get, so without a switch both sample the same tokens."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        self._batches += 1
+        rows = [_Row(i * n + j, list(p), (seed + i + j) % 2**63)
+                for i, p in enumerate(prompts) for j in range(n)]
+        running: dict[str, _Row] = {}
+
+        def add(row: _Row) -> None:
+            row.attempt += 1
+            rid = f"tether-{self._batches}-{row.index}-{row.attempt}"
+            prefix = row.tokens if self.inflight_update == "recompute" else []
+            if self.inflight_update == "abort":
+                self.wasted_tokens += len(row.tokens)
+                row.tokens, row.logprobs, row.versions = [], [], []
+            request = VSamplingParams(
+                n=1, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                max_tokens=params.max_new_tokens - len(prefix), logprobs=0, seed=row.seed,
+                stop_token_ids=self.stop_ids, detokenize=False, output_kind=RequestOutputKind.DELTA)
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=row.prompt + prefix), request)
+            running[rid] = row
+
+        self._poll_now()
+        self._clear_prefix_cache()
+        for row in rows:
+            add(row)
+        while running:
+            if self._poll_now() and self.inflight_update != "keep":
+                again = list(running.values())
+                engine.abort_request(list(running))
+                running.clear()
+                self._clear_prefix_cache()
+                for row in again:
+                    add(row)
+            v = self._version
+            for out in engine.step():
+                row = running.get(out.request_id)
+                if row is None:
+                    continue
+                c = out.outputs[0]
+                tokens = list(c.token_ids)
+                row.tokens += tokens
+                row.logprobs += [float(step[t].logprob) for step, t in zip(c.logprobs, tokens, strict=True)]
+                row.versions += [v] * len(tokens)
+                if out.finished:
+                    row.finish = "stop" if c.finish_reason == "stop" else "length"
+                    del running[out.request_id]
+        done = [Completion(token_ids=r.tokens, logprobs=r.logprobs, versions=r.versions,
+                           finish_reason=r.finish) for r in rows]  # type: ignore[arg-type]
+        return [done[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _poll_now(self) -> bool:
+        """Put newer weights in place if the worker has them; True if it did."""
+        if self.poll is None or self.poll() is None:
+            return False
+        self.switches += 1
+        return True
 
     def close(self) -> None:
         """Release vLLM's engine (nothing of it runs outside this process)."""

@@ -241,7 +241,7 @@ class _ChannelWorker(Rollout):
 
         if not hasattr(self.engine, "watch"):
             raise ValueError(f"async.inflight_update={spec.inflight_update} needs an engine that switches "
-                             "weights mid-generation; the built-in engine (rollout.engine=torch) does")
+                             "weights mid-generation (rollout.engine=torch or vllm)")
         self.buffers = [torch.empty(spec.channel_layout.total_bytes, dtype=torch.uint8) for _ in range(2)]
         self.current = 1
         self.reader.verify(spec.initial_version)
