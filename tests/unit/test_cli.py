@@ -209,6 +209,25 @@ def test_the_plan_models_publishing_without_draining(capsys):
     assert "per token (inflight_update=keep): mean staleness" in capsys.readouterr().out
 
 
-def test_the_plan_refuses_the_modes_it_does_not_model(capsys):
+def test_the_plan_prices_recompute_and_abort_from_sequence_lengths(capsys):
+    """Without a length model recompute and abort are refused, saying which key to set; with one
+    they are planned: abort wastes tokens and leaves no sequence under two versions."""
     assert main(["plan", "async.inflight_update=abort"]) == 2
-    assert "tether plan models async.inflight_update=drain and keep" in capsys.readouterr().err
+    assert "set plan.mean_length (--mean-length" in capsys.readouterr().err
+    assert main(["plan", "--mean-length", "8", "--gen-jitter", "0.5"]) == 2
+    assert "set plan.gen_jitter=0" in capsys.readouterr().err
+    args = ["--max-staleness", "1", "--max-inflight", "2", "--gen-time", "1", "--train-time", "0.7",
+            "--num-batches", "60", "--mean-length", "20", "--prefill-cost", "0.3",
+            "rollout.max_new_tokens=128"]
+    abort = plan_json(capsys, *args, "--inflight-update", "abort")
+    timings = abort["settings"]["timings"]
+    assert (timings["mean_length"], timings["max_length"]) == (20, 128)
+    sm = abort["summary"]
+    assert sm["wasted_tokens_per_batch"] > 0 and sm["multi_version_seq_frac"] == 0
+    assert sm["max_staleness_batches"] <= 1
+    recompute = plan_json(capsys, *args, "--inflight-update", "recompute")["summary"]
+    keep = plan_json(capsys, *args, "--inflight-update", "keep")["summary"]
+    assert recompute["mean_step_time_s"] > keep["mean_step_time_s"]
+    assert recompute["multi_version_seq_frac"] > 0 and keep["multi_version_seq_frac"] > 0
+    assert main(["plan", *args, "--inflight-update", "abort"]) == 0
+    assert "tokens wasted per batch" in capsys.readouterr().out

@@ -82,9 +82,13 @@ def random_trial(rng: random.Random) -> tuple[BudgetSettings, Timings]:
         inflight_update=(mode := rng.choice(["drain", "drain", "keep", "recompute", "abort"])),
         sync_when_idle=mode == "drain" and rng.random() < 0.5,
     )
+    sequences = rng.random() < 0.5  # each sequence's length modeled (abort and recompute move completions)
     timings = Timings(
         gen_time=rng.uniform(0.01, 3.0),
-        gen_jitter=rng.choice([0.0, rng.uniform(0.0, 1.5)]),
+        gen_jitter=0.0 if sequences else rng.choice([0.0, rng.uniform(0.0, 1.5)]),
+        mean_length=rng.uniform(1.0, 30.0) if sequences else 0.0,
+        max_length=rng.randint(1, 64) if sequences else 0,
+        prefill_cost=rng.uniform(0.0, 1.0) if sequences else 0.0,
         train_time=rng.uniform(0.01, 2.0),
         sync_time=rng.choice([0.0, rng.uniform(0.0, 1.0)]),
         workers=rng.randint(1, 4),
@@ -96,7 +100,8 @@ def random_trial(rng: random.Random) -> tuple[BudgetSettings, Timings]:
 
 def check_trial(settings: BudgetSettings, timings: Timings) -> list[str]:
     clock = VirtualClock()
-    pool = SimPool(clock, timings, drains=settings.drains)
+    pool = SimPool(clock, timings, drains=settings.drains, inflight_update=settings.inflight_update,
+                   num_groups=3, group_size=2)
     learner = SimLearner(clock, timings, settings.updates_per_batch)
     ref: list = []
     checker = InvariantChecker(pool, ref)

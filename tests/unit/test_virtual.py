@@ -120,3 +120,73 @@ def test_idle_syncs_keep_the_pipeline_full_at_s1_within_budget(gen, train):
         assert max(r.staleness_batches for r in sim.trace.records) <= 1
     ideal = max(gen, train)
     assert runs[True] < 1.05 * (ideal + 0.005) < runs[False]
+
+
+def test_sequence_lengths_are_geometric_capped_and_their_longest_is_expected():
+    import statistics
+
+    from tether.loop.sequences import Lengths
+
+    lengths = Lengths(mean=12.0, cap=40, rows=16, seed=3)
+    draws = [lengths.draw(b, i, 0) for b in range(400) for i in range(16)]
+    assert min(draws) >= 1 and max(draws) == 40  # the cap is reached: a long tail, cut
+    assert statistics.fmean(draws) == pytest.approx(12.0, rel=0.03)  # the mean of the capped lengths
+    uncapped = Lengths(mean=12.0, cap=10**6, rows=1)
+    assert statistics.fmean(uncapped.draw(b, 0, 0) for b in range(20000)) == pytest.approx(12.0, rel=0.03)
+    assert {Lengths(mean=40.0, cap=40, rows=1).draw(b, 0, 0) for b in range(50)} == {40}
+    assert {Lengths(mean=1.0, cap=40, rows=1).draw(b, 0, 0) for b in range(50)} == {1}
+    longest = [max(draws[b * 16:(b + 1) * 16]) for b in range(400)]
+    assert statistics.fmean(longest) == pytest.approx(lengths.expected_longest(), rel=0.05)
+    assert [lengths.draw(7, 3, 1) for _ in range(3)] == [lengths.draw(7, 3, 1)] * 3  # a pure function
+
+
+def test_what_each_mode_does_to_a_generation_at_a_publication():
+    """Two sequences of 10 and 4 tokens, one step a second, a publication at t = 2.5 (so from
+    step 3 on): keep splits the long one's tokens 3 + 7 and ends on time; recompute adds the
+    3-token prefix's prefill; abort throws away 3 tokens of the long one and starts it again."""
+    from tether.loop.sequences import Lengths, replay
+
+    lengths = Lengths(mean=5.0, cap=64, rows=2, seed=0)
+    batch = next(b for b in range(10000) if [lengths.draw(b, i, 0) for i in range(2)] == [10, 4])
+    keep = replay(lengths, batch, 0, "keep", [(2.5, 1)], 0.0, 1.0, 0.5)
+    assert (keep.steps, keep.pause_s, keep.wasted_tokens) == (10, 0.0, 0)
+    assert keep.tokens_by_version == {0: 3 + 3, 1: 7 + 1} and keep.spanning_rows == 2
+    recompute = replay(lengths, batch, 0, "recompute", [(2.5, 1)], 0.0, 1.0, 0.5)
+    assert (recompute.steps, recompute.pause_s) == (10, 0.5 * 3)
+    assert recompute.tokens_by_version == keep.tokens_by_version
+    abort = replay(lengths, batch, 0, "abort", [(2.5, 1)], 0.0, 1.0, 0.5)
+    again = [lengths.draw(batch, i, 1) for i in range(2)]
+    assert abort.wasted_tokens == 3 + 3 and abort.spanning_rows == 0
+    assert abort.steps == 3 + max(again)
+    assert abort.tokens_by_version == {1: sum(again)}
+    # published before it started: it starts under the new weights, nothing wasted or split
+    early = replay(lengths, batch, 0, "abort", [(0.0, 1)], 0.0, 1.0, 0.5)
+    assert early.tokens_by_version == {1: 14} and early.wasted_tokens == 0
+    # published after it finished: nothing changes
+    late = replay(lengths, batch, 0, "abort", [(10.0, 1)], 0.0, 1.0, 0.5)
+    assert late.tokens_by_version == {0: 14} and late.steps == 10
+
+
+@pytest.mark.parametrize("s", [1, 2])
+def test_the_planner_prices_each_inflight_mode_on_a_long_tail(s):
+    """Per-sequence lengths: draining keeps the mean batch at gen_time; keep beats drain on a long
+    tail; recompute pays its prefills and abort its wasted tokens; every batch within S."""
+    timings = Timings(gen_time=0.3, train_time=0.2, sync_time=0.005, mean_length=20, max_length=96,
+                      prefill_cost=0.2)
+    out = {}
+    for mode in ("drain", "keep", "recompute", "abort"):
+        settings = BudgetSettings(max_staleness=s, max_inflight=s + 1, total_batches=200,
+                                  inflight_update=mode)
+        sim = simulate(settings, timings, num_groups=4, group_size=8)
+        assert max(r.staleness_batches for r in sim.trace.records) <= s
+        out[mode] = summarize(sim)
+    spans = [end - start for _e, start, end, _i in simulate(
+        BudgetSettings(max_staleness=0, max_inflight=1, total_batches=300), timings,
+        num_groups=4, group_size=8).pool.spans]
+    assert sum(spans) / len(spans) == pytest.approx(0.3, rel=0.1)
+    step = {m: r["mean_step_time_s"] for m, r in out.items()}
+    assert step["keep"] < step["recompute"] < step["drain"]
+    assert step["keep"] < step["abort"]
+    assert out["abort"]["wasted_tokens_per_batch"] > 0 == out["keep"]["wasted_tokens_per_batch"]
+    assert out["abort"]["multi_version_seq_frac"] == 0 < out["keep"]["multi_version_seq_frac"]
+    assert out["drain"]["multi_version_seq_frac"] == 0 and out["drain"]["wasted_tokens_per_batch"] == 0

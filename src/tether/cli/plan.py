@@ -27,6 +27,8 @@ FLAG_KEYS = {
     "train_time": "plan.train_time",
     "sync_time": "plan.sync_time",
     "seed": "plan.seed",
+    "mean_length": "plan.mean_length",
+    "prefill_cost": "plan.prefill_cost",
 }
 
 
@@ -46,9 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-inflight", type=int, help="concurrent generations (async.max_inflight)")
     p.add_argument("--sync-when-idle", action="store_const", const="true",
                    help="also publish whenever no generation is in flight (async.sync_when_idle)")
-    p.add_argument("--inflight-update", choices=["drain", "keep"],
+    p.add_argument("--inflight-update", choices=["drain", "keep", "recompute", "abort"],
                    help="whether a publication waits for generations in flight (async.inflight_update); "
-                   "the planner models drain and keep")
+                   "recompute and abort need --mean-length")
     p.add_argument("--eval-interval", type=int, help="eval every N batches, 0 = off (eval.interval)")
     p.add_argument("--save-interval", type=int,
                    help="checkpoint every N batches, 0 = off (checkpoint.interval)")
@@ -60,7 +62,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="coefficient of variation of generation time (plan.gen_jitter)")
     p.add_argument("--train-time", type=float, help="seconds per optimizer update (plan.train_time)")
     p.add_argument("--sync-time", type=float, help="seconds per weight publication (plan.sync_time)")
-    p.add_argument("--seed", type=int, help="seed for generation-time jitter (plan.seed)")
+    p.add_argument("--seed", type=int, help="seed for generation-time jitter and lengths (plan.seed)")
+    p.add_argument("--mean-length", type=float,
+                   help="mean completion length in tokens: model each sequence, lengths geometric up to "
+                   "rollout.max_new_tokens (plan.mean_length)")
+    p.add_argument("--prefill-cost", type=float,
+                   help="recompute: one prefix token run again, in decode steps (plan.prefill_cost)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     p.add_argument("--width", type=int, default=72, help="timeline width in characters")
     p.add_argument("--all", action="store_true", dest="show_all",
@@ -90,18 +97,23 @@ def config_from_args(ns: argparse.Namespace) -> Config:
 
 def timings_of(cfg: Config) -> Timings:
     p = cfg.plan
+    if p.mean_length > 0 and p.gen_jitter > 0:
+        raise ConfigError("plan.mean_length models each sequence's length, which makes batches vary by "
+                          "itself; set plan.gen_jitter=0 (or plan.mean_length=0 for jittered batches)")
     return Timings(gen_time=p.gen_time, gen_jitter=p.gen_jitter, train_time=p.train_time,
                    sync_time=p.sync_time, eval_time=p.eval_time, save_time=p.save_time,
-                   workers=cfg.rollout.num_workers, commits=tuple(p.commits), seed=p.seed)
+                   workers=cfg.rollout.num_workers, commits=tuple(p.commits), seed=p.seed,
+                   mean_length=p.mean_length, max_length=cfg.rollout.max_new_tokens,
+                   prefill_cost=p.prefill_cost)
 
 
 def run(ns: argparse.Namespace) -> int:
     cfg = config_from_args(ns)
-    if cfg.async_.inflight_update in ("recompute", "abort"):
-        raise ConfigError(f"tether plan models async.inflight_update=drain and keep; the extra work of "
-                          f"{cfg.async_.inflight_update} (a prefix run again, or sequences sampled again) "
-                          "depends on each sequence's length, which the planner does not model yet; plan "
-                          "with keep for the schedule and the staleness bound, which are the same")
+    if cfg.async_.inflight_update in ("recompute", "abort") and cfg.plan.mean_length <= 0:
+        raise ConfigError(f"the extra work of async.inflight_update={cfg.async_.inflight_update} (a prefix "
+                          "run again, or sequences sampled again) depends on each sequence's length: set "
+                          "plan.mean_length (--mean-length, the mean completion length in tokens, e.g. "
+                          "a run's response/length_mean) so the planner models each sequence")
     sim = simulate(cfg.budget(), timings_of(cfg), num_groups=cfg.rollout.batch_size,
                    group_size=cfg.rollout.group_size, anchor=cfg.train.anchor)
     doc = plan_document(sim)
@@ -166,7 +178,10 @@ def render_text(sim: Simulation, doc: dict, *, width: int = 72, show_all: bool =
         *([] if s.drains else [
             f"per token (inflight_update={s.inflight_update}): mean staleness "
             f"{sm['mean_token_staleness_updates']:.2f} updates (a batch's own is its oldest token's); "
-            f"{sm['multi_version_batch_frac']:.0%} of batches generated under more than one version"]),
+            f"{sm['multi_version_batch_frac']:.0%} of batches generated under more than one version"
+            + ("" if "multi_version_seq_frac" not in sm else
+               f", {sm['multi_version_seq_frac']:.0%} of sequences; "
+               f"{sm['wasted_tokens_per_batch']:.1f} tokens wasted per batch")]),
         f"time: {sm['makespan_s']:.2f}s total, {sm['mean_step_time_s']:.3f}s per batch; trainer "
         f"idle {sm['trainer_idle_fraction']:.0%}, generators idle {sm['generator_idle_fraction']:.0%}",
         "",

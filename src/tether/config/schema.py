@@ -416,7 +416,23 @@ class PlanSection:
         "steps whose non-finite gradients were skipped.",
         min=0,
     )
-    seed: int = knob(0, "Seed for the generation-time jitter.", min=0)
+    seed: int = knob(0, "Seed for the generation-time jitter and the sequence lengths.", min=0)
+    mean_length: float = knob(
+        0.0,
+        "Mean completion length in tokens (a run's response/length_mean); > 0 models each sequence: "
+        "lengths geometric, capped at rollout.max_new_tokens, with this mean, a batch decoding one step "
+        "per token of its longest, a step "
+        "timed so a batch takes gen_time on average. Needed to plan async.inflight_update recompute "
+        "and abort (their cost depends on how far each sequence got). 0 = each batch takes gen_time "
+        "(with gen_jitter).",
+        min=0,
+    )
+    prefill_cost: float = knob(
+        0.0,
+        "With mean_length: seconds to run one prefix token again, as a fraction of a decode step "
+        "(async.inflight_update=recompute pays it for the whole prefix at every switch).",
+        min=0,
+    )
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from tether.errors import ControlError
 from tether.loop.driver import Driver
 from tether.loop.observe import LoopObserver, Observers, TraceRecorder
 from tether.loop.protocols import GenerationRequest, LoopState, RolloutBatch, TrainResult
+from tether.loop.sequences import Lengths, Replay, replay
 
 
 class VirtualClock:
@@ -55,9 +56,19 @@ class Timings:
     commits: tuple[int, ...] = ()
     """Committed updates per consumed batch, cycled; empty = always U."""
     seed: int = 0
+    mean_length: float = 0.0
+    """Mean completion length in tokens; > 0 models each sequence (tether.loop.sequences): lengths
+    geometric with this mean, capped at ``max_length``, a batch as long as its longest."""
+    max_length: int = 0
+    prefill_cost: float = 0.0
+    """recompute: seconds to run one prefix token again, as a fraction of a decode step."""
 
     def __post_init__(self) -> None:
-        for name in ("gen_time", "gen_jitter", "train_time", "sync_time", "eval_time", "save_time"):
+        if self.mean_length > 0 and (self.gen_jitter > 0 or self.max_length < 1):
+            raise ValueError("per-sequence lengths (mean_length > 0) need max_length >= 1 and make "
+                             "the batch-to-batch variation themselves: gen_jitter must be 0")
+        for name in ("gen_time", "gen_jitter", "train_time", "sync_time", "eval_time", "save_time",
+                     "mean_length", "prefill_cost"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -73,10 +84,16 @@ class _Generation:
     start: float = field(compare=False, default=0.0)
     switches: list[tuple[float, int]] = field(compare=False, default_factory=list)
     """(when, version) of every publication while it was outstanding (without draining)."""
+    engine: int = field(compare=False, default=0)
+    outcome: Replay | None = field(compare=False, default=None)
+    """With per-sequence lengths: what its sequences did through ``switches``."""
 
     def segments(self) -> list[tuple[int, float]]:
-        """(version, share of its generation time) in order: tokens come at an even pace, so
-        the share of time under a version is the share of its tokens."""
+        """(version, share of its tokens) in order of version. Without per-sequence lengths tokens
+        come at an even pace, so the share of time under a version is the share of its tokens."""
+        if self.outcome is not None:
+            total = sum(self.outcome.tokens_by_version.values())
+            return [(v, n / total) for v, n in sorted(self.outcome.tokens_by_version.items()) if n > 0]
         version, cuts = self.request.version, []
         for t, v in self.switches:
             if t <= self.start:
@@ -98,9 +115,17 @@ class SimPool:
     """A pool of ``workers`` simulated engines that stamp their version into the data."""
 
     def __init__(self, clock: VirtualClock, timings: Timings, *, num_groups: int = 1,
-                 group_size: int = 1, drains: bool = True) -> None:
+                 group_size: int = 1, drains: bool = True, inflight_update: str = "drain") -> None:
         self.clock = clock
         self.drains = drains
+        self.mode = inflight_update
+        self.lengths = None
+        self.step_s = 0.0
+        self.wasted_tokens = 0
+        if timings.mean_length > 0:
+            self.lengths = Lengths(timings.mean_length, timings.max_length, num_groups * group_size,
+                                   timings.seed)
+            self.step_s = timings.gen_time / self.lengths.expected_longest()
         self.t = timings
         self.num_groups = num_groups
         self.group_size = group_size
@@ -131,20 +156,61 @@ class SimPool:
             raise ControlError(f"launch stamped version {request.version}, engines hold {self.version}")
         engine = min(range(len(self.engine_free)), key=self.engine_free.__getitem__)
         start = max(self.clock.now, self.engine_free[engine])
-        duration = self._draw_gen_time()
+        g = _Generation(start, self._seq, request, start, engine=engine)
+        if self.lengths is None:
+            duration = self._draw_gen_time()
+        else:
+            g.outcome = self._replay(g)
+            duration = g.outcome.steps * self.step_s
+        g.complete = start + duration
         self.engine_free[engine] = start + duration
         self.busy_s += duration
-        heapq.heappush(self._heap, _Generation(start + duration, self._seq, request, start))
+        heapq.heappush(self._heap, g)
         self.spans.append((engine, start, start + duration, request.index))
         self._seq += 1
         self.launched.append(request)
+
+    def _replay(self, g: _Generation) -> Replay:
+        assert self.lengths is not None
+        return replay(self.lengths, g.request.index, g.request.version, self.mode, g.switches, g.start,
+                      self.step_s, self.t.prefill_cost)
+
+    def _rescheduled(self, g: _Generation) -> None:
+        """Replay ``g`` through its publications; a generation that now ends later (abort's new
+        sequences, recompute's prefill) delays what its engine had queued after it."""
+        before = g.outcome
+        g.outcome = self._replay(g)
+        assert before is not None
+        self.wasted_tokens += g.outcome.wasted_tokens - before.wasted_tokens
+        end = g.start + g.outcome.steps * self.step_s + g.outcome.pause_s
+        shift = end - g.complete
+        if shift == 0:
+            return
+        for other in self._heap:
+            if other.engine == g.engine and other.start > g.start:
+                other.start += shift
+                other.complete += shift
+        g.complete = end
+        self.engine_free[g.engine] += shift
+        self.busy_s += shift
+
+        def moved(span: tuple[int, float, float, int]) -> tuple[int, float, float, int]:
+            engine, begin, finish, index = span
+            if engine != g.engine or begin < g.start:
+                return span
+            if begin == g.start:
+                return engine, begin, end, index
+            return engine, begin + shift, finish + shift, index
+
+        self.spans = [moved(span) for span in self.spans]
 
     def _batch(self, g: _Generation) -> RolloutBatch:
         segments = g.segments()
         shares: dict[int, float] = {}
         for version, share in segments:
             shares[version] = shares.get(version, 0.0) + share
-        payload = {"versions": [v for v, _ in segments], "start": g.start, "complete": g.complete}
+        payload = {"versions": [v for v, _ in segments], "start": g.start, "complete": g.complete,
+                   "outcome": g.outcome}
         return RolloutBatch(index=g.request.index, behavior_version=segments[0][0],
                             num_groups=self.num_groups, group_size=self.group_size,
                             payload=payload, newest_version=segments[-1][0],
@@ -173,8 +239,11 @@ class SimPool:
         self.clock.now += self.t.sync_time
         self.version = version
         self.publishes.append((self.clock.now, version))
-        for g in self._heap:  # without draining: each switches to the new weights from now on
+        for g in list(self._heap):  # without draining: each switches to the new weights from now on
             g.switches.append((self.clock.now, version))
+            if self.lengths is not None:
+                self._rescheduled(g)
+        heapq.heapify(self._heap)
         return {}
 
 
@@ -189,6 +258,7 @@ class SimLearner:
         self.busy_s = 0.0
         self.trained: list[tuple[int, int, int]] = []
         self.spanning = 0  # batches generated under more than one version
+        self.spanning_rows = self.rows = 0  # sequences that did, of all (per-sequence lengths only)
 
     def train(self, batch: RolloutBatch, *, train_version: int) -> TrainResult:
         duration = self.u * self.t.train_time
@@ -196,6 +266,10 @@ class SimLearner:
         self.busy_s += duration
         self.trained.append((batch.index, train_version, min(batch.payload["versions"])))
         self.spanning += len(set(batch.payload["versions"])) > 1
+        outcome = batch.payload.get("outcome")
+        if outcome is not None:
+            self.spanning_rows += outcome.spanning_rows
+            self.rows += batch.num_groups * batch.group_size
         n = len(self.trained) - 1
         committed = self.t.commits[n % len(self.t.commits)] if self.t.commits else self.u
         self.version = train_version + committed
@@ -237,7 +311,8 @@ def simulate(settings: BudgetSettings, timings: Timings, *, observer: LoopObserv
              num_groups: int = 1, group_size: int = 1, anchor: str | None = None) -> Simulation:
     """Run the real driver loop in virtual time (``anchor``: train.anchor, for its notes)."""
     clock = VirtualClock()
-    pool = SimPool(clock, timings, num_groups=num_groups, group_size=group_size, drains=settings.drains)
+    pool = SimPool(clock, timings, num_groups=num_groups, group_size=group_size, drains=settings.drains,
+                   inflight_update=settings.inflight_update)
     learner = SimLearner(clock, timings, settings.updates_per_batch)
     trace = TraceRecorder()
     driver = Driver(AsyncControl(settings), pool, learner, hooks=SimHooks(clock, timings),
@@ -278,6 +353,9 @@ def summarize(sim: Simulation) -> dict[str, Any]:
             sum(r.metrics.get("staleness/token_mean_updates", r.staleness_updates) for r in sim.trace.records)
             / trained if trained else 0.0),
         "multi_version_batch_frac": sim.learner.spanning / trained if trained else 0.0,
+        **({"wasted_tokens_per_batch": sim.pool.wasted_tokens / trained if trained else 0.0,
+            "multi_version_seq_frac": sim.learner.spanning_rows / max(sim.learner.rows, 1)}
+           if sim.pool.lengths is not None else {}),
         "makespan_s": makespan,
         "mean_step_time_s": makespan / trained if trained else 0.0,
         "trainer_idle_fraction": 1 - sim.learner.busy_s / makespan if makespan > 0 else 0.0,
