@@ -13,8 +13,9 @@ Reported per setting: samples/s and its ratio to drain at the same S, the traine
 fraction (time waiting for a rollout batch / step time), the mean staleness of the batches (their
 oldest token) and of their tokens, the share of sequences that span versions, tokens wasted by
 abort, and ``tether plan``'s prediction of the step time from the drain run's own measured
-generation and training times (drain and keep; the planner does not model recompute's prefill or
-abort's regeneration yet, and says so). Target (issue 16): keep ≥ 1.25× drain's samples/s where
+generation and training times and mean completion length, each sequence's length modeled
+(plan.mean_length), with recompute's prefill priced by a measurement on the built-in engine in the
+same run (plan.prefill_cost). Target (issue 16): keep ≥ 1.25× drain's samples/s where
 the planner predicts ≥ 1.3×, measured within 10% of the prediction.
 
     python benchmarks/inflight.py [--quick] [--batches N] [--json]
@@ -69,13 +70,59 @@ def run_one(model_dir: Path, reward: Path, s: int, mode: str, idle: bool, batche
     }
 
 
-def planned_step(cfg, timings_from: dict) -> float:
+def planned(cfg, timings_from: dict, prefill_cost: float) -> dict:
+    """``tether plan``'s summary for ``cfg`` from a drain run's measured times and mean completion
+    length (each sequence modeled: plan.mean_length, plan.prefill_cost)."""
     from tether.loop import Timings, simulate, summarize
 
     t = timings_from
-    sim = simulate(cfg.budget(), Timings(gen_time=t["gen_s"], gen_jitter=t["gen_cv"], train_time=t["train_s"],
-                                         sync_time=t["publish_s"], seed=0))
-    return summarize(sim)["mean_step_time_s"]
+    timings = Timings(gen_time=t["gen_s"], train_time=t["train_s"], sync_time=t["publish_s"], seed=0,
+                      mean_length=t["length_mean"], max_length=cfg.rollout.max_new_tokens,
+                      prefill_cost=prefill_cost)
+    return summarize(simulate(cfg.budget(), timings, num_groups=cfg.rollout.batch_size,
+                              group_size=cfg.rollout.group_size))
+
+
+def measure_prefill_cost(model_dir: Path, max_new: int, repeats: int = 5) -> float:
+    """recompute's price in the planner's unit: the built-in engine samples 4 prompts × 8 to
+    ``max_new`` tokens (no stop token), with and without a switch (the same weights bound again)
+    at step k = max_new / 2; the extra time over k decode steps is what one prefix token costs,
+    in decode steps (plan.prefill_cost)."""
+    import time
+
+    import torch
+
+    from tether.decoding.sampling import SamplingParams
+    from tether.modeling import load_causal_lm, unique_parameters
+    from tether.rollout.torch_engine import TorchEngine
+
+    torch.set_num_threads(1)
+    model, tok = load_causal_lm(model_dir)
+    engine = TorchEngine(model, pad_id=tok.pad_token_id, stop_ids=[])
+    weights = {k: v.clone() for k, v in unique_parameters(model).items()}
+    prompts = [tok.encode(f"{a}+{a + 7}=") for a in range(10, 14)]
+    params = SamplingParams(max_new_tokens=max_new, temperature=1.0)
+    k = max_new // 2
+
+    def timed(switch_at: int | None) -> float:
+        calls = [0]
+
+        def poll():
+            calls[0] += 1
+            if calls[0] != switch_at:
+                return None
+            engine.bind(weights, engine.version + 1)
+            return engine.version
+
+        engine.watch(poll, "recompute")
+        t0 = time.perf_counter()
+        engine.generate(prompts, samples_per_prompt=8, params=params, seed=0)
+        return time.perf_counter() - t0
+
+    timed(None)  # warm up
+    base = statistics.median(timed(None) for _ in range(repeats))
+    switched = statistics.median(timed(k) for _ in range(repeats))
+    return max(0.0, (switched - base) / (k * base / max_new))
 
 
 def measure(batches: int, max_new: int, repeats: int) -> dict:
@@ -87,7 +134,9 @@ def measure(batches: int, max_new: int, repeats: int) -> dict:
     tmp = Path(tempfile.mkdtemp())
     init_model(tmp / "model", size="small", seed=0)
     (tmp / "reward.py").write_text(REWARD)
-    out: dict = {"batches": batches, "max_new_tokens": max_new, "repeats": repeats, "settings": {}}
+    prefill_cost = measure_prefill_cost(tmp / "model", max_new)
+    out: dict = {"batches": batches, "max_new_tokens": max_new, "repeats": repeats,
+                 "prefill_cost": prefill_cost, "settings": {}}
     for s in (1, 2):
         # the settings take turns, ``repeats`` rounds: the shared machine's drift reaches them alike;
         # each setting's figures are those of its median run by samples/s
@@ -100,16 +149,18 @@ def measure(batches: int, max_new: int, repeats: int) -> dict:
                                                          batches, max_new, where))
         runs = {key: sorted(t, key=lambda m: m["samples_per_s"])[len(t) // 2] for key, t in tries.items()}
         drain = runs[f"S={s} drain"]
-        plan_drain = planned_step(drain["cfg"], drain)
+        plan_drain = planned(drain["cfg"], drain, prefill_cost)["mean_step_time_s"]
         for key, m in runs.items():
-            cfg = m.pop("cfg")
-            plan = planned_step(cfg, drain) if cfg.async_.inflight_update in ("drain", "keep") else None
+            plan = planned(m.pop("cfg"), drain, prefill_cost)
+            step = plan["mean_step_time_s"]
             out["settings"][key] = m | {
                 "samples_per_s_all": [t["samples_per_s"] for t in tries[key]],
                 "vs_drain": m["samples_per_s"] / drain["samples_per_s"],
-                "plan_step_s": plan,
-                "plan_vs_drain": plan_drain / plan if plan else None,
-                "plan_error": abs(plan - m["step_s"]) / m["step_s"] if plan else None,
+                "plan_step_s": step,
+                "plan_vs_drain": plan_drain / step,
+                "plan_error": abs(step - m["step_s"]) / m["step_s"],
+                "plan_token_staleness_updates": plan["mean_token_staleness_updates"],
+                "plan_wasted_tokens_per_batch": plan.get("wasted_tokens_per_batch", 0.0),
             }
     return out
 
@@ -127,20 +178,21 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(r))
         return 0
     print(f"{r['batches']} batches per setting, median of {r['repeats']} interleaved runs, 4 prompts × 8 "
-          f"samples, up to {r['max_new_tokens']} new tokens, 1 thread each side")
+          f"samples, up to {r['max_new_tokens']} new tokens, 1 thread each side; recompute's prefill "
+          f"measured at {r['prefill_cost']:.3f} decode steps per prefix token")
     print(f"{'setting':>18}{'samples/s':>11}{'vs drain':>10}{'plan':>8}{'plan err':>10}{'T idle':>8}"
           f"{'stale':>7}{'tok stale':>10}{'spanning':>10}{'wasted':>8}{'gen s':>7}{'train s':>8}"
           f"{'length':>8}")
     for key, m in r["settings"].items():
-        plan = f"{m['plan_vs_drain']:.2f}×" if m["plan_vs_drain"] else "—"
-        err = f"{m['plan_error']:.1%}" if m["plan_error"] is not None else "—"
+        plan, err = f"{m['plan_vs_drain']:.2f}×", f"{m['plan_error']:.1%}"
         print(f"{key:>18}{m['samples_per_s']:>11.1f}{m['vs_drain']:>9.2f}×{plan:>8}{err:>10}"
               f"{m['trainer_idle_fraction']:>8.0%}{m['staleness_batches']:>7.2f}"
               f"{m['token_staleness_updates']:>10.2f}"
               f"{m['multi_version_seq_frac']:>10.0%}{m['wasted_tokens_per_batch']:>8.0f}{m['gen_s']:>7.3f}"
               f"{m['train_s']:>8.3f}{m['length_mean']:>8.1f}")
-    print("plan: tether plan's speed-up over drain from the drain run's measured times (drain and keep "
-          "only); tok stale: mean staleness of the tokens, in updates; spanning: sequences generated "
+    print("plan: tether plan's speed-up over drain from the drain run's measured times and mean "
+          "completion length, each sequence modeled; plan err: its step time against the measured; "
+          "tok stale: mean staleness of the tokens, in updates; spanning: sequences generated "
           "under more than one version; length: mean completion tokens (abort favours short ones: a "
           "long sequence is the likeliest to be cut by a publication and sampled again)")
     return 0

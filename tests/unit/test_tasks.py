@@ -75,8 +75,30 @@ def test_string_tasks_known_answers():
     assert all(len(e.fields["word"]) == 6 for e in rev.examples("train", 10, difficulty=6))
 
 
+def test_repeat_answers_have_a_long_tail_of_lengths():
+    """Lengths geometric with mean about the difficulty, capped at 8×: most answers short, a few
+    several times the mean — what makes draining wait behind the slowest sequence."""
+    import random
+    import statistics
+
+    task = get_task("repeat")
+    rng = random.Random(0)
+    lengths = [len(task.draw(rng, 8).answer) for _ in range(5000)]
+    assert statistics.fmean(lengths) == pytest.approx(8, rel=0.05)
+    assert min(lengths) == 1 and max(lengths) > 4 * 8 and max(lengths) <= 64
+    # a split holds distinct prompts: short ones repeat more often, so its mean is a little longer
+    split = [len(e.answer) for e in task.examples("train", 1000, seed=0, difficulty=8)]
+    assert 8 <= statistics.fmean(split) <= 10
+    assert statistics.median(split) < statistics.fmean(split)  # skewed: a long right tail
+    ex = Example("rep ab 5=", "ababa", fields={"pattern": "ab", "length": 5})
+    assert task.verify("ababa", ex) == 1.0
+    assert task.verify("abab", ex) == FORMAT_CREDIT  # the pattern, the wrong length
+    assert task.verify("abba", ex) == 0.0
+    assert task.verify("", ex) == 0.0
+
+
 def test_bad_task_requests_say_what_is_valid():
-    with pytest.raises(ConfigError, match="built-in tasks are: arithmetic, countdown, reverse, sort"):
+    with pytest.raises(ConfigError, match="built-in tasks are: arithmetic, countdown, reverse, sort, repeat"):
         get_task("additon")
     with pytest.raises(ConfigError, match=r"has difficulties \[1, 2, 3, 4\], got 9"):
         get_task("arithmetic").examples("train", 5, difficulty=9)

@@ -330,7 +330,7 @@ class DataSection:
 
     task: str = knob(
         "arithmetic",
-        "Built-in task (arithmetic, countdown, reverse, sort; see `tether tasks`). Set it to '' "
+        "Built-in task (arithmetic, countdown, reverse, sort, repeat; see `tether tasks`). Set it to '' "
         "when data.dataset is used.",
     )
     difficulty: int = knob(0, "Difficulty of the built-in task (0 = the task's default).", min=0)

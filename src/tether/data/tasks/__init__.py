@@ -5,13 +5,14 @@ from tether.data.tasks.builtin import (
     ARITHMETIC,
     COUNTDOWN,
     FORMAT_CREDIT,
+    REPEAT,
     REVERSE,
     SORT,
     evaluate_expression,
 )
 from tether.errors import ConfigError
 
-TASKS: dict[str, Task] = {t.name: t for t in (ARITHMETIC, COUNTDOWN, REVERSE, SORT)}
+TASKS: dict[str, Task] = {t.name: t for t in (ARITHMETIC, COUNTDOWN, REVERSE, SORT, REPEAT)}
 
 
 def get_task(name: str) -> Task:

@@ -1,4 +1,4 @@
-"""The built-in tasks: arithmetic, countdown, and string transformations.
+"""The built-in tasks: arithmetic, countdown, string transformations, and a long-tailed repeat.
 
 Prompts are short plain text so a character-level tiny model can learn them; each answer ends at
 a newline or the end-of-sequence token. Rewards are in [0, 1]: 1 for a correct answer, a small
@@ -164,4 +164,43 @@ SORT = Task(
     default_difficulty=4,
     draw=_draw_sort,
     verify=_verify_letters,
+)
+
+
+# -- a long tail of answer lengths -------------------------------------------------------------
+
+REPEAT_CAP = 8
+"""Answers are at most ``REPEAT_CAP × difficulty`` letters."""
+
+
+def _draw_repeat(rng: random.Random, d: int) -> Example:
+    """A length n, geometric with mean about ``d`` and capped at ``REPEAT_CAP · d``, and a pattern
+    of one or two letters: prompt 'rep ab 5=', answer the pattern repeated to n letters ('ababa')."""
+    n = 1
+    while n < REPEAT_CAP * d and rng.random() > 1 / d:
+        n += 1
+    pattern = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.choice((1, 2))))
+    answer = (pattern * n)[:n]
+    return Example(prompt=f"rep {pattern} {n}=", answer=answer, fields={"pattern": pattern, "length": n})
+
+
+def _verify_repeat(completion: str, ex: Example) -> float:
+    text = strip_answer(completion)
+    if text == ex.answer:
+        return 1.0
+    pattern = ex.fields["pattern"]
+    in_pattern = bool(text) and text == (pattern * len(text))[:len(text)]
+    return FORMAT_CREDIT if in_pattern else 0.0
+
+
+REPEAT = Task(
+    name="repeat",
+    description="Repeat a pattern of one or two letters to n letters: 'rep ab 5=' → 'ababa'. n is "
+    "geometric with mean `difficulty`, up to 8 × `difficulty` (a split of distinct prompts runs a "
+    "little longer): answer lengths with a long tail, for publishing without draining "
+    "(async.inflight_update).",
+    difficulties=tuple(range(2, 17)),
+    default_difficulty=8,
+    draw=_draw_repeat,
+    verify=_verify_repeat,
 )
