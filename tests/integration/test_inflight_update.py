@@ -117,12 +117,18 @@ def test_keep_with_one_version_in_flight_trains_what_drain_trains(tiny_model_dir
     assert got["keep"] == got["drain"]
 
 
-@pytest.mark.parametrize("mode", ["keep", "recompute", "abort"])
-def test_every_mode_trains_within_the_budget_and_reports_per_token_staleness(tiny_model_dir, tmp_path, mode):
+@pytest.mark.parametrize(("mode", "backend"), [("keep", "local"), ("recompute", "local"), ("abort", "local"),
+                                             ("keep", "ray")])
+def test_every_mode_trains_within_the_budget_and_reports_per_token_staleness(tiny_model_dir, tmp_path, mode,
+                                                                             backend):
+    extra = []
+    if backend == "ray":
+        pytest.importorskip("ray")
+        extra = ["rollout.backend=ray", "ray.local_cpus=2"]
     cfg = load_config(None, recipe(tiny_model_dir, "async.max_staleness=2", "async.max_inflight=2",
                                    "rollout.group_size=4", "rollout.max_new_tokens=48",
                                    "train.num_batches=12", "eval.interval=6", "checkpoint.interval=6",
-                                   f"async.inflight_update={mode}", "metrics.attribution=true"))
+                                   f"async.inflight_update={mode}", "metrics.attribution=true", *extra))
     summary = train(cfg, tmp_path / "run", progress_plain=True)
     metrics = rows(tmp_path / "run" / "metrics.jsonl")
     assert len(metrics) == 12 and summary["trained_batches"] == 12

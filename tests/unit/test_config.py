@@ -126,8 +126,6 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
          "ray.learner_placement=STRICT_PACK places learner ranks, which exist only with"),
         (["rollout.backend=ray", "ray.learner_placement=pack"],
          "ray.learner_placement must be one of 'PACK', 'STRICT_PACK'"),
-        (["async.inflight_update=keep", "rollout.backend=ray"],
-         "async.inflight_update=keep switches weights mid-generation, which local rollout workers do"),
         (["async.inflight_update=abort", "async.sync_when_idle=true"],
          "async.sync_when_idle has no effect with async.inflight_update=abort"),
         (["async.inflight_update=pause"], "async.inflight_update must be one of 'drain', 'keep'"),
@@ -152,10 +150,12 @@ def test_gpu_rollout_actors_are_accepted_with_the_ray_backend():
 
 
 @pytest.mark.parametrize("mode", ["keep", "recompute", "abort"])
-def test_every_inflight_mode_is_accepted_with_either_engine_on_local_workers(mode):
+def test_every_inflight_mode_is_accepted_with_either_engine_and_either_backend(mode):
     for engine in ("torch", "vllm"):
-        c = load_config(None, [f"rollout.engine={engine}", f"async.inflight_update={mode}"])
-        assert (c.rollout.engine, c.async_.inflight_update) == (engine, mode)
+        for backend in ("local", "ray"):
+            c = load_config(None, [f"rollout.engine={engine}", f"rollout.backend={backend}",
+                                   f"async.inflight_update={mode}"])
+            assert (c.rollout.engine, c.rollout.backend, c.async_.inflight_update) == (engine, backend, mode)
 
 
 def test_a_dataset_recipe_is_accepted():

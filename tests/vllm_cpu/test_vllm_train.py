@@ -75,12 +75,17 @@ def test_a_killed_vllm_worker_fails_the_run_clearly_and_leaves_nothing(demo_mode
 
 
 
-def test_the_demo_recipe_on_vllm_publishes_without_draining_within_the_budget(demo_model, tmp_path):
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_the_demo_recipe_on_vllm_publishes_without_draining_within_the_budget(demo_model, tmp_path, backend):
     """async.inflight_update=keep on vLLM: publications go out while batches generate, every
     batch trains within the budget counted from its oldest token, and the per-token figures add up."""
+    if backend == "ray":
+        pytest.importorskip("ray")
+    extra = ["rollout.backend=ray", "ray.local_cpus=2"] if backend == "ray" else []
     cfg = load_config(DEMO, short(demo_model, "async.max_staleness=2", "async.max_inflight=2",
                                   "rollout.max_new_tokens=32", "async.inflight_update=keep",
-                                  "metrics.attribution=true", "train.num_batches=8", "eval.interval=4"))
+                                  "metrics.attribution=true", "train.num_batches=8", "eval.interval=4",
+                                  *extra))
     summary = train(cfg, tmp_path / "run", progress_plain=True)
     metrics = rows(tmp_path / "run" / "metrics.jsonl")
     assert len(metrics) == 8 and summary["trained_batches"] == 8

@@ -199,15 +199,7 @@ class Config:
                               "ranks use cuda:0 … cuda:N-1; set train.device=cuda")
 
     def _check_inflight(self) -> None:
-        mode = self.async_.inflight_update
         self.budget()  # the control plane's own rules (async.sync_when_idle has no effect without draining)
-        if mode == "drain":
-            return
-        if self.rollout.backend != "local":
-            raise ConfigError(f"async.inflight_update={mode} switches weights mid-generation, which local "
-                              "rollout workers do (the built-in engine and vLLM alike); this recipe has "
-                              f"rollout.backend={self.rollout.backend}. Use rollout.backend=local, or "
-                              "async.inflight_update=drain")
 
     def _check_vllm(self) -> None:
         if self.rollout.engine != "vllm" and self.vllm != VllmSection():

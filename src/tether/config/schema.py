@@ -72,7 +72,7 @@ class AsyncSection:
         "again under the new weights (rollout/wasted_tokens). Without draining, weights are "
         "published after every step the trainer is ahead, and admission bounds each launch by the "
         "oldest version still generating, so no batch exceeds the budget (docs/concepts.md). "
-        "Eval and checkpoint boundaries always drain. Either engine (torch, vllm), local backend.",
+        "Eval and checkpoint boundaries always drain. Either engine (torch, vllm), either backend.",
     )
     wait_timeout_s: float = knob(
         600.0,

@@ -164,18 +164,26 @@ class RaySession:
 
 class _RolloutActor:
     """A rollout worker as a Ray actor. Every method answers with a message tuple in the same
-    shapes as a worker process's, so failures carry the original traceback."""
+    shapes as a worker process's, so failures carry the original traceback.
+
+    Without draining (``inflight_update``) the actor runs two threads (``max_concurrency=2``):
+    ``offer`` verifies a newer snapshot while ``generate`` runs, and the engine binds it at its next
+    decode step (object-store snapshots are immutable: nothing can tear them)."""
 
     def __init__(self, spec: WorkerSpec, layout: Layout) -> None:
         self.spec = spec
         self.layout = layout
         self.rollout = None
+        self._offered: tuple[dict, int] | None = None  # (views, version), verified, not yet bound
+        self._lock = threading.Lock()
 
     def start(self) -> tuple:
         try:
             from tether.rollout.worker import Rollout
 
             self.rollout = Rollout(self.spec)
+            if self.spec.inflight_update != "drain":
+                self.rollout.watch(self._take_offered)
         except BaseException as exc:
             return ("error", None, f"failed to start: {type(exc).__name__}: {exc}", traceback.format_exc())
         import ray
@@ -194,8 +202,32 @@ class _RolloutActor:
             return ("error", None, f"loading version {version}: {type(exc).__name__}: {exc}",
                     traceback.format_exc())
 
+    def offer(self, snapshot, version: int) -> tuple:
+        """Verify ``version`` and leave it for the engine's next decode step (without draining)."""
+        try:
+            from tether.rollout.channel import open_snapshot
+
+            views, seconds = open_snapshot(snapshot, self.layout, version)
+            with self._lock:
+                if self._offered is None or self._offered[1] < version:
+                    self._offered = (views, version)
+            return ("offered", version, seconds)
+        except BaseException as exc:
+            return ("error", None, f"verifying version {version}: {type(exc).__name__}: {exc}",
+                    traceback.format_exc())
+
+    def _take_offered(self) -> int | None:
+        with self._lock:
+            offered, self._offered = self._offered, None
+        if offered is None or offered[1] <= self.rollout.engine.version:
+            return None
+        self.rollout.use_weights(*offered)
+        return offered[1]
+
     def generate(self, item: WorkItem) -> tuple:
         try:
+            if self.spec.inflight_update != "drain":
+                self.rollout.start_at(item.version)
             batch = self.rollout.generate(item)
             return ("batch", item.batch_index, batch, time.time())
         except BaseException as exc:
@@ -261,7 +293,8 @@ class RayPool(DispatchingPool):
         for i in range(s.num_workers):
             spec = s.worker_spec(i, self.version, device="cuda" if o.gpus_per_worker > 0 else "cpu")
             handle = remote.options(num_cpus=o.cpus_per_worker, num_gpus=o.gpus_per_worker, max_restarts=0,
-                                    name=f"tether-rollout-{i}-{os.getpid()}-{id(self):x}"
+                                    name=f"tether-rollout-{i}-{os.getpid()}-{id(self):x}",
+                                    max_concurrency=1 if s.inflight_update == "drain" else 2,
                                     ).remote(spec, self.layout)
             self._workers.append(_Actor(i, handle))
         pending = {w.handle.start.remote(): w for w in self._workers}
@@ -339,7 +372,10 @@ class RayPool(DispatchingPool):
         self._running[w.handle.generate.remote(item)] = w
         self._wake.set()
 
-    def _load_all(self, weights: Mapping[str, Any] | RemoteWeights, version: int) -> dict[str, float]:
+    def _load_all(self, weights: Mapping[str, Any] | RemoteWeights, version: int, *,
+                  method: str = "load") -> dict[str, float]:
+        """Put ``version`` into the object store and have every actor ``load`` it (between
+        batches), or ``offer`` it to every actor (without draining: bound at its next decode step)."""
         dead = [w.name for w in self._workers if not w.alive]
         if dead:
             raise RolloutError(f"cannot publish version {version}: {', '.join(dead)} died")
@@ -350,7 +386,7 @@ class RayPool(DispatchingPool):
             self._staged_version = version
         else:
             ref, metrics = weights.put(version)
-        loads = {w.handle.load.remote(ref, version): w for w in self._workers}
+        loads = {getattr(w.handle, method).remote(ref, version): w for w in self._workers}
         seconds = []
         for call, w in loads.items():
             msg = self._get(w, call, f"while loading version {version}",
@@ -361,6 +397,9 @@ class RayPool(DispatchingPool):
         self._weights_ref = ref  # the previous version's object goes once the actors rebind
         metrics["sync/load_s"] = max(seconds)
         return metrics
+
+    def _put_inflight(self, weights: Mapping[str, Any] | RemoteWeights, version: int) -> dict[str, float]:
+        return self._load_all(weights, version, method="offer")
 
     # -- internals ----------------------------------------------------------------------------
 

@@ -142,6 +142,27 @@ class Rollout:
         if hasattr(self.engine, "close"):
             self.engine.close()
 
+    def watch(self, poll) -> None:
+        """Without draining: have the engine call ``poll`` before every decode step (it binds
+        newer weights when it has them and returns their version, else None)."""
+        if not hasattr(self.engine, "watch"):
+            raise ValueError(f"async.inflight_update={self.spec.inflight_update} needs an engine that "
+                             "switches weights mid-generation (rollout.engine=torch or vllm)")
+        self._poll = poll
+        self.engine.watch(poll, self.spec.inflight_update)
+
+    def start_at(self, version: int, wait_s: float = 60.0) -> None:
+        """Without draining, before a batch launched at ``version``: publications reach a worker
+        while it generates, so wait until the engine holds at least that version, then take
+        anything newer already complete."""
+        deadline = time.monotonic() + wait_s
+        while self.engine.version < version:
+            if self._poll() is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"version {version} did not reach this worker within {wait_s:.0f}s")
+                time.sleep(0.001)
+        self._poll()
+
     def generate(self, item: WorkItem) -> ScoredBatch:
         t0 = time.perf_counter()
         self._score_s, self._errors = 0.0, 0
@@ -239,15 +260,12 @@ class _ChannelWorker(Rollout):
             return
         import torch
 
-        if not hasattr(self.engine, "watch"):
-            raise ValueError(f"async.inflight_update={spec.inflight_update} needs an engine that switches "
-                             "weights mid-generation (rollout.engine=torch or vllm)")
         self.buffers = [torch.empty(spec.channel_layout.total_bytes, dtype=torch.uint8) for _ in range(2)]
         self.current = 1
         self.reader.verify(spec.initial_version)
         if self._switch(spec.initial_version) is None:
             raise RuntimeError(f"the weight channel changed while version {spec.initial_version} was read")
-        self.engine.watch(self._poll, spec.inflight_update)
+        self.watch(self._newest)
 
     def load(self, version: int) -> float:
         seconds = self.reader.verify(version)
@@ -263,20 +281,13 @@ class _ChannelWorker(Rollout):
         self.current = spare
         return version
 
-    def _poll(self) -> int | None:
+    def _newest(self) -> int | None:
         newest = self.reader.newest()
         if newest is None or newest <= self.engine.version:
             return None
         return self._switch(newest)
 
     def generate(self, item: WorkItem) -> ScoredBatch:
-        if self.spec.inflight_update != "drain":  # start at least at the version it was launched at
-            deadline = time.monotonic() + self.WAIT_S
-            while self.engine.version < item.version:
-                if self._poll() is None:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"version {item.version} did not become readable in the weight "
-                                           f"channel within {self.WAIT_S:.0f}s")
-                    time.sleep(0.001)
-            self._poll()  # anything newer that is already complete
+        if self.spec.inflight_update != "drain":
+            self.start_at(item.version, self.WAIT_S)
         return super().generate(item)
