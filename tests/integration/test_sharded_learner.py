@@ -47,8 +47,8 @@ def batches(model_dir):
 
 
 def trained(learner, rollout_batches):
-    results = [learner.train(b, train_version=i) for i, b in enumerate(rollout_batches)]
-    return learner.export_weights(), results
+    results = [learner.train(b, train_version=2 * i) for i, b in enumerate(rollout_batches)]
+    return dict(learner.export_weights()), results  # gathered now: ranks' exports are lazy
 
 
 @pytest.mark.parametrize("case", [
@@ -59,7 +59,9 @@ def trained(learner, rollout_batches):
     {"aggregation": "token_mean", "updates_per_batch": 1,
      "correction": CorrectionSettings(tis="token", tis_cap=1.5, mask="sequence", mask_low=0.7,
                                       mask_high=1.3)},
-], ids=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum-inline", "dr_grpo-kl", "tis-mask-inline"])
+    {"aggregation": "token_mean", "updates_per_batch": 2, "attribution": True, "staleness_budget": 4},
+], ids=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum-inline", "dr_grpo-kl", "tis-mask-inline",
+        "attribution"])
 def test_two_ranks_make_the_single_process_update(tiny_model_dir, case):
     rollout_batches = batches(tiny_model_dir)
     # ranks run the model's own forward (the shared-prompt one reads weights FSDP2 keeps sharded);
@@ -84,6 +86,15 @@ def test_two_ranks_make_the_single_process_update(tiny_model_dir, case):
         assert a.committed_updates == b.committed_updates == case["updates_per_batch"]
         for key in METRICS:
             assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-4, abs=1e-6), key
+    if case.get("attribution"):
+        # batches trained at versions 0, 2, 4 from tokens of version 0: the ranks' kept shards
+        # give the split one process's whole copies give
+        keys = [k for k in solo[-1].metrics if k.startswith("attribution/") and k != "attribution/memory_mb"]
+        assert solo[-1].metrics["attribution/staleness_logratio_abs_mean"] > 0
+        for a, b in zip(solo, two, strict=True):
+            for key in keys:
+                assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-4, abs=1e-6), key
+            assert b.metrics["attribution/memory_mb"] < a.metrics["attribution/memory_mb"]  # shards only
 
 
 def test_ranks_write_their_rows_into_the_channel_and_a_killed_rank_fails_naming_it(tiny_model_dir):

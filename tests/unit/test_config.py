@@ -129,8 +129,6 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
         (["async.inflight_update=abort", "async.sync_when_idle=true"],
          "async.sync_when_idle has no effect with async.inflight_update=abort"),
         (["async.inflight_update=pause"], "async.inflight_update must be one of 'drain', 'keep'"),
-        (["metrics.attribution=true", "train.world_size=2"],
-         "metrics.attribution is not built for learner ranks yet"),
         (["checkpoint.sharded=true"], "checkpoint.sharded=true has no effect with train.world_size=1"),
         (["rollout.engine=vllm", "vllm.dtype=auto"],
          "vllm.dtype must be one of 'float32', 'bfloat16', 'float16'"),

@@ -179,9 +179,6 @@ class Config:
 
     def _check_world(self) -> None:
         t, r = self.train, self.rollout
-        if t.world_size > 1 and self.metrics.attribution:
-            raise ConfigError("metrics.attribution is not built for learner ranks yet (train.world_size="
-                              f"{t.world_size}); set train.world_size=1, or metrics.attribution=false")
         if t.world_size == 1:
             if self.checkpoint.sharded:
                 raise ConfigError("checkpoint.sharded=true has no effect with train.world_size=1 (one "

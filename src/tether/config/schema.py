@@ -445,7 +445,7 @@ class MetricsSection:
         "and its numeric part log π_v/μ (v: the version that sampled the token), logged per batch as "
         "attribution/* (means, maxima, the staleness share). The learner keeps a copy of its weights "
         "for each version a batch can still hold (at most S·U + 1; attribution/memory_mb) and runs one "
-        "more forward per older version in a batch. One learner process only (train.world_size=1).",
+        "more forward per older version in a batch. With learner ranks each keeps copies of its own shards.",
     )
 
 

@@ -17,52 +17,77 @@ trains at staleness ≤ budget, so its tokens' versions are ≥ train_version �
 budget + 1 copies, their memory reported. Versions the learner never held as a whole step's end
 (intermediate updates of a step are never published) or held before a resume are not available:
 their tokens are left out and ``attribution/token_frac`` says how many were covered.
+
+With learner ranks (FSDP2) every rank keeps copies of its own shards only (1/N of the weights
+each), and every rank takes part in each kept version's forward: the versions to run are those of
+the whole batch, which every rank holds, so all ranks run the same collectives in the same order.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``t`` (a rank's shard of an FSDP2 parameter, else ``t``)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class Attribution:
     """Weight copies by version, and the per-batch split of log π_old/μ."""
 
     def __init__(self, model: torch.nn.Module, budget_updates: int) -> None:
+        self.model = model
         self.budget = budget_updates
         self.copies: dict[int, dict[str, torch.Tensor]] = {}
-        self.scratch = copy.deepcopy(model).eval().requires_grad_(False)  # loads a kept version
 
-    def remember(self, version: int, model: torch.nn.Module) -> None:
-        """Keep ``model``'s weights as ``version`` (the learner's now), and let go of every
+    def remember(self, version: int) -> None:
+        """Keep the model's weights as ``version`` (the learner's now), and let go of every
         version no future batch can hold."""
         if version not in self.copies:
-            self.copies[version] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            self.copies[version] = self._snapshot()
         for old in [v for v in self.copies if v < version - self.budget]:
             del self.copies[old]
 
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    @contextlib.contextmanager
+    def holding(self, version: int, current: int) -> Iterator[torch.nn.Module]:
+        """The model with ``version``'s weights in place, then ``current``'s (kept: the weights it
+        has now) back, in place: the optimizer's parameters and FSDP2's shards stay the same
+        objects."""
+        with torch.no_grad():
+            self.model.load_state_dict(self.copies[version])
+            try:
+                yield self.model
+            finally:
+                self.model.load_state_dict(self.copies[current])
+
     @property
     def memory_mb(self) -> float:
-        return sum(t.numel() * t.element_size() for c in self.copies.values() for t in c.values()) / 2**20
+        return sum(_local(t).numel() * t.element_size() for c in self.copies.values()
+                   for t in c.values()) / 2**20
 
     def split(self, versions: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor,
               behavior_logp: torch.Tensor, train_version: int,
               logp_of: Callable[[torch.nn.Module], torch.Tensor]) -> dict[str, float]:
         """``attribution/*`` for one batch: ``versions`` (N, T) each token's version, ``mask``
         (N, T) the completion tokens, ``old_logp`` log π_old, ``behavior_logp`` log μ, and
-        ``logp_of(model)`` a model's log-probs of the batch (N, T)."""
+        ``logp_of(model)`` a model's log-probs of the batch (N, T). The model's weights must be
+        ``train_version``'s, kept by ``remember``."""
         m = mask.bool()
         at_version = torch.full_like(old_logp, float("nan"))
         at_version[m & (versions == train_version)] = old_logp[m & (versions == train_version)]
         for v in sorted(set(versions[m].tolist()) - {train_version}):
             if v not in self.copies:
                 continue
-            self.scratch.load_state_dict(self.copies[v])
             tokens = m & (versions == v)
-            with torch.no_grad():
-                at_version[tokens] = logp_of(self.scratch)[tokens]
+            with self.holding(v, train_version) as model:
+                at_version[tokens] = logp_of(model)[tokens]
         covered = m & ~torch.isnan(at_version)
         out = {"attribution/token_frac": float(covered.sum()) / max(int(m.sum()), 1),
                "attribution/versions_kept": float(len(self.copies)),

@@ -134,9 +134,6 @@ class TorchLearner:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.attribution = None
         if settings.attribution:
-            if self.group.world > 1:
-                raise ConfigError("metrics.attribution is not built for learner ranks yet; set "
-                                  "train.world_size=1 or metrics.attribution=false")
             from tether.train.attribution import Attribution
 
             self.attribution = Attribution(self.model, settings.staleness_budget)
@@ -187,7 +184,7 @@ class TorchLearner:
                    train_version: int) -> dict[str, float]:
         """``attribution/*`` of the batch, before its updates (π_old is the weights now)."""
         assert self.attribution is not None
-        self.attribution.remember(train_version, self.model)
+        self.attribution.remember(train_version)
         old = old if old is not None else self._no_grad_logp(self.model, tb, mine)
         return self.attribution.split(tb.behavior_versions, tb.mask, old, tb.behavior_logp, train_version,
                                       lambda model: self._no_grad_logp(model, tb, mine))
