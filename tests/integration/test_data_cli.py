@@ -18,7 +18,7 @@ def run(*args, check=True):
 
 def test_tasks_lists_every_task_with_a_sample():
     rows = json.loads(run("tasks", "--json").stdout)
-    assert [r["name"] for r in rows] == ["arithmetic", "countdown", "reverse", "sort"]
+    assert [r["name"] for r in rows] == ["arithmetic", "countdown", "reverse", "sort", "repeat"]
     for r in rows:
         assert r["sample_prompt"] and r["sample_answer"]
     text = run("tasks").stdout
