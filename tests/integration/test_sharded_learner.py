@@ -277,7 +277,7 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_update_on_every_rank(tiny_m
     sharded = ShardedLearner(tiny_model_dir, settings, world_size=2)
     try:
         two = sharded.train(poisoned, train_version=0)
-        after = sharded.export_weights()
+        after = dict(sharded.export_weights())  # gathered now, before the weights change again
         again = sharded.train(batch, train_version=1)  # every rank still agrees on the clock
     finally:
         sharded.close()

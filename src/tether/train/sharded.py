@@ -187,6 +187,9 @@ class ShardedLearner:
         return self._call(("train", batch, train_version), f"while training batch {batch.index}")
 
     def export_weights(self) -> RankWeights:
+        """The weights as they are now, gathered or written into a channel on first use, which
+        must come before the next ``train`` or ``load`` (refused after): take ``dict(...)`` of
+        them to keep a copy."""
         return RankWeights(self)
 
     def save(self, path: str | Path) -> None:
