@@ -190,3 +190,24 @@ def test_the_planner_prices_each_inflight_mode_on_a_long_tail(s):
     assert out["abort"]["wasted_tokens_per_batch"] > 0 == out["keep"]["wasted_tokens_per_batch"]
     assert out["abort"]["multi_version_seq_frac"] == 0 < out["keep"]["multi_version_seq_frac"]
     assert out["drain"]["multi_version_seq_frac"] == 0 and out["drain"]["wasted_tokens_per_batch"] == 0
+
+
+def test_publications_that_reach_the_same_poll_make_one_switch():
+    """Two publications between the same two decode steps: one prefill (recompute), one restart
+    (abort), the tokens under the newer version. One that comes during a recompute's prefill is
+    seen at the next poll, which pays a prefill of its own."""
+    from tether.loop.sequences import Lengths, replay
+
+    lengths = Lengths(mean=5.0, cap=64, rows=2, seed=0)
+    batch = next(b for b in range(10000) if [lengths.draw(b, i, 0) for i in range(2)] == [10, 4])
+    twice = [(2.3, 1), (2.6, 2)]
+    recompute = replay(lengths, batch, 0, "recompute", twice, 0.0, 1.0, 0.5)
+    assert recompute.pause_s == 0.5 * 3 and recompute.tokens_by_version == {0: 6, 2: 8}
+    abort = replay(lengths, batch, 0, "abort", twice, 0.0, 1.0, 0.5)
+    once = replay(lengths, batch, 0, "abort", [(2.6, 2)], 0.0, 1.0, 0.5)
+    assert (abort.wasted_tokens, abort.steps, abort.tokens_by_version) == (
+        once.wasted_tokens, once.steps, once.tokens_by_version)
+    # the poll at step 3 (t = 3.0) starts a 1.5 s prefill; t = 3.5 falls inside it: seen at step 4
+    during = replay(lengths, batch, 0, "recompute", [(2.5, 1), (3.5, 2)], 0.0, 1.0, 0.5)
+    assert during.pause_s == 0.5 * 3 + 0.5 * 4
+    assert during.tokens_by_version == {0: 3 + 3, 1: 1 + 1, 2: 6}  # step 3 under v1, steps 4–9 under v2

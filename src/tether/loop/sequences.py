@@ -6,7 +6,9 @@ that comes with the same small chance at every step), whose mean — of the capp
 run reports as ``response/length_mean`` — is ``plan.mean_length``. A batch decodes all its
 sequences together, one step per token of its longest: a step takes ``step_s``, chosen so that a
 batch takes ``plan.gen_time`` on average. What a publication in flight does then depends on the
-mode, at the next step boundary J after it (the engines poll before each step):
+mode, at the next step boundary J after it (the engines poll before each step; publications
+that reach the same poll make one switch, to the newest; one that comes during a recompute's
+prefill is seen at the poll after it):
 
 - ``keep``: nothing changes but the version of the tokens from step J on;
 - ``recompute``: as keep, after a prefill of the J-token prefix, which costs
@@ -78,6 +80,8 @@ class Replay:
     spanning_rows: int
     """Sequences whose tokens came from more than one version."""
     wasted_tokens: int
+    switches: int = 0
+    """Switches it made (publications that reached the same poll count once)."""
 
 
 def replay(lengths: Lengths, batch: int, version: int, mode: str, switches: list[tuple[float, int]],
@@ -89,26 +93,34 @@ def replay(lengths: Lengths, batch: int, version: int, mode: str, switches: list
     attempt = [0] * lengths.rows
     row_version = [version] * lengths.rows
     cuts: dict[int, int] = {}  # step → version from it on, for keep and recompute
-    pause, wasted, last = 0.0, 0, 0
+    pause, wasted, last, last_poll = 0.0, 0, 0, start
+    switched: set[int] = set()  # step boundaries at which it switched
     for t, v in switches:
         if t <= start:  # published before it started: it starts under the newer weights
             row_version = [v] * lengths.rows
             continue
         steps = max(b + n for b, n in zip(begin, length, strict=True))
-        # the boundary before which it polls next (during a prefill: the one the prefill ends at)
-        j = max(last, math.ceil((t - start - pause) / step_s - 1e-9)) if step_s > 0 else steps
+        # the boundary whose poll sees it: the first after it, counting the prefills so far
+        j = math.ceil((t - start - pause) / step_s - 1e-9) if step_s > 0 else steps
+        if switched and j <= last:  # near the last switch: before its poll, or during its prefill
+            j = last if t <= last_poll else last + 1
         if j >= steps:
             break  # it had finished
-        last = j
+        again = j in switched  # a second publication before the same poll: one switch, the newest
+        if not again:
+            last, last_poll = j, start + j * step_s + pause
+        switched.add(j)
         if mode == "abort":
             for i in range(lengths.rows):
-                if begin[i] + length[i] > j:
+                if again and begin[i] == j:
+                    row_version[i] = v  # restarted at this boundary: it starts under the newest
+                elif begin[i] + length[i] > j:
                     wasted += j - begin[i]
                     attempt[i] += 1
                     begin[i], length[i], row_version[i] = j, lengths.draw(batch, i, attempt[i]), v
         else:
             cuts[j] = v
-            if mode == "recompute":
+            if mode == "recompute" and not again:
                 pause += prefill_cost * j * step_s
     tokens: dict[int, int] = {}
     spanning = 0
@@ -120,4 +132,4 @@ def replay(lengths: Lengths, batch: int, version: int, mode: str, switches: list
             tokens[v] = tokens.get(v, 0) + end - at
         spanning += len(edges) > 1
     steps = max(b + n for b, n in zip(begin, length, strict=True))
-    return Replay(steps, pause, tokens, spanning, wasted)
+    return Replay(steps, pause, tokens, spanning, wasted, len(switched))
