@@ -141,7 +141,7 @@ def test_actors_switch_weights_mid_generation_and_stamp_every_token(tiny_model_d
     if mode == "recompute":
         check_recompute_stamps(tiny_model_dir, batch, weights)
     else:
-        check_abort(batch)
+        check_abort(batch, every_row_restarted=False)  # an actor may finish a row before its first poll
 
 
 def test_a_killed_actor_names_itself_and_its_batch_and_nothing_is_left_running(tiny_model_dir, tmp_path):

@@ -101,5 +101,5 @@ def test_vllm_switches_weights_mid_generation_and_stamps_every_token(demo_model,
         check_keep(demo_model, batch, weights)
     elif mode == "recompute":
         check_recompute_stamps(demo_model, batch, weights, atol=ATOL)
-    else:
-        check_abort(batch)
+    else:  # vLLM stops at the model's end-of-sequence token: some rows may finish before a switch
+        check_abort(batch, every_row_restarted=False)
