@@ -73,6 +73,22 @@ def test_recompute_stamps_each_token_with_the_weights_that_produced_it(tiny_mode
     check_recompute_stamps(tiny_model_dir, *publish_while_generating(tiny_model_dir, "recompute"))
 
 
+def eval_model(model_dir):
+    model, _ = load_causal_lm(model_dir)
+    return model.eval()
+
+
+def sampled_rows(scored, weights):
+    """(row, prompt ids, tokens, log-probs, versions) of every sample; each row's versions rise
+    and name published weights."""
+    for g, prompt in enumerate(scored.prompt_ids):
+        for s in range(scored.group_size):
+            row = g * scored.group_size + s
+            vs = scored.versions[row]
+            assert vs == sorted(vs) and set(vs) <= set(weights)
+            yield row, prompt, scored.completion_ids[row], scored.logprobs[row], vs
+
+
 def check_recompute_stamps(model_dir, batch, weights, atol=1e-4):
     scored = batch.payload
     spanning = [vs for vs in scored.versions if len(set(vs)) > 1]
@@ -80,17 +96,12 @@ def check_recompute_stamps(model_dir, batch, weights, atol=1e-4):
     assert batch.behavior_version == min(min(vs) for vs in scored.versions)
     assert batch.metrics["rollout/weight_switches"] >= 1
     assert batch.metrics["staleness/multi_version_seq_frac"] == len(spanning) / len(scored.versions)
-    model, _ = load_causal_lm(model_dir)
-    model.eval()
-    for g, prompt in enumerate(scored.prompt_ids):
-        for s in range(scored.group_size):
-            row = g * scored.group_size + s
-            toks, lps, vs = scored.completion_ids[row], scored.logprobs[row], scored.versions[row]
-            assert vs == sorted(vs) and set(vs) <= set(weights)
-            for v in set(vs):
-                at = [k for k, x in enumerate(vs) if x == v]
-                expected = teacher_forced(model, weights[v], prompt, toks)[at]
-                assert torch.allclose(torch.tensor(lps)[at], expected, atol=atol), (row, v)
+    model = eval_model(model_dir)
+    for row, prompt, toks, lps, vs in sampled_rows(scored, weights):
+        for v in set(vs):
+            at = [k for k, x in enumerate(vs) if x == v]
+            expected = teacher_forced(model, weights[v], prompt, toks)[at]
+            assert torch.allclose(torch.tensor(lps)[at], expected, atol=atol), (row, v)
 
 
 def test_abort_leaves_every_sequence_under_one_version_and_counts_the_waste(tiny_model_dir):

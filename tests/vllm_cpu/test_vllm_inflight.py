@@ -14,7 +14,13 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
-from test_inflight_update import check_abort, check_recompute_stamps, publish_into  # noqa: E402
+from test_inflight_update import (  # noqa: E402
+    check_abort,
+    check_recompute_stamps,
+    eval_model,
+    publish_into,
+    sampled_rows,
+)
 from test_vllm_engine import STREAM, collect  # noqa: E402
 
 from procs import wait_gone  # noqa: E402
@@ -71,15 +77,10 @@ def check_keep(model_dir, batch, weights):
     scored = batch.payload
     assert any(len(set(vs)) > 1 for vs in scored.versions), "no sequence saw a publication"
     assert batch.metrics["rollout/weight_switches"] >= 1 and batch.metrics["rollout/wasted_tokens"] == 0
-    model, _ = load_causal_lm(model_dir)
-    model.eval()
-    for g, prompt in enumerate(scored.prompt_ids):
-        for s in range(scored.group_size):
-            row = g * scored.group_size + s
-            toks, lps, vs = scored.completion_ids[row], scored.logprobs[row], scored.versions[row]
-            assert vs == sorted(vs) and set(vs) <= set(weights)
-            expected = kept_cache_logprobs(model, weights, prompt, toks, vs)
-            assert torch.allclose(torch.tensor(lps), expected, atol=ATOL), row
+    model = eval_model(model_dir)
+    for row, prompt, toks, lps, vs in sampled_rows(scored, weights):
+        expected = kept_cache_logprobs(model, weights, prompt, toks, vs)
+        assert torch.allclose(torch.tensor(lps), expected, atol=ATOL), row
 
 
 @pytest.mark.parametrize("mode", ["keep", "recompute", "abort"])
