@@ -105,3 +105,28 @@ def copy_weights(model: torch.nn.Module, weights) -> None:
 def unique_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """name → tensor for every parameter, tied ones once (the names ``named_parameters`` gives)."""
     return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def load_into(model: torch.nn.Module, weights) -> None:
+    """Copy ``weights`` (name → tensor, from any device) into ``model``'s parameters, skipping
+    any the model already uses (bound views); every parameter must be there."""
+    params = dict(model.named_parameters())
+    missing = [name for name in params if name not in weights]
+    if missing:
+        raise ConfigError(f"published weights lack {len(missing)} parameters, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            src = weights[name]
+            if src.data_ptr() != p.data_ptr():
+                p.copy_(src)
+
+
+def bind_into(model: torch.nn.Module, weights) -> None:
+    """Make ``weights`` (e.g. shared-memory views) ``model``'s parameters, without copying."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            src = weights[name]
+            if src.shape != p.shape or src.dtype != p.dtype:
+                raise ConfigError(f"cannot bind {name}: {tuple(src.shape)} {src.dtype} vs "
+                                  f"{tuple(p.shape)} {p.dtype}")
+            p.data = src

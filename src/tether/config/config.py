@@ -13,6 +13,7 @@ import yaml
 
 from tether.config.backends import RaySection, VllmSection
 from tether.config.fields import build_section, closest, section_fields
+from tether.config.flow import FlowSection
 from tether.config.schema import (
     SECTIONS,
     AsyncSection,
@@ -47,6 +48,7 @@ class Config:
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     correction: CorrectionSection = dataclasses.field(default_factory=CorrectionSection)
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    flow: FlowSection = dataclasses.field(default_factory=FlowSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     reward: RewardSection = dataclasses.field(default_factory=RewardSection)
     warmstart: WarmstartSection = dataclasses.field(default_factory=WarmstartSection)
@@ -87,6 +89,7 @@ class Config:
         self._check_vllm()
         self._check_inflight()
         self._check_world()
+        self._check_flow()
 
     def _check_data(self) -> None:
         d = self.data
@@ -204,6 +207,17 @@ class Config:
                               f"{self.rollout.engine!r}; set rollout.engine=vllm to use it, or remove "
                               "the vllm keys")
 
+    def _check_flow(self) -> None:
+        if self.model.family != "flow":
+            if self.flow != FlowSection():
+                raise ConfigError("the flow section is set but model.family is 'lm'; set model.family=flow "
+                                  "to train a flow model, or remove the flow keys")
+            return
+        refused = [(key, why) for key, why in _flow_refusals(self) if why]
+        if refused:
+            key, why = refused[0]
+            raise ConfigError(f"{key} {why} with model.family=flow (docs/flow.md lists what applies)")
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every key, defaults included, in recipe form."""
         return {
@@ -229,6 +243,31 @@ class Config:
             sync_when_idle=self.async_.sync_when_idle,
             inflight_update=self.async_.inflight_update,
         )
+
+
+def _flow_refusals(c: Config):
+    """(key, why it is refused or '') for every key the flow family does not use or support yet."""
+    r, t, m = c.rollout, c.train, ModelSection()
+    sampling = [k for k in ("max_new_tokens", "temperature", "top_k", "top_p")
+                if getattr(r, k) != getattr(RolloutSection(), k)]
+    rules = [
+        (f"rollout.{sampling[0] if sampling else ''}", bool(sampling),
+         "samples tokens; a flow model's sampling is the flow section"),
+        ("rollout.engine=vllm", r.engine != "torch", "serves language models"),
+        ("rollout.dynamic_sampling", r.dynamic_sampling, "is not supported yet"),
+        ("rollout.backend=ray", r.backend != "local", "is not supported yet (local workers only)"),
+        (f"async.inflight_update={c.async_.inflight_update}", c.async_.inflight_update != "drain",
+         "is not supported yet (drain only)"),
+        (f"train.world_size={t.world_size}", t.world_size > 1, "is not supported yet (one learner process)"),
+        ("metrics.attribution", c.metrics.attribution, "is not supported yet"),
+        ("data.dataset", bool(c.data.dataset), "is a text dataset; use data.task=shapes"),
+        ("reward.overlong_buffer", bool(c.reward.overlong_buffer), "shapes lengths; trajectories have none"),
+        ("train.mask_truncated", t.mask_truncated, "has no effect: trajectories are never truncated"),
+        ("train.shared_prefix=false", not t.shared_prefix, "has no effect: no prompt prefix is shared"),
+        ("model.init_arch / init_size", (c.model.init_arch, c.model.init_size) != (m.init_arch, m.init_size),
+         "build language models; use flow.init_width / init_depth"),
+    ]
+    return [(key, why if on else "") for key, on, why in rules]
 
 
 def _resolve_preset(train: TrainSection) -> TrainSection:

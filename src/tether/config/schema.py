@@ -13,6 +13,7 @@ from typing import Literal
 
 from tether.config.backends import RaySection, VllmSection
 from tether.config.fields import knob
+from tether.config.flow import FlowSection
 
 
 @dataclass(frozen=True)
@@ -304,8 +305,13 @@ class CheckpointSection:
 
 @dataclass(frozen=True)
 class ModelSection:
-    """The policy model: any local Hugging Face causal LM directory."""
+    """The policy model: any local Hugging Face causal LM directory, or a flow model's."""
 
+    family: Literal["lm", "flow"] = knob(
+        "lm",
+        "Policy family. 'lm': a causal language model (tokens). 'flow': a flow-matching image "
+        "generator trained with Flow-GRPO (denoising steps; the flow section; docs/flow.md).",
+    )
     path: str = knob(
         "runs/models/demo-small",
         "Local directory holding the model and tokenizer (loaded with AutoModelForCausalLM and "
@@ -460,6 +466,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointSection,
     "correction": CorrectionSection,
     "model": ModelSection,
+    "flow": FlowSection,
     "data": DataSection,
     "reward": RewardSection,
     "warmstart": WarmstartSection,

@@ -40,6 +40,31 @@ def run_warmstart(cfg: Config, model_dir: Path, out_dir: Path,
                      settings=warmstart_settings(cfg), on_progress=on_progress)
 
 
+def build_flow_model(cfg: Config, out: Path,
+                     on_progress: Callable[[int, Mapping[str, float]], None] | None = None):
+    """A new tiny flow model (the flow section's size) warm-started by flow matching on drawn
+    images of the train split (``tether.flow.warmstart``), saved to ``out``."""
+    from tether.flow import scenes
+    from tether.flow.model import FlowModelConfig
+    from tether.flow.task import flow_data, flow_scorer
+    from tether.flow.warmstart import flow_warmstart
+
+    data = flow_data(cfg.data.task, cfg.data.num_train, cfg.data.num_eval, seed=cfg.run.seed)
+    config = FlowModelConfig(vocab=scenes.WORDS, width=cfg.flow.init_width, depth=cfg.flow.init_depth,
+                             patch=4)
+    log.info("building a flow model (width %d, depth %d); warm-starting it", config.width, config.depth)
+    score = flow_scorer(cfg.reward.function, task=cfg.data.task)
+    return flow_warmstart(out, config, data.train, data.eval, score,
+                          settings=warmstart_settings(cfg), eval_steps=cfg.flow.eval_steps,
+                          sampling=flow_sampling(cfg), on_progress=on_progress)
+
+
+def flow_sampling(cfg: Config):
+    from tether.flow.policy import FlowSampling
+
+    return FlowSampling(steps=cfg.flow.steps, noise_level=cfg.flow.noise_level)
+
+
 def _clean_stale_builds(path: Path) -> None:
     """Remove the staging folders of builds whose process is gone (an interrupted warm start);
     a build still running in another process keeps its own."""
@@ -81,12 +106,15 @@ def ensure_model(cfg: Config, on_progress: Callable[[int, Mapping[str, float]], 
     staging = path.parent / f".{path.name}.building-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        info = init_model(staging / "init", arch=cfg.model.init_arch, size=cfg.model.init_size,
-                          seed=cfg.run.seed)
-        log.info("built a %s %s model (%d parameters); warm-starting it", cfg.model.init_size,
-                 cfg.model.init_arch, info.parameters)
-        run_warmstart(cfg, staging / "init", staging / "warm", on_progress)
-        shutil.copy2(staging / "init" / "tether_model.json", staging / "warm" / "tether_model.json")
+        if cfg.model.family == "flow":
+            build_flow_model(cfg, staging / "warm", on_progress)
+        else:
+            info = init_model(staging / "init", arch=cfg.model.init_arch, size=cfg.model.init_size,
+                              seed=cfg.run.seed)
+            log.info("built a %s %s model (%d parameters); warm-starting it", cfg.model.init_size,
+                     cfg.model.init_arch, info.parameters)
+            run_warmstart(cfg, staging / "init", staging / "warm", on_progress)
+            shutil.copy2(staging / "init" / "tether_model.json", staging / "warm" / "tether_model.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
             path.rmdir()

@@ -50,6 +50,9 @@ class PoolSettings:
     """``tether.rollout.vllm_engine.VllmOptions`` with ``engine="vllm"``."""
     inflight_update: Literal["drain", "keep", "recompute", "abort"] = "drain"
     """``async.inflight_update``: whether a publication waits for the batches in flight."""
+    family: Literal["lm", "flow"] = "lm"
+    flow: Any = None
+    """``tether.flow.policy.FlowSampling`` with ``family="flow"``."""
 
     def worker_spec(self, worker_id: int, version: int, **where: Any):
         """The ``WorkerSpec`` of worker ``worker_id`` starting at ``version``; ``where`` adds the
@@ -60,7 +63,8 @@ class PoolSettings:
                           stop_text=self.stop_text, num_threads=self.threads_per_worker,
                           reward_on_error=self.reward_on_error, initial_version=version,
                           engine=self.engine, vllm=self.vllm, seed=self.seed,
-                          inflight_update=self.inflight_update, **where)
+                          inflight_update=self.inflight_update, family=self.family, flow=self.flow,
+                          **where)
 
 
 class WorkerSlot:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from tether.decoding.sampling import SamplingParams, sample, stepper_for
-from tether.errors import ConfigError
+from tether.modeling import bind_into, load_into
 from tether.rollout.engine import Completion, check_context
 
 
@@ -66,15 +66,7 @@ class TorchEngine:
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy ``weights`` into the model (from any device to the engine's), unless the model
         already uses them (bound views)."""
-        params = dict(self.model.named_parameters())
-        missing = [name for name in params if name not in weights]
-        if missing:
-            raise ConfigError(f"published weights lack {len(missing)} parameters, e.g. {missing[:3]}")
-        with torch.no_grad():
-            for name, p in params.items():
-                src = weights[name]
-                if src.data_ptr() != p.data_ptr():
-                    p.copy_(src)
+        load_into(self.model, weights)
         self.stepper.invalidate()
         self._version = version
 
@@ -85,13 +77,7 @@ class TorchEngine:
         if self.device.type != "cpu":
             self.load_weights(weights, self._version if version is None else version)
             return
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                src = weights[name]
-                if src.shape != p.shape or src.dtype != p.dtype:
-                    raise ConfigError(f"cannot bind {name}: {tuple(src.shape)} {src.dtype} vs "
-                                      f"{tuple(p.shape)} {p.dtype}")
-                p.data = src
+        bind_into(self.model, weights)
         self.stepper.invalidate()
         if version is not None:
             self._version = version

@@ -45,9 +45,10 @@ def learner_settings(cfg: Config):
         betas=(t.adam_beta1, t.adam_beta2),
         grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, shared_prefix=t.shared_prefix,
         temperature=cfg.rollout.temperature,
-        max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed, device=t.device,
+        max_new_tokens=cfg.flow.steps if cfg.model.family == "flow" else cfg.rollout.max_new_tokens,
+        seed=cfg.run.seed, device=t.device,
         sharded_checkpoints=cfg.checkpoint.sharded, attribution=cfg.metrics.attribution,
-        staleness_budget=cfg.async_.max_staleness * t.updates_per_batch,
+        staleness_budget=cfg.async_.max_staleness * t.updates_per_batch, family=cfg.model.family,
     )
 
 
@@ -77,6 +78,8 @@ def prepare(cfg: Config, *, progress_plain: bool | None = None) -> Prepared:
     from tether.data.source import resolve_data
     from tether.runtime.progress import Progress
 
+    if cfg.model.family == "flow":
+        return _prepare_flow(cfg, progress_plain)
     score = scorer(cfg.reward.function, task=cfg.data.task or None)
     if cfg.rollout.backend == "ray":
         from tether.rollout.ray_pool import require_ray
@@ -97,6 +100,25 @@ def prepare(cfg: Config, *, progress_plain: bool | None = None) -> Prepared:
     if data.skipped_long_prompts:
         log.warning("skipped %d prompts longer than data.max_prompt_tokens=%d", data.skipped_long_prompts,
                     cfg.data.max_prompt_tokens)
+    return Prepared(model_path=model_path, data=data, score=score)
+
+
+def _prepare_flow(cfg: Config, progress_plain: bool | None) -> Prepared:
+    from tether.data.prepare import ensure_model
+    from tether.flow.task import flow_data, flow_scorer
+    from tether.runtime.progress import Progress
+
+    score = flow_scorer(cfg.reward.function, task=cfg.data.task)
+    data = flow_data(cfg.data.task, cfg.data.num_train, cfg.data.num_eval, seed=cfg.run.seed)
+    if (Path(cfg.model.path) / "config.json").is_file():
+        return Prepared(model_path=ensure_model(cfg), data=data, score=score)
+    with Progress(cfg.warmstart.max_steps, "warm start", fields=("loss", "pass_at_1", "reward"),
+                  plain=progress_plain, eta_label="at most") as progress:
+        model_path = ensure_model(cfg, progress.update)
+    warm = json.loads((model_path / "warmstart.json").read_text())
+    log.info("warm start: held-out reward %.3f → %.3f, pass@1 %.1f%% → %.1f%% in %d steps, %.0fs",
+             warm["reward_before"], warm["reward_after"], 100 * warm["pass_at_1_before"],
+             100 * warm["pass_at_1_after"], warm["steps"], warm["seconds"])
     return Prepared(model_path=model_path, data=data, score=score)
 
 
@@ -197,6 +219,8 @@ def _train(cfg: Config, run_dir: Path, stop, *, resume: bool, force: bool, overr
             session = stack.enter_context(contextlib.closing(RaySession(ray_options(cfg), run_dir)))
             stop.reinstall()
         learner, evaluate = _learner(cfg, prepared, session, stack)
+        if cfg.model.family == "flow":  # pictures of the fixed held-out prompts at every evaluation
+            evaluate.images_to = run_dir / "samples"
         state, engine_weights, engine_version = None, None, 0
         if found is not None:
             from tether.runtime.checkpoint import trim_jsonl
@@ -321,11 +345,18 @@ def evaluator(cfg: Config, model, tokenizer, examples, score, stop_text: str, *,
     from tether.runtime.evaluate import Evaluator
 
     k = cfg.eval.num_samples if num_samples is None else num_samples
+    if cfg.model.family == "flow":
+        from tether.data.prepare import flow_sampling
+        from tether.flow.evaluate import FlowEvaluator
+
+        return FlowEvaluator(model, examples, score, eval_steps=cfg.flow.eval_steps,
+                             sampling=flow_sampling(cfg), seed=cfg.run.seed, num_samples=k)
     return Evaluator(model, tokenizer, examples, score, stop_text=stop_text, params=sampling(cfg),
                      seed=cfg.run.seed, num_samples=k)
 
 
 def _pool_settings(cfg: Config, prepared: Prepared, params):
+    from tether.data.prepare import flow_sampling
     from tether.rollout.dispatch import PoolSettings
 
     return PoolSettings(
@@ -334,6 +365,7 @@ def _pool_settings(cfg: Config, prepared: Prepared, params):
         reward=cfg.reward.function, task=cfg.data.task or None, stop_text=prepared.data.stop_text,
         reward_on_error=cfg.reward.on_error, seed=cfg.run.seed, dynamic=dynamic_sampling(cfg),
         engine=cfg.rollout.engine, vllm=vllm_options(cfg), inflight_update=cfg.async_.inflight_update,
+        family=cfg.model.family, flow=flow_sampling(cfg) if cfg.model.family == "flow" else None,
     )
 
 

@@ -26,13 +26,14 @@ import torch
 
 from tether.errors import ConfigError
 from tether.loop.protocols import RolloutBatch, TrainResult
-from tether.modeling import learner_device, load_causal_lm, unique_parameters
+from tether.modeling import learner_device, unique_parameters
 from tether.procinfo import peak_rss_mb
 from tether.train import fsdp
 from tether.train.advantages import Advantages, group_advantages, overlong_penalty
-from tether.train.batch import TrainBatch, to_train_batch, token_logprobs
+from tether.train.batch import TrainBatch
 from tether.train.collective import Solo
 from tether.train.corrections import CorrectionSettings, correct
+from tether.train.family import policy_for
 from tether.train.losses import LossInputs, LossSettings, aggregate, get_loss, kl_penalty
 from tether.train.schedule import lr_factor
 
@@ -86,6 +87,8 @@ class LearnerSettings:
     """Split each token's log π_old/μ into staleness and numerics (``tether.train.attribution``)."""
     staleness_budget: int = 0
     """S·U: how many versions back a batch's tokens can be (the attribution keeps that many)."""
+    family: str = "lm"
+    """``model.family``: what a column of the batch is (a token, or a denoising step)."""
 
 
 class _Stats:
@@ -118,12 +121,13 @@ class TorchLearner:
         self.loss_fn = get_loss(settings.loss)
         torch.manual_seed(settings.seed)
         self.device = learner_device(settings.device)
-        self.model, self.tokenizer = load_causal_lm(model_path)
+        self.policy = policy_for(settings.family, settings.temperature)
+        self.model, self.tokenizer = self.policy.load(model_path)
         self.model.to(self.device).train()
         self.names = list(unique_parameters(self.model))  # the published names, tied ones once
         self.ref_model = None
         if settings.kl_coef > 0:  # frozen; with ranks sharded like the model, so no rank holds it whole
-            self.ref_model, _ = load_causal_lm(model_path)
+            self.ref_model, _ = self.policy.load(model_path)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         if self.group.world > 1:
             fsdp.shard(self.model)
@@ -159,7 +163,7 @@ class TorchLearner:
 
     def train(self, batch: RolloutBatch, *, train_version: int) -> TrainResult:
         s = self.s
-        tb = to_train_batch(batch.payload, self.tokenizer.pad_token_id).to(self.device)
+        tb = self.policy.batch(batch.payload).to(self.device)
         u = s.updates_per_batch
         if u > tb.size:
             raise ConfigError(f"train.updates_per_batch={u} exceeds the {tb.size} sequences of a rollout "
@@ -173,7 +177,7 @@ class TorchLearner:
         same = tb.behavior_versions == train_version  # sampled with the weights π_old comes from
         mine = torch.cat(shares)
         old = None if inline_old else self._no_grad_logp(self.model, tb, mine)
-        ref = self._no_grad_logp(self.ref_model, tb, mine) if self.ref_model is not None else None
+        ref = self._no_grad_logp(self.ref_model, tb, mine, basis=True) if self.ref_model is not None else None
         split = self._attribute(tb, old, mine, train_version) if self.attribution is not None else {}
         committed = 0
         for rows, share in zip(minibatches, shares, strict=True):
@@ -229,31 +233,24 @@ class TorchLearner:
         yield from rows.tensor_split(self._micro_count(self.group.most(len(rows))))
 
     def _forward_for(self, model):
-        """The shared-prompt forward when asked for and the architecture has one, else None
-        (the model's own forward); the choice is logged once."""
-        from tether.decoding.prefix_forward import SharedPrefixForward, supports
-
-        if not self.s.shared_prefix:
-            return None
-        if self.group.world > 1:  # it reads the weights directly, which FSDP2 keeps sharded
+        """The family's faster forward (a language model's shared-prompt forward) when asked for
+        and possible, else None (the model's own forward)."""
+        if self.s.shared_prefix and self.group.world > 1:  # it reads weights FSDP2 keeps sharded
             log.info("train.shared_prefix: not used with train.world_size > 1; the model's own forward runs")
             return None
-        if not supports(model):
-            log.info("train.shared_prefix: %s has no shared-prompt forward; using its own forward",
-                     getattr(model.config, "model_type", type(model).__name__))
-            return None
-        return SharedPrefixForward(model)
+        return self.policy.fast_forward(model, self.s.shared_prefix)
 
-    def _no_grad_logp(self, model, tb: TrainBatch, mine: torch.Tensor) -> torch.Tensor:
-        """log π of ``model`` for every row of ``tb`` (N, L − 1): this rank computes ``mine``,
-        the others theirs."""
+    def _no_grad_logp(self, model, tb: TrainBatch, mine: torch.Tensor, *,
+                      basis: bool = False) -> torch.Tensor:
+        """log π of ``model`` for every row of ``tb`` (N, L − 1) — or, with ``basis``, what the
+        family's KL term compares (the log-probs, or a flow step's means): this rank computes
+        ``mine``, the others theirs."""
         forward = {id(self.model): self.forward, id(self.ref_model): self.ref_forward}.get(id(model))
         parts = []
         with torch.no_grad():
             for rows in self._micro(mine):
-                logp = token_logprobs(model, tb.rows(self._runnable(rows, mine)), self.s.temperature,
-                                      forward=forward)[0]
-                parts.append(logp[: len(rows)])
+                out = self.policy.forward(model, tb.rows(self._runnable(rows, mine)), forward=forward)
+                parts.append(out[2 if basis else 0][: len(rows)])
         return self.group.gather(torch.cat(parts), mine, tb.size)
 
     @staticmethod
@@ -287,9 +284,8 @@ class TorchLearner:
                 return self._skip(stats, "train/skipped_no_signal")
         for part in self._micro(mine):
             mb = tb.rows(self._runnable(part, mine))
-            logp, entropy = token_logprobs(self.model, mb, s.temperature, with_entropy=True,
-                                           forward=self.forward)
-            logp, entropy = logp[: len(part)], entropy[: len(part)]
+            logp, entropy, own = self.policy.forward(self.model, mb, with_entropy=True, forward=self.forward)
+            logp, entropy, own = logp[: len(part)], entropy[: len(part)], own[: len(part)]
             local = part - start
             if corr_all is None:  # the whole mini-batch's π_old, from every rank's forward
                 old_rows = self.group.gather(logp.detach(), local, len(rows))
@@ -311,7 +307,7 @@ class TorchLearner:
             total = policy
             kl = None
             if ref is not None:
-                kl = aggregate(kl_penalty(logp, ref[part], s.kl_estimator), keep, s.aggregation,
+                kl = aggregate(self.policy.kl(own, ref[part], s.kl_estimator), keep, s.aggregation,
                                norm_constant=s.max_new_tokens, total_tokens=total_tokens,
                                total_seqs=total_seqs)
                 total = policy + s.kl_coef * kl
@@ -435,7 +431,8 @@ class TorchLearner:
             return
         if self.group.world > 1:
             self._write_model_folder(path / "model", weights)
-        self.tokenizer.save_pretrained(path / "model")
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(path / "model")
         torch.save(extra, path / "learner.pt")
 
     def _write_model_folder(self, folder: Path, weights: dict[str, torch.Tensor] | None) -> None:

@@ -1,0 +1,33 @@
+"""The recipe section of the flow family (``model.family=flow``): Flow-GRPO's sampler and the
+tiny model a run builds. Part of the schema (``tether.config.schema.SECTIONS``); refused unless
+the family is flow, and the language-model-only keys are refused with it
+(``Config._check_flow``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tether.config.fields import knob
+
+
+@dataclass(frozen=True)
+class FlowSection:
+    """Flow-matching image generators trained with Flow-GRPO (used when model.family=flow)."""
+
+    steps: int = knob(
+        8,
+        "T: SDE denoising steps of each training sample, each one policy action with its own "
+        "log-probability, ratio and clip (Flow-GRPO's denoising reduction: fewer than evaluation).",
+        min=1,
+    )
+    eval_steps: int = knob(
+        16, "Steps of the deterministic ODE sampler that held-out evaluation and the warm start use.", min=1
+    )
+    noise_level: float = knob(
+        0.7,
+        "a in the SDE's σ_t = a·√(t/(1 − t)): how much each step explores. 0 would be the ODE, whose "
+        "steps have no density; Flow-GRPO uses 0.7.",
+        min=0,
+    )
+    init_width: int = knob(96, "Width of a flow model built by model.create_if_missing.", min=8)
+    init_depth: int = knob(3, "Transformer blocks of a flow model built by model.create_if_missing.", min=1)

@@ -1,0 +1,167 @@
+"""The flow family's side of a rollout worker: the engine that samples trajectories, and the
+scored batch it sends back (``FlowBatch``, the payload the flow learner trains on).
+
+A rollout batch is B prompts × G images, each a trajectory of T SDE steps with every step's
+log-probability under the engine's weights and the version that sampled it. Arrays travel as
+numpy (pickled through the worker's pipe or Ray's object store; no shared-memory handles).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tether.flow import scenes
+from tether.flow.model import FlowModel
+from tether.flow.policy import FlowSampling, sample
+from tether.modeling import bind_into, load_into
+from tether.procinfo import peak_rss_mb
+from tether.rollout.types import WorkItem
+
+
+class FlowEngine:
+    """Samples trajectories with its own copy of the weights; stamps its version on every step."""
+
+    def __init__(self, model: FlowModel, sampling: FlowSampling, *, version: int = 0) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.sampling = sampling
+        self._version = version
+        self.device = next(model.parameters()).device
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def generate(self, words: torch.Tensor, *, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """One trajectory per row of ``words``: (latents (N, T + 1, C, H, W), step log-probs (N, T),
+        the version of each step). The same seed, weights and words give the same trajectories."""
+        generator = torch.Generator().manual_seed(seed)
+        latents, logps, versions = sample(self.model, words.to(self.device), self.sampling,
+                                          generator=generator, poll=lambda: self._version)
+        return latents.cpu(), logps.cpu(), versions
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        load_into(self.model, weights)
+        self._version = version
+
+    def bind(self, weights: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        """Sample from ``weights`` in place (CPU); copied in on a GPU."""
+        if self.device.type != "cpu":
+            self.load_weights(weights, self._version if version is None else version)
+            return
+        bind_into(self.model, weights)
+        if version is not None:
+            self._version = version
+
+
+@dataclass
+class FlowBatch:
+    """B prompts × G trajectories; per-sample rows in group order (sample s of prompt b at b·G + s)."""
+
+    positions: list[int]
+    prompts: list[str]
+    words: np.ndarray
+    """(N, L) int64 prompt word ids of each sample."""
+    latents: np.ndarray
+    """(N, T + 1, C, H, W) float32: x at t_0 = 1 (noise) … t_T = 0 (the image)."""
+    logprobs: np.ndarray
+    """(N, T) float32: each step's log-probability (per coordinate) under the engine's weights."""
+    versions: list[list[int]]
+    """(N × T) the policy version that sampled each step."""
+    rewards: list[float]
+    times: np.ndarray
+    """(T + 1,) the step times the trajectories were sampled at."""
+    noise_level: float
+    group_size: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.prompts)
+
+    def check(self) -> None:
+        """Refuse a batch whose groups are not intact (raises ``ValueError``)."""
+        n = self.num_groups * self.group_size
+        sizes = {"positions": (len(self.positions), self.num_groups), "words": (len(self.words), n),
+                 "latents": (len(self.latents), n), "logprobs": (len(self.logprobs), n),
+                 "versions": (len(self.versions), n), "rewards": (len(self.rewards), n)}
+        wrong = {k: got for k, (got, want) in sizes.items() if got != want}
+        if wrong:
+            raise ValueError(f"flow batch is not whole: {wrong} (expected {self.num_groups} groups of "
+                             f"{self.group_size})")
+        steps = len(self.times) - 1
+        if self.latents.shape[1] != steps + 1 or self.logprobs.shape[1] != steps or \
+                any(len(v) != steps for v in self.versions):
+            raise ValueError(f"flow batch trajectories do not have the {steps} steps of its times")
+
+    def version_shares(self) -> dict[int, float]:
+        counts: dict[int, int] = {}
+        for versions in self.versions:
+            for v in versions:
+                counts[v] = counts.get(v, 0) + 1
+        total = sum(counts.values())
+        return {v: counts[v] / total for v in sorted(counts)}
+
+    def images(self) -> torch.Tensor:
+        """The final images, (N, C, H, W) in [−1, 1]."""
+        return torch.from_numpy(self.latents[:, -1])
+
+
+class FlowSampler:
+    """The flow model, its engine and the image reward of one worker (``WorkerSpec``)."""
+
+    def __init__(self, spec, device: torch.device) -> None:
+        from tether.flow.task import flow_scorer
+
+        self.spec = spec
+        if spec.engine != "torch":
+            raise ValueError(f"rollout.engine={spec.engine} samples text; model.family=flow uses the "
+                             "built-in engine")
+        self.engine = FlowEngine(FlowModel.from_pretrained(spec.model_path).to(device), spec.flow)
+        self.score = flow_scorer(spec.reward, task=spec.task)
+
+    def generate(self, item: WorkItem) -> FlowBatch:
+        if item.dynamic is not None:
+            raise ValueError("dynamic sampling is not supported with model.family=flow")
+        t0 = time.perf_counter()
+        g = item.group_size
+        words = torch.tensor([scenes.encode(ex.prompt) for _, ex in item.examples]).repeat_interleave(g, 0)
+        latents, logps, versions = self.engine.generate(words, seed=item.seed)
+        generate_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        errors = 0
+        rewards = []
+        for i, image in enumerate(latents[:, -1]):
+            example = item.examples[i // g][1]
+            try:
+                rewards.append(self.score(example, scenes.to_pixels(image)))
+            except Exception:
+                if self.spec.reward_on_error == "raise":
+                    raise
+                errors += 1
+                rewards.append(0.0)
+        score_s = time.perf_counter() - t0
+        n = len(rewards)
+        mean = sum(rewards) / n
+        metrics = {
+            "reward/mean": mean,
+            "reward/std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / n),
+            "reward/errors": float(errors),
+            "reward/pass_frac": sum(r >= 1.0 for r in rewards) / n,
+            "time/generate": generate_s,
+            "time/score": score_s,
+            "throughput/gen_images_per_s": n / max(generate_s, 1e-9),
+            "throughput/gen_steps_per_s": n * self.spec.flow.steps / max(generate_s, 1e-9),
+            "memory/rollout_peak_mb": peak_rss_mb(),
+        }
+        return FlowBatch(positions=[p for p, _ in item.examples],
+                         prompts=[ex.prompt for _, ex in item.examples],
+                         words=words.numpy(), latents=latents.numpy(), logprobs=logps.numpy(),
+                         versions=[list(versions) for _ in range(n)], rewards=rewards,
+                         times=self.spec.flow.times().numpy(), noise_level=self.spec.flow.noise_level,
+                         group_size=g, metrics=metrics)

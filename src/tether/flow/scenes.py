@@ -1,0 +1,220 @@
+"""The built-in image task ``shapes``: prompts from a small grammar, images drawn to match them,
+and a reward read exactly from pixels.
+
+A prompt names a count, a colour, a shape and a position: ``"two blue circles left"``. An image
+is 16 × 16 RGB on black. ``score`` checks four things from the pixels alone and returns their
+mean (so 0, ¼, ½, ¾ or 1); an image passes when all four hold:
+
+- colour: at least ``MIN_PIXELS`` pixels are nearest the named colour (of the palette) and they
+  are at least 80% of the lit pixels;
+- count: the lit pixels form exactly the named number of blobs (4-connected, of at least
+  ``MIN_BLOB`` pixels each);
+- shape: every blob fills its bounding box as the shape does (a square ≥ 0.9, a circle
+  0.6–0.9);
+- position: at least 90% of the lit pixels lie in the named half of the image.
+
+Each check reads the pixels on its own, so an image with the wrong colour can still earn the
+other three.
+
+``render`` draws an image that passes, from a random layout; the warm start trains on such
+images with deliberately noisy captions (``tether.flow.warmstart``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tether.data.types import Example
+
+SIZE = 16
+COUNTS = {"one": 1, "two": 2}
+COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0)}
+SHAPES = ("square", "circle")
+POSITIONS = ("left", "right", "top", "bottom")
+WORDS = ("<pad>", *COUNTS, *COLOURS, "square", "squares", "circle", "circles", *POSITIONS)
+"""The prompt vocabulary; a prompt is always four words."""
+PROMPT_WORDS = 4
+MIN_PIXELS = 8
+MIN_BLOB = 4
+SQUARE_SIDE = 6
+CIRCLE_DIAMETER = 7
+
+
+@dataclass(frozen=True)
+class Scene:
+    count: int
+    colour: str
+    shape: str
+    position: str
+
+    @property
+    def prompt(self) -> str:
+        noun = self.shape + ("s" if self.count > 1 else "")
+        word = next(w for w, n in COUNTS.items() if n == self.count)
+        return f"{word} {self.colour} {noun} {self.position}"
+
+    @classmethod
+    def parse(cls, prompt: str) -> Scene:
+        words = prompt.split()
+        if len(words) != PROMPT_WORDS or words[0] not in COUNTS or words[1] not in COLOURS:
+            raise ValueError(f"not a shapes prompt: {prompt!r} (expected e.g. 'two blue circles left')")
+        shape = words[2].rstrip("s")
+        if shape not in SHAPES or words[3] not in POSITIONS:
+            raise ValueError(f"not a shapes prompt: {prompt!r} (expected e.g. 'two blue circles left')")
+        return cls(COUNTS[words[0]], words[1], shape, words[3])
+
+    def example(self) -> Example:
+        fields = {"count": self.count, "colour": self.colour, "shape": self.shape, "position": self.position}
+        return Example(prompt=self.prompt, answer=self.prompt, fields=fields)
+
+
+def all_scenes() -> list[Scene]:
+    return [Scene(n, c, s, p) for n in COUNTS.values() for c in COLOURS for s in SHAPES for p in POSITIONS]
+
+
+def random_scene(rng: random.Random) -> Scene:
+    return Scene(rng.choice(list(COUNTS.values())), rng.choice(list(COLOURS)), rng.choice(SHAPES),
+                 rng.choice(POSITIONS))
+
+
+def encode(prompt: str) -> list[int]:
+    """Word ids of a prompt (unknown words are an error: the grammar is closed)."""
+    ids = []
+    for word in prompt.split():
+        if word not in WORDS:
+            raise ValueError(f"word {word!r} of prompt {prompt!r} is not in the shapes vocabulary "
+                             f"{WORDS[1:]}")
+        ids.append(WORDS.index(word))
+    return ids
+
+
+# -- drawing --------------------------------------------------------------------------------
+
+def _half(position: str) -> tuple[int, int, int, int]:
+    """(x0, y0, x1, y1) of the named half, end exclusive."""
+    h = SIZE // 2
+    return {"left": (0, 0, h, SIZE), "right": (h, 0, SIZE, SIZE), "top": (0, 0, SIZE, h),
+            "bottom": (0, h, SIZE, SIZE)}[position]
+
+
+def _stamp(shape: str) -> np.ndarray:
+    if shape == "square":
+        return np.ones((SQUARE_SIDE, SQUARE_SIDE), dtype=bool)
+    d = CIRCLE_DIAMETER
+    yy, xx = np.mgrid[:d, :d]
+    c = (d - 1) / 2
+    return (xx - c) ** 2 + (yy - c) ** 2 <= (d / 2) ** 2 - 0.25
+
+
+def render(scene: Scene, rng: random.Random) -> np.ndarray:
+    """A (16, 16, 3) uint8 image that ``score`` passes for ``scene``: blobs placed at random in the
+    named half, apart from each other."""
+    stamp = _stamp(scene.shape)
+    side = stamp.shape[0]
+    x0, y0, x1, y1 = _half(scene.position)
+    for _ in range(1000):
+        image = np.zeros((SIZE, SIZE, 3), dtype=np.uint8)
+        taken = np.zeros((SIZE, SIZE), dtype=bool)
+        ok = True
+        for _ in range(scene.count):
+            x, y = rng.randint(x0, x1 - side), rng.randint(y0, y1 - side)
+            area = np.zeros_like(taken)
+            area[max(y - 1, 0):y + side + 1, max(x - 1, 0):x + side + 1] = True  # a one-pixel gap
+            if (area & taken).any():
+                ok = False
+                break
+            taken[y:y + side, x:x + side] |= stamp
+            image[y:y + side, x:x + side][stamp] = COLOURS[scene.colour]
+        if ok:
+            return image
+    raise RuntimeError(f"could not lay out {scene.prompt!r}")  # the sizes above always fit
+
+
+# -- reading --------------------------------------------------------------------------------
+
+_PALETTE = np.array(list(COLOURS.values()), dtype=np.float32)
+
+
+def colour_map(image: np.ndarray) -> np.ndarray:
+    """(16, 16) index of the nearest palette colour per pixel, −1 where the pixel is dark."""
+    px = image.astype(np.float32)
+    lit = px.max(axis=-1) >= 128
+    nearest = ((px[:, :, None, :] - _PALETTE[None, None]) ** 2).sum(-1).argmin(-1)
+    return np.where(lit, nearest, -1)
+
+
+def blobs(mask: np.ndarray) -> list[list[tuple[int, int]]]:
+    """4-connected components of a boolean mask, as lists of (y, x)."""
+    seen = np.zeros_like(mask, dtype=bool)
+    out = []
+    for y, x in zip(*np.nonzero(mask), strict=True):
+        if seen[y, x]:
+            continue
+        stack, blob = [(y, x)], []
+        seen[y, x] = True
+        while stack:
+            cy, cx = stack.pop()
+            blob.append((cy, cx))
+            for ny, nx in ((cy + 1, cx), (cy - 1, cx), (cy, cx + 1), (cy, cx - 1)):
+                if 0 <= ny < mask.shape[0] and 0 <= nx < mask.shape[1] and mask[ny, nx] and not seen[ny, nx]:
+                    seen[ny, nx] = True
+                    stack.append((ny, nx))
+        out.append(blob)
+    return out
+
+
+def _fill(blob: list[tuple[int, int]]) -> float:
+    ys, xs = zip(*blob, strict=True)
+    return len(blob) / ((max(ys) - min(ys) + 1) * (max(xs) - min(xs) + 1))
+
+
+def checks(scene: Scene, image: np.ndarray) -> dict[str, bool]:
+    """Which of colour, count, shape and position ``image`` satisfies for ``scene``. Each is read
+    on its own (count, shape and position from the lit pixels whatever their colour), so a
+    wrong colour does not fail the rest."""
+    labels = colour_map(image)
+    lit = labels >= 0
+    n = int(lit.sum())
+    mine = int((labels == list(COLOURS).index(scene.colour)).sum())
+    colour = mine >= MIN_PIXELS and mine >= 0.8 * n
+    found = [b for b in blobs(lit) if len(b) >= MIN_BLOB]
+    count = len(found) == scene.count
+    if found:
+        low, high = (0.9, 1.01) if scene.shape == "square" else (0.6, 0.9)
+        shape = all(low <= _fill(b) < high for b in found)
+    else:
+        shape = False
+    x0, y0, x1, y1 = _half(scene.position)
+    inside = int(lit[y0:y1, x0:x1].sum())
+    position = n >= MIN_PIXELS and inside >= 0.9 * n
+    return {"colour": colour, "count": count, "shape": shape, "position": position}
+
+
+def score(scene: Scene, image: np.ndarray) -> float:
+    """The mean of the four checks: a reward in [0, 1]."""
+    c = checks(scene, image)
+    return sum(c.values()) / len(c)
+
+
+def verify(prompt: str, image: np.ndarray, answer: str, fields: Mapping[str, Any]) -> float:
+    """The ``shapes`` task's reward, in the image reward signature
+    ``(prompt, image, answer, fields) -> float`` (``image``: (H, W, 3) uint8)."""
+    return score(Scene.parse(answer or prompt), image)
+
+
+def to_pixels(x) -> np.ndarray:
+    """A model's (3, H, W) float image in [−1, 1] (a torch tensor) as (H, W, 3) uint8."""
+    x = x.detach().float().clamp(-1, 1).cpu()
+    return ((x.permute(1, 2, 0).numpy() + 1) * 127.5).round().astype(np.uint8)
+
+
+def from_pixels(image: np.ndarray):
+    """(H, W, 3) uint8 as the model's (3, H, W) float tensor in [−1, 1]."""
+    import torch
+
+    return torch.from_numpy(image.astype(np.float32) / 127.5 - 1).permute(2, 0, 1).contiguous()

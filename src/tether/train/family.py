@@ -1,0 +1,66 @@
+"""Policy families, as the learner sees them: how a rollout batch becomes training tensors, how
+a model gives the log-probability (and entropy) of every action column, and the KL term.
+
+``TextPolicy`` is the language-model family (a column is a completion token);
+``tether.flow.learn.FlowPolicy`` is the flow family (a column is a denoising step). The learner's
+advantages, losses, corrections, aggregation, skipping rules and metrics do not know which.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from tether.modeling import load_causal_lm
+from tether.train.batch import TrainBatch, to_train_batch, token_logprobs
+from tether.train.losses import kl_penalty
+
+log = logging.getLogger("tether.train")
+
+
+class TextPolicy:
+    name = "lm"
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.pad_id: int | None = None
+
+    def load(self, path: str | Path):
+        model, tokenizer = load_causal_lm(path)
+        self.pad_id = tokenizer.pad_token_id
+        return model, tokenizer
+
+    def batch(self, payload) -> TrainBatch:
+        return to_train_batch(payload, self.pad_id)
+
+    def forward(self, model, batch: TrainBatch, *, with_entropy: bool = False, forward=None):
+        """(log-probs (n, L − 1), entropies or None, the KL's basis: the log-probs)."""
+        logp, entropy = token_logprobs(model, batch, self.temperature, with_entropy=with_entropy,
+                                       forward=forward)
+        return logp, entropy, logp
+
+    def kl(self, basis: torch.Tensor, ref_basis: torch.Tensor, estimator: str) -> torch.Tensor:
+        return kl_penalty(basis, ref_basis, estimator)
+
+    def fast_forward(self, model, enabled: bool):
+        """The shared-prompt forward when asked for and the architecture has one, else None (the
+        model's own forward); the choice is logged once."""
+        from tether.decoding.prefix_forward import SharedPrefixForward, supports
+
+        if not enabled:
+            return None
+        if not supports(model):
+            log.info("train.shared_prefix: %s has no shared-prompt forward; using its own forward",
+                     getattr(model.config, "model_type", type(model).__name__))
+            return None
+        return SharedPrefixForward(model)
+
+
+def policy_for(family: str, temperature: float):
+    if family == "flow":
+        from tether.flow.learn import FlowPolicy
+
+        return FlowPolicy()
+    return TextPolicy(temperature)

@@ -1,0 +1,122 @@
+"""`tether train` for the flow family end to end: a real tiny flow model, real worker processes,
+real run directories. The seed system's two diffusion arms are reproduced exactly (publications
+and per-batch staleness equal `tether plan`'s), a stopped run resumes exactly, and the flow demo
+recipe runs (shortened) with its pictures."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from safetensors.torch import load_file
+
+from faults.runs import stop_after
+from tether.config import load_config
+from tether.errors import ConfigError, StopRequested
+from tether.loop import Timings, simulate, summarize
+from tether.runtime.run import train
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+ROOT = Path(__file__).resolve().parents[2]
+REWARD = Path(__file__).parent / "flow_reward.py"
+
+
+@pytest.fixture(scope="module")
+def flow_model(tmp_path_factory):
+    """A small flow model warm-started for a few steps (its images earn some checks, so groups
+    have reward variance), built once for the module."""
+    from tether.data.prepare import build_flow_model
+
+    path = tmp_path_factory.mktemp("flow") / "model"
+    cfg = load_config(None, ["model.family=flow", "data.task=shapes", "flow.init_width=32",
+                             "flow.init_depth=1", "warmstart.max_steps=40", "warmstart.target_pass_rate=1.0",
+                             "warmstart.eval_every=40", "data.num_eval=16"])
+    build_flow_model(cfg, path)
+    return path
+
+
+def recipe(model_dir, *extra):
+    return load_config(None, [f"model.path={model_dir}", "model.family=flow", "data.task=shapes",
+                              "data.num_train=200", "data.num_eval=8", "flow.steps=4", "flow.eval_steps=4",
+                              "rollout.batch_size=2", "rollout.group_size=4", "train.lr=1e-3",
+                              "eval.interval=0", "checkpoint.interval=0", f"reward.function={REWARD}:reward",
+                              *extra])
+
+
+def rows(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+@pytest.mark.parametrize(("s", "batches", "published"), [(1, 6, [2, 4]), (3, 8, [4])], ids=["U2-S1", "U2-S3"])
+def test_flow_runs_reproduce_the_seed_systems_diffusion_arms(flow_model, tmp_path, s, batches, published):
+    """U = 2, S = 1, 6 rollouts: publications after 2 and 4; U = 2, S = 3, 8 rollouts: after 4."""
+    cfg = recipe(flow_model, "train.updates_per_batch=2", f"async.max_staleness={s}",
+                 f"async.max_inflight={s + 1}", f"train.num_batches={batches}")
+    summary = train(cfg, tmp_path / "run", progress_plain=True)
+    metrics = rows(tmp_path / "run" / "metrics.jsonl")
+    plan = simulate(cfg.budget(), Timings(commits=tuple(int(m["async/optimizer_updates"]) for m in metrics)))
+    assert [m["staleness/updates"] for m in metrics] == [r.staleness_updates for r in plan.trace.records]
+    assert summary["syncs_after"] == summarize(plan)["syncs_after"] == published
+    assert all(m["async/optimizer_updates"] == 2 for m in metrics)  # every update committed
+    # per-step ratios against the engine: exactly 1 where the trained weights sampled the batch
+    fresh = [m for m in metrics if m["staleness/updates"] == 0]
+    assert fresh and all(m["mismatch/numeric_logprob_abs_diff_max"] < 1e-4 for m in fresh)
+    assert max(m["staleness/updates"] for m in metrics) == 2 * s
+
+
+def test_a_stopped_flow_run_resumes_exactly(flow_model, tmp_path, monkeypatch):
+    cfg = recipe(flow_model, "train.num_batches=5", "checkpoint.interval=5", "async.max_staleness=1",
+                 "train.algorithm=grpo")
+    keys = ("step", "batch_index", "async/behavior_version", "staleness/updates", "reward/mean",
+            "loss/policy", "ratio/mean", "loss/kl")
+    train(cfg, tmp_path / "whole", progress_plain=True)
+
+    def trace(run_dir):
+        folder = run_dir / "checkpoints" / "step-000005" / "learner" / "model"
+        weights = load_file(str(folder / "model.safetensors"))
+        return [{k: m.get(k) for k in keys} for m in rows(run_dir / "metrics.jsonl")], weights
+
+    whole, whole_weights = trace(tmp_path / "whole")
+    assert whole[-1]["loss/kl"] > 0  # the grpo preset's KL to the reference ran
+    run_dir = tmp_path / "stopped"
+    with monkeypatch.context() as m:
+        stop_after(m, 2)
+        with pytest.raises(StopRequested):
+            train(cfg, run_dir, progress_plain=True)
+    train(load_config(run_dir / "config.yaml"), run_dir, resume=True, progress_plain=True)
+    resumed, weights = trace(run_dir)
+    assert resumed == whole
+    for name, tensor in weights.items():
+        assert tensor.equal(whole_weights[name]), name
+
+
+def test_the_flow_demo_recipe_runs_shortened_with_pictures(flow_model, tmp_path):
+    cfg = load_config(ROOT / "recipes" / "flow-demo.yaml",
+                      [f"model.path={flow_model}", "train.num_batches=4", "eval.interval=2",
+                       "checkpoint.interval=4", "data.num_eval=16"])
+    summary = train(cfg, tmp_path / "run", progress_plain=True)
+    assert summary["trained_batches"] == 4
+    evals = rows(tmp_path / "run" / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2, 4]
+    assert all(0 <= e["eval/reward_mean"] <= 1 and e["eval/examples"] == 16 for e in evals)
+    pictures = sorted(p.name for p in (tmp_path / "run" / "samples").iterdir())
+    assert pictures == ["step_000000.png", "step_000002.png", "step_000004.png"]
+    from PIL import Image
+
+    assert Image.open(tmp_path / "run" / "samples" / "step_000004.png").size[0] > 64
+    metrics = rows(tmp_path / "run" / "metrics.jsonl")
+    assert all(m["throughput/gen_images_per_s"] > 0 and 0 <= m["reward/mean"] <= 1 for m in metrics)
+
+
+@pytest.mark.parametrize(("override", "says"), [
+    ("rollout.temperature=0.5", "rollout.temperature"),
+    ("async.inflight_update=keep", "drain only"),
+    ("train.world_size=2", "one learner process"),
+    ("reward.function=exact_match", "scores text"),
+])
+def test_language_model_keys_are_refused_for_flow(flow_model, tmp_path, override, says):
+    with pytest.raises(ConfigError, match=says):
+        cfg = recipe(flow_model, override)
+        train(cfg, tmp_path / "run", progress_plain=True)

@@ -1,0 +1,106 @@
+"""The flow family's pieces without a run: the shapes task's pixel verifier, the policy's step
+log-probabilities (engine against learner), the closed-form KL, the model directory."""
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tether.flow import scenes  # noqa: E402
+from tether.flow.learn import FlowPolicy, to_flow_batch  # noqa: E402
+from tether.flow.model import FlowModel, FlowModelConfig, is_flow_model  # noqa: E402
+from tether.flow.policy import FlowSampling, gaussian_kl, step_log_density  # noqa: E402
+from tether.flow.rollout import FlowBatch, FlowEngine  # noqa: E402
+from tether.flow.task import examples, held_out, split_scenes  # noqa: E402
+
+
+def small_model(seed=0):
+    torch.manual_seed(seed)
+    model = FlowModel(FlowModelConfig(vocab=scenes.WORDS, width=32, depth=2, patch=4))
+    with torch.no_grad():  # adaLN-Zero starts at v = 0; give every path a nonzero weight
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def test_a_drawn_image_passes_and_each_wrong_word_fails_exactly_its_check():
+    rng = random.Random(0)
+    for scene in scenes.all_scenes():
+        image = scenes.render(scene, rng)
+        assert scenes.checks(scene, image) == dict.fromkeys(("colour", "count", "shape", "position"), True)
+        others = {
+            "colour": scenes.Scene(scene.count, next(c for c in scenes.COLOURS if c != scene.colour),
+                                   scene.shape, scene.position),
+            "count": scenes.Scene(3 - scene.count, scene.colour, scene.shape, scene.position),
+            "shape": scenes.Scene(scene.count, scene.colour,
+                                  "circle" if scene.shape == "square" else "square", scene.position),
+            "position": scenes.Scene(scene.count, scene.colour, scene.shape,
+                                     {"left": "right", "right": "left", "top": "bottom",
+                                      "bottom": "top"}[scene.position]),
+        }
+        for attribute, wrong in others.items():
+            got = scenes.checks(wrong, image)
+            assert not got[attribute] and sum(got.values()) == 3, (scene.prompt, attribute, got)
+    blank = torch.full((3, 16, 16), -1.0)
+    assert scenes.score(scenes.Scene(1, "red", "square", "left"), scenes.to_pixels(blank)) == 0.0
+
+
+def test_the_held_out_prompts_are_a_balanced_quarter_never_in_training():
+    train, held = split_scenes("train"), split_scenes("eval")
+    assert len(held) == 16 and len(train) == 48
+    for attribute in ("count", "colour", "shape", "position"):
+        values = {getattr(s, attribute) for s in held}
+        assert len(values) == len({getattr(s, attribute) for s in scenes.all_scenes()})
+    prompts = {e.prompt for e in examples("train", 500, seed=3)}
+    assert prompts and not prompts & {s.prompt for s in held}
+    assert all(held_out(scenes.Scene.parse(e.prompt)) for e in examples("eval", 40, seed=3))
+
+
+def test_engine_and_learner_step_logprobs_agree_at_the_same_weights():
+    """The engine's log-probs as it samples, and the learner's recomputed from the recorded
+    trajectories in one batched forward: mean |Δ| ≤ 1e-5 in float32 (Issue 17)."""
+    torch.set_num_threads(1)
+    model = small_model()
+    sampling = FlowSampling(steps=6, noise_level=0.7)
+    engine = FlowEngine(FlowModel(model.config), sampling)
+    engine.load_weights(dict(model.named_parameters()), version=3)
+    words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:8]]).repeat_interleave(4, 0)
+    latents, logps, versions = engine.generate(words, seed=11)
+    assert versions == [3] * 6 and latents.shape == (32, 7, 3, 16, 16)
+    again = engine.generate(words, seed=11)
+    assert torch.equal(again[0], latents) and torch.equal(again[1], logps)  # seeded
+    batch = FlowBatch(positions=list(range(8)), prompts=["p"] * 8, words=words.numpy(),
+                      latents=latents.numpy(), logprobs=logps.numpy(), versions=[versions] * 32,
+                      rewards=[0.0] * 32, times=sampling.times().numpy(), noise_level=0.7, group_size=4)
+    batch.check()
+    tb = to_flow_batch(batch)
+    learner_logp, entropy, _ = FlowPolicy().forward(model, tb, with_entropy=True)
+    diff = (learner_logp.detach() - tb.behavior_logp).abs()
+    assert diff.mean() <= 1e-5, diff.mean()
+    # a wrong noise level (the schedule the learner assumes) is caught by the same comparison
+    wrong = FlowPolicy().forward(model, to_flow_batch(FlowBatch(**{**batch.__dict__, "noise_level": 0.5})))[0]
+    assert (wrong.detach() - tb.behavior_logp).abs().mean() > 1e-2
+    # the entropy is the Gaussian's per coordinate, the same for every sample of a step
+    assert torch.allclose(entropy, entropy[:1].expand_as(entropy))
+
+
+def test_step_density_and_closed_form_kl_match_torch_distributions():
+    torch.manual_seed(0)
+    mean, other = torch.randn(5, 3, 4, 4), torch.randn(5, 3, 4, 4)
+    x, std = torch.randn(5, 3, 4, 4), 0.37
+    exact = torch.distributions.Normal(mean, std).log_prob(x).flatten(1).mean(1)
+    assert torch.allclose(step_log_density(x, mean, std), exact, atol=1e-5)
+    kl = gaussian_kl(mean[:, None], other[:, None], torch.tensor([std]))[:, 0]
+    exact_kl = torch.distributions.kl_divergence(torch.distributions.Normal(mean, std),
+                                                 torch.distributions.Normal(other, std)).flatten(1).mean(1)
+    assert torch.allclose(kl, exact_kl, atol=1e-5)
+
+
+def test_a_flow_model_directory_round_trips(tmp_path):
+    model = small_model()
+    model.save_pretrained(tmp_path / "m")
+    assert is_flow_model(tmp_path / "m")
+    loaded = FlowModel.from_pretrained(tmp_path / "m")
+    for (name, a), (_, b) in zip(model.named_parameters(), loaded.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
