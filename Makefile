@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make demo   set up .venv and run the main job on recipes/demo.yaml
 #   make test   set up .venv and run the linter and the whole test suite
+#   make flow-demo  the second family: Flow-GRPO on recipes/flow-demo.yaml (an image model)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -10,7 +11,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.tether-installed
 
-.PHONY: demo test lint unit bench docs clean vllm test-vllm
+.PHONY: demo flow-demo test lint unit bench docs clean vllm test-vllm
 
 # torch first, pinned to the CPU build on local disk: a bare `torch` requirement would pull a
 # multi-GB CUDA build. pyproject's range (>=2.4,<3) is satisfied by it, so nothing else moves it.
@@ -38,6 +39,9 @@ vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/tether train recipes/demo.yaml
+
+flow-demo: $(STAMP)
+	$(VENV)/bin/tether train recipes/flow-demo.yaml
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

@@ -65,6 +65,8 @@ class FlowEvaluator:
             self.model.train(was_training)
         if self.images_to is not None:
             save_grid(ode[: self.grid], self.images_to / f"step_{step:06d}.png")
+            (self.images_to / "prompts.txt").write_text(  # what each tile was asked for, row by row
+                "".join(f"{e.prompt}\n" for e in self.examples[: self.grid]))
         n = len(rewards)
         return {"eval/pass_at_1": sum(r >= 1.0 for r in rewards) / n,
                 "eval/reward_mean": sum(rewards) / n,

@@ -3,7 +3,9 @@
 - ``reward.png``: training reward and held-out pass@1 against trained batches and wall time;
 - ``staleness.png``: staleness of every batch, with the publications marked;
 - ``ratios.png``: clip fractions and importance-ratio spread against staleness;
-- ``timeline.png``: generation, training and sync over wall time, showing the overlap.
+- ``timeline.png``: generation, training and sync over wall time, showing the overlap;
+- ``samples.png`` (flow runs): the fixed held-out prompts' images at evaluations across the run,
+  first to last (from ``samples/step_*.png``, written at each evaluation).
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def write_report(run_dir: Path) -> list[Path]:
         ax.plot(x, _col(metrics, "reward/mean"), lw=0.8, alpha=0.6, label="train reward (mean)")
         if evals:
             ax.plot(_col(evals, ex), _col(evals, "eval/pass_at_1"), "o-", color="C3", label="held-out pass@1")
+            if "eval/reward_mean" in evals[-1]:  # a flow run: its reward is partial credit
+                ax.plot(_col(evals, ex), _col(evals, "eval/reward_mean"), "^-", color="C2",
+                        label="held-out reward (ODE)")
             if "eval/pass_at_k" in evals[-1]:
                 k = int(evals[-1]["eval/num_samples"])
                 ax.plot(_col(evals, ex), _col(evals, "eval/pass_at_k"), "s--", color="C4",
@@ -136,7 +141,30 @@ def write_report(run_dir: Path) -> list[Path]:
     paths.append(_save(fig, out / "ratios.png"))
 
     paths.append(_timeline(plt, events, out / "timeline.png"))
+    pictures = sorted((run_dir / "samples").glob("step_*.png"))
+    if pictures:
+        paths.append(_samples(plt, pictures, evals, out / "samples.png"))
     return paths
+
+
+def _samples(plt, pictures: list[Path], evals: list[dict[str, Any]], path: Path, rows: int = 5) -> Path:
+    """Up to ``rows`` evaluations' image grids, evenly spaced from the first to the last, each
+    titled with its step and held-out reward."""
+    from PIL import Image
+
+    last = len(pictures) - 1
+    chosen = sorted({round(i * last / max(rows - 1, 1)) for i in range(min(rows, len(pictures)))})
+    reward = {int(e["step"]): e.get("eval/reward_mean") for e in evals}
+    fig, axes = plt.subplots(len(chosen), 1, figsize=(8, 1.6 * len(chosen) + 0.4), squeeze=False)
+    for ax, i in zip(axes[:, 0], chosen, strict=True):
+        step = int(pictures[i].stem.split("_")[1])
+        ax.imshow(Image.open(pictures[i]))
+        r = reward.get(step)
+        ax.set_title(f"after {step} batches" + (f": held-out reward {r:.3f}" if r is not None else ""),
+                     fontsize=9)
+        ax.axis("off")
+    fig.suptitle("held-out prompts (ODE samples, fixed noise)")
+    return _save(fig, path)
 
 
 def _timeline(plt, events: list[dict[str, Any]], path: Path) -> Path:
