@@ -132,7 +132,8 @@ def _where_to_resume(run_dir: Path) -> str:
 
 
 def add_report_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="write PNG plots of a run (reward, eval, staleness, ratios, timeline)")
+    p = sub.add_parser("report", help="write PNG plots of a run (reward, eval, staleness, ratios, timeline, "
+                       "the in-run staleness study, image grids of flow runs)")
     p.add_argument("run", help="a run directory")
     p.set_defaults(func=report)
 
@@ -142,6 +143,13 @@ def report(ns: argparse.Namespace) -> int:
 
     for path in write_report(Path(ns.run)):
         print(path)
+    import json
+
+    from tether.runtime.study import summary_lines
+
+    study = Path(ns.run) / "plots" / "study.json"
+    for line in summary_lines(json.loads(study.read_text())):
+        print(line)
     return 0
 
 

@@ -4,6 +4,8 @@
 - ``staleness.png``: staleness of every batch, with the publications marked;
 - ``ratios.png``: clip fractions and importance-ratio spread against staleness;
 - ``timeline.png``: generation, training and sync over wall time, showing the overlap;
+- ``study.png`` and ``study.json``: the staleness study the run contains (``tether.runtime.study``):
+  clip fraction and ratio spread per staleness, low against high staleness, the reward trend;
 - ``samples.png`` (flow runs): the fixed held-out prompts' images at evaluations across the run,
   first to last (from ``samples/step_*.png``, written at each evaluation).
 """
@@ -141,10 +143,34 @@ def write_report(run_dir: Path) -> list[Path]:
     paths.append(_save(fig, out / "ratios.png"))
 
     paths.append(_timeline(plt, events, out / "timeline.png"))
+    paths += _study(plt, metrics, out)
     pictures = sorted((run_dir / "samples").glob("step_*.png"))
     if pictures:
         paths.append(_samples(plt, pictures, evals, out / "samples.png"))
     return paths
+
+
+def _study(plt, metrics: list[dict[str, Any]], out: Path) -> list[Path]:
+    from tether.runtime.study import staleness_study
+
+    study = staleness_study(metrics)
+    (out / "study.json").write_text(json.dumps(study, indent=2) + "\n")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    levels = list(study["by_staleness"])
+    for ax, name, title in ((axes[0], "clip_frac", "clip fraction (low + high)"),
+                            (axes[1], "ratio_std", "ratio spread (std)"),
+                            (axes[2], "is_weight_std", "IS weight spread π_old/μ (std)")):
+        rows = [study["by_staleness"][lv][name] for lv in levels]
+        xs = [float(lv) for lv, r in zip(levels, rows, strict=True) if r.get("n")]
+        ax.errorbar(xs, [r["mean"] for r in rows if r.get("n")], yerr=[r["std"] for r in rows if r.get("n")],
+                    fmt="o-", capsize=3)
+        ax.set_xlabel("staleness (batches)")
+        ax.set_title(title + " per staleness, mean ± std")
+        ax.grid(alpha=0.3)
+    r = study["reward_trend"]
+    if "t" in r:
+        fig.suptitle(f"In-run staleness study; reward trend {r['slope']:+.2e}/batch, t = {r['t']:.2f}")
+    return [out / "study.json", _save(fig, out / "study.png")]
 
 
 def _samples(plt, pictures: list[Path], evals: list[dict[str, Any]], path: Path, rows: int = 5) -> Path:

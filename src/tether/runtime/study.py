@@ -1,0 +1,114 @@
+"""The staleness study a run contains: how clipping and the ratio spread grow with staleness.
+
+With a deep budget and no idle syncs, one run sweeps staleness by itself (at S the batch trained
+at step i is (i − 1) mod (S + 1) batches stale), so the seed system's by-hand study is a view of
+the run's own metrics (``tether report`` writes it as ``plots/study.json`` and ``study.png``):
+
+- per staleness value: batches, and the mean and standard deviation of the clip fraction (low +
+  high), the ratio spread (``ratio/std``) and the importance-weight spread (``ratio/is_weight_std``,
+  π_old/μ: where staleness shows with ``train.anchor: proximal`` and one update per batch);
+- the grouped comparison: batches at or below the median staleness against those above it,
+  each figure's difference with its standard error (Welch) and t;
+- the reward trend: the least-squares slope of ``reward/mean`` per trained batch, its standard
+  error and t-statistic (t = slope / se; |t| > 2 is a trend the noise is unlikely to make).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+FIGURES = {"clip_frac": ("ratio/clip_frac_low", "ratio/clip_frac_high"), "ratio_std": ("ratio/std",),
+           "is_weight_std": ("ratio/is_weight_std",)}
+
+
+def _value(row: dict[str, Any], keys: Sequence[str]) -> float | None:
+    values = [row.get(k) for k in keys]
+    if any(v is None or not math.isfinite(v) for v in values):
+        return None
+    return float(sum(values))
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(var)
+
+
+def _describe(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"n": 0}
+    mean, std = _mean_std(values)
+    return {"n": len(values), "mean": mean, "std": std}
+
+
+def trend(xs: Sequence[float], ys: Sequence[float]) -> dict[str, float]:
+    """Least-squares slope of ys on xs with its standard error and t-statistic."""
+    n = len(xs)
+    if n < 3:
+        return {"n": n}
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return {"n": n}
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    residual = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys, strict=True))
+    se = math.sqrt(residual / (n - 2) / sxx)
+    return {"n": n, "slope": slope, "intercept": my - slope * mx, "se": se,
+            "t": slope / se if se > 0 else math.inf}
+
+
+def _compare(low: list[float], high: list[float]) -> dict[str, float]:
+    out = {"low": _describe(low), "high": _describe(high)}
+    if len(low) > 1 and len(high) > 1:
+        (ml, sl), (mh, sh) = _mean_std(low), _mean_std(high)
+        se = math.sqrt(sl * sl / len(low) + sh * sh / len(high))
+        out["difference"] = mh - ml
+        out["se"] = se
+        out["t"] = (mh - ml) / se if se > 0 else (0.0 if mh == ml else math.inf)
+    return out
+
+
+def staleness_study(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """The study of a run's metrics rows (see the module's docstring)."""
+    rows = [m for m in metrics if m.get("staleness/batches") is not None]
+    levels = sorted({float(m["staleness/batches"]) for m in rows})
+    by_staleness = {}
+    for level in levels:
+        at = [m for m in rows if float(m["staleness/batches"]) == level]
+        by_staleness[f"{level:g}"] = {"batches": len(at), **{
+            name: _describe([v for m in at if (v := _value(m, keys)) is not None])
+            for name, keys in FIGURES.items()}}
+    ordered = sorted(float(m["staleness/batches"]) for m in rows)
+    median = ordered[(len(ordered) - 1) // 2] if ordered else 0.0
+    grouped = {"median_staleness": median}
+    for name, keys in FIGURES.items():
+        pairs = [(float(m["staleness/batches"]), _value(m, keys)) for m in rows]
+        grouped[name] = _compare([v for st, v in pairs if st <= median and v is not None],
+                                 [v for st, v in pairs if st > median and v is not None])
+    rewarded = [m for m in metrics if m.get("reward/mean") is not None and m.get("step") is not None]
+    steps, rewards = [float(m["step"]) for m in rewarded], [float(m["reward/mean"]) for m in rewarded]
+    return {"by_staleness": by_staleness, "grouped": grouped, "reward_trend": trend(steps, rewards)}
+
+
+def summary_lines(study: dict[str, Any]) -> list[str]:
+    """The study in a few printable lines."""
+    lines = []
+    for level, row in study["by_staleness"].items():
+        clip = row["clip_frac"]
+        if clip.get("n"):
+            spread = row["ratio_std"].get("mean", float("nan"))
+            lines.append(f"staleness {level}: {row['batches']} batches, clip fraction {clip['mean']:.4f} ± "
+                         f"{clip['std']:.4f}, ratio std {spread:.2e}")
+    g = study["grouped"]["clip_frac"]
+    if "t" in g:
+        median = study["grouped"]["median_staleness"]
+        lines.append(f"clip fraction above vs at-or-below median staleness {median:g}: "
+                     f"{g['difference']:+.4f} ± {g['se']:.4f} (t = {g['t']:.2f})")
+    r = study["reward_trend"]
+    if "t" in r:
+        lines.append(f"reward trend: {r['slope']:+.2e} per batch ± {r['se']:.1e} "
+                     f"(t = {r['t']:.2f}, n = {r['n']})")
+    return lines

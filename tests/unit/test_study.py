@@ -1,0 +1,48 @@
+"""The in-run staleness study: per-staleness figures, the grouped comparison and the reward trend
+computed as the statistics say (against hand-made rows whose answers are known)."""
+
+import math
+
+from tether.runtime.study import staleness_study, summary_lines, trend
+
+
+def rows(n, s, clip_of, reward_of):
+    """Metrics rows of a run at budget S: batch i is (i − 1) mod (S + 1) batches stale."""
+    out = []
+    for step in range(1, n + 1):
+        stale = (step - 1) % (s + 1)
+        out.append({"step": step, "staleness/batches": float(stale), "ratio/clip_frac_low": 0.0,
+                    "ratio/clip_frac_high": clip_of(step, stale), "ratio/std": 0.01 * stale,
+                    "ratio/is_weight_std": float("nan"), "reward/mean": reward_of(step)})
+    return out
+
+
+def test_the_trend_is_least_squares_with_its_standard_error():
+    xs = [1.0, 2.0, 3.0, 4.0, 5.0]
+    ys = [1.1, 1.9, 3.2, 3.9, 5.1]
+    got = trend(xs, ys)
+    # by hand: slope = Σ(x−x̄)(y−ȳ)/Σ(x−x̄)² = 10/10; the residuals about 3.04 + (x − 3) square
+    # to 0.072, so se = √(0.072 / (n − 2) / Σ(x−x̄)²)
+    assert math.isclose(got["slope"], 1.0)
+    assert math.isclose(got["se"], math.sqrt(0.072 / 3 / 10), rel_tol=1e-9)
+    assert math.isclose(got["t"], 1.0 / got["se"])
+    assert trend([1.0, 2.0], [0.0, 1.0]) == {"n": 2}  # too few points for a spread
+
+
+def test_a_run_with_a_deep_budget_is_its_own_staleness_sweep():
+    metrics = rows(48, 3, clip_of=lambda step, stale: 0.01 * stale + (0.002 if (step - 1) // 4 % 2 else 0.0),
+                   reward_of=lambda step: 0.2 + 0.001 * step)
+    study = staleness_study(metrics)
+    assert list(study["by_staleness"]) == ["0", "1", "2", "3"]
+    for level, row in study["by_staleness"].items():
+        assert row["batches"] == 12
+        assert math.isclose(row["clip_frac"]["mean"], 0.01 * float(level) + 0.001, abs_tol=1e-12)
+        assert row["is_weight_std"] == {"n": 0}  # NaN rows are left out, not averaged in
+    g = study["grouped"]
+    assert g["median_staleness"] == 1.0
+    assert g["clip_frac"]["low"]["n"] == 24 and g["clip_frac"]["high"]["n"] == 24
+    assert math.isclose(g["clip_frac"]["difference"], 0.02, abs_tol=1e-12)
+    assert g["clip_frac"]["t"] > 10
+    r = study["reward_trend"]
+    assert math.isclose(r["slope"], 0.001, rel_tol=1e-9) and r["se"] < 1e-12 and r["n"] == 48
+    assert any("t =" in line for line in summary_lines(study))
