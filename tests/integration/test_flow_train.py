@@ -108,6 +108,16 @@ def test_the_flow_demo_recipe_runs_shortened_with_pictures(flow_model, tmp_path)
     assert Image.open(tmp_path / "run" / "samples" / "step_000004.png").size[0] > 64
     metrics = rows(tmp_path / "run" / "metrics.jsonl")
     assert all(m["throughput/gen_images_per_s"] > 0 and 0 <= m["reward/mean"] <= 1 for m in metrics)
+    assert (tmp_path / "run" / "samples" / "prompts.txt").read_text().count("\n") == 16
+    # tether report lays the grids out and writes the study; tether eval reads the last checkpoint
+    from tether.cli.eval_cmd import evaluate_model
+    from tether.runtime.report import write_report
+
+    plots = {p.name for p in write_report(tmp_path / "run")}
+    assert {"samples.png", "study.png", "study.json", "reward.png"} <= plots
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000004" / "learner" / "model"
+    again, _ = evaluate_model(cfg, checkpoint, samples=1)
+    assert again["eval/reward_mean"] == evals[-1]["eval/reward_mean"]  # the same images, from fixed noise
 
 
 @pytest.mark.parametrize(("override", "says"), [
@@ -120,3 +130,20 @@ def test_language_model_keys_are_refused_for_flow(flow_model, tmp_path, override
     with pytest.raises(ConfigError, match=says):
         cfg = recipe(flow_model, override)
         train(cfg, tmp_path / "run", progress_plain=True)
+
+
+def test_flow_on_ray_rollout_actors_trains_batch_for_batch_like_local(flow_model, tmp_path):
+    """The same FlowSampler in a Ray actor, weights through the object store: the same batches,
+    versions, rewards and losses as local worker processes."""
+    pytest.importorskip("ray")
+    keys = ("step", "batch_index", "async/behavior_version", "staleness/updates", "reward/mean",
+            "loss/policy")
+    base = ("train.num_batches=4", "async.max_staleness=1")
+    train(recipe(flow_model, *base), tmp_path / "local", progress_plain=True)
+    train(recipe(flow_model, *base, "rollout.backend=ray", "ray.local_cpus=2"), tmp_path / "ray",
+          progress_plain=True)
+    local = [{k: m[k] for k in keys} for m in rows(tmp_path / "local" / "metrics.jsonl")]
+    on_ray = [{k: m[k] for k in keys} for m in rows(tmp_path / "ray" / "metrics.jsonl")]
+    assert local == on_ray
+    with pytest.raises(ConfigError, match=r"ray\.learner"):
+        recipe(flow_model, "rollout.backend=ray", "ray.learner=actor")

@@ -104,3 +104,29 @@ def test_a_flow_model_directory_round_trips(tmp_path):
     loaded = FlowModel.from_pretrained(tmp_path / "m")
     for (name, a), (_, b) in zip(model.named_parameters(), loaded.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_the_learners_kl_term_is_the_closed_form_of_the_two_step_gaussians():
+    torch.set_num_threads(1)
+    model, ref = small_model(0), small_model(1)
+    sampling = FlowSampling(steps=4, noise_level=0.7)
+    words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:3]])
+    engine = FlowEngine(FlowModel(model.config), sampling)
+    engine.load_weights(dict(model.named_parameters()), version=0)
+    latents, logps, versions = engine.generate(words, seed=2)
+    tb = to_flow_batch(FlowBatch(positions=[0, 1, 2], prompts=["p"] * 3, words=words.numpy(),
+                                 latents=latents.numpy(), logprobs=logps.numpy(), versions=[versions] * 3,
+                                 rewards=[0.0] * 3, times=sampling.times().numpy(), noise_level=0.7,
+                                 group_size=1))
+    policy = FlowPolicy()
+    own, theirs = policy.forward(model, tb)[2], policy.forward(ref, tb)[2]
+    kl = policy.kl(own, theirs, "k3")
+    from tether.flow.policy import step_means
+
+    means, stds = step_means(model, tb.latents, tb.words, tb.times, 0.7)
+    ref_means, _ = step_means(ref, tb.latents, tb.words, tb.times, 0.7)
+    for j in range(4):
+        exact = torch.distributions.kl_divergence(torch.distributions.Normal(means[:, j], float(stds[j])),
+                                                  torch.distributions.Normal(ref_means[:, j], float(stds[j])))
+        assert torch.allclose(kl[:, j], exact.flatten(1).mean(1), rtol=1e-4, atol=1e-6)
+    assert (kl > 0).all() and policy.kl(own, own, "k3").abs().max() == 0

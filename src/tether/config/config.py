@@ -255,7 +255,7 @@ def _flow_refusals(c: Config):
          "samples tokens; a flow model's sampling is the flow section"),
         ("rollout.engine=vllm", r.engine != "torch", "serves language models"),
         ("rollout.dynamic_sampling", r.dynamic_sampling, "is not supported yet"),
-        ("rollout.backend=ray", r.backend != "local", "is not supported yet (local workers only)"),
+        ("ray.learner=actor", c.ray.learner != "driver", "is not supported yet (ray.learner=driver)"),
         (f"async.inflight_update={c.async_.inflight_update}", c.async_.inflight_update != "drain",
          "is not supported yet (drain only)"),
         (f"train.world_size={t.world_size}", t.world_size > 1, "is not supported yet (one learner process)"),

@@ -85,15 +85,17 @@ class FlowPolicy:
         return to_flow_batch(payload)
 
     def forward(self, model, batch: FlowTrainBatch, *, with_entropy: bool = False, forward=None):
-        """(log-probs (n, T), entropies (n, T) or None, the step means (the KL's basis))."""
+        """(log-probs (n, T), entropies (n, T) or None, the KL's basis: each step's mean in units
+        of its std, μ/σ (n, T, C, H, W))."""
         logp, means, stds = step_logprobs(model, batch.latents, batch.words, batch.times, batch.noise_level)
         entropy = gaussian_entropy(stds).to(logp.device).expand_as(logp) if with_entropy else None
-        self._stds = stds
-        return logp, entropy, means
+        return logp, entropy, means / stds.to(means.device).view(1, -1, *[1] * (means.dim() - 2))
 
     def kl(self, basis: torch.Tensor, ref_basis: torch.Tensor, estimator: str) -> torch.Tensor:
-        """Closed-form KL per step (``estimator`` is for sampled token KLs; not used here)."""
-        return gaussian_kl(basis, ref_basis, self._stds)
+        """Closed-form KL per step, (n, T): with both means in units of the shared σ,
+        ‖μ_θ − μ_ref‖²/(2σ²) is half the squared distance (``estimator`` is for sampled token KLs;
+        not used here)."""
+        return gaussian_kl(basis, ref_basis, torch.ones(basis.shape[1]))
 
     def fast_forward(self, model, enabled: bool):
         return None
