@@ -101,7 +101,7 @@ def test_the_flow_demo_recipe_runs_shortened_with_pictures(flow_model, tmp_path)
     evals = rows(tmp_path / "run" / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 2, 4]
     assert all(0 <= e["eval/reward_mean"] <= 1 and e["eval/examples"] == 16 for e in evals)
-    pictures = sorted(p.name for p in (tmp_path / "run" / "samples").iterdir())
+    pictures = sorted(p.name for p in (tmp_path / "run" / "samples").glob("*.png"))
     assert pictures == ["step_000000.png", "step_000002.png", "step_000004.png"]
     from PIL import Image
 

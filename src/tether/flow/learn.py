@@ -60,13 +60,14 @@ def to_flow_batch(payload) -> FlowTrainBatch:
     if payload.logprobs is None or not len(payload.logprobs):
         raise ConfigError("the rollout batch carries no engine log-probs, which the loss needs for its ratio "
                           "and corrections")
-    logp = torch.from_numpy(payload.logprobs).float()
+    logp = torch.tensor(payload.logprobs, dtype=torch.float32)  # a copy: Ray's arrays are read-only
     if not torch.isfinite(logp).all():
         raise ValueError("the engine's step log-probs contain non-finite values")
     n, steps = logp.shape
     return FlowTrainBatch(
-        latents=torch.from_numpy(payload.latents).float(), words=torch.from_numpy(payload.words).long(),
-        times=torch.from_numpy(payload.times).float(), mask=torch.ones(n, steps), behavior_logp=logp,
+        latents=torch.tensor(payload.latents, dtype=torch.float32),
+        words=torch.tensor(payload.words, dtype=torch.long),
+        times=torch.tensor(payload.times, dtype=torch.float32), mask=torch.ones(n, steps), behavior_logp=logp,
         rewards=torch.as_tensor(payload.rewards, dtype=torch.float32), group_size=payload.group_size,
         behavior_versions=torch.as_tensor(payload.versions, dtype=torch.long),
         truncated=torch.zeros(n, dtype=torch.bool), noise_level=payload.noise_level)
