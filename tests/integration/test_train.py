@@ -121,8 +121,11 @@ def test_run_directory_evals_at_boundaries_and_checkpoints(tiny_model_dir, tmp_p
     from tether.runtime.report import write_report
 
     plots = write_report(run_dir)
-    assert [p.name for p in plots] == ["reward.png", "staleness.png", "ratios.png", "timeline.png"]
+    names = ["reward.png", "staleness.png", "ratios.png", "timeline.png", "study.json", "study.png"]
+    assert [p.name for p in plots] == names
     assert all(p.stat().st_size > 1000 for p in plots)
+    study = json.loads((run_dir / "plots" / "study.json").read_text())
+    assert sum(level["batches"] for level in study["by_staleness"].values()) == len(metrics)
 
 
 def test_resume_matches_an_uninterrupted_run_batch_for_batch(tiny_model_dir, tmp_path, capsys):
