@@ -67,8 +67,10 @@ def test_flow_runs_reproduce_the_seed_systems_diffusion_arms(flow_model, tmp_pat
 
 
 def test_a_stopped_flow_run_resumes_exactly(flow_model, tmp_path, monkeypatch):
+    """With flow.train_steps the learner trains 2 of each trajectory's 4 steps, drawn from the
+    batch's seed: the resumed run draws the same ones."""
     cfg = recipe(flow_model, "train.num_batches=5", "checkpoint.interval=5", "async.max_staleness=1",
-                 "train.algorithm=grpo")
+                 "train.algorithm=grpo", "flow.train_steps=2")
     keys = ("step", "batch_index", "async/behavior_version", "staleness/updates", "reward/mean",
             "loss/policy", "ratio/mean", "loss/kl")
     train(cfg, tmp_path / "whole", progress_plain=True)
@@ -125,6 +127,7 @@ def test_the_flow_demo_recipe_runs_shortened_with_pictures(flow_model, tmp_path)
     ("async.inflight_update=keep", "drain only"),
     ("train.world_size=2", "one learner process"),
     ("reward.function=exact_match", "scores text"),
+    ("flow.train_steps=5", "exceeds the flow.steps=4"),
 ])
 def test_language_model_keys_are_refused_for_flow(flow_model, tmp_path, override, says):
     with pytest.raises(ConfigError, match=says):

@@ -83,6 +83,30 @@ def test_engine_and_learner_step_logprobs_agree_at_the_same_weights():
     assert (wrong.detach() - tb.behavior_logp).abs().mean() > 1e-2
     # the entropy is the Gaussian's per coordinate, the same for every sample of a step
     assert torch.allclose(entropy, entropy[:1].expand_as(entropy))
+    # flow.train_steps: 2 of the 6 steps of each trajectory, the learner's forward over those only,
+    # each equal to the engine's log-prob of that very step
+    batch.seed = 5
+    sub = to_flow_batch(batch, train_steps=2)
+    assert sub.steps.shape == (32, 2) and sub.behavior_logp.shape == (32, 2)
+    assert torch.equal(sub.behavior_logp, tb.behavior_logp.gather(1, sub.steps))
+    sub_logp, sub_entropy, _ = FlowPolicy(2).forward(model, sub, with_entropy=True)
+    assert (sub_logp.detach() - learner_logp.detach().gather(1, sub.steps)).abs().max() <= 1e-5
+    assert (sub_logp.detach() - sub.behavior_logp).abs().mean() <= 1e-5
+    assert torch.allclose(sub_entropy, entropy.gather(1, sub.steps))
+
+
+def test_the_trained_steps_are_drawn_per_trajectory_from_the_batch_seed():
+    from tether.flow.learn import trained_steps
+
+    drawn = trained_steps(500, 8, 3, seed=7)
+    assert drawn.shape == (500, 3) and torch.equal(drawn, trained_steps(500, 8, 3, seed=7))
+    assert not torch.equal(drawn, trained_steps(500, 8, 3, seed=8))
+    assert (drawn[:, 1:] > drawn[:, :-1]).all()  # sorted, no step twice
+    assert len({tuple(r) for r in drawn.tolist()}) > 40  # per trajectory, not one draw for the batch
+    counts = torch.bincount(drawn.flatten(), minlength=8).float()
+    assert counts.min() > 0.8 * counts.mean()  # every step trained about equally often
+    assert torch.equal(trained_steps(4, 8, 0, seed=1), torch.arange(8).expand(4, -1))
+    assert torch.equal(trained_steps(4, 8, 8, seed=1), torch.arange(8).expand(4, -1))
 
 
 def test_step_density_and_closed_form_kl_match_torch_distributions():
@@ -126,7 +150,8 @@ def test_the_learners_kl_term_is_the_closed_form_of_the_two_step_gaussians():
     means, stds = step_means(model, tb.latents, tb.words, tb.times, 0.7)
     ref_means, _ = step_means(ref, tb.latents, tb.words, tb.times, 0.7)
     for j in range(4):
-        exact = torch.distributions.kl_divergence(torch.distributions.Normal(means[:, j], float(stds[j])),
-                                                  torch.distributions.Normal(ref_means[:, j], float(stds[j])))
+        std = stds[:, j].view(-1, 1, 1, 1)
+        exact = torch.distributions.kl_divergence(torch.distributions.Normal(means[:, j], std),
+                                                  torch.distributions.Normal(ref_means[:, j], std))
         assert torch.allclose(kl[:, j], exact.flatten(1).mean(1), rtol=1e-4, atol=1e-6)
     assert (kl > 0).all() and policy.kl(own, own, "k3").abs().max() == 0

@@ -213,6 +213,10 @@ class Config:
                 raise ConfigError("the flow section is set but model.family is 'lm'; set model.family=flow "
                                   "to train a flow model, or remove the flow keys")
             return
+        if self.flow.train_steps > self.flow.steps:
+            raise ConfigError(f"flow.train_steps={self.flow.train_steps} exceeds the "
+                              f"flow.steps={self.flow.steps} steps of a trajectory; lower it (0 trains all "
+                              "of them)")
         refused = [(key, why) for key, why in _flow_refusals(self) if why]
         if refused:
             key, why = refused[0]

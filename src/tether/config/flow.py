@@ -20,6 +20,13 @@ class FlowSection:
         "log-probability, ratio and clip (Flow-GRPO's denoising reduction: fewer than evaluation).",
         min=1,
     )
+    train_steps: int = knob(
+        0,
+        "K: steps of each trajectory the learner trains on, drawn at random per trajectory (Flow-GRPO's "
+        "timestep_fraction = K/T); an update then costs about K/T of one over all T steps. 0 = all T. "
+        "At most flow.steps.",
+        min=0,
+    )
     eval_steps: int = knob(
         16, "Steps of the deterministic ODE sampler that held-out evaluation and the warm start use.", min=1
     )

@@ -7,6 +7,11 @@ the (N, T) tensors, so the advantages (one per sample, shared by all its steps),
 step, the anchors, the TIS/mask corrections, the aggregations and every ratio metric are the very
 code language models train with. The KL to the reference model is the closed form for two
 Gaussians of the same std (``tether.flow.policy.gaussian_kl``), not a sampled estimator.
+
+With ``flow.train_steps`` = K < T the learner trains K of each trajectory's T steps, drawn at
+random per trajectory (Flow-GRPO's ``timestep_fraction`` = K/T): the columns are then those K
+steps, and an update costs K/T of the full one. The draw is seeded by the rollout batch's own
+seed, so every rank and every resumed run trains the same steps of the same batch.
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ class FlowTrainBatch:
     latents: torch.Tensor  # (N, T + 1, C, H, W)
     words: torch.Tensor  # (N, L)
     times: torch.Tensor  # (T + 1,)
-    mask: torch.Tensor  # (N, T) ones: every step is an action
-    behavior_logp: torch.Tensor  # (N, T) the engine's log-probs
+    steps: torch.Tensor  # (N, K) the trained steps of each trajectory (indices into 0 … T − 1)
+    mask: torch.Tensor  # (N, K) ones: every step is an action
+    behavior_logp: torch.Tensor  # (N, K) the engine's log-probs of those steps
     rewards: torch.Tensor  # (N,)
     group_size: int
-    behavior_versions: torch.Tensor  # (N, T)
+    behavior_versions: torch.Tensor  # (N, K)
     truncated: torch.Tensor  # (N,) bool, all False (a trajectory always has its T steps)
     noise_level: float
 
@@ -50,13 +56,24 @@ class FlowTrainBatch:
 
     def rows(self, index: torch.Tensor | slice) -> FlowTrainBatch:
         return dataclasses.replace(
-            self, latents=self.latents[index], words=self.words[index], mask=self.mask[index],
+            self, latents=self.latents[index], words=self.words[index], steps=self.steps[index],
+            mask=self.mask[index],
             behavior_logp=self.behavior_logp[index], rewards=self.rewards[index],
             behavior_versions=self.behavior_versions[index], truncated=self.truncated[index])
 
 
-def to_flow_batch(payload) -> FlowTrainBatch:
-    """Tensors of a ``tether.flow.rollout.FlowBatch``; refuses one without the engine's log-probs."""
+def trained_steps(n: int, steps: int, k: int, seed: int) -> torch.Tensor:
+    """(n, k) step indices, sorted, drawn without replacement per trajectory from ``steps``
+    (all of them, in order, when ``k`` is 0 or ``steps``); the same for the same ``seed``."""
+    if k <= 0 or k >= steps:
+        return torch.arange(steps).expand(n, -1).clone()
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(n, steps, generator=generator).argsort(1)[:, :k].sort(1).values
+
+
+def to_flow_batch(payload, train_steps: int = 0) -> FlowTrainBatch:
+    """Tensors of a ``tether.flow.rollout.FlowBatch``, with ``train_steps`` of each trajectory's
+    steps (0: all); refuses one without the engine's log-probs."""
     if payload.logprobs is None or not len(payload.logprobs):
         raise ConfigError("the rollout batch carries no engine log-probs, which the loss needs for its ratio "
                           "and corrections")
@@ -64,12 +81,14 @@ def to_flow_batch(payload) -> FlowTrainBatch:
     if not torch.isfinite(logp).all():
         raise ValueError("the engine's step log-probs contain non-finite values")
     n, steps = logp.shape
+    chosen = trained_steps(n, steps, train_steps, payload.seed)
     return FlowTrainBatch(
         latents=torch.tensor(payload.latents, dtype=torch.float32),
         words=torch.tensor(payload.words, dtype=torch.long),
-        times=torch.tensor(payload.times, dtype=torch.float32), mask=torch.ones(n, steps), behavior_logp=logp,
+        times=torch.tensor(payload.times, dtype=torch.float32), steps=chosen,
+        mask=torch.ones(chosen.shape), behavior_logp=logp.gather(1, chosen),
         rewards=torch.as_tensor(payload.rewards, dtype=torch.float32), group_size=payload.group_size,
-        behavior_versions=torch.as_tensor(payload.versions, dtype=torch.long),
+        behavior_versions=torch.as_tensor(payload.versions, dtype=torch.long).gather(1, chosen),
         truncated=torch.zeros(n, dtype=torch.bool), noise_level=payload.noise_level)
 
 
@@ -78,25 +97,30 @@ class FlowPolicy:
 
     name = "flow"
 
+    def __init__(self, train_steps: int = 0) -> None:
+        self.train_steps = train_steps
+        """K: steps of each trajectory trained (0: all T)."""
+
     def load(self, path: str | Path):
         """(model, tokenizer): the flow model has a fixed word vocabulary, no tokenizer to save."""
         return FlowModel.from_pretrained(path), None
 
     def batch(self, payload) -> FlowTrainBatch:
-        return to_flow_batch(payload)
+        return to_flow_batch(payload, self.train_steps)
 
     def forward(self, model, batch: FlowTrainBatch, *, with_entropy: bool = False, forward=None):
-        """(log-probs (n, T), entropies (n, T) or None, the KL's basis: each step's mean in units
-        of its std, μ/σ (n, T, C, H, W))."""
-        logp, means, stds = step_logprobs(model, batch.latents, batch.words, batch.times, batch.noise_level)
-        entropy = gaussian_entropy(stds).to(logp.device).expand_as(logp) if with_entropy else None
-        return logp, entropy, means / stds.to(means.device).view(1, -1, *[1] * (means.dim() - 2))
+        """(log-probs (n, K), entropies (n, K) or None, the KL's basis: each step's mean in units
+        of its std, μ/σ (n, K, C, H, W))."""
+        logp, means, stds = step_logprobs(model, batch.latents, batch.words, batch.times, batch.noise_level,
+                                          batch.steps)
+        entropy = gaussian_entropy(stds) if with_entropy else None
+        return logp, entropy, means / stds.view(*stds.shape, *[1] * (means.dim() - 2))
 
     def kl(self, basis: torch.Tensor, ref_basis: torch.Tensor, estimator: str) -> torch.Tensor:
         """Closed-form KL per step, (n, T): with both means in units of the shared σ,
         ‖μ_θ − μ_ref‖²/(2σ²) is half the squared distance (``estimator`` is for sampled token KLs;
         not used here)."""
-        return gaussian_kl(basis, ref_basis, torch.ones(basis.shape[1]))
+        return gaussian_kl(basis, ref_basis, torch.ones(basis.shape[:2]))
 
     def fast_forward(self, model, enabled: bool):
         return None

@@ -84,42 +84,63 @@ def generate_images(model, words: torch.Tensor, steps: int, *, generator: torch.
     return x
 
 
+def step_gaussians(model, x: torch.Tensor, t: torch.Tensor, s: torch.Tensor, words: torch.Tensor,
+                   noise_level: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gaussians of K recorded steps of each of N trajectories, in one forward over all N·K
+    (x_t, t) pairs: x (N, K, C, H, W) the steps' starting points, t and s (N, K) their times
+    (each step from t to s < t; any steps, in any order). Returns (means (N, K, C, H, W),
+    stds (N, K)). The coefficients are computed in float64 and rounded once, as the engine's
+    Python-float step (``sde.step_mean_std``) does, so both give the same float32 numbers."""
+    n, k = t.shape
+    t64, s64 = t.double(), s.double()
+    dt = s64 - t64
+    sig = noise_level * torch.sqrt(t64 / torch.maximum(1 - t64, dt.abs()))  # ``sde.sigma``
+    shape = (n, k) + (1,) * (x.dim() - 2)
+    coef = (sig * sig / (2 * t64)).float().view(shape)
+    one_minus_t = (1 - t64).float().view(shape)
+    step = dt.float().view(shape)
+    v = model(x.flatten(0, 1), t.flatten().to(x.device), words.repeat_interleave(k, dim=0)).view_as(x)
+    drift = v + coef.to(x.device) * (x + one_minus_t.to(x.device) * v)
+    return x + drift * step.to(x.device), (sig * torch.sqrt(-dt)).float().to(x.device)
+
+
 def step_means(model, latents: torch.Tensor, words: torch.Tensor, times: torch.Tensor,
-               noise_level: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every step's Gaussian under ``model`` for recorded trajectories, in one forward over all
-    N·T (x_{t_j}, t_j) pairs: (means (N, T, C, H, W), stds (T,))."""
+               noise_level: float, steps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gaussians of recorded trajectories' steps under ``model``: every step, or with
+    ``steps`` ((N, K) indices into 0 … T − 1) those of each trajectory. Returns (means
+    (N, K, C, H, W), stds (N, K))."""
     n, t_plus_1 = latents.shape[:2]
-    steps = t_plus_1 - 1
-    x = latents[:, :-1].reshape(n * steps, *latents.shape[2:])
-    t = times[:-1].to(x.device).repeat(n)
-    w = words.repeat_interleave(steps, dim=0)
-    v = model(x, t, w).view(n, steps, *latents.shape[2:])
-    means, stds = [], []
-    for j in range(steps):
-        mean, std = step_mean_std(latents[:, j], v[:, j], float(times[j]), float(times[j + 1]), noise_level)
-        means.append(mean)
-        stds.append(std)
-    return torch.stack(means, 1), torch.tensor(stds)
+    if steps is None:
+        steps = torch.arange(t_plus_1 - 1, device=latents.device).expand(n, -1)
+    rows = torch.arange(n, device=latents.device)[:, None]
+    times = times.to(steps.device)
+    return step_gaussians(model, latents[rows, steps], times[steps], times[steps + 1], words, noise_level)
 
 
 def step_logprobs(model, latents: torch.Tensor, words: torch.Tensor, times: torch.Tensor,
-                  noise_level: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log-probs (N, T) of the recorded steps under ``model``, the step means (N, T, C, H, W),
-    the stds (T,)); differentiable in ``model``'s parameters."""
-    means, stds = step_means(model, latents, words, times, noise_level)
-    steps = means.shape[1]
-    logp = torch.stack([step_log_density(latents[:, j + 1], means[:, j], float(stds[j]))
-                        for j in range(steps)], 1)
+                  noise_level: float, steps: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-probs (N, K) of the recorded steps under ``model``, the step means (N, K, C, H, W),
+    the stds (N, K)); every step (K = T), or the ``steps`` of each trajectory. Differentiable in
+    ``model``'s parameters."""
+    means, stds = step_means(model, latents, words, times, noise_level, steps)
+    n, k = stds.shape
+    if steps is None:
+        steps = torch.arange(k, device=latents.device).expand(n, -1)
+    x_next = latents[torch.arange(n, device=latents.device)[:, None], steps + 1]
+    z = ((x_next - means) / stds.view(n, k, *[1] * (means.dim() - 2))).flatten(2)
+    logp = -0.5 * (z * z).mean(2) - torch.log(stds) - 0.5 * math.log(2 * math.pi)
     return logp, means, stds
 
 
 def gaussian_kl(means: torch.Tensor, ref_means: torch.Tensor, stds: torch.Tensor) -> torch.Tensor:
     """KL(π_θ ‖ π_ref) per step, closed form for two Gaussians of the same std, averaged over the
-    coordinates as the log-probs are: ‖μ_θ − μ_ref‖² / (2σ² · C·H·W), (N, T)."""
+    coordinates as the log-probs are: ‖μ_θ − μ_ref‖² / (2σ² · C·H·W), (N, K); ``stds`` (N, K),
+    or (K,) shared by every row."""
     sq = (means - ref_means).flatten(2).pow(2).mean(-1)
-    return sq / (2 * stds.to(sq.device)[None] ** 2)
+    return sq / (2 * stds.to(sq.device).expand_as(sq) ** 2)
 
 
 def gaussian_entropy(stds: torch.Tensor) -> torch.Tensor:
-    """Entropy of each step's Gaussian per coordinate, (T,): log σ + ½·log(2πe)."""
+    """Entropy of each step's Gaussian per coordinate, shaped like ``stds``: log σ + ½·log(2πe)."""
     return torch.log(stds) + 0.5 * math.log(2 * math.pi * math.e)

@@ -79,6 +79,8 @@ class FlowBatch:
     noise_level: float
     group_size: int
     metrics: dict[str, float] = field(default_factory=dict)
+    seed: int = 0
+    """The work item's seed: it drew the trajectories' noise, and draws the steps the learner trains."""
 
     @property
     def num_groups(self) -> int:
@@ -164,4 +166,4 @@ class FlowSampler:
                          words=words.numpy(), latents=latents.numpy(), logprobs=logps.numpy(),
                          versions=[list(versions) for _ in range(n)], rewards=rewards,
                          times=self.spec.flow.times().numpy(), noise_level=self.spec.flow.noise_level,
-                         group_size=g, metrics=metrics)
+                         group_size=g, metrics=metrics, seed=item.seed)

@@ -45,10 +45,12 @@ def learner_settings(cfg: Config):
         betas=(t.adam_beta1, t.adam_beta2),
         grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, shared_prefix=t.shared_prefix,
         temperature=cfg.rollout.temperature,
-        max_new_tokens=cfg.flow.steps if cfg.model.family == "flow" else cfg.rollout.max_new_tokens,
+        max_new_tokens=(cfg.flow.train_steps or cfg.flow.steps) if cfg.model.family == "flow"
+        else cfg.rollout.max_new_tokens,
         seed=cfg.run.seed, device=t.device,
         sharded_checkpoints=cfg.checkpoint.sharded, attribution=cfg.metrics.attribution,
         staleness_budget=cfg.async_.max_staleness * t.updates_per_batch, family=cfg.model.family,
+        flow_train_steps=cfg.flow.train_steps,
     )
 
 

@@ -58,9 +58,9 @@ class TextPolicy:
         return SharedPrefixForward(model)
 
 
-def policy_for(family: str, temperature: float):
+def policy_for(family: str, temperature: float, *, flow_train_steps: int = 0):
     if family == "flow":
         from tether.flow.learn import FlowPolicy
 
-        return FlowPolicy()
+        return FlowPolicy(flow_train_steps)
     return TextPolicy(temperature)

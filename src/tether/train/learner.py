@@ -89,6 +89,8 @@ class LearnerSettings:
     """S·U: how many versions back a batch's tokens can be (the attribution keeps that many)."""
     family: str = "lm"
     """``model.family``: what a column of the batch is (a token, or a denoising step)."""
+    flow_train_steps: int = 0
+    """``flow.train_steps``: denoising steps of each trajectory trained (0: all)."""
 
 
 class _Stats:
@@ -121,7 +123,8 @@ class TorchLearner:
         self.loss_fn = get_loss(settings.loss)
         torch.manual_seed(settings.seed)
         self.device = learner_device(settings.device)
-        self.policy = policy_for(settings.family, settings.temperature)
+        self.policy = policy_for(settings.family, settings.temperature,
+                                 flow_train_steps=settings.flow_train_steps)
         self.model, self.tokenizer = self.policy.load(model_path)
         self.model.to(self.device).train()
         self.names = list(unique_parameters(self.model))  # the published names, tied ones once
