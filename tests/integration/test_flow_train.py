@@ -94,11 +94,15 @@ def test_a_stopped_flow_run_resumes_exactly(flow_model, tmp_path, monkeypatch):
         assert tensor.equal(whole_weights[name]), name
 
 
-def test_the_flow_demo_recipe_runs_shortened_with_pictures(flow_model, tmp_path):
+def test_the_flow_demo_recipe_runs_shortened_with_pictures(flow_model, tmp_path, caplog):
     cfg = load_config(ROOT / "recipes" / "flow-demo.yaml",
                       [f"model.path={flow_model}", "train.num_batches=4", "eval.interval=2",
                        "checkpoint.interval=4", "data.num_eval=16"])
     summary = train(cfg, tmp_path / "run", progress_plain=True)
+    # the module's model was built otherwise than the recipe would build it: said, not ignored
+    said = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert f"warmstart.max_steps: built with 40, the recipe says {cfg.warmstart.max_steps}" in said
+    assert "flow.init_width: built with 32" in said
     assert summary["trained_batches"] == 4
     evals = rows(tmp_path / "run" / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 2, 4]

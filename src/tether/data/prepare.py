@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from pathlib import Path
 
 from tether.config import Config
@@ -76,6 +78,27 @@ def _clean_stale_builds(path: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def built_otherwise(cfg: Config, path: Path) -> list[str]:
+    """The recipe's build keys (warm start, flow model size) that differ from what built the
+    model at ``path``, read from its ``warmstart.json`` and config; empty for a model Tether did
+    not build. A model that exists is never rebuilt, so these keys do nothing: the caller says so."""
+    out = []
+    warm = path / "warmstart.json"
+    built = json.loads(warm.read_text()).get("settings", {}) if warm.is_file() else {}
+    for key, value in asdict(warmstart_settings(cfg)).items():
+        if key in built and built[key] != value:
+            out.append(f"{'run.seed' if key == 'seed' else 'warmstart.' + key}: built with {built[key]}, "
+                       f"the recipe says {value}")
+    if cfg.model.family == "flow" and built:
+        from tether.flow.model import read_config
+
+        config = read_config(path)
+        for key, have in (("init_width", config.width), ("init_depth", config.depth)):
+            if have != getattr(cfg.flow, key):
+                out.append(f"flow.{key}: built with {have}, the recipe says {getattr(cfg.flow, key)}")
+    return out
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)  # no signal: only asks whether the process exists
@@ -96,6 +119,11 @@ def ensure_model(cfg: Config, on_progress: Callable[[int, Mapping[str, float]], 
 
     path = Path(cfg.model.path)
     if (path / "config.json").is_file():
+        if cfg.model.create_if_missing:
+            for difference in built_otherwise(cfg, path):
+                log.warning("model.path %s already exists and is used as it is: %s (delete it to build "
+                            "it anew with the recipe's settings, or point model.path elsewhere)", path,
+                            difference)
         return path
     if path.exists() and any(path.iterdir()):
         raise ConfigError(f"model.path {path} exists but holds no config.json; it is not a model directory")
