@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
+import signal
 import threading
 
 
@@ -31,3 +33,26 @@ def exit_when_closed(fd: int) -> None:
     if select.select([fd], [], [], 0)[0] and closed():  # nothing is ever written: readable = EOF
         os._exit(0)
     threading.Thread(target=lambda: closed() and os._exit(0), name="tether-lifeline", daemon=True).start()
+
+
+@contextlib.contextmanager
+def stop_signals_deferred():
+    """Hold SIGINT and SIGTERM back for the ``with`` block (main thread only): a resource that
+    must not leak — a shared-memory block between its creation and the attribute that owns it —
+    is made whole before a stop signal's handler can raise. Python runs signal handlers in the
+    main thread, so the block swaps in handlers that only note what arrived; as it ends, the
+    previous handlers return and each noted signal is raised again, in order, for them. Wrap the
+    owner's clean-up ``try`` around the ``with``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():  # None: a handler set outside Python
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for sig in arrived:
+            signal.raise_signal(sig)

@@ -115,3 +115,34 @@ def test_an_object_store_snapshot_round_trips_and_is_verified(channel_and_params
         open_snapshot(torn, snap.layout, 4)
     with pytest.raises(ChannelError, match=r"expected .* bytes of uint8"):
         open_snapshot(fetched[:-64], snap.layout, 4)
+
+
+def test_a_stop_signal_while_a_channel_is_made_waits_until_the_block_is_owned():
+    """A stop signal's handler raises where it lands; landing between the shared block's creation
+    and its owner (before the resource tracker even knows the name) would leak it. Deferred, it
+    lands after the channel is held, where the owner's clean-up can unlink it."""
+    import os
+    import signal
+    import time
+
+    from tether.procinfo import stop_signals_deferred
+
+    class Stop(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Stop
+
+    previous = signal.signal(signal.SIGINT, handler)
+    made = None
+    try:
+        with pytest.raises(Stop), stop_signals_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # undeferred, the handler would raise here
+            made = WeightChannel.for_tensors({"w": torch.ones(4)})
+        assert made is not None and os.path.exists(f"/dev/shm/{made.name}")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if made is not None:
+            made.close()
+    assert not os.path.exists(f"/dev/shm/{made.name}")

@@ -209,3 +209,26 @@ def test_workers_exit_when_the_driver_process_is_killed(tiny_model_dir, tmp_path
     finally:
         if driver.poll() is None:
             driver.kill()
+
+
+def test_a_stop_while_the_pool_publishes_its_first_weights_unlinks_the_channel(tiny_model_dir, monkeypatch):
+    """The stop signal's ``StopRequested`` raised inside the first publication (before any worker
+    starts): the pool's clean-up unlinks the block it made."""
+    from tether.errors import StopRequested
+    from tether.rollout.channel import WeightChannel
+
+    made = []
+    real = WeightChannel.for_tensors.__func__
+
+    def for_tensors(cls, tensors):
+        made.append(real(cls, tensors))
+        return made[-1]
+
+    def publish(self, tensors, version):
+        raise StopRequested("SIGINT")
+
+    monkeypatch.setattr(WeightChannel, "for_tensors", classmethod(for_tensors))
+    monkeypatch.setattr(WeightChannel, "publish", publish)
+    with pytest.raises(StopRequested):
+        make_pool(tiny_model_dir, num_workers=1)
+    assert len(made) == 1 and not os.path.exists(f"/dev/shm/{made[0].name}")

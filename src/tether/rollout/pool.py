@@ -30,6 +30,7 @@ import torch
 from tether.control import BatchQueue
 from tether.data.types import Example
 from tether.errors import QueueTimeoutError, RolloutError
+from tether.procinfo import stop_signals_deferred
 from tether.rollout.channel import WeightChannel
 from tether.rollout.dispatch import DispatchingPool, PoolSettings, WorkerSlot
 from tether.rollout.types import WorkItem
@@ -84,13 +85,16 @@ class ProcessPool(DispatchingPool):
                  initial_weights: Mapping[str, torch.Tensor], *, initial_version: int = 0,
                  extras: Callable[[int], Sequence[tuple[int, Example]]] | None = None) -> None:
         super().__init__(settings, batches, initial_version=initial_version, extras=extras)
-        self.channel = WeightChannel.for_tensors(initial_weights)
-        self.channel.publish(initial_weights, initial_version)
         self._acks: BatchQueue[tuple[int, int, float]] = BatchQueue(maxsize=1 << 10, name="weight-load")
         self._workers: list[_Handle] = []
         self._collector: threading.Thread | None = None
         self._lifeline: Connection | None = None  # the write end; closing it ends every worker
+        self.channel: WeightChannel | None = None
         try:
+            # a stop signal between creating the shared block and holding it here would leak it
+            with stop_signals_deferred():
+                self.channel = WeightChannel.for_tensors(initial_weights)
+            self.channel.publish(initial_weights, initial_version)
             self._start_workers()
         except BaseException:
             self.close()
@@ -159,7 +163,8 @@ class ProcessPool(DispatchingPool):
                 conn.close()
         self._completed.close()
         self._acks.close()
-        self.channel.close()
+        if self.channel is not None:
+            self.channel.close()
 
     def published_weights(self) -> dict[str, torch.Tensor]:
         """A copy of the weights the workers hold (the channel's snapshot, checked whole)."""
