@@ -296,7 +296,7 @@ def test_shared_prompt_forward_gives_the_model_forwards_logprobs_and_gradients(t
 
 def test_every_train_and_reward_key_reaches_the_learner():
     from tether.config import load_config
-    from tether.runtime.run import learner_settings
+    from tether.runtime.settings import learner_settings
 
     s = learner_settings(load_config(None, [
         "train.mask_truncated=true", "reward.overlong_buffer=3", "reward.overlong_penalty=0.5",

@@ -104,15 +104,21 @@ def step_gaussians(model, x: torch.Tensor, t: torch.Tensor, s: torch.Tensor, wor
     return x + drift * step.to(x.device), (sig * torch.sqrt(-dt)).float().to(x.device)
 
 
+def _steps_or_all(latents: torch.Tensor, steps: torch.Tensor | None) -> torch.Tensor:
+    """``steps``, or every step of each of the recorded trajectories: (N, T) indices."""
+    if steps is not None:
+        return steps
+    n, t_plus_1 = latents.shape[:2]
+    return torch.arange(t_plus_1 - 1, device=latents.device).expand(n, -1)
+
+
 def step_means(model, latents: torch.Tensor, words: torch.Tensor, times: torch.Tensor,
                noise_level: float, steps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gaussians of recorded trajectories' steps under ``model``: every step, or with
     ``steps`` ((N, K) indices into 0 … T − 1) those of each trajectory. Returns (means
     (N, K, C, H, W), stds (N, K))."""
-    n, t_plus_1 = latents.shape[:2]
-    if steps is None:
-        steps = torch.arange(t_plus_1 - 1, device=latents.device).expand(n, -1)
-    rows = torch.arange(n, device=latents.device)[:, None]
+    steps = _steps_or_all(latents, steps)
+    rows = torch.arange(len(latents), device=latents.device)[:, None]
     times = times.to(steps.device)
     return step_gaussians(model, latents[rows, steps], times[steps], times[steps + 1], words, noise_level)
 
@@ -123,10 +129,9 @@ def step_logprobs(model, latents: torch.Tensor, words: torch.Tensor, times: torc
     """(log-probs (N, K) of the recorded steps under ``model``, the step means (N, K, C, H, W),
     the stds (N, K)); every step (K = T), or the ``steps`` of each trajectory. Differentiable in
     ``model``'s parameters."""
+    steps = _steps_or_all(latents, steps)
     means, stds = step_means(model, latents, words, times, noise_level, steps)
     n, k = stds.shape
-    if steps is None:
-        steps = torch.arange(k, device=latents.device).expand(n, -1)
     x_next = latents[torch.arange(n, device=latents.device)[:, None], steps + 1]
     z = ((x_next - means) / stds.view(n, k, *[1] * (means.dim() - 2))).flatten(2)
     logp = -0.5 * (z * z).mean(2) - torch.log(stds) - 0.5 * math.log(2 * math.pi)

@@ -63,7 +63,8 @@ class _LearnerActor:
 
         from tether.data.rewards import scorer
         from tether.rollout.channel import Snapshot
-        from tether.runtime.run import evaluator, learner_settings, local_learner
+        from tether.runtime.run import evaluator, local_learner
+        from tether.runtime.settings import learner_settings
 
         cfg = self.cfg
         torch.set_num_threads(cfg.train.threads)
