@@ -108,17 +108,17 @@ def test_abort_leaves_every_sequence_under_one_version_and_counts_the_waste(tiny
     check_abort(publish_while_generating(tiny_model_dir, "abort")[0])
 
 
-def check_abort(batch, *, every_row_restarted=True):
-    """The batch was launched at version 0. ``every_row_restarted``: no sequence finished before
-    the first switch, so every one was sampled again under a later version."""
+def check_abort(batch, *, every_row_restarted=True, launched=0):
+    """The batch was launched at version ``launched``. ``every_row_restarted``: no sequence
+    finished before the first switch, so every one was sampled again under a later version."""
     scored = batch.payload
     assert all(len(set(vs)) == 1 for vs in scored.versions)
     assert batch.metrics["rollout/weight_switches"] >= 1
     assert batch.metrics["rollout/wasted_tokens"] > 0
     if every_row_restarted:
-        assert batch.behavior_version > 0
-    else:  # rows that stopped before the first switch keep the launch version (0); others do not
-        assert any(vs and vs[0] > 0 for vs in scored.versions)
+        assert batch.behavior_version > launched
+    else:  # rows that stopped before the first switch keep the launch version; others do not
+        assert any(vs and vs[0] > launched for vs in scored.versions)
 
 
 def test_keep_with_one_version_in_flight_trains_what_drain_trains(tiny_model_dir, tmp_path):

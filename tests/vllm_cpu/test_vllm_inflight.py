@@ -83,6 +83,26 @@ def check_keep(model_dir, batch, weights):
         assert torch.allclose(torch.tensor(lps), expected, atol=ATOL), row
 
 
+def publish_until_a_switch(pool, model, mode, tries=5):
+    """Publish into batches 1, 2, … until one sees a weight switch mid-generation; returns it,
+    its launch version and every version's weights. Abort restarts every unfinished row at each
+    switch, so it gets a few publications, spaced out (many would restart the rows for ever).
+    vLLM stops rows at the model's end-of-sequence token, and a batch of short rows can come
+    back before the first publication reaches the worker on a loaded machine: such a batch must
+    be exactly its launch version's, and the next batch is tried."""
+    limit, every_s = (3, 0.02) if mode == "abort" else (40, 0.003)
+    version = 0
+    for index in range(1, tries + 1):
+        batch, weights = publish_into(pool, model, index=index, version=version, seed=index, limit=limit,
+                                      every_s=every_s)
+        if batch.metrics["rollout/weight_switches"] >= 1:
+            return batch, version, weights
+        assert batch.behavior_version == version and batch.metrics["rollout/wasted_tokens"] == 0
+        assert all(v == version for vs in batch.payload.versions for v in vs)
+        version = max(weights)
+    raise AssertionError(f"no publication reached the worker mid-generation in {tries} batches")
+
+
 @pytest.mark.parametrize("mode", ["keep", "recompute", "abort"])
 def test_vllm_switches_weights_mid_generation_and_stamps_every_token(demo_model, drained, mode):
     pool, model = pool_for(demo_model, mode)
@@ -94,13 +114,11 @@ def test_vllm_switches_weights_mid_generation_and_stamps_every_token(demo_model,
         for got, want in zip(quiet.logprobs, drained.logprobs, strict=True):
             assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-6)
         assert all(v == 0 for vs in quiet.versions for v in vs)
-        # abort restarts every unfinished row at each switch: a few publications, spaced out
-        limit, every_s = (3, 0.05) if mode == "abort" else (40, 0.003)
-        batch, weights = publish_into(pool, model, index=1, limit=limit, every_s=every_s)
+        batch, launched, weights = publish_until_a_switch(pool, model, mode)
     assert wait_gone(pids) == []
     if mode == "keep":
         check_keep(demo_model, batch, weights)
     elif mode == "recompute":
         check_recompute_stamps(demo_model, batch, weights, atol=ATOL)
-    else:  # vLLM stops at the model's end-of-sequence token: some rows may finish before a switch
-        check_abort(batch, every_row_restarted=False)
+    else:  # some rows may stop at end-of-sequence before the first switch
+        check_abort(batch, every_row_restarted=False, launched=launched)
