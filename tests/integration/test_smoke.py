@@ -52,6 +52,8 @@ def test_engine_and_channel_benchmarks_run_at_a_tiny_size():
                          text=True, check=True)
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["speedup_vs_hf_generate"] > 0 and set(figures["threads"]) == {"1", "2"}
+    for row in figures["threads"].values():  # each bound is a fraction of the peak, and a bound
+        assert 0 < row["fraction_of_peak"] < row["gemm_chain_fraction_of_peak"] <= 1.5
     out = subprocess.run([sys.executable, "benchmarks/weight_channel.py", "--size", "tiny", "--repeats", "2",
                           "--json"], cwd=ROOT, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["fraction_of_memcpy"] > 0
