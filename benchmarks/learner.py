@@ -16,7 +16,8 @@ GPU (``train.device=cuda``), timing each with the device synchronised.
 
 ``--world-size 1,2`` instead measures the learner as ranks (``train.world_size``, each rank a
 process with ``--threads`` threads, FSDP2 over gloo, or NCCL with ``--device cuda``): per world
-size, the time of one update as the driver sees it, each rank's peak resident memory (and peak
+size, the time of one update as the driver sees it (with the model's own forward, and with the
+default shared-prompt forward run as FSDP forward methods), each rank's peak resident memory (and peak
 GPU memory on CUDA), and a publication into the weight channel timed both ways: the weights
 gathered whole on rank 0 and copied in by the driver, and every rank writing its own rows.
 
@@ -27,6 +28,7 @@ gathered whole on rank 0 and copied in by the driver, and every rank writing its
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -167,6 +169,23 @@ def measure_world(sizes: list[int], repeats: int, threads: int, device: str = "c
                                anchor="proximal", shared_prefix=False, device=device,
                                correction=CorrectionSettings(tis="token"))
     out = {"device": device, "threads_per_rank": threads, "repeats": repeats, "sequences": 32, "worlds": {}}
+
+    def shared_prefix_step(world: int) -> float:
+        """The update's median time with the default shared-prompt forward instead."""
+        learner = ShardedLearner(path, dataclasses.replace(settings, shared_prefix=True), world_size=world,
+                                 threads=threads)
+        try:
+            for _ in range(3):
+                learner.train(batch, train_version=0)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                learner.train(batch, train_version=0)
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+        finally:
+            learner.close()
+
     for world in sizes:
         learner = ShardedLearner(path, settings, world_size=world, threads=threads)
         try:
@@ -185,7 +204,8 @@ def measure_world(sizes: list[int], repeats: int, threads: int, device: str = "c
                 channel.publish(learner.export_weights(), version)
                 writes.append(time.perf_counter() - t0)
             channel.verify(repeats)
-            row = {"step_s": statistics.median(steps), "gather_publish_s": statistics.median(gathers),
+            row = {"step_s": statistics.median(steps), "shared_prefix_step_s": shared_prefix_step(world),
+                   "gather_publish_s": statistics.median(gathers),
                    "sharded_publish_s": statistics.median(writes),
                    "publish_bytes": channel.layout.payload_bytes,
                    "rank_peak_rss_mb": [_peak_rss_mb(pid) for pid in learner.pids]}
@@ -211,12 +231,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(f"{r['sequences']} sequences per update on {a.device}, {a.threads} thread(s) per rank, "
               f"median of {a.repeats}")
-        print(f"{'ranks':>6}{'update':>11}{'publish: gathered':>19}{'ranks write rows':>18}  "
-              "peak memory per rank")
+        print(f"{'ranks':>6}{'update':>11}{'shared prefix':>16}{'publish: gathered':>19}"
+              f"{'ranks write rows':>18}  peak memory per rank")
         for world, row in r["worlds"].items():
             memory = ", ".join(f"{m:.0f} MB" for m in row["rank_peak_rss_mb"])
-            step, gather, write = (row[k] * 1e3 for k in ("step_s", "gather_publish_s", "sharded_publish_s"))
-            print(f"{world:>6}{step:>8.1f} ms{gather:>16.1f} ms{write:>15.1f} ms  {memory}")
+            step, shared, gather, write = (row[k] * 1e3 for k in ("step_s", "shared_prefix_step_s",
+                                                                  "gather_publish_s", "sharded_publish_s"))
+            print(f"{world:>6}{step:>8.1f} ms{shared:>13.1f} ms{gather:>16.1f} ms{write:>15.1f} ms  {memory}")
         print(f"a publication: {row['publish_bytes'] / 1e6:.1f} MB into the weight channel, "
               "checksum included")
         return 0

@@ -258,11 +258,36 @@ def test_bad_batches_are_refused(tiny_model_dir):
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_shared_prompt_forward_gives_the_model_forwards_logprobs_and_gradients(tmp_path, arch):
     from tether.data.tiny_model import init_model
-    from tether.decoding.prefix_forward import SharedPrefixForward
 
     init_model(tmp_path / arch, arch=arch, size="tiny", seed=2)
     model, tok = load_causal_lm(tmp_path / arch)
-    model.train()
+    check_shared_prompt_forward(model.train(), tok)
+
+
+def test_shared_prompt_forward_on_a_model_fsdp2_shards(tmp_path):
+    """Learner ranks shard the model with FSDP2, whose weights outside a module's forward are
+    shards: the shared-prompt forward then runs as FSDP forward methods, and gives the model's
+    own (sharded) forward's log-probs and gradients. One gloo rank, in this process."""
+    import torch.distributed as dist
+
+    from tether.data.tiny_model import init_model
+    from tether.decoding.prefix_forward import SharedPrefixForward
+    from tether.train import fsdp
+
+    init_model(tmp_path / "m", arch="qwen3", size="tiny", seed=2)
+    model, tok = load_causal_lm(tmp_path / "m")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        fsdp.shard(model)
+        assert SharedPrefixForward(model).sharded
+        check_shared_prompt_forward(model.train(), tok)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_shared_prompt_forward(model, tok):
+    from tether.decoding.prefix_forward import SharedPrefixForward
+
     g = torch.Generator().manual_seed(0)
     prompts = [tok(p, add_special_tokens=False).input_ids for p in ["1+1=", "123+45=", "rev abcdef="]]
     lengths = torch.randint(0, 8, (12,), generator=g).tolist()  # 3 groups of 4, 0 to 7 tokens each
@@ -274,6 +299,10 @@ def test_shared_prompt_forward_gives_the_model_forwards_logprobs_and_gradients(t
                          finish_reasons=["length"] * 12, completions=[""] * 12, group_size=4)
     tb = to_train_batch(scored, tok.pad_token_id)
     shared = SharedPrefixForward(model)
+
+    def whole(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor's gradient under FSDP2
+
     for rows in (slice(None), slice(2, 9)):  # the whole batch, and a slice that splits two groups
         part = tb.rows(rows)
         weights = torch.randn(part.mask.shape, generator=g) * part.mask
@@ -282,7 +311,7 @@ def test_shared_prompt_forward_gives_the_model_forwards_logprobs_and_gradients(t
             model.zero_grad()
             logp, entropy = fn(part)
             (logp * weights).sum().backward()
-            return logp.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
+            return logp.detach(), entropy, {n: whole(p.grad).clone() for n, p in model.named_parameters()}
 
         a_lp, a_ent, a_grad = run(lambda b: token_logprobs(model, b, 0.8, with_entropy=True))
         b_lp, b_ent, b_grad = run(lambda b: token_logprobs(model, b, 0.8, with_entropy=True, forward=shared))
@@ -291,7 +320,11 @@ def test_shared_prompt_forward_gives_the_model_forwards_logprobs_and_gradients(t
         assert torch.allclose(a_ent[on], b_ent[on], atol=1e-5)
         assert (b_lp[~on] == 0).all()
         for name, grad in a_grad.items():
+            assert grad.abs().sum() > 0, name  # every weight's gradient reached it
             assert torch.allclose(grad, b_grad[name], atol=1e-5, rtol=1e-4), name
+    with torch.no_grad():  # as the learner computes π_old and the reference's log-probs
+        assert torch.allclose(token_logprobs(model, tb, 0.8)[0][tb.mask.bool()],
+                              token_logprobs(model, tb, 0.8, forward=shared)[0][tb.mask.bool()], atol=1e-5)
 
 
 def test_every_train_and_reward_key_reaches_the_learner():

@@ -186,9 +186,8 @@ class TrainSection:
         True,
         "Run each group's prompt once in the training forward (its samples attend to the shared "
         "prompt's keys and values) instead of once per sample: same log-probs and gradients, the "
-        "prompt's work divided by the group size. Llama/Qwen2/Qwen3 models at train.world_size 1; "
-        "other models, and learner ranks (whose weights FSDP2 keeps sharded), use the model's own "
-        "forward (logged at start).",
+        "prompt's work divided by the group size. Llama/Qwen2/Qwen3 models, learner ranks too "
+        "(train.world_size > 1); others use their own forward (logged at start).",
     )
 
 

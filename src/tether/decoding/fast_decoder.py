@@ -113,8 +113,14 @@ class FastDecoder:
         in the autograd graph, for a training forward. ``contiguous=False`` makes the transposed
         weights views rather than copies: a training forward's many rows gain nothing from the
         copies' layout, and the copies would cost a transpose of every weight per call."""
-        cut = (lambda t: t.detach()) if detach else (lambda t: t)
+        self.read_root(detach=detach, contiguous=contiguous)
+        self.layers = [self.read_layer(layer, detach=detach, contiguous=contiguous)
+                       for layer in self.model.model.layers]
 
+    def _joiner(self, detach: bool, contiguous: bool):
+        """(cut, joined): how parameters are read — detached or not, and stacked-transposed as
+        contiguous copies or as views."""
+        cut = (lambda t: t.detach()) if detach else (lambda t: t)
         # the copies pay on CPU (MKL); cuBLAS takes a transposed operand at full speed, so on a
         # GPU they would only cost memory
         on_cpu = self.model.model.embed_tokens.weight.device.type == "cpu"
@@ -122,28 +128,34 @@ class FastDecoder:
         def joined(*parts: torch.Tensor) -> torch.Tensor:
             return _joined_t([cut(t) for t in parts], contiguous=contiguous and detach and on_cpu)
 
+        return cut, joined
+
+    def read_root(self, *, detach: bool = True, contiguous: bool = True) -> None:
+        """Re-read the weights outside the decoder layers: embeddings, final norm, head, rotary."""
+        _, joined = self._joiner(detach, contiguous)
         inner = self.model.model
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.head_t = joined(self.model.lm_head.weight)  # (hidden, V)
         self.inv_freq = inner.rotary_emb.inv_freq.float()
-        layers = []
-        for layer in inner.layers:
-            a, m = layer.self_attn, layer.mlp
-            qk_norm = None
-            if hasattr(a, "q_norm"):
-                qk_norm = torch.cat([a.q_norm.weight.expand(self.heads, -1),
-                                     a.k_norm.weight.expand(self.kv_heads, -1)])  # (H + KV, D)
-            biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-            layers.append(_Layer(
-                ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-                qkv_t=joined(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
-                qkv_bias=cut(torch.cat(biases)) if biases[0] is not None else None,
-                qk_norm=qk_norm, o_t=joined(a.o_proj.weight), o_bias=a.o_proj.bias,
-                gate_up_t=joined(m.gate_proj.weight, m.up_proj.weight),
-                down_t=joined(m.down_proj.weight),
-            ))
-        self.layers = layers
+
+    def read_layer(self, layer: torch.nn.Module, *, detach: bool = True, contiguous: bool = True) -> _Layer:
+        """One decoder layer's weights, stacked and transposed."""
+        cut, joined = self._joiner(detach, contiguous)
+        a, m = layer.self_attn, layer.mlp
+        qk_norm = None
+        if hasattr(a, "q_norm"):
+            qk_norm = torch.cat([a.q_norm.weight.expand(self.heads, -1),
+                                 a.k_norm.weight.expand(self.kv_heads, -1)])  # (H + KV, D)
+        biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+        return _Layer(
+            ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+            qkv_t=joined(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+            qkv_bias=cut(torch.cat(biases)) if biases[0] is not None else None,
+            qk_norm=qk_norm, o_t=joined(a.o_proj.weight), o_bias=a.o_proj.bias,
+            gate_up_t=joined(m.gate_proj.weight, m.up_proj.weight),
+            down_t=joined(m.down_proj.weight),
+        )
 
     # -- pieces -------------------------------------------------------------------------------
 

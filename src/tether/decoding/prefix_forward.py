@@ -17,9 +17,18 @@ It uses the lean decoder's arithmetic (``FastDecoder``: the same Llama/Qwen math
 transformers forward, op for op in float32), with its stacked weights kept in the autograd
 graph. Rows sharing a prompt must be adjacent (a TrainBatch is prompt-major); any run of equal
 adjacent prompts is treated as one group, so a mini-batch that splits a group still works.
+
+On a model FSDP2 shards (learner ranks), weights outside a module's own forward are shards. The
+forward then runs as FSDP forward methods (``register_fsdp_forward_method``): the whole pass as
+one of the root module's, which gathers the embeddings, final norm and head, and each decoder
+layer's part as one of that layer's, which gathers its weights just for it and reduce-scatters
+their gradients after its backward, as the model's own forward would.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +38,52 @@ from tether.decoding.fast_decoder import FastDecoder, supports
 __all__ = ["SharedPrefixForward", "supports"]
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """What every layer needs besides the hidden states: sizes (rows N, distinct prompts U,
+    longest prompt and completion), rotary angles of the prompt and completion positions, each
+    row's group, the packed completions' places in the (N, Cmax) grid, and the attention mask.
+    No gradient flows through any of it."""
+
+    n: int
+    u: int
+    p_max: int
+    c_max: int
+    cos_p: torch.Tensor
+    sin_p: torch.Tensor
+    cos_c: torch.Tensor
+    sin_c: torch.Tensor
+    group: torch.Tensor  # (N,)
+    packed: torch.Tensor  # (T,)
+    attend: torch.Tensor  # (N, 1, Cmax, Pmax + Cmax)
+
+
+_ROOT_METHOD = "tether_shared_prefix_forward"
+_LAYER_METHOD = "tether_shared_prefix_layer"
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule)
+
+
 class SharedPrefixForward(FastDecoder):
     """``__call__(input_ids, attention_mask, mask, temperature)`` → per-token log-probs (N, L − 1)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.sharded = _is_sharded(model)
+        if self.sharded:
+            from torch.distributed.fsdp import register_fsdp_forward_method
+
+            for layer in model.model.layers:
+                setattr(layer, _LAYER_METHOD, functools.partial(self._layer, layer))
+                register_fsdp_forward_method(layer, _LAYER_METHOD)
+            setattr(model, _ROOT_METHOD, self._forward)
+            register_fsdp_forward_method(model, _ROOT_METHOD)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor,
                  temperature: float, *, with_entropy: bool = False
@@ -39,7 +92,12 @@ class SharedPrefixForward(FastDecoder):
         ``mask``: (N, L − 1), 1 on the columns that predict completion tokens (TrainBatch's
         layout). Returns log π at ``temperature`` in that layout (0 off the completion columns),
         and the entropy of each predicting distribution if asked."""
-        self.refresh(detach=not torch.is_grad_enabled(), contiguous=False)
+        run = getattr(self.model, _ROOT_METHOD) if self.sharded else self._forward
+        return run(input_ids, attention_mask, mask, temperature, with_entropy)
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor,
+                 temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.read_root(detach=not torch.is_grad_enabled(), contiguous=False)
         n, width = input_ids.shape
         device = input_ids.device
         seq_len = attention_mask.sum(1)  # (N,)
@@ -69,8 +127,6 @@ class SharedPrefixForward(FastDecoder):
         pos_t = comp_pos.reshape(-1)[packed]  # (T,)
         tok_t = input_ids.gather(1, comp_pos.clamp(max=width - 1)).reshape(-1)[packed]  # (T,)
 
-        kvh, hd, heads = self.kv_heads, self.head_dim, self.heads
-        group_heads = heads // kvh
         u = u_ids.shape[0]
         cos_p, sin_p = self._angles(cols.repeat(u))
         cos_c, sin_c = self._angles(pos_t)
@@ -81,30 +137,13 @@ class SharedPrefixForward(FastDecoder):
         attend = torch.cat([see_prompt[:, None, None, :].expand(n, 1, c_max, p_max),
                             see_comp.expand(n, 1, c_max, c_max)], dim=-1)  # (N, 1, Cmax, Pmax + Cmax)
 
-        def grid(x: torch.Tensor) -> torch.Tensor:
-            """(T, h, D) packed → (N, h, Cmax, D), zeros where there is no token."""
-            full = x.new_zeros(n * c_max, *x.shape[1:]).index_copy(0, packed, x)
-            return full.view(n, c_max, *x.shape[1:]).transpose(1, 2)
-
+        at = _Layout(n=n, u=u, p_max=p_max, c_max=c_max, cos_p=cos_p, sin_p=sin_p, cos_c=cos_c,
+                     sin_c=sin_c, group=group, packed=packed, attend=attend)
         xp = F.embedding(u_ids, self.embed).reshape(u * p_max, -1)  # (U·Pmax, hidden)
         xc = F.embedding(tok_t, self.embed)  # (T, hidden)
-        for layer in self.layers:
-            qp, kp, vp = self._qkv(layer, self._rms(xp, layer.ln1), cos_p, sin_p)
-            qc, kc, vc = self._qkv(layer, self._rms(xc, layer.ln1), cos_c, sin_c)
-            kp4 = kp.view(u, p_max, kvh, hd).transpose(1, 2)  # (U, KV, Pmax, D)
-            vp4 = vp.view(u, p_max, kvh, hd).transpose(1, 2)
-            qp4 = qp.view(u, p_max, heads, hd).transpose(1, 2)  # (U, H, Pmax, D)
-            att_p = F.scaled_dot_product_attention(qp4, kp4.repeat_interleave(group_heads, 1),
-                                                   vp4.repeat_interleave(group_heads, 1), is_causal=True)
-            keys = torch.cat([kp4[group], grid(kc)], dim=2)  # (N, KV, Pmax + Cmax, D)
-            vals = torch.cat([vp4[group], grid(vc)], dim=2)
-            att_c = F.scaled_dot_product_attention(grid(qc), keys.repeat_interleave(group_heads, 1),
-                                                   vals.repeat_interleave(group_heads, 1), attn_mask=attend)
-            att_c = att_c.transpose(1, 2).reshape(n * c_max, -1).index_select(0, packed)  # (T, H·D)
-            xp = xp + self._linear(att_p.transpose(1, 2).reshape(u * p_max, -1), layer.o_t, layer.o_bias)
-            xc = xc + self._linear(att_c, layer.o_t, layer.o_bias)
-            xp = self._train_mlp(layer, xp)
-            xc = self._train_mlp(layer, xc)
+        for layer in self.model.model.layers:
+            run = getattr(layer, _LAYER_METHOD) if self.sharded else functools.partial(self._layer, layer)
+            xp, xc = run(xp, xc, at)
 
         # completion token 0 is predicted by the prompt's last position, token k by completion
         # k − 1, which is the packed row just before it
@@ -123,6 +162,36 @@ class SharedPrefixForward(FastDecoder):
                 ent_t = -(logp_all.exp() * logp_all).sum(-1)
                 entropy = ent_t.new_zeros(n, width - 1).index_put((row_of, column), ent_t)
         return logp, entropy
+
+    def _layer(self, module: torch.nn.Module, xp: torch.Tensor, xc: torch.Tensor,
+               at: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer over the prompts' hidden states ``xp`` (U·Pmax, hidden) and the
+        packed completions' ``xc`` (T, hidden), with ``module``'s weights read now."""
+        layer = self.read_layer(module, detach=not torch.is_grad_enabled(), contiguous=False)
+        n, u, p_max, c_max = at.n, at.u, at.p_max, at.c_max
+        kvh, hd, heads = self.kv_heads, self.head_dim, self.heads
+        group_heads = heads // kvh
+
+        def grid(x: torch.Tensor) -> torch.Tensor:
+            """(T, h, D) packed → (N, h, Cmax, D), zeros where there is no token."""
+            full = x.new_zeros(n * c_max, *x.shape[1:]).index_copy(0, at.packed, x)
+            return full.view(n, c_max, *x.shape[1:]).transpose(1, 2)
+
+        qp, kp, vp = self._qkv(layer, self._rms(xp, layer.ln1), at.cos_p, at.sin_p)
+        qc, kc, vc = self._qkv(layer, self._rms(xc, layer.ln1), at.cos_c, at.sin_c)
+        kp4 = kp.view(u, p_max, kvh, hd).transpose(1, 2)  # (U, KV, Pmax, D)
+        vp4 = vp.view(u, p_max, kvh, hd).transpose(1, 2)
+        qp4 = qp.view(u, p_max, heads, hd).transpose(1, 2)  # (U, H, Pmax, D)
+        att_p = F.scaled_dot_product_attention(qp4, kp4.repeat_interleave(group_heads, 1),
+                                               vp4.repeat_interleave(group_heads, 1), is_causal=True)
+        keys = torch.cat([kp4[at.group], grid(kc)], dim=2)  # (N, KV, Pmax + Cmax, D)
+        vals = torch.cat([vp4[at.group], grid(vc)], dim=2)
+        att_c = F.scaled_dot_product_attention(grid(qc), keys.repeat_interleave(group_heads, 1),
+                                               vals.repeat_interleave(group_heads, 1), attn_mask=at.attend)
+        att_c = att_c.transpose(1, 2).reshape(n * c_max, -1).index_select(0, at.packed)  # (T, H·D)
+        xp = xp + self._linear(att_p.transpose(1, 2).reshape(u * p_max, -1), layer.o_t, layer.o_bias)
+        xc = xc + self._linear(att_c, layer.o_t, layer.o_bias)
+        return self._train_mlp(layer, xp), self._train_mlp(layer, xc)
 
     def _train_mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
         gate, up = (self._rms(x, layer.ln2) @ layer.gate_up_t).chunk(2, dim=-1)

@@ -238,9 +238,6 @@ class TorchLearner:
     def _forward_for(self, model):
         """The family's faster forward (a language model's shared-prompt forward) when asked for
         and possible, else None (the model's own forward)."""
-        if self.s.shared_prefix and self.group.world > 1:  # it reads weights FSDP2 keeps sharded
-            log.info("train.shared_prefix: not used with train.world_size > 1; the model's own forward runs")
-            return None
         return self.policy.fast_forward(model, self.s.shared_prefix)
 
     def _no_grad_logp(self, model, tb: TrainBatch, mine: torch.Tensor, *,
