@@ -15,7 +15,7 @@ of ``tether report``), the low-vs-high staleness comparison of the clip fraction
 training reward over the last quarter of the batches, and the held-out reward (ODE images of the
 held-out prompts) before and after.
 
-    python benchmarks/flow_staleness.py [--batches N] [--json]
+    python benchmarks/flow_staleness.py [--batches N] [--seed 0] [--settings 11:behavior,11:proximal] [--json]
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = [(1, "behavior"), (1, "proximal"), (11, "behavior"), (11, "proximal")]
 
 
-def run_one(model: str, run_dir: Path, s: int, anchor: str, batches: int, threads: int) -> dict:
+def run_one(model: str, run_dir: Path, s: int, anchor: str, batches: int, threads: int,
+            seed: int = 0) -> dict:
     from tether.config import load_config
     from tether.runtime.run import train
     from tether.runtime.study import staleness_study
@@ -39,14 +40,15 @@ def run_one(model: str, run_dir: Path, s: int, anchor: str, batches: int, thread
         f"model.path={model}", f"async.max_staleness={s}", f"async.max_inflight={s + 1}",
         f"train.anchor={anchor}", "train.updates_per_batch=2", f"train.num_batches={batches}",
         f"eval.interval={batches}", "checkpoint.interval=0", f"train.threads={threads}",
-        f"rollout.threads_per_worker={threads}", *(["correction.tis=none"] if anchor == "behavior" else [])])
+        f"rollout.threads_per_worker={threads}", f"run.seed={seed}",
+        *(["correction.tis=none"] if anchor == "behavior" else [])])
     summary = train(cfg, run_dir, progress_plain=True)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = summary["evals"]
     study = staleness_study(metrics)
     tail = metrics[-max(1, len(metrics) // 4):]
     per_level = study["by_staleness"].items()
-    return {"S": s, "anchor": anchor, "batches": len(metrics), "wall_s": summary["wall_s"],
+    return {"S": s, "anchor": anchor, "seed": seed, "batches": len(metrics), "wall_s": summary["wall_s"],
             "staleness_max": summary["staleness_batches_max"],
             "staleness_mean": summary["staleness_batches_mean"],
             "reward_last_quarter": sum(m["reward/mean"] for m in tail) / len(tail),
@@ -63,17 +65,25 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="threads for training and for generation")
     parser.add_argument("--model", default=str(ROOT / "runs" / "models" / "flow-shapes"),
                         help="the warm-started flow model (built by the demo recipe when missing)")
+    parser.add_argument("--seed", type=int, default=0, help="run.seed of every run")
+    parser.add_argument("--settings", default="", help="e.g. 11:behavior,11:proximal (default: all four)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    settings = SETTINGS
+    if args.settings:
+        settings = [(int(s), anchor) for s, anchor in (item.split(":") for item in args.settings.split(","))]
+        unknown = [f"{s}:{a}" for s, a in settings if a not in ("behavior", "proximal")]
+        if unknown:
+            parser.error(f"--settings: unknown anchor in {unknown}; use behavior or proximal")
     from tether.config import load_config
     from tether.data.prepare import ensure_model
 
     ensure_model(load_config(ROOT / "recipes" / "flow-demo.yaml", [f"model.path={args.model}"]))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for s, anchor in SETTINGS:
+        for s, anchor in settings:
             results.append(run_one(args.model, Path(tmp) / f"S{s}-{anchor}", s, anchor, args.batches,
-                                   args.threads))
+                                   args.threads, args.seed))
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
