@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tether.flow.sde import sde_step, step_mean_std, timesteps
+from tether.flow.sde import gaussian_mean, sde_step, step_coefficients, step_mean_std, timesteps
 
 
 @dataclass(frozen=True)
@@ -92,16 +92,11 @@ def step_gaussians(model, x: torch.Tensor, t: torch.Tensor, s: torch.Tensor, wor
     stds (N, K)). The coefficients are computed in float64 and rounded once, as the engine's
     Python-float step (``sde.step_mean_std``) does, so both give the same float32 numbers."""
     n, k = t.shape
-    t64, s64 = t.double(), s.double()
-    dt = s64 - t64
-    sig = noise_level * torch.sqrt(t64 / torch.maximum(1 - t64, dt.abs()))  # ``sde.sigma``
     shape = (n, k) + (1,) * (x.dim() - 2)
-    coef = (sig * sig / (2 * t64)).float().view(shape)
-    one_minus_t = (1 - t64).float().view(shape)
-    step = dt.float().view(shape)
+    *numbers, std = step_coefficients(t.double(), s.double(), noise_level)
+    coef, one_minus_t, dt = (c.float().view(shape).to(x.device) for c in numbers)
     v = model(x.flatten(0, 1), t.flatten().to(x.device), words.repeat_interleave(k, dim=0)).view_as(x)
-    drift = v + coef.to(x.device) * (x + one_minus_t.to(x.device) * v)
-    return x + drift * step.to(x.device), (sig * torch.sqrt(-dt)).float().to(x.device)
+    return gaussian_mean(x, v, coef, one_minus_t, dt), std.float().to(x.device)
 
 
 def _steps_or_all(latents: torch.Tensor, steps: torch.Tensor | None) -> torch.Tensor:

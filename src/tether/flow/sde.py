@@ -33,20 +33,29 @@ def timesteps(steps: int, *, shift: float = 1.0) -> torch.Tensor:
     return (shift * t / (1 + (shift - 1) * t)).float()
 
 
-def sigma(t: float, noise_level: float, dt: float) -> float:
-    """σ_t = a·√(t / (1 − t)) for a step of size |dt|. At t = 1, where it is infinite, 1 − t is
-    replaced by the step's size (Flow-GRPO's reference uses the next timestep there: the same for
-    a uniform schedule)."""
-    return noise_level * math.sqrt(t / max(1 - t, abs(dt)))
+def step_coefficients(t, s, noise_level: float) -> tuple[torch.Tensor, ...]:
+    """The numbers of the steps from ``t`` to ``s`` < ``t`` (floats, or tensors of any one shape),
+    in float64: (σ_t²/(2t), 1 − t, dt = s − t, the std σ_t·√|dt|). σ_t = a·√(t / (1 − t)); at
+    t = 1, where it is infinite, 1 − t is replaced by the step's size (Flow-GRPO's reference uses
+    the next timestep there: the same for a uniform schedule). A step from t = 0 has no SDE term."""
+    t = torch.as_tensor(t, dtype=torch.float64)
+    dt = torch.as_tensor(s, dtype=torch.float64) - t
+    sig = noise_level * torch.sqrt(t / torch.maximum(1 - t, dt.abs()))
+    coef = torch.where(t > 0, sig * sig / (2 * t), torch.zeros_like(t))
+    return coef, 1 - t, dt, sig * torch.sqrt(-dt)
+
+
+def gaussian_mean(x: torch.Tensor, v: torch.Tensor, coef, one_minus_t, dt) -> torch.Tensor:
+    """The mean of a step's Gaussian, x + [v + σ_t²/(2t)·(x + (1 − t)·v)]·dt, from
+    ``step_coefficients`` (floats, or tensors that broadcast against x)."""
+    return x + (v + coef * (x + one_minus_t * v)) * dt
 
 
 def step_mean_std(x: torch.Tensor, v: torch.Tensor, t: float, s: float,
                   noise_level: float) -> tuple[torch.Tensor, float]:
     """The Gaussian of one step from ``t`` to ``s``: its mean (shaped like x) and its std."""
-    dt = s - t
-    sig = sigma(t, noise_level, dt)
-    drift = v + (sig * sig / (2 * t)) * (x + (1 - t) * v) if t > 0 else v
-    return x + drift * dt, sig * math.sqrt(-dt)
+    coef, one_minus_t, dt, std = (float(c) for c in step_coefficients(t, s, noise_level))
+    return gaussian_mean(x, v, coef, one_minus_t, dt), std
 
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, t: float, s: float, noise_level: float, *,
