@@ -59,14 +59,15 @@ def trained(learner, rollout_batches):
     {"aggregation": "token_mean", "updates_per_batch": 1,
      "correction": CorrectionSettings(tis="token", tis_cap=1.5, mask="sequence", mask_low=0.7,
                                       mask_high=1.3)},
-    {"aggregation": "token_mean", "updates_per_batch": 2, "attribution": True, "staleness_budget": 4},
+    {"aggregation": "token_mean", "updates_per_batch": 2, "attribution": True, "staleness_budget": 4,
+     "shared_prefix": True},
     {"aggregation": "seq_mean_token_mean", "updates_per_batch": 2, "kl_coef": 0.05, "shared_prefix": True},
 ], ids=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum-inline", "dr_grpo-kl", "tis-mask-inline",
         "attribution", "shared-prefix-kl"])
 def test_two_ranks_make_the_single_process_update(tiny_model_dir, case):
     rollout_batches = batches(tiny_model_dir)
-    # the model's own forward on both sides, so only the split across ranks differs; the last
-    # case runs the shared-prompt forward on both (under FSDP2: as FSDP forward methods)
+    # the model's own forward on both sides, so only the split across ranks differs; the last two
+    # cases run the shared-prompt forward on both (under FSDP2: as FSDP forward methods)
     settings = LearnerSettings(lr=5e-5, seed=0, **{"shared_prefix": False, **case})
     solo_weights, solo = trained(TorchLearner(tiny_model_dir, settings), rollout_batches)
     sharded = ShardedLearner(tiny_model_dir, settings, world_size=2)
