@@ -63,6 +63,7 @@ _LAYER_METHOD = "tether_shared_prefix_layer"
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
+    """True for a model ``fully_shard`` has made an FSDP2 module (learner ranks)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
