@@ -112,6 +112,13 @@ def decode_shapes(model, rows: int) -> list[tuple[int, int, int]]:
             (rows, h, cfg.vocab_size)]
 
 
+def _rest_seconds(model, prompts: list[list[int]], new_tokens: int, step_flops: int, peak: dict) -> float:
+    """The work besides the decode steps' weight GEMMs (``step_flops`` a step): the prefill and
+    attention, at the peak rate."""
+    rest = work_flops(model, prompts, new_tokens) - step_flops * (new_tokens - 1)
+    return rest / (peak["gflops"] * 1e9)
+
+
 def gemm_floor_seconds(model, prompts: list[list[int]], new_tokens: int, peak: dict) -> float:
     """A lower bound on any engine's time for this generation when it multiplies with these
     GEMMs: every decode-step weight GEMM at the rate its shape reaches alone (``peak``'s
@@ -119,18 +126,13 @@ def gemm_floor_seconds(model, prompts: list[list[int]], new_tokens: int, peak: d
     (the prefill, attention) at the peak rate; nothing else costs time. ``work_flops`` over
     this is the highest fraction of the peak such an engine can reach on this workload."""
     layers = model.config.num_hidden_layers
-    rows = len(prompts)
-    *per_layer, head = decode_shapes(model, rows)
-    decode_steps = new_tokens - 1
-    seconds = 0.0
-    decode_flops = 0
-    for shape, count in [*((s, layers) for s in per_layer), (head, 1)]:
-        m, k, n = shape
-        flops = 2 * m * k * n * count * decode_steps
-        decode_flops += flops
-        seconds += flops / (peak["by_shape"][f"{m}x{k}x{n}"] * 1e9)
-    rest = work_flops(model, prompts, new_tokens) - decode_flops  # prefill and attention
-    return seconds + rest / (peak["gflops"] * 1e9)
+    *per_layer, head = decode_shapes(model, len(prompts))
+    step_seconds, step_flops = 0.0, 0
+    for (m, k, n), count in [*((s, layers) for s in per_layer), (head, 1)]:
+        flops = 2 * m * k * n * count
+        step_flops += flops
+        step_seconds += flops / (peak["by_shape"][f"{m}x{k}x{n}"] * 1e9)
+    return step_seconds * (new_tokens - 1) + _rest_seconds(model, prompts, new_tokens, step_flops, peak)
 
 
 def gemm_chain_seconds(model, prompts: list[list[int]], new_tokens: int, peak: dict) -> float:
@@ -139,6 +141,7 @@ def gemm_chain_seconds(model, prompts: list[list[int]], new_tokens: int, peak: d
     engine's own transposed weights, so each streams its weights after the others evicted them,
     as in a real step; nothing runs between them. What an engine that fused every other
     operation of the step into the GEMMs, at no cost, would take."""
+    from limits import best_seconds
     from tether.decoding.fast_decoder import FastDecoder
 
     decoder = FastDecoder(model)
@@ -153,12 +156,8 @@ def gemm_chain_seconds(model, prompts: list[list[int]], new_tokens: int, peak: d
         for a, w, out in zip(ins, mats, outs, strict=True):
             torch.mm(a, w, out=out)
 
-    from limits import _best_seconds
-
-    decode_steps = new_tokens - 1
     step_flops = sum(2 * rows * w.shape[0] * w.shape[1] for w in mats)
-    rest = work_flops(model, prompts, new_tokens) - step_flops * decode_steps
-    return _best_seconds(step) * decode_steps + rest / (peak["gflops"] * 1e9)
+    return best_seconds(step) * (new_tokens - 1) + _rest_seconds(model, prompts, new_tokens, step_flops, peak)
 
 
 def measure(n_prompts: int, new_tokens: int, repeats: int, size: str = "small", device: str = "cpu") -> dict:

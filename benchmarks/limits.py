@@ -23,7 +23,7 @@ import torch
 SQUARES = ((256, 256, 256), (512, 512, 512), (1024, 1024, 1024))
 
 
-def _best_seconds(fn, *, min_time: float = 0.05, rounds: int = 5) -> float:
+def best_seconds(fn, *, min_time: float = 0.05, rounds: int = 5) -> float:
     """The fastest of ``rounds`` timings of ``fn``, each repeated until ``min_time`` has passed."""
     fn()
     best = float("inf")
@@ -47,7 +47,7 @@ def matmul_peak(shapes: Iterable[tuple[int, int, int]] = (), dtype: torch.dtype 
         a = torch.randn(m, k, dtype=dtype)
         b = torch.randn(k, n, dtype=dtype)
         out = torch.empty(m, n, dtype=dtype)
-        seconds = _best_seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out))
+        seconds = best_seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out))
         by_shape[f"{m}x{k}x{n}"] = 2 * m * k * n / seconds / 1e9
     best = max(by_shape, key=by_shape.get)
     return {"gflops": by_shape[best], "shape": best, "threads": torch.get_num_threads(), "by_shape": by_shape}
@@ -57,7 +57,7 @@ def copy_bandwidth(nbytes: int) -> dict:
     """Best GB/s of one contiguous copy of ``nbytes`` into a pre-faulted buffer."""
     src = torch.empty(nbytes, dtype=torch.uint8).random_()
     dst = torch.empty(nbytes, dtype=torch.uint8)
-    seconds = _best_seconds(lambda: dst.copy_(src), min_time=0.02, rounds=5)
+    seconds = best_seconds(lambda: dst.copy_(src), min_time=0.02, rounds=5)
     return {"gbps": nbytes / seconds / 1e9, "bytes": nbytes, "threads": torch.get_num_threads()}
 
 
