@@ -17,7 +17,8 @@ GPU (``train.device=cuda``), timing each with the device synchronised.
 ``--world-size 1,2`` instead measures the learner as ranks (``train.world_size``, each rank a
 process with ``--threads`` threads, FSDP2 over gloo, or NCCL with ``--device cuda``): per world
 size, the time of one update as the driver sees it (with the model's own forward, and with the
-default shared-prompt forward run as FSDP forward methods), each rank's peak resident memory (and peak
+default shared-prompt forward run as FSDP forward methods, timed after it in a second group of
+ranks), each rank's peak resident memory (and peak
 GPU memory on CUDA), and a publication into the weight channel timed both ways: the weights
 gathered whole on rank 0 and copied in by the driver, and every rank writing its own rows.
 
