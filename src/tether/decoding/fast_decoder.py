@@ -99,6 +99,8 @@ class FastDecoder:
         self.scale = self.head_dim ** -0.5
         self.act = {"silu": F.silu, "gelu": F.gelu}[getattr(cfg, "hidden_act", "silu")]
         self.layers: list[_Layer] | None = None  # read at the first prefill
+        self._native = None  # this batch's native decode step (built at its first decode), or False
+        self.native_reason: str | None = None  # why the last batch decoded in Python, if it did
 
     def invalidate(self) -> None:
         """The weights changed (a load); re-read them at the next prefill."""
@@ -114,6 +116,7 @@ class FastDecoder:
         weights views rather than copies: a training forward's many rows gain nothing from the
         copies' layout, and the copies would cost a transpose of every weight per call."""
         self.read_root(detach=detach, contiguous=contiguous)
+        self._native = None
         self.layers = [self.read_layer(layer, detach=detach, contiguous=contiguous)
                        for layer in self.model.model.layers]
 
@@ -209,6 +212,7 @@ class FastDecoder:
         u, p = ids.shape
         b = u * repeats
         self.batch = b
+        self._native = None
         self.capacity = p + max_new_tokens
         kvh, hd = self.kv_heads, self.head_dim
         like = dict(device=ids.device, dtype=self.embed.dtype)
@@ -245,12 +249,33 @@ class FastDecoder:
         last = x.view(u, p, -1)[:, -1]  # (U, hidden)
         return (self._rms(last, self.norm) @ self.head_t).float().repeat_interleave(repeats, 0)
 
+    def native_step(self):
+        """This batch's native decode step (``tether.decoding.native``), or None: the library is
+        off or missing, or this model's state cannot go through it (``native_reason`` says which)."""
+        if self._native is None:
+            from tether.decoding import native
+
+            lib = native.library()
+            self.native_reason = "TETHER_NATIVE_DECODE=0 or no library" if lib is None else \
+                native.NativeStep.unusable(self)
+            self._native = False if self.native_reason else native.NativeStep(lib, self)
+        return self._native or None
+
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per sequence (B,); return next logits (B, V)."""
-        b, t = self.batch, self.length
+        t = self.length
         if t >= self.capacity:
             raise RuntimeError("KV cache is full")
+        step = self.native_step()
+        if step is not None:
+            logits = step(tokens)  # advances next_pos in place
+            self.length = t + 1
+            return logits
+        return self._decode_python(tokens)
+
+    def _decode_python(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, t = self.batch, self.length
         kvh, hd, group = self.kv_heads, self.head_dim, self.heads // self.kv_heads
         bias = self.key_bias[:, :, : t + 1]  # (B·KV, 1, t + 1)
         cos, sin = self.rotary[self.next_pos].unbind(1)  # (B, 1, D) each
