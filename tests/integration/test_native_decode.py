@@ -1,0 +1,198 @@
+"""The native decode step: the same logits and KV cache as the Python path, on every model kind the
+lean decoder takes; rebuilt after a mid-generation weight change; what happens when it cannot be
+built; and a cache that concurrent first uses share."""
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from tether.decoding import native  # noqa: E402
+from tether.decoding.fast_decoder import FastDecoder  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def _model(kind: str):
+    """A tiny model of each shape the step branches on: Qwen3's q/k norms and SiLU; Llama with
+    q/k/v and o biases and GELU; Qwen2's q/k/v biases and a head width of 64."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=40, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  max_position_embeddings=64, tie_word_embeddings=False)
+    if kind == "qwen3":
+        cfg = transformers.Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, **common)
+    elif kind == "llama-biases-gelu":
+        cfg = transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=4, attention_bias=True,
+                                       hidden_act="gelu", **common)
+    else:
+        cfg = transformers.Qwen2Config(num_attention_heads=1, num_key_value_heads=1, **common)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # biases and norm weights away from their initial 0 and 1
+        for name, p in model.named_parameters():
+            if "bias" in name or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _batch():
+    ids = torch.randint(3, 40, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    mask[1, :1] = 0
+    return ids, mask
+
+
+def _decode_both(model, steps: int, *, reload_at: int | None = None):
+    """Run the native and the Python path side by side from one prefill; the largest logit
+    difference seen, and the two decoders."""
+    ids, mask = _batch()
+    fast, slow = FastDecoder(model), FastDecoder(model)
+    a = fast.prefill(ids, mask, steps + 1, repeats=2)
+    b = slow.prefill(ids, mask, steps + 1, repeats=2)
+    worst = (a - b).abs().max().item()
+    gen = torch.Generator().manual_seed(0)
+    for t in range(steps):
+        if t == reload_at:  # new weights mid-generation: both re-read them, their caches stay
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+            fast.reload()
+            slow.reload()
+        tokens = torch.multinomial(torch.softmax(b, -1), 1, generator=gen).squeeze(-1)
+        a = fast.decode(tokens)
+        with torch.inference_mode():
+            b = slow._decode_python(tokens)
+        assert fast.native_step() is not None, fast.native_reason
+        worst = max(worst, (a - b).abs().max().item())
+    return worst, fast, slow
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama-biases-gelu", "qwen2"])
+def test_native_step_gives_the_python_paths_logits_and_cache(kind):
+    worst, fast, slow = _decode_both(_model(kind), steps=12)
+    assert worst < 1e-5
+    assert fast.length == slow.length and torch.equal(fast.next_pos, slow.next_pos)
+    for mine, theirs in zip(fast.k_cache + fast.v_cache, slow.k_cache + slow.v_cache, strict=True):
+        written = slice(0, fast.length)
+        assert torch.allclose(mine[:, :, written], theirs[:, :, written], atol=1e-5)
+
+
+def test_a_weight_change_mid_generation_rebuilds_the_native_step():
+    worst, _, _ = _decode_both(_model("qwen3"), steps=8, reload_at=4)
+    assert worst < 1e-5  # a step still reading the old weights would differ by far more
+
+
+def test_sampling_runs_native_and_matches_a_teacher_forced_forward(tiny_model_dir):
+    from tether.decoding.sampling import SamplingParams, sample
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    stepper = FastDecoder(model)
+    ps = [tok(t, add_special_tokens=False).input_ids for t in ("1+1=", "12+345=", "rev abc=")]
+    out = sample(model, ps, SamplingParams(max_new_tokens=12), stop_ids=[], pad_id=tok.pad_token_id,
+                 generator=torch.Generator().manual_seed(0), stepper=stepper, samples_per_prompt=3)
+    assert stepper.native_step() is not None
+    for row, (toks, lps) in enumerate(zip(out.tokens, out.logprobs, strict=True)):
+        prompt = ps[row // 3]
+        logits = model(torch.tensor([prompt + toks])).logits[0, len(prompt) - 1: -1]
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(toks)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(lps), expected, atol=1e-5)
+
+
+def test_a_token_outside_the_table_is_refused_and_changes_nothing():
+    model = _model("qwen3")
+    dec = FastDecoder(model)
+    ids, mask = _batch()
+    dec.prefill(ids, mask, 4)
+    before = dec.next_pos.clone()
+    with pytest.raises(IndexError, match="token 40 of row 1 is outside the embedding table"):
+        dec.decode(torch.tensor([1, 40, 2]))
+    assert dec.length == ids.shape[1] and torch.equal(dec.next_pos, before)
+    with pytest.raises(ValueError, match="one token per row"):
+        dec.decode(torch.tensor([1, 2]))
+
+
+@pytest.fixture
+def fresh_native(monkeypatch, tmp_path):
+    """An empty cache folder and no library loaded yet in this process."""
+    monkeypatch.setenv("TETHER_CACHE_DIR", str(tmp_path / "cache"))
+    native._attempt.cache_clear()
+    native._said.clear()
+    yield tmp_path / "cache"
+    native._attempt.cache_clear()
+
+
+def _decodes_python(model) -> FastDecoder:
+    dec = FastDecoder(model)
+    ids, mask = _batch()
+    logits = dec.prefill(ids, mask, 3)
+    dec.decode(logits.argmax(-1))
+    return dec
+
+
+def test_off_never_builds(fresh_native, monkeypatch):
+    monkeypatch.setenv("TETHER_NATIVE_DECODE", "0")
+    dec = _decodes_python(_model("qwen3"))
+    assert dec.native_step() is None and "TETHER_NATIVE_DECODE=0" in dec.native_reason
+    assert not fresh_native.exists()
+
+
+def test_without_a_compiler_auto_says_why_once_and_decodes_in_python(fresh_native, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger="tether.decoding.native"):
+        for _ in range(2):
+            dec = _decodes_python(_model("qwen3"))
+            assert dec.native_step() is None
+    said = [r.getMessage() for r in caplog.records if "native decode step unavailable" in r.getMessage()]
+    assert len(said) == 1 and "/nonexistent/cc" in said[0] and "TETHER_NATIVE_DECODE=0" in said[0]
+
+
+def test_without_a_compiler_required_is_an_error_that_says_why(fresh_native, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("TETHER_NATIVE_DECODE", "1")
+    with pytest.raises(native.NativeUnavailable, match=r"TETHER_NATIVE_DECODE=1 but .*/nonexistent/cc"):
+        _decodes_python(_model("qwen3"))
+
+
+def test_a_build_that_fails_leaves_no_partial_library(fresh_native, monkeypatch, tmp_path):
+    broken = tmp_path / "cc"
+    broken.write_text('#!/bin/sh\ncase "$1" in --version) echo cc 1;; *) echo nope >&2; exit 1;; esac\n')
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    monkeypatch.setenv("TETHER_NATIVE_DECODE", "1")
+    with pytest.raises(native.NativeUnavailable, match=r"failed to build decode_step\.c: nope"):
+        native.library()
+    assert list((fresh_native / "native").iterdir()) == []
+
+
+def test_a_bad_setting_is_refused():
+    os.environ["TETHER_NATIVE_DECODE"] = "sometimes"
+    try:
+        with pytest.raises(ValueError, match=r"TETHER_NATIVE_DECODE='sometimes': use auto, 1 .* or 0"):
+            native.mode()
+    finally:
+        del os.environ["TETHER_NATIVE_DECODE"]
+
+
+def test_concurrent_first_uses_share_one_library(fresh_native):
+    """Two processes build into an empty cache at once (a pool's workers starting): both load
+    it, one library is left, no partial file."""
+    script = textwrap.dedent("""
+        from tether.decoding import native
+        lib = native.library()
+        assert lib is not None
+        print(native.build())
+    """)
+    env = dict(os.environ, TETHER_NATIVE_DECODE="1")
+    runs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    paths = {run.communicate(timeout=120)[0].strip() for run in runs}
+    assert all(run.returncode == 0 for run in runs)
+    assert len(paths) == 1
+    assert [p.name for p in (fresh_native / "native").iterdir()] == [os.path.basename(paths.pop())]
