@@ -52,7 +52,7 @@ def _decode_both(model, steps: int, *, reload_at: int | None = None):
     """Run the native and the Python path side by side from one prefill; the largest logit
     difference seen, and the two decoders."""
     ids, mask = _batch()
-    fast, slow = FastDecoder(model), FastDecoder(model)
+    fast, slow = FastDecoder(model, decoder="native"), FastDecoder(model, decoder="python")
     a = fast.prefill(ids, mask, steps + 1, repeats=2)
     b = slow.prefill(ids, mask, steps + 1, repeats=2)
     worst = (a - b).abs().max().item()
@@ -65,10 +65,8 @@ def _decode_both(model, steps: int, *, reload_at: int | None = None):
             fast.reload()
             slow.reload()
         tokens = torch.multinomial(torch.softmax(b, -1), 1, generator=gen).squeeze(-1)
-        a = fast.decode(tokens)
-        with torch.inference_mode():
-            b = slow._decode_python(tokens)
-        assert fast.native_step() is not None, fast.native_reason
+        a, b = fast.decode(tokens), slow.decode(tokens)
+        assert fast.path == "native" and slow.path == "python", fast.native_reason
         worst = max(worst, (a - b).abs().max().item())
     return worst, fast, slow
 
@@ -93,11 +91,11 @@ def test_sampling_runs_native_and_matches_a_teacher_forced_forward(tiny_model_di
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
-    stepper = FastDecoder(model)
+    stepper = FastDecoder(model, decoder="native")
     ps = [tok(t, add_special_tokens=False).input_ids for t in ("1+1=", "12+345=", "rev abc=")]
     out = sample(model, ps, SamplingParams(max_new_tokens=12), stop_ids=[], pad_id=tok.pad_token_id,
                  generator=torch.Generator().manual_seed(0), stepper=stepper, samples_per_prompt=3)
-    assert stepper.native_step() is not None
+    assert stepper.path == "native"
     for row, (toks, lps) in enumerate(zip(out.tokens, out.logprobs, strict=True)):
         prompt = ps[row // 3]
         logits = model(torch.tensor([prompt + toks])).logits[0, len(prompt) - 1: -1]
@@ -107,11 +105,11 @@ def test_sampling_runs_native_and_matches_a_teacher_forced_forward(tiny_model_di
 
 def test_a_token_outside_the_table_is_refused_and_changes_nothing():
     model = _model("qwen3")
-    dec = FastDecoder(model)
+    dec = FastDecoder(model, decoder="native")
     ids, mask = _batch()
     dec.prefill(ids, mask, 4)
     before = dec.next_pos.clone()
-    with pytest.raises(IndexError, match="token 40 of row 1 is outside the embedding table"):
+    with pytest.raises(IndexError, match="token 40 at 1 is outside the embedding table"):
         dec.decode(torch.tensor([1, 40, 2]))
     assert dec.length == ids.shape[1] and torch.equal(dec.next_pos, before)
     with pytest.raises(ValueError, match="one token per row"):
@@ -128,18 +126,17 @@ def fresh_native(monkeypatch, tmp_path):
     native._attempt.cache_clear()
 
 
-def _decodes_python(model) -> FastDecoder:
-    dec = FastDecoder(model)
+def _decodes(model, decoder: str) -> FastDecoder:
+    dec = FastDecoder(model, decoder=decoder)
     ids, mask = _batch()
     logits = dec.prefill(ids, mask, 3)
     dec.decode(logits.argmax(-1))
     return dec
 
 
-def test_off_never_builds(fresh_native, monkeypatch):
-    monkeypatch.setenv("TETHER_NATIVE_DECODE", "0")
-    dec = _decodes_python(_model("qwen3"))
-    assert dec.native_step() is None and "TETHER_NATIVE_DECODE=0" in dec.native_reason
+def test_off_never_builds(fresh_native):
+    dec = _decodes(_model("qwen3"), "python")
+    assert dec.path == "python" and dec.native_reason == "rollout.decoder=python"
     assert not fresh_native.exists()
 
 
@@ -147,17 +144,21 @@ def test_without_a_compiler_auto_says_why_once_and_decodes_in_python(fresh_nativ
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with caplog.at_level(logging.WARNING, logger="tether.decoding.native"):
         for _ in range(2):
-            dec = _decodes_python(_model("qwen3"))
-            assert dec.native_step() is None
+            assert _decodes(_model("qwen3"), "auto").path == "python"
     said = [r.getMessage() for r in caplog.records if "native decode step unavailable" in r.getMessage()]
-    assert len(said) == 1 and "/nonexistent/cc" in said[0] and "TETHER_NATIVE_DECODE=0" in said[0]
+    assert len(said) == 1 and "/nonexistent/cc" in said[0] and "rollout.decoder=python" in said[0]
 
 
-def test_without_a_compiler_required_is_an_error_that_says_why(fresh_native, monkeypatch):
+def test_without_a_compiler_on_is_an_error_that_says_why(fresh_native, monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setenv("TETHER_NATIVE_DECODE", "1")
-    with pytest.raises(native.NativeUnavailable, match=r"TETHER_NATIVE_DECODE=1 but .*/nonexistent/cc"):
-        _decodes_python(_model("qwen3"))
+    with pytest.raises(native.NativeUnavailable, match=r"rollout.decoder=native but .*/nonexistent/cc"):
+        _decodes(_model("qwen3"), "native")
+
+
+def test_on_with_a_model_it_cannot_run_says_why():
+    with pytest.raises(native.NativeUnavailable, match=r"not float32; use rollout\.decoder"):
+        _decodes(_model("qwen3").to(torch.bfloat16), "native")
+    assert _decodes(_model("qwen3").to(torch.bfloat16), "auto").path == "python"
 
 
 def test_a_build_that_fails_leaves_no_partial_library(fresh_native, monkeypatch, tmp_path):
@@ -165,19 +166,14 @@ def test_a_build_that_fails_leaves_no_partial_library(fresh_native, monkeypatch,
     broken.write_text('#!/bin/sh\ncase "$1" in --version) echo cc 1;; *) echo nope >&2; exit 1;; esac\n')
     broken.chmod(0o755)
     monkeypatch.setenv("CC", str(broken))
-    monkeypatch.setenv("TETHER_NATIVE_DECODE", "1")
     with pytest.raises(native.NativeUnavailable, match=r"failed to build decode_step\.c: nope"):
-        native.library()
+        native.library("native")
     assert list((fresh_native / "native").iterdir()) == []
 
 
-def test_a_bad_setting_is_refused():
-    os.environ["TETHER_NATIVE_DECODE"] = "sometimes"
-    try:
-        with pytest.raises(ValueError, match=r"TETHER_NATIVE_DECODE='sometimes': use auto, 1 .* or 0"):
-            native.mode()
-    finally:
-        del os.environ["TETHER_NATIVE_DECODE"]
+def test_a_bad_mode_is_refused():
+    with pytest.raises(ValueError, match="decoder 'sometimes': use auto, native or python"):
+        FastDecoder(_model("qwen3"), decoder="sometimes")
 
 
 def test_concurrent_first_uses_share_one_library(fresh_native):
@@ -185,12 +181,10 @@ def test_concurrent_first_uses_share_one_library(fresh_native):
     it, one library is left, no partial file."""
     script = textwrap.dedent("""
         from tether.decoding import native
-        lib = native.library()
-        assert lib is not None
+        lib = native.library("native")
         print(native.build())
     """)
-    env = dict(os.environ, TETHER_NATIVE_DECODE="1")
-    runs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    runs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
             for _ in range(2)]
     paths = {run.communicate(timeout=120)[0].strip() for run in runs}
     assert all(run.returncode == 0 for run in runs)

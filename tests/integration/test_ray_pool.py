@@ -127,7 +127,7 @@ def test_actors_switch_weights_mid_generation_and_stamp_every_token(tiny_model_d
     """Without draining, an actor verifies each newer snapshot while it generates and binds it at
     its next decode step: under recompute every token's log-prob is its stamped version's own
     teacher-forced one; under abort every sequence is one version's and the waste is counted."""
-    from test_inflight_update import check_abort, check_recompute_stamps, publish_into
+    from test_inflight_update import check_abort, check_recompute_stamps, publish_until_a_switch
 
     model, _ = load_causal_lm(tiny_model_dir)
     settings = PoolSettings(model_path=str(tiny_model_dir), task="arithmetic", group_size=8, stop_text="",
@@ -135,13 +135,13 @@ def test_actors_switch_weights_mid_generation_and_stamp_every_token(tiny_model_d
     with RayPool(settings, STREAM.batch, unique_parameters(model), options=RayOptions(local_cpus=2),
                  run_dir=tmp_path / "run") as pool:
         pids = list(pool.pids)
-        limit, every_s = (3, 0.05) if mode == "abort" else (5000, 0.003)
-        batch, weights = publish_into(pool, model, limit=limit, every_s=every_s)
+        batch, launched, weights = publish_until_a_switch(pool, model, mode,
+                                                          every_s=0.05 if mode == "abort" else None)
     assert wait_gone(pids) == []
     if mode == "recompute":
         check_recompute_stamps(tiny_model_dir, batch, weights)
     else:
-        check_abort(batch, every_row_restarted=False)  # an actor may finish a row before its first poll
+        check_abort(batch, every_row_restarted=False, launched=launched)  # a row may end first
 
 
 def test_a_killed_actor_names_itself_and_its_batch_and_nothing_is_left_running(tiny_model_dir, tmp_path):

@@ -84,6 +84,10 @@ def test_run_directory_evals_at_boundaries_and_checkpoints(tiny_model_dir, tmp_p
                 "loss/policy", "time/generate_wait", "time/train", "time/sync", "time/step",
                 "throughput/samples_per_s"):
         assert key in metrics[0], key
+    from tether.decoding import native
+
+    # rollout.decoder=auto: the workers sampled through the native decoder wherever it builds
+    assert {m["rollout/native_decoder"] for m in metrics} == {1.0 if native.library("auto") else 0.0}
     assert [e["step"] for e in rows(run_dir / "eval.jsonl")] == [0, 3, 6]
     assert all(0.0 <= e["eval/pass_at_1"] <= 1.0 for e in rows(run_dir / "eval.jsonl"))
     assert all(e["eval/sampled_pass_at_1"] <= e["eval/pass_at_k"] for e in rows(run_dir / "eval.jsonl"))

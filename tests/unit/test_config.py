@@ -119,6 +119,11 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
         (["rollout.backend=slurm"], "rollout.backend must be one of 'local', 'ray'"),
         (["vllm.dtype=bfloat16"], "the vllm section is set but rollout.engine is 'torch'"),
         (["rollout.engine=sglang"], "rollout.engine must be one of 'torch', 'vllm'"),
+        (["rollout.engine=vllm", "rollout.decoder=python"],
+         "rollout.decoder=python is the built-in engine's; with rollout.engine=vllm, vLLM decodes"),
+        (["model.family=flow", "data.task=shapes", "rollout.decoder=native"],
+         "rollout.decoder=native decodes language models"),
+        (["rollout.decoder=on"], "rollout.decoder must be one of 'auto', 'native', 'python'"),
         (["train.world_size=3", "rollout.batch_size=4", "train.updates_per_batch=2"],
          "leaves some with 2; raise rollout.batch_size"),
         (["train.world_size=2", "train.device=cuda:1"], "names one GPU"),
@@ -140,6 +145,13 @@ def test_cross_key_rules(overrides, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert message in str(info.value)
+
+
+def test_the_decoder_reads_from_yaml_as_written(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rollout:\n  decoder: python\n")
+    assert load_config(recipe).rollout.decoder == "python"
+    assert load_config(None, ["rollout.decoder=native"]).rollout.decoder == "native"
 
 
 def test_gpu_rollout_actors_are_accepted_with_the_ray_backend():

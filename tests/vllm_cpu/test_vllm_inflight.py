@@ -18,7 +18,7 @@ from test_inflight_update import (  # noqa: E402
     check_abort,
     check_recompute_stamps,
     eval_model,
-    publish_into,
+    publish_until_a_switch,
     sampled_rows,
 )
 from test_vllm_engine import STREAM, collect  # noqa: E402
@@ -81,26 +81,6 @@ def check_keep(model_dir, batch, weights):
     for row, prompt, toks, lps, vs in sampled_rows(scored, weights):
         expected = kept_cache_logprobs(model, weights, prompt, toks, vs)
         assert torch.allclose(torch.tensor(lps), expected, atol=ATOL), row
-
-
-def publish_until_a_switch(pool, model, mode, tries=5):
-    """Publish into batches 1, 2, … until one sees a weight switch mid-generation; returns it,
-    its launch version and every version's weights. Abort restarts every unfinished row at each
-    switch, so it gets a few publications, spaced out (many would restart the rows for ever).
-    vLLM stops rows at the model's end-of-sequence token, and a batch of short rows can come
-    back before the first publication reaches the worker on a loaded machine: such a batch must
-    be exactly its launch version's, and the next batch is tried."""
-    limit, every_s = (3, 0.02) if mode == "abort" else (40, 0.003)
-    version = 0
-    for index in range(1, tries + 1):
-        batch, weights = publish_into(pool, model, index=index, version=version, seed=index, limit=limit,
-                                      every_s=every_s)
-        if batch.metrics["rollout/weight_switches"] >= 1:
-            return batch, version, weights
-        assert batch.behavior_version == version and batch.metrics["rollout/wasted_tokens"] == 0
-        assert all(v == version for vs in batch.payload.versions for v in vs)
-        version = max(weights)
-    raise AssertionError(f"no publication reached the worker mid-generation in {tries} batches")
 
 
 @pytest.mark.parametrize("mode", ["keep", "recompute", "abort"])

@@ -202,6 +202,10 @@ class Config:
         self.budget()  # the control plane's own rules (async.sync_when_idle has no effect without draining)
 
     def _check_vllm(self) -> None:
+        if self.rollout.engine == "vllm" and self.rollout.decoder != "auto":
+            raise ConfigError(f"rollout.decoder={self.rollout.decoder} is the built-in engine's; "
+                              "with rollout.engine=vllm, vLLM decodes. Remove the key, or set "
+                              "rollout.engine=torch")
         if self.rollout.engine != "vllm" and self.vllm != VllmSection():
             raise ConfigError("the vllm section is set but rollout.engine is "
                               f"{self.rollout.engine!r}; set rollout.engine=vllm to use it, or remove "
@@ -258,6 +262,8 @@ def _flow_refusals(c: Config):
         (f"rollout.{sampling[0] if sampling else ''}", bool(sampling),
          "samples tokens; a flow model's sampling is the flow section"),
         ("rollout.engine=vllm", r.engine != "torch", "serves language models"),
+        (f"rollout.decoder={r.decoder}", r.decoder != "auto",
+         "decodes language models; a flow model's sampler has no native form"),
         ("rollout.dynamic_sampling", r.dynamic_sampling, "is not supported yet"),
         ("ray.learner=actor", c.ray.learner != "driver", "is not supported yet (ray.learner=driver)"),
         (f"async.inflight_update={c.async_.inflight_update}", c.async_.inflight_update != "drain",

@@ -236,6 +236,16 @@ class RolloutSection:
         "needs vLLM installed: `make vllm` on CPU, `pip install 'tether[vllm]'` on GPUs; see the vllm "
         "section and docs/rollout.md). Both return the log-probs of the distribution they sample from.",
     )
+    decoder: Literal["auto", "native", "python"] = knob(
+        "auto",
+        "How the built-in engine runs Llama/Qwen models: 'auto' = on the CPU in float32 through its "
+        "native decoder (a C library built at first use with the machine's compiler; a prefill and "
+        "each decode step are one call each, multiplying with MKL's packed GEMMs; docs/rollout.md), "
+        "and where it cannot run (no compiler, another device or dtype) the Python path, saying once "
+        "in the log why the library could not be had; 'native' = the native decoder or an error that "
+        "says why it cannot run; 'python' = the Python path. Both give the same log-probs to float32 "
+        "rounding.",
+    )
     dynamic_sampling: bool = knob(
         False,
         "DAPO's dynamic sampling: a rollout batch is complete only when it holds batch_size prompt "

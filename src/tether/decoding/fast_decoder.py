@@ -87,7 +87,11 @@ class _Layer:
 class FastDecoder:
     """Prefill and single-token decode with an in-place KV cache, for one batch at a time."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, decoder: str = "auto") -> None:
+        """``decoder`` (``rollout.decoder``): ``auto`` samples through the native library
+        (``tether.decoding.native``) where it builds and the model is float32 on the CPU, else
+        through the Python path below; ``native`` requires the library (an error says why it
+        cannot run); ``python`` never uses it."""
         if not supports(model):
             raise ValueError(f"model type {getattr(model.config, 'model_type', '?')} is not supported")
         cfg = model.config
@@ -98,17 +102,68 @@ class FastDecoder:
         self.eps = cfg.rms_norm_eps
         self.scale = self.head_dim ** -0.5
         self.act = {"silu": F.silu, "gelu": F.gelu}[getattr(cfg, "hidden_act", "silu")]
-        self.layers: list[_Layer] | None = None  # read at the first prefill
-        self._native = None  # this batch's native decode step (built at its first decode), or False
-        self.native_reason: str | None = None  # why the last batch decoded in Python, if it did
+        from tether.decoding.native import check_mode
+
+        self.decoder = check_mode(decoder)
+        self.layers: list[_Layer] | None = None  # the Python path's weights, read at its first prefill
+        self.native_weights = None  # the native path's packed weights (``tether.decoding.native``)
+        self.native_reason: str | None = None  # why this decoder runs the Python path, if it does
+        self._batch = None  # this batch's native state, made at its prefill
+        self._stale = True  # the weights must be read again before the next prefill
+        self._packed = None  # the native path's packing buffers, kept for the decoder's life
+        self._buffers: dict[str, torch.Tensor] = {}  # the last batch's caches and scratch, for reuse
+
+    @property
+    def path(self) -> str:
+        """``native`` or ``python``: how the last batch ran (``native_reason`` says why not)."""
+        return "native" if self.native_weights is not None else "python"
 
     def invalidate(self) -> None:
         """The weights changed (a load); re-read them at the next prefill."""
-        self.layers = None
+        self._stale = True
+        self.layers = self.native_weights = None
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device=None,
+               zero: bool = False) -> torch.Tensor:
+        """A tensor for this batch, the last batch's when its shape matches: batches of one shape
+        (an engine's) reuse their caches instead of faulting fresh memory in every batch. Its
+        contents are the last batch's unless ``zero``."""
+        device = torch.device(device or "cpu")
+        old = self._buffers.get(name)
+        if old is None or old.shape != shape or old.dtype != dtype or old.device != device:
+            old = self._buffers[name] = torch.empty(shape, dtype=dtype, device=device)
+        return old.zero_() if zero else old
 
     def reload(self) -> None:
         """The weights changed mid-generation: re-read them now (the KV cache stays)."""
-        self.refresh()
+        self._read_weights()
+        if self._batch is not None:
+            self._batch.rebind(self.native_weights)
+
+    def _read_weights(self) -> None:
+        """Read the weights for sampling: packed for the native path when it can run here, else
+        the Python path's transposed copies (``refresh``)."""
+        from tether.decoding import native
+
+        self._stale = False
+        lib = native.library(self.decoder)
+        self.native_reason = "rollout.decoder=python" if lib is None and self.decoder == "python" else (
+            "the library could not be built or loaded (see the log)" if lib is None
+            else native.unusable(self.model))
+        if self.native_reason is not None and self.decoder == "native":
+            raise native.NativeUnavailable(f"rollout.decoder=native but this model cannot run natively: "
+                                           f"{self.native_reason}; use rollout.decoder=auto or python")
+        if self.native_reason is None:
+            self.layers = None
+            self.inv_freq = self.model.model.rotary_emb.inv_freq.float()
+            if self._packed is None:
+                self._packed = native.NativeModel(lib, self)
+            else:
+                self._packed.pack(self.model)
+            self.native_weights = self._packed
+        else:
+            self.native_weights = self._batch = None
+            self.refresh()
 
     def refresh(self, *, detach: bool = True, contiguous: bool = True) -> None:
         """Re-read the parameters now. ``detach=False`` keeps the (transposed, stacked) weights
@@ -116,7 +171,6 @@ class FastDecoder:
         weights views rather than copies: a training forward's many rows gain nothing from the
         copies' layout, and the copies would cost a transpose of every weight per call."""
         self.read_root(detach=detach, contiguous=contiguous)
-        self._native = None
         self.layers = [self.read_layer(layer, detach=detach, contiguous=contiguous)
                        for layer in self.model.model.layers]
 
@@ -207,21 +261,23 @@ class FastDecoder:
         """Run the (U, P) left-padded prompts once each, and set up a KV cache for ``repeats``
         samples of each (B = U·repeats rows, prompt-major: prompt 0's samples first). Returns the
         last logits, (B, V). A GRPO group shares its prompt, so its prefill is computed once."""
-        if self.layers is None:
-            self.refresh()
+        if self._stale or (self.layers is None and self.native_weights is None):
+            self._read_weights()
         u, p = ids.shape
         b = u * repeats
         self.batch = b
-        self._native = None
+        self._batch = None
         self.capacity = p + max_new_tokens
         kvh, hd = self.kv_heads, self.head_dim
-        like = dict(device=ids.device, dtype=self.embed.dtype)
-        self.k_cache = [torch.empty(b, kvh, self.capacity, hd, **like) for _ in self.layers]  # (B, KV, S, D)
-        self.v_cache = [torch.empty(b, kvh, self.capacity, hd, **like) for _ in self.layers]
+        like = dict(device=ids.device, dtype=self.model.model.embed_tokens.weight.dtype)
+        layers = self.model.config.num_hidden_layers
+        shape = (b, kvh, self.capacity, hd)  # (B, KV, S, D)
+        self.k_cache = [self.buffer(f"k{i}", shape, **like) for i in range(layers)]
+        self.v_cache = [self.buffer(f"v{i}", shape, **like) for i in range(layers)]
         key_ok = mask.bool()  # (U, P)
         # additive key mask per (sequence, kv head), -inf on padding: (B·KV, 1, S); decode
         # steps extend it for free (the new columns are 0) and read a slice
-        self.key_bias = torch.zeros(b * kvh, 1, self.capacity, **like)
+        self.key_bias = self.buffer("key bias", (b * kvh, 1, self.capacity), **like, zero=True)
         self.key_bias[:, 0, :p].masked_fill_(~key_ok.repeat_interleave(repeats * kvh, 0), float("-inf"))
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (U, P)
         self.next_pos = (positions[:, -1] + 1).repeat_interleave(repeats, 0)  # (B,)
@@ -229,7 +285,12 @@ class FastDecoder:
         # cos and sign-folded sin of every position this batch can reach: (S, 2, 1, D), computed
         # in float32 and cast to the weights' dtype, as the reference does
         angles = self._angles(torch.arange(self.capacity, device=ids.device))
-        self.rotary = torch.stack(angles, dim=1).to(self.embed.dtype)
+        self.rotary = torch.stack(angles, dim=1).to(like["dtype"])
+        if self.native_weights is not None:
+            from tether.decoding.native import NativeBatch
+
+            self._batch = NativeBatch(self.native_weights, self, rows=u * p)
+            return self._batch.prefill(ids, positions, repeats).repeat_interleave(repeats, 0)
         cos, sin = self.rotary[positions.reshape(-1)].unbind(1)
         causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
         attend = key_ok[:, None, None, :] & causal  # (U, 1, P, P)
@@ -249,27 +310,14 @@ class FastDecoder:
         last = x.view(u, p, -1)[:, -1]  # (U, hidden)
         return (self._rms(last, self.norm) @ self.head_t).float().repeat_interleave(repeats, 0)
 
-    def native_step(self):
-        """This batch's native decode step (``tether.decoding.native``), or None: the library is
-        off or missing, or this model's state cannot go through it (``native_reason`` says which)."""
-        if self._native is None:
-            from tether.decoding import native
-
-            lib = native.library()
-            self.native_reason = "TETHER_NATIVE_DECODE=0 or no library" if lib is None else \
-                native.NativeStep.unusable(self)
-            self._native = False if self.native_reason else native.NativeStep(lib, self)
-        return self._native or None
-
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per sequence (B,); return next logits (B, V)."""
         t = self.length
         if t >= self.capacity:
             raise RuntimeError("KV cache is full")
-        step = self.native_step()
-        if step is not None:
-            logits = step(tokens)  # advances next_pos in place
+        if self._batch is not None:
+            logits = self._batch.step(tokens, t, self.next_pos)  # advances next_pos in place
             self.length = t + 1
             return logits
         return self._decode_python(tokens)

@@ -157,11 +157,12 @@ class _TransformersStepper:
         return out.logits[:, -1, :].float()
 
 
-def stepper_for(model: torch.nn.Module):
-    """The lean decoder when the model's family supports it, else the transformers forward."""
+def stepper_for(model: torch.nn.Module, decoder: str = "auto"):
+    """The lean decoder when the model's family supports it (``decoder``: ``auto``, ``native``
+    or ``python``, how it runs: ``FastDecoder``), else the transformers forward."""
     from tether.decoding.fast_decoder import FastDecoder, supports
 
-    return FastDecoder(model) if supports(model) else _TransformersStepper(model)
+    return FastDecoder(model, decoder=decoder) if supports(model) else _TransformersStepper(model)
 
 
 @torch.inference_mode()

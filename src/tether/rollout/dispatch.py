@@ -48,6 +48,8 @@ class PoolSettings:
     engine: Literal["torch", "vllm"] = "torch"
     vllm: Any = None
     """``tether.rollout.vllm_engine.VllmOptions`` with ``engine="vllm"``."""
+    decoder: Literal["auto", "native", "python"] = "auto"
+    """``rollout.decoder``: the built-in engine's decode path."""
     inflight_update: Literal["drain", "keep", "recompute", "abort"] = "drain"
     """``async.inflight_update``: whether a publication waits for the batches in flight."""
     family: Literal["lm", "flow"] = "lm"
@@ -62,7 +64,8 @@ class PoolSettings:
         return WorkerSpec(worker_id=worker_id, model_path=self.model_path, reward=self.reward, task=self.task,
                           stop_text=self.stop_text, num_threads=self.threads_per_worker,
                           reward_on_error=self.reward_on_error, initial_version=version,
-                          engine=self.engine, vllm=self.vllm, seed=self.seed,
+                          engine=self.engine, vllm=self.vllm, decoder=self.decoder,
+                          seed=self.seed,
                           inflight_update=self.inflight_update, family=self.family, flow=self.flow,
                           **where)
 

@@ -33,7 +33,8 @@ class TextSampler:
             from tether.rollout.torch_engine import TorchEngine
 
             model, _ = load_causal_lm(spec.model_path)
-            self.engine = TorchEngine(model.to(device), pad_id=self.tokenizer.pad_token_id, stop_ids=stop_ids)
+            self.engine = TorchEngine(model.to(device), pad_id=self.tokenizer.pad_token_id, stop_ids=stop_ids,
+                                      decoder=spec.decoder)
         self.score = scorer(spec.reward, task=spec.task)
 
     def generate(self, item: WorkItem) -> ScoredBatch:
@@ -69,6 +70,8 @@ class TextSampler:
                 "rollout/wasted_tokens": float(wasted),
                 "staleness/multi_version_seq_frac": sum(len(set(v)) > 1 for v in batch.versions) / n,
             })
+        if self.spec.engine == "torch":  # which decoder sampled it (rollout.decoder)
+            batch.metrics["rollout/native_decoder"] = float(self.engine.decoder_path == "native")
         batch.metrics.update({
             "reward/mean": mean,
             "reward/std": math.sqrt(sum((r - mean) ** 2 for r in batch.rewards) / n),

@@ -15,14 +15,14 @@ class TorchEngine:
     """Batched KV-cache sampling on a local model; stamps its version on every token."""
 
     def __init__(self, model: torch.nn.Module, *, pad_id: int, stop_ids: Sequence[int],
-                 max_positions: int | None = None, version: int = 0) -> None:
+                 max_positions: int | None = None, version: int = 0, decoder: str = "auto") -> None:
         self.model = model.eval()
         self.pad_id = pad_id
         self.stop_ids = list(stop_ids)
         self.max_positions = max_positions or getattr(model.config, "max_position_embeddings", None)
         self._version = version
         self.device = next(self.model.parameters()).device
-        self.stepper = stepper_for(self.model)
+        self.stepper = stepper_for(self.model, decoder=decoder)
         self.poll = None
         self.inflight_update = "keep"
         self.wasted_tokens = 0  # by abort, since the last ``take_counts``
@@ -39,6 +39,12 @@ class TorchEngine:
         counts = (self.wasted_tokens, self.switches)
         self.wasted_tokens = self.switches = 0
         return counts
+
+    @property
+    def decoder_path(self) -> str:
+        """How the last batch was decoded: ``native`` (the native decoder), ``python`` (the lean
+        decoder's Python path) or ``transformers`` (the model's own forward)."""
+        return getattr(self.stepper, "path", "transformers")
 
     @property
     def version(self) -> int:

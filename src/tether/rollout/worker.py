@@ -55,6 +55,8 @@ class WorkerSpec:
     engine: Literal["torch", "vllm"] = "torch"
     vllm: VllmOptions | None = None
     """The ``vllm`` section's settings, with ``engine="vllm"``."""
+    decoder: Literal["auto", "native", "python"] = "auto"
+    """``rollout.decoder``, with ``engine="torch"``."""
     seed: int = 0
     inflight_update: Literal["drain", "keep", "recompute", "abort"] = "drain"
     """drain: load weights between batches, when told; otherwise switch to each newly published

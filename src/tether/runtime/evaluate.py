@@ -25,8 +25,9 @@ from tether.decoding.sampling import SamplingParams, sample, stepper_for, stop_i
 class Evaluator:
     def __init__(self, model: torch.nn.Module, tokenizer, examples: Sequence[Example], score: Scorer, *,
                  stop_text: str, params: SamplingParams, seed: int = 0, num_samples: int = 1,
-                 batch_size: int = 256) -> None:
+                 batch_size: int = 256, decoder: str = "auto") -> None:
         self.model = model
+        self.decoder = decoder
         self.tokenizer = tokenizer
         self.examples = list(examples)
         self.score = score
@@ -56,7 +57,8 @@ class Evaluator:
         was_training = self.model.training
         self.model.eval()
         try:
-            stepper = stepper_for(self.model)  # reads the weights once for both passes
+            # reads the weights once for both passes
+            stepper = stepper_for(self.model, decoder=self.decoder)
             greedy = self._rewards(SamplingParams(max_new_tokens=self.params.max_new_tokens, temperature=0.0),
                                    self.seed, stepper)
             sampled = self._rewards(self.params, self.seed * 7919 + step, stepper, self.num_samples)

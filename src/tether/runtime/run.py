@@ -318,7 +318,7 @@ def evaluator(cfg: Config, model, tokenizer, examples, score, stop_text: str, *,
         return FlowEvaluator(model, examples, score, eval_steps=cfg.flow.eval_steps,
                              sampling=flow_sampling(cfg), seed=cfg.run.seed, num_samples=k)
     return Evaluator(model, tokenizer, examples, score, stop_text=stop_text, params=sampling(cfg),
-                     seed=cfg.run.seed, num_samples=k)
+                     seed=cfg.run.seed, num_samples=k, decoder=cfg.rollout.decoder)
 
 
 def _pool_settings(cfg: Config, prepared: Prepared, params):
@@ -330,7 +330,8 @@ def _pool_settings(cfg: Config, prepared: Prepared, params):
         threads_per_worker=cfg.rollout.threads_per_worker, group_size=cfg.rollout.group_size, params=params,
         reward=cfg.reward.function, task=cfg.data.task or None, stop_text=prepared.data.stop_text,
         reward_on_error=cfg.reward.on_error, seed=cfg.run.seed, dynamic=dynamic_sampling(cfg),
-        engine=cfg.rollout.engine, vllm=vllm_options(cfg), inflight_update=cfg.async_.inflight_update,
+        engine=cfg.rollout.engine, vllm=vllm_options(cfg), decoder=cfg.rollout.decoder,
+        inflight_update=cfg.async_.inflight_update,
         family=cfg.model.family, flow=flow_sampling(cfg) if cfg.model.family == "flow" else None,
     )
 

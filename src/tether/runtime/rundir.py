@@ -144,7 +144,8 @@ def first_fingerprint(run_dir: Path) -> str | None:
 SAFE = (
     "train.num_batches",  # extending the run (checked against what is trained)
     "train.threads", "train.device", "train.world_size", "rollout.threads_per_worker",
-    "rollout.num_workers", "rollout.backend", "rollout.engine", "vllm.", "ray.", "eval.", "checkpoint.",
+    "rollout.num_workers", "rollout.backend", "rollout.engine", "rollout.decoder", "vllm.", "ray.",
+    "eval.", "checkpoint.",
     "plan.", "run.wandb_project",
     "async.wait_timeout_s", "async.max_consecutive_drops", "warmstart.", "metrics.",
 )

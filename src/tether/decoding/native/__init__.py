@@ -11,9 +11,10 @@ The shared library is compiled once per source, flags, compiler and CPU into a c
 different kinds builds one library per kind. Concurrent first uses (a pool's workers) each build
 into a private file and move it in place atomically.
 
-``TETHER_NATIVE_DECODE`` chooses: ``auto`` (the default) uses it when it builds and loads, else
-the Python path, saying why once in the log; ``1`` requires it (an error says why it cannot
-run); ``0`` never uses it.
+``rollout.decoder`` (``FastDecoder(decoder=...)``) chooses: ``auto`` (the default) uses it
+when it builds and loads and the model is float32 on the CPU, else the Python path, saying once
+in the log why the library could not be had; ``native`` requires it (an error says why it
+cannot run); ``python`` never uses it.
 """
 
 from __future__ import annotations
@@ -38,28 +39,35 @@ SOURCE = Path(__file__).with_name("decode_step.c")
 # finite-math is left off on purpose: masked keys are -inf
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros", "-shared", "-fPIC")
-ENV = "TETHER_NATIVE_DECODE"
+if platform.machine() in ("x86_64", "AMD64"):
+    # gcc and clang keep loops to 256-bit vectors by default; the loops here are short and
+    # memory-light, so AVX-512 machines run them faster at full width (-march=native decides
+    # whether there is one)
+    FLAGS += ("-mprefer-vector-width=512",)
+# time the library's sections (benchmarks/engine.py --profile); a build of its own
+PROFILE_ENV = "TETHER_NATIVE_PROFILE"
+SECTIONS = ("norms", "qkv GEMM", "q/k norm, rotary, KV write", "attention", "o GEMM", "gate/up GEMM",
+            "activation", "down GEMM", "head GEMM")
 
 # the order of decode_step.c's enums
 CONFIG = ("batch", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "layers", "capacity",
-          "qk_norm", "qkv_bias", "o_bias", "gelu", "embed_rows")
-ROOT = ("embed", "norm", "head_t", "rotary", "key_bias", "scratch")
-PER_LAYER = ("ln1", "ln2", "qkv_t", "qkv_bias", "qk_norm", "o_t", "o_bias", "gate_up_t", "down_t",
-             "k_cache", "v_cache")
+          "qk_norm", "qkv_bias", "o_bias", "gelu", "embed_rows", "rows")
+ROOT = ("embed", "norm", "head", "rotary", "key_bias", "scratch", "index")
+PER_LAYER = ("ln1", "ln2", "qkv", "qkv_bias", "qk_norm", "o", "o_bias", "gate_up", "down", "k_cache",
+             "v_cache")
 
 
 class NativeUnavailable(RuntimeError):
     """The native decode step cannot run here; the message says why and what to change."""
 
 
-def mode() -> str:
-    """``auto``, ``on`` or ``off``, from ``TETHER_NATIVE_DECODE``."""
-    raw = os.environ.get(ENV, "auto").strip().lower()
-    for name, spellings in (("auto", ("auto", "")), ("on", ("1", "on", "true", "yes")),
-                            ("off", ("0", "off", "false", "no"))):
-        if raw in spellings:
-            return name
-    raise ValueError(f"{ENV}={raw!r}: use auto, 1 (require the native decode step) or 0 (never use it)")
+MODES = ("auto", "native", "python")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"decoder {mode!r}: use auto, native or python (rollout.decoder)")
+    return mode
 
 
 def cache_dir() -> Path:
@@ -86,14 +94,18 @@ def _compiler() -> str:
     return cc
 
 
+def _flags() -> tuple[str, ...]:
+    return (*FLAGS, "-DTETHER_PROFILE") if os.environ.get(PROFILE_ENV) == "1" else FLAGS
+
+
 def build() -> Path:
     """The compiled library's path, building it if this source, compiler and CPU have none yet."""
-    cc = _compiler()
+    cc, flags = _compiler(), _flags()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"the C compiler {cc} does not run: {e}") from e
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, platform.machine(),
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, version, platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_dir() / "native" / f"decode_step-{key}.so"
     if target.exists():
@@ -102,7 +114,7 @@ def build() -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                               timeout=120)
         if done.returncode != 0:
             raise NativeUnavailable(f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
@@ -113,25 +125,36 @@ def build() -> Path:
     return target
 
 
-def _sgemm_address() -> int:
-    import torch
+BLAS = ("cblas_sgemm_pack_get_size", "cblas_sgemm_pack", "cblas_sgemm_compute")
 
+
+def _blas_addresses() -> list[int]:
+    """MKL's packed-GEMM entry points in torch's own library (the CPU wheels link MKL in)."""
     lib = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
     try:
         handle = ctypes.CDLL(str(lib))
-        return ctypes.cast(handle.sgemm_, ctypes.c_void_p).value
+        return [ctypes.cast(getattr(handle, name), ctypes.c_void_p).value for name in BLAS]
     except (OSError, AttributeError) as e:
-        raise NativeUnavailable(f"this torch ({lib}) exports no sgemm_ to multiply with: {e}") from e
+        raise NativeUnavailable(f"this torch ({lib}) exports no MKL packed GEMM ({', '.join(BLAS)}): "
+                                f"{e}") from e
 
 
 def _open() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build()))
-    lib.tether_set_sgemm.argtypes = [ctypes.c_void_p]
-    lib.tether_set_sgemm(_sgemm_address())
-    lib.tether_scratch_floats.argtypes = [ctypes.c_void_p]
-    lib.tether_scratch_floats.restype = ctypes.c_int64
-    lib.tether_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_float, ctypes.c_float, ctypes.c_void_p,
-                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.tether_set_blas.argtypes = [p, p, p]
+    lib.tether_set_blas(*_blas_addresses())
+    lib.tether_packed_floats.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.tether_packed_floats.restype = i64
+    lib.tether_pack.argtypes = [p, ctypes.c_int, ctypes.c_int, p]
+    lib.tether_pack.restype = None
+    lib.tether_scratch_floats.argtypes = [p]
+    lib.tether_scratch_floats.restype = i64
+    lib.tether_index_ints.argtypes = [p]
+    lib.tether_index_ints.restype = i64
+    lib.tether_prefill.argtypes = [p, f32, f32, p, p, p, i64, i64, i64, p]
+    lib.tether_prefill.restype = ctypes.c_int
+    lib.tether_decode_step.argtypes = [p, f32, f32, p, i64, p, p, p]
     lib.tether_decode_step.restype = ctypes.c_int
     return lib
 
@@ -148,82 +171,184 @@ def _attempt() -> ctypes.CDLL | Exception:
 _said: set[str] = set()
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded library, or None when ``TETHER_NATIVE_DECODE`` is off or (``auto``) it cannot be
-    built or loaded here — said once in the log, with the reason. With ``1`` that is an error."""
-    chosen = mode()
-    if chosen == "off":
+def library(mode: str = "auto") -> ctypes.CDLL | None:
+    """The loaded library, or None: with ``python``; with ``auto`` when it cannot be built or
+    loaded here (said once in the log, with the reason). With ``native`` that is an error saying
+    why."""
+    if check_mode(mode) == "python":
         return None
     got = _attempt()
     if not isinstance(got, Exception):
         return got
-    if chosen == "on":
-        raise NativeUnavailable(f"{ENV}=1 but the native decode step cannot run: {got}") from got
+    if mode == "native":
+        raise NativeUnavailable(f"rollout.decoder=native but the native decode step cannot run: "
+                                f"{got}") from got
     if str(got) not in _said:
         _said.add(str(got))
         log.warning("native decode step unavailable, decoding with the Python path: %s "
-                    "(set %s=0 to skip trying)", got, ENV)
+                    "(rollout.decoder=python skips trying)", got)
     return None
+
+
+def profile(reset: bool = False) -> dict[str, float] | None:
+    """Seconds spent in each section of the native forward since the last reset, when the
+    library was built with ``TETHER_NATIVE_PROFILE=1``; else None."""
+    lib = library()
+    try:
+        times = (ctypes.c_double * len(SECTIONS)).in_dll(lib, "tether_profile")
+    except (ValueError, AttributeError, TypeError):
+        return None
+    out = dict(zip(SECTIONS, times, strict=True))
+    if reset:
+        ctypes.memset(times, 0, ctypes.sizeof(times))
+    return out
 
 
 def _pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-class NativeStep:
-    """One batch's decode steps through the library: the configuration and pointer table of a
-    ``FastDecoder`` after its prefill, and the step's scratch buffer. Valid until the decoder's
-    next prefill or weight re-read (it holds no references the decoder does not)."""
+def unusable(model: torch.nn.Module) -> str | None:
+    """Why this (lean-decoder-supported) model cannot run natively; None when it can."""
+    params = list(model.parameters())
+    if any(t.device.type != "cpu" for t in params):
+        return "the model is not on the CPU"
+    if any(t.dtype != torch.float32 for t in params):
+        return "the model is not float32"
+    attn = [layer.self_attn for layer in model.model.layers]
+    if len({(hasattr(a, "q_norm"), a.q_proj.bias is None, a.o_proj.bias is None) for a in attn}) > 1:
+        return "the layers differ in their norms or biases"
+    return None
+
+
+class NativeModel:
+    """A model's weights as the library reads them: every weight matrix packed for MKL (q/k/v
+    stacked, gate/up stacked, the head) into one buffer made once, the rest (embeddings, norms,
+    biases) the model's own tensors. ``pack`` reads the model's current weights again, in place
+    (``FastDecoder`` calls it after every weight change): about the cost of one copy of the
+    weights, with no allocation, so no page is faulted in again. The buffer's size is what MKL
+    asks for (~8 MB a matrix above its data, never touched: address space, not memory)."""
 
     def __init__(self, lib: ctypes.CDLL, dec) -> None:
-        layers = dec.layers
-        self.lib, self.dec = lib, dec
-        self.vocab = dec.head_t.shape[1]
-        values = dict(batch=dec.batch, hidden=dec.embed.shape[1], heads=dec.heads, kv_heads=dec.kv_heads,
-                      head_dim=dec.head_dim, inter=layers[0].down_t.shape[0], vocab=self.vocab,
-                      layers=len(layers), capacity=dec.capacity, qk_norm=int(layers[0].qk_norm is not None),
-                      qkv_bias=int(layers[0].qkv_bias is not None), o_bias=int(layers[0].o_bias is not None),
-                      gelu=int(dec.act is torch.nn.functional.gelu), embed_rows=dec.embed.shape[0])
+        self.lib, self.heads, self.kv_heads = lib, dec.heads, dec.kv_heads
+        inner = dec.model.model
+        shapes = [(layer.self_attn.q_proj.out_features + layer.self_attn.k_proj.out_features
+                   + layer.self_attn.v_proj.out_features, layer.self_attn.q_proj.in_features)
+                  for layer in inner.layers]
+        self.shapes = [s for i, layer in enumerate(inner.layers)
+                       for s in (shapes[i], tuple(layer.self_attn.o_proj.weight.shape),
+                                 (2 * layer.mlp.gate_proj.out_features, layer.mlp.gate_proj.in_features),
+                                 tuple(layer.mlp.down_proj.weight.shape))]
+        self.shapes.append(tuple(dec.model.lm_head.weight.shape))
+        # each packed matrix at a 64-byte boundary of one buffer
+        sizes = [-(-lib.tether_packed_floats(n, k) // 16) * 16 for n, k in self.shapes]
+        self.arena = torch.empty(sum(sizes), dtype=torch.float32)
+        self.packed = list(self.arena.split(sizes))
+        # q/k/v and gate/up are stacked into this one buffer before packing
+        self.staging = torch.empty(max(n * k for n, k in self.shapes[:-1]), dtype=torch.float32)
+        self.vocab, self.inter = self.shapes[-1][0], inner.layers[0].mlp.down_proj.in_features
+        self.pack(dec.model)
+
+    def _pack(self, i: int, parts: list[torch.Tensor]) -> torch.Tensor:
+        n, k = self.shapes[i]
+        if len(parts) == 1 and parts[0].is_contiguous():
+            src = parts[0]
+        else:
+            src = self.staging[: n * k].view(n, k)
+            torch.cat(parts, out=src)
+        self.lib.tether_pack(src.data_ptr(), n, k, self.packed[i].data_ptr())
+        return self.packed[i]
+
+    @torch.inference_mode()
+    def pack(self, model: torch.nn.Module) -> None:
+        """Read ``model``'s weights now."""
+        inner = model.model
+        self.embed = inner.embed_tokens.weight.detach().contiguous()
+        self.norm = inner.norm.weight.detach().contiguous()
+        self.layers = []
+        for i, layer in enumerate(inner.layers):
+            a, m = layer.self_attn, layer.mlp
+            biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+            qk_norm = None
+            if hasattr(a, "q_norm"):  # (H + KV, D)
+                qk_norm = torch.cat([a.q_norm.weight.expand(self.heads, -1),
+                                     a.k_norm.weight.expand(self.kv_heads, -1)])
+            self.layers.append(dict(
+                ln1=layer.input_layernorm.weight.detach().contiguous(),
+                ln2=layer.post_attention_layernorm.weight.detach().contiguous(),
+                qkv=self._pack(4 * i, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                qkv_bias=torch.cat(biases) if biases[0] is not None else None,
+                qk_norm=qk_norm,
+                o=self._pack(4 * i + 1, [a.o_proj.weight]),
+                o_bias=a.o_proj.bias.detach().contiguous() if a.o_proj.bias is not None else None,
+                gate_up=self._pack(4 * i + 2, [m.gate_proj.weight, m.up_proj.weight]),
+                down=self._pack(4 * i + 3, [m.down_proj.weight])))
+        self.head = self._pack(len(self.shapes) - 1, [model.lm_head.weight])
+
+
+class NativeBatch:
+    """One batch through the library: its configuration, pointer table and scratch, made at the
+    decoder's prefill (after its KV cache, key mask and rotary table), for the prefill and every
+    decode step of that batch. Holds the weights of one ``NativeModel``; a weight change
+    mid-generation makes a new one over the same cache (``rebind``)."""
+
+    def __init__(self, weights: NativeModel, dec, rows: int) -> None:
+        # reads the decoder's batch state and keeps the tensors, not the decoder (no cycle)
+        self.lib, self.batch = weights.lib, dec.batch
+        values = dict(batch=dec.batch, hidden=weights.embed.shape[1], heads=dec.heads, kv_heads=dec.kv_heads,
+                      head_dim=dec.head_dim, inter=weights.inter, vocab=weights.vocab,
+                      layers=len(weights.layers), capacity=dec.capacity,
+                      qk_norm=int(weights.layers[0]["qk_norm"] is not None),
+                      qkv_bias=int(weights.layers[0]["qkv_bias"] is not None),
+                      o_bias=int(weights.layers[0]["o_bias"] is not None),
+                      gelu=int(dec.act is torch.nn.functional.gelu), embed_rows=weights.embed.shape[0],
+                      rows=max(rows, dec.batch))
         self.cfg = torch.tensor([values[k] for k in CONFIG], dtype=torch.int64)
-        self.scratch = torch.empty(lib.tether_scratch_floats(self.cfg.data_ptr()), dtype=torch.float32)
-        root = dict(embed=dec.embed, norm=dec.norm, head_t=dec.head_t, rotary=dec.rotary,
-                    key_bias=dec.key_bias, scratch=self.scratch)
+        self.scratch = dec.buffer("native scratch", (self.lib.tether_scratch_floats(self.cfg.data_ptr()),),
+                                  torch.float32)
+        self.index = dec.buffer("native index", (self.lib.tether_index_ints(self.cfg.data_ptr()),),
+                                torch.int64)
+        self.eps, self.scale = float(dec.eps), float(dec.scale)
+        self.state = dict(rotary=dec.rotary, key_bias=dec.key_bias, k_cache=dec.k_cache, v_cache=dec.v_cache)
+        self.rebind(weights)
+
+    def rebind(self, weights: NativeModel) -> None:
+        """Read ``weights`` from the next call on (the cache stays)."""
+        self.weights, state = weights, self.state
+        root = dict(embed=weights.embed, norm=weights.norm, head=weights.head, rotary=state["rotary"],
+                    key_bias=state["key_bias"], scratch=self.scratch, index=self.index)
         table = [_pointer(root[k]) for k in ROOT]
-        for i, layer in enumerate(layers):
-            parts = dict(vars(layer), k_cache=dec.k_cache[i], v_cache=dec.v_cache[i])
+        for i, layer in enumerate(weights.layers):
+            parts = dict(layer, k_cache=state["k_cache"][i], v_cache=state["v_cache"][i])
             table += [_pointer(parts[k]) for k in PER_LAYER]
         self.table = (ctypes.c_void_p * len(table))(*table)
-        self.eps, self.scale = float(dec.eps), float(dec.scale)
 
-    @staticmethod
-    def unusable(dec) -> str | None:
-        """Why this decoder's state cannot go through the native step (None: it can)."""
-        tensors = [dec.embed, dec.norm, dec.head_t, dec.rotary, dec.key_bias, *dec.k_cache, *dec.v_cache]
-        for layer in dec.layers:
-            tensors += [t for t in vars(layer).values() if t is not None]
-        if any(t.device.type != "cpu" for t in tensors):
-            return "the model is not on the CPU"
-        if any(t.dtype != torch.float32 for t in tensors):
-            return "the model is not float32"
-        if not all(t.is_contiguous() for t in tensors):
-            return "a weight is not contiguous"
-        kinds = {(x.qk_norm is None, x.qkv_bias is None, x.o_bias is None) for x in dec.layers}
-        if len(kinds) > 1:
-            return "the layers differ in their norms or biases"
-        return None
-
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append ``tokens`` (B,) at the decoder's current length; the next logits, (B, V)."""
-        dec = self.dec
-        if tokens.shape != (dec.batch,):
-            raise ValueError(f"decode takes one token per row, ({dec.batch},); got {tuple(tokens.shape)}")
-        tokens = tokens.to(torch.int64).contiguous()
-        logits = torch.empty(dec.batch, self.vocab, dtype=torch.float32)
-        status = self.lib.tether_decode_step(self.cfg.data_ptr(), self.eps, self.scale, self.table,
-                                             dec.length, tokens.data_ptr(), dec.next_pos.data_ptr(),
-                                             logits.data_ptr())
+    def _refused(self, status: int, ids: torch.Tensor) -> None:
         if status != 0:
-            row = -1 - status
-            raise IndexError(f"token {int(tokens[row])} of row {row} is outside the embedding table "
-                             f"(0..{dec.embed.shape[0] - 1})")
+            i = -1 - status
+            raise IndexError(f"token {int(ids.reshape(-1)[i])} at {i} is outside the embedding table "
+                             f"(0..{self.weights.embed.shape[0] - 1})")
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, repeats: int) -> torch.Tensor:
+        """Run the (U, P) prompts; the next-token logits after each, (U, V)."""
+        u, p = ids.shape
+        ids = ids.to(torch.int64).contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        logits = torch.empty(u, self.weights.vocab, dtype=torch.float32)
+        status = self.lib.tether_prefill(self.cfg.data_ptr(), self.eps, self.scale, self.table,
+                                         ids.data_ptr(), positions.data_ptr(), u, p, repeats,
+                                         logits.data_ptr())
+        self._refused(status, ids)
+        return logits
+
+    def step(self, tokens: torch.Tensor, length: int, next_pos: torch.Tensor) -> torch.Tensor:
+        """Append ``tokens`` (B,) at slot ``length`` of every row, advance ``next_pos`` (B,) in
+        place; the next logits, (B, V)."""
+        if tokens.shape != (self.batch,):
+            raise ValueError(f"decode takes one token per row, ({self.batch},); got {tuple(tokens.shape)}")
+        tokens = tokens.to(torch.int64).contiguous()
+        logits = torch.empty(self.batch, self.weights.vocab, dtype=torch.float32)
+        status = self.lib.tether_decode_step(self.cfg.data_ptr(), self.eps, self.scale, self.table, length,
+                                             tokens.data_ptr(), next_pos.data_ptr(), logits.data_ptr())
+        self._refused(status, tokens)
         return logits

@@ -1,50 +1,88 @@
-/* One decode step of a Llama/Qwen2/Qwen3 model in one call: the native form of
- * FastDecoder.decode (src/tether/decoding/fast_decoder.py), for float32 on the CPU.
+/* Prefill and decode of a Llama/Qwen2/Qwen3 model, one call each: the native form of
+ * FastDecoder's Python path (src/tether/decoding/fast_decoder.py), for float32 on the CPU.
  *
  * Why it exists: at the demo's size a decode step is ~20 weight GEMMs and ~300 small tensor
  * operations; each small operation costs a framework dispatch, and the first one after each GEMM
  * runs 4-5x slower than warm because the GEMM's weights evicted its working set from L2
- * (docs/benchmarks.md). Here everything between the GEMMs is a few plain loops over buffers
- * that stay in cache, and the GEMMs are the same MKL sgemm calls torch makes for `x @ w_t`
- * (torch's own sgemm_, passed in by address), so the arithmetic order of the matrix products is
- * the one the Python path has.
+ * (docs/benchmarks.md). Here everything between the GEMMs is a few plain loops over buffers that
+ * stay in cache. The GEMMs are MKL's, from torch's own library (addresses passed in): each
+ * weight matrix is packed once per weight version into MKL's internal layout
+ * (cblas_sgemm_pack), straight from the model's (out, in) parameters, so no call re-packs it
+ * and no transposed copy of the weights is kept.
  *
- * Every step follows the Python path op for op: RMSNorm (mean of squares, times rsqrt(var+eps),
- * times the weight), q/k RMSNorm for Qwen3, rotary as x*cos + swap_halves(x)*sin_signed, the KV
- * write at position t, attention as bias + scale*(q.k), softmax, p.v, the residual adds folded
- * into the o and down GEMMs (beta = 1, as torch.addmm), act(gate)*up. The loops reduce in a
- * different order than torch's kernels, so results agree to float32 rounding (~1e-6), not bit
- * for bit (tests/unit/test_native_decode.py).
+ * The arithmetic follows the Python path op for op: RMSNorm (mean of squares, times
+ * 1/sqrt(var + eps), times the weight), the q/k RMSNorm of Qwen3, rotary as
+ * x*cos + swap_halves(x)*sin_signed, K/V written into the cache before attending, attention as
+ * bias + scale*(q.k), softmax, p.v, the residual adds folded into the o and down products
+ * (beta = 1, as torch.addmm), act(gate)*up. Sums reduce in another order than torch's kernels,
+ * so results agree to float32 rounding (~1e-6), not bit for bit
+ * (tests/integration/test_native_decode.py).
  *
- * Built by tether/decoding/native/__init__.py with the C compiler on the machine that runs it;
+ * Built by tether/decoding/native/__init__.py with the C compiler of the machine that runs it;
  * called through ctypes with raw pointers into tensors the Python side owns.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
-typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n,
-                         const int *k, const float *alpha, const float *a, const int *lda,
-                         const float *b, const int *ldb, const float *beta, float *c,
-                         const int *ldc);
-
-static sgemm_fn sgemm_ptr = 0;
-
+/* With -DTETHER_PROFILE (TETHER_NATIVE_PROFILE=1 builds it): seconds spent in each section of
+ * forward() and head(), summed over calls, for benchmarks/engine.py --profile. */
+enum {
+    S_NORMS, S_QKV_GEMM, S_ROTARY_KV, S_ATTENTION, S_O_GEMM, S_GATE_UP_GEMM, S_ACTIVATION, S_DOWN_GEMM,
+    S_HEAD_GEMM, S_COUNT
+};
 #ifdef TETHER_PROFILE
-#include <x86intrin.h>
-double tether_prof[8];
-#define MARK(i) do { uint64_t now_ = __rdtsc(); tether_prof[i] += (double)(now_ - last_); last_ = now_; } while (0)
+#include <time.h>
+double tether_profile[S_COUNT];
+static double now_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+#define PROFILE_START double mark_ = now_seconds()
+#define MARK(section) do { double t_ = now_seconds(); tether_profile[section] += t_ - mark_; mark_ = t_; } while (0)
 #else
-#define MARK(i) do { } while (0)
+#define PROFILE_START do { } while (0)
+#define MARK(section) do { } while (0)
 #endif
+int tether_profile_sections(void) { return S_COUNT; }
 
-void tether_set_sgemm(void *fn) { sgemm_ptr = (sgemm_fn)fn; }
+/* MKL's CBLAS packed-GEMM entry points and their enum values (mkl_cblas.h) */
+typedef size_t (*pack_size_fn)(int identifier, int m, int n, int k);
+typedef void (*pack_fn)(int layout, int identifier, int trans, int m, int n, int k, float alpha,
+                        const float *src, int ld, float *dest);
+typedef void (*compute_fn)(int layout, int transa, int transb, int m, int n, int k, const float *a,
+                           int lda, const float *b, int ldb, float beta, float *c, int ldc);
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, PACKED = 151, B_MATRIX = 162 };
+/* the row count packing is asked for; a packed matrix serves products of any row count */
+enum { PACK_ROWS = 64 };
 
-/* C (m x n, row-major) = beta*C + A (m x k) @ B (k x n), all row-major and contiguous: the
- * column-major call for C^T = B^T A^T, which is how torch calls sgemm for a row-major mm. */
-static void gemm(int m, int n, int k, const float *a, const float *b, float *c, float beta) {
-    const float one = 1.0f;
-    sgemm_ptr("N", "N", &n, &m, &k, &one, b, &n, a, &k, &beta, c, &n);
+static pack_size_fn pack_size_ptr = 0;
+static pack_fn pack_ptr = 0;
+static compute_fn compute_ptr = 0;
+
+void tether_set_blas(void *pack_size, void *pack, void *compute) {
+    pack_size_ptr = (pack_size_fn)pack_size;
+    pack_ptr = (pack_fn)pack;
+    compute_ptr = (compute_fn)compute;
+}
+
+/* Floats a packed copy of an (n x k) weight takes. */
+int64_t tether_packed_floats(int n, int k) {
+    return (int64_t)((pack_size_ptr(B_MATRIX, PACK_ROWS, n, k) + sizeof(float) - 1) / sizeof(float));
+}
+
+/* Pack w, an (n x k) row-major matrix (a Linear weight: out x in), as the right operand of
+ * x @ w^T. */
+void tether_pack(const float *w, int n, int k, float *dest) {
+    pack_ptr(ROW_MAJOR, B_MATRIX, TRANS, PACK_ROWS, n, k, 1.0f, w, k, dest);
+}
+
+/* C (m x n, row stride ldc) = beta*C + A (m x k, row stride lda) @ W^T, W packed. */
+static void gemm(int m, int n, int k, const float *a, int lda, const float *packed, float *c, int ldc,
+                 float beta) {
+    compute_ptr(ROW_MAJOR, NO_TRANS, PACKED, m, n, k, a, lda, packed, n, beta, c, ldc);
 }
 
 /* exp(x) in float32 to about 2 ulp, written so the compiler vectorises loops that call it:
@@ -71,11 +109,11 @@ static inline float exp_f32(float x) {
     return x < -87.3f ? 0.0f : p * scale;
 }
 
-/* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps); w may be NULL (no weight). */
-static void rms_norm(const float *x, const float *w, float *out, int rows, int n, float eps) {
-    for (int r = 0; r < rows; r++) {
-        const float *xr = x + (int64_t)r * n;
-        float *o = out + (int64_t)r * n;
+/* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps); w may be NULL (no weight); out may be x. */
+static void rms_norm(const float *x, const float *w, float *out, int64_t rows, int n, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *o = out + r * n;
         float ss = 0.0f;
         for (int i = 0; i < n; i++) ss += xr[i] * xr[i];
         float inv = 1.0f / sqrtf(ss / (float)n + eps);
@@ -95,54 +133,55 @@ static void rope(float *x, const float *cos_, const float *sin_, int d, float *t
     memcpy(x, tmp, sizeof(float) * d);
 }
 
-/* Integer configuration, in this order (the Python side fills an int64 array). */
-enum {
-    C_BATCH, C_HIDDEN, C_HEADS, C_KV_HEADS, C_HEAD_DIM, C_INTER, C_VOCAB, C_LAYERS,
-    C_CAPACITY, C_QK_NORM, C_QKV_BIAS, C_O_BIAS, C_GELU, C_EMBED_ROWS, C_COUNT
-};
-
-/* Pointers: the root ones, then PER_LAYER for each layer. */
-enum { P_EMBED, P_NORM, P_HEAD_T, P_ROTARY, P_KEY_BIAS, P_SCRATCH, P_ROOT };
-enum {
-    L_LN1, L_LN2, L_QKV_T, L_QKV_BIAS, L_QK_NORM, L_O_T, L_O_BIAS, L_GATE_UP_T, L_DOWN_T,
-    L_K_CACHE, L_V_CACHE, PER_LAYER
-};
-
-/* Floats of scratch one step needs (the Python side allocates it). */
-int64_t tether_scratch_floats(const int64_t *cfg) {
-    int64_t b = cfg[C_BATCH], h = cfg[C_HIDDEN], d = cfg[C_HEAD_DIM], s = cfg[C_CAPACITY];
-    int64_t qkv = (cfg[C_HEADS] + 2 * cfg[C_KV_HEADS]) * d;
-    int64_t group = cfg[C_HEADS] / cfg[C_KV_HEADS];
-    return b * h * 2 + b * qkv + b * cfg[C_HEADS] * d + b * 2 * cfg[C_INTER] + group * s + d;
+/* softmax(bias + scale * q.K^T) V for the `group` query heads (q: group x d, contiguous) that
+ * share one KV head, over ctx cached positions: each key and value row is read once for all of
+ * them (it comes from L3 or memory; the queries and outputs stay in L1). sc holds group x ctx
+ * scores. A query with no key to attend to (a padding position of a prompt) gets 0. */
+static void attend(const float *q, int group, const float *keys, const float *vals, const float *bias,
+                   int64_t ctx, float scale, int d, float *sc, float *out, const float *next_keys,
+                   const float *next_vals, int64_t next_ctx) {
+    for (int64_t s = 0; s < ctx; s++) {
+        const float *k = keys + s * d;
+        if (next_keys && s < next_ctx)  /* the next block's rows, one per row of this one */
+            for (int i = 0; i < d; i += 16) {
+                __builtin_prefetch(next_keys + s * d + i);
+                __builtin_prefetch(next_vals + s * d + i);
+            }
+        for (int j = 0; j < group; j++) {
+            const float *qj = q + (int64_t)j * d;
+            float dot = 0.0f;
+            for (int i = 0; i < d; i++) dot += qj[i] * k[i];
+            sc[j * ctx + s] = bias[s] + scale * dot;
+        }
+    }
+    for (int j = 0; j < group; j++) {
+        float *sj = sc + j * ctx, top = -INFINITY, total = 0.0f;
+        for (int64_t s = 0; s < ctx; s++) top = sj[s] > top ? sj[s] : top;
+        if (top == -INFINITY) {  /* nothing to attend to: p = 0 everywhere */
+            for (int64_t s = 0; s < ctx; s++) sj[s] = 0.0f;
+            continue;
+        }
+        for (int64_t s = 0; s < ctx; s++) {
+            sj[s] = exp_f32(sj[s] - top);
+            total += sj[s];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t s = 0; s < ctx; s++) sj[s] *= inv;
+    }
+    memset(out, 0, sizeof(float) * d * group);
+    for (int64_t s = 0; s < ctx; s++) {
+        const float *v = vals + s * d;
+        for (int j = 0; j < group; j++) {
+            const float p = sc[j * ctx + s];
+            float *oj = out + (int64_t)j * d;
+            for (int i = 0; i < d; i++) oj[i] += p * v[i];
+        }
+    }
 }
 
-/* softmax(bias + scale * q.K^T) V for one query head over ctx positions; scores in sc (ctx). */
-static void attend(const float *q, const float *keys, const float *vals, const float *bias, int ctx,
-                   float scale, int d, float *sc, float *out) {
-    float top = -INFINITY;
-    for (int s = 0; s < ctx; s++) {
-        const float *k = keys + (int64_t)s * d;
-        float dot = 0.0f;
-        for (int i = 0; i < d; i++) dot += q[i] * k[i];
-        sc[s] = bias[s] + scale * dot;
-        top = sc[s] > top ? sc[s] : top;
-    }
-    float total = 0.0f;
-    for (int s = 0; s < ctx; s++) {
-        sc[s] = exp_f32(sc[s] - top);
-        total += sc[s];
-    }
-    const float inv = 1.0f / total;
-    memset(out, 0, sizeof(float) * d);
-    for (int s = 0; s < ctx; s++) {
-        const float p = sc[s] * inv, *v = vals + (int64_t)s * d;
-        for (int i = 0; i < d; i++) out[i] += p * v[i];
-    }
-}
-
-static void activate(float *gate_up, int rows, int inter, int gelu) {
-    for (int r = 0; r < rows; r++) {
-        float *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;
+static void activate(float *gate_up, int64_t rows, int inter, int gelu) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *g = gate_up + r * 2 * inter, *u = g + inter;
         if (gelu) {
             for (int i = 0; i < inter; i++) g[i] = 0.5f * g[i] * (1.0f + erff(g[i] * 0.70710678118654752f)) * u[i];
         } else {
@@ -151,99 +190,174 @@ static void activate(float *gate_up, int rows, int inter, int gelu) {
     }
 }
 
-/* One step: append tokens[b] at position t of every row, write the next logits (batch x vocab),
- * advance next_pos. t is the number of positions already in the cache. Returns 0, or -1 - r when
- * row r's token is not in the embedding table (nothing is written then). */
-int tether_decode_step(const int64_t *cfg, float eps, float scale, void **ptrs, int64_t t,
-                        const int64_t *tokens, int64_t *next_pos, float *logits) {
-    const int b = (int)cfg[C_BATCH], hid = (int)cfg[C_HIDDEN], heads = (int)cfg[C_HEADS];
-    const int kvh = (int)cfg[C_KV_HEADS], d = (int)cfg[C_HEAD_DIM], inter = (int)cfg[C_INTER];
-    const int vocab = (int)cfg[C_VOCAB], layers = (int)cfg[C_LAYERS];
+/* Integer configuration, in this order (the Python side fills an int64 array). */
+enum {
+    C_BATCH, C_HIDDEN, C_HEADS, C_KV_HEADS, C_HEAD_DIM, C_INTER, C_VOCAB, C_LAYERS,
+    C_CAPACITY, C_QK_NORM, C_QKV_BIAS, C_O_BIAS, C_GELU, C_EMBED_ROWS, C_ROWS, C_COUNT
+};
+
+/* Pointers: the root ones, then PER_LAYER for each layer. Weight matrices are packed. */
+enum { P_EMBED, P_NORM, P_HEAD, P_ROTARY, P_KEY_BIAS, P_SCRATCH, P_INDEX, P_ROOT };
+enum {
+    L_LN1, L_LN2, L_QKV, L_QKV_BIAS, L_QK_NORM, L_O, L_O_BIAS, L_GATE_UP, L_DOWN,
+    L_K_CACHE, L_V_CACHE, PER_LAYER
+};
+
+/* The buffers a forward over up to cfg[C_ROWS] rows at once needs: floats, then int64s. */
+int64_t tether_scratch_floats(const int64_t *cfg) {
+    int64_t n = cfg[C_ROWS], h = cfg[C_HIDDEN], d = cfg[C_HEAD_DIM];
+    int64_t qkv = (cfg[C_HEADS] + 2 * cfg[C_KV_HEADS]) * d;
+    return n * (2 * h + qkv + cfg[C_HEADS] * d + 2 * cfg[C_INTER]) + cfg[C_HEADS] / cfg[C_KV_HEADS] * cfg[C_CAPACITY] + d;
+}
+
+int64_t tether_index_ints(const int64_t *cfg) { return 4 * cfg[C_ROWS]; }
+
+/* Every layer over `rows` new positions whose input embeddings are in the scratch's x. Row n
+ * writes its K/V at slot slot[n] of cache row cache_row[n] (and of the `copies - 1` cache rows
+ * after it: a prompt's group of samples), is rotated to position pos[n], and attends over slots
+ * 0 .. ctx[n] - 1 of that cache row. */
+static void forward(const int64_t *cfg, float eps, float scale, void **ptrs, int64_t rows,
+                    const int64_t *cache_row, const int64_t *slot, const int64_t *pos, const int64_t *ctx,
+                    int64_t copies) {
+    const int hid = (int)cfg[C_HIDDEN], heads = (int)cfg[C_HEADS], kvh = (int)cfg[C_KV_HEADS];
+    const int d = (int)cfg[C_HEAD_DIM], inter = (int)cfg[C_INTER], layers = (int)cfg[C_LAYERS];
     const int64_t cap = cfg[C_CAPACITY];
-    const int group = heads / kvh, width = (heads + 2 * kvh) * d, ctx = (int)t + 1;
-    const float *embed = ptrs[P_EMBED], *rotary = ptrs[P_ROTARY], *key_bias = ptrs[P_KEY_BIAS];
-
-    float *x = ptrs[P_SCRATCH];               /* (b, hid): the residual stream */
-    float *nrm = x + (int64_t)b * hid;        /* (b, hid): normalised input of a projection */
-    float *qkv = nrm + (int64_t)b * hid;      /* (b, width) */
-    float *att = qkv + (int64_t)b * width;    /* (b, heads*d) */
-    float *gate_up = att + (int64_t)b * heads * d; /* (b, 2*inter) */
-    float *scores = gate_up + (int64_t)b * 2 * inter; /* (group, cap) */
-    float *tmp = scores + (int64_t)group * cap;        /* (d) */
-
-#ifdef TETHER_PROFILE
-    uint64_t last_ = __rdtsc();
-#endif
-    for (int r = 0; r < b; r++)
-        if (tokens[r] < 0 || tokens[r] >= cfg[C_EMBED_ROWS]) return -1 - r;
-    for (int r = 0; r < b; r++)
-        memcpy(x + (int64_t)r * hid, embed + tokens[r] * hid, sizeof(float) * hid);
+    const int group = heads / kvh, width = (heads + 2 * kvh) * d;
+    const float *rotary = ptrs[P_ROTARY], *key_bias = ptrs[P_KEY_BIAS];
+    float *x = ptrs[P_SCRATCH];          /* (rows, hid): the residual stream */
+    float *nrm = x + rows * hid;         /* (rows, hid): normalised input of a projection */
+    float *qkv = nrm + rows * hid;       /* (rows, width) */
+    float *att = qkv + rows * width;     /* (rows, heads*d) */
+    float *gate_up = att + rows * heads * d; /* (rows, 2*inter) */
+    float *scores = gate_up + rows * 2 * inter; /* (group, cap) */
+    float *tmp = scores + group * cap;          /* (d) */
+    PROFILE_START;
 
     for (int l = 0; l < layers; l++) {
         void **lp = ptrs + P_ROOT + (int64_t)l * PER_LAYER;
         const float *qkv_bias = lp[L_QKV_BIAS], *qk_norm = lp[L_QK_NORM], *o_bias = lp[L_O_BIAS];
         float *kc = lp[L_K_CACHE], *vc = lp[L_V_CACHE];
 
-        rms_norm(x, lp[L_LN1], nrm, b, hid, eps);
-        MARK(0);
+        rms_norm(x, lp[L_LN1], nrm, rows, hid, eps);
+        MARK(S_NORMS);
         if (qkv_bias) {  /* bias + h W^T, the bias as the product's starting value (torch.addmm) */
-            for (int r = 0; r < b; r++) memcpy(qkv + (int64_t)r * width, qkv_bias, sizeof(float) * width);
-            gemm(b, width, hid, nrm, lp[L_QKV_T], qkv, 1.0f);
+            for (int64_t r = 0; r < rows; r++) memcpy(qkv + r * width, qkv_bias, sizeof(float) * width);
+            gemm((int)rows, width, hid, nrm, hid, lp[L_QKV], qkv, width, 1.0f);
         } else {
-            gemm(b, width, hid, nrm, lp[L_QKV_T], qkv, 0.0f);
+            gemm((int)rows, width, hid, nrm, hid, lp[L_QKV], qkv, width, 0.0f);
         }
-        MARK(1);
-        for (int r = 0; r < b; r++) {
-            float *row = qkv + (int64_t)r * width;
-            /* (2, 1, d) per position: cos, then sign-folded sin */
-            const float *cs = rotary + next_pos[r] * 2 * d, *sn = cs + d;
+        MARK(S_QKV_GEMM);
+        for (int64_t r = 0; r < rows; r++) {
+            float *row = qkv + r * width;
+            const float *cs = rotary + pos[r] * 2 * d, *sn = cs + d; /* (2, 1, d): cos, signed sin */
             for (int hh = 0; hh < heads + kvh; hh++) {
                 float *v = row + (int64_t)hh * d;
                 if (qk_norm) rms_norm(v, qk_norm + (int64_t)hh * d, v, 1, d, eps);
                 rope(v, cs, sn, d, tmp);
             }
-            for (int g = 0; g < kvh; g++) {
-                int64_t at = (((int64_t)r * kvh + g) * cap + t) * d;
-                memcpy(kc + at, row + (int64_t)(heads + g) * d, sizeof(float) * d);
-                memcpy(vc + at, row + (int64_t)(heads + kvh + g) * d, sizeof(float) * d);
-            }
-            /* attention of this row's query heads over its positions 0..t, a kv head at a time */
-            for (int g = 0; g < kvh; g++) {
-                const int64_t block = ((int64_t)r * kvh + g) * cap;
-                for (int j = 0; j < group; j++) {
-                    const int hh = g * group + j;
-                    attend(row + (int64_t)hh * d, kc + block * d, vc + block * d, key_bias + block, ctx,
-                           scale, d, scores, att + (int64_t)r * heads * d + (int64_t)hh * d);
+            for (int64_t c = 0; c < copies; c++)
+                for (int g = 0; g < kvh; g++) {
+                    int64_t at = (((cache_row[r] + c) * kvh + g) * cap + slot[r]) * d;
+                    memcpy(kc + at, row + (int64_t)(heads + g) * d, sizeof(float) * d);
+                    memcpy(vc + at, row + (int64_t)(heads + kvh + g) * d, sizeof(float) * d);
                 }
+        }
+        MARK(S_ROTARY_KV);
+        /* all of this call's K/V are in place: attend (a prompt's positions see each other) */
+        for (int64_t r = 0; r < rows; r++) {
+            const float *row = qkv + r * width;
+            for (int g = 0; g < kvh; g++) {  /* query heads g*group .. are kv head g's */
+                const int64_t block = cache_row[r] * kvh + g;
+                /* the block attended next, to prefetch while this one is read */
+                const int last = g + 1 == kvh, more = !last || r + 1 < rows;
+                const int64_t next = last ? (r + 1 < rows ? cache_row[r + 1] * kvh : 0) : block + 1;
+                attend(row + (int64_t)g * group * d, group, kc + block * cap * d, vc + block * cap * d,
+                       key_bias + block * cap, ctx[r], scale, d, scores, att + r * heads * d + (int64_t)g * group * d,
+                       more ? kc + next * cap * d : 0, more ? vc + next * cap * d : 0,
+                       more ? ctx[last ? r + 1 : r] : 0);
             }
         }
-        MARK(2);
+        MARK(S_ATTENTION);
         if (o_bias) {  /* x + (att W_o^T + b_o), as the Python path adds them */
-            gemm(b, hid, heads * d, att, lp[L_O_T], nrm, 0.0f);
-            for (int r = 0; r < b; r++)
-                for (int i = 0; i < hid; i++) x[(int64_t)r * hid + i] += nrm[(int64_t)r * hid + i] + o_bias[i];
+            gemm((int)rows, hid, heads * d, att, heads * d, lp[L_O], nrm, hid, 0.0f);
+            for (int64_t r = 0; r < rows; r++)
+                for (int i = 0; i < hid; i++) x[r * hid + i] += nrm[r * hid + i] + o_bias[i];
         } else {
-            gemm(b, hid, heads * d, att, lp[L_O_T], x, 1.0f);
+            gemm((int)rows, hid, heads * d, att, heads * d, lp[L_O], x, hid, 1.0f);
         }
-        MARK(3);
-        rms_norm(x, lp[L_LN2], nrm, b, hid, eps);
-        MARK(0);
-        gemm(b, 2 * inter, hid, nrm, lp[L_GATE_UP_T], gate_up, 0.0f);
-        MARK(4);
-        activate(gate_up, b, inter, (int)cfg[C_GELU]);
-        MARK(5);
+        MARK(S_O_GEMM);
+        rms_norm(x, lp[L_LN2], nrm, rows, hid, eps);
+        MARK(S_NORMS);
+        gemm((int)rows, 2 * inter, hid, nrm, hid, lp[L_GATE_UP], gate_up, 2 * inter, 0.0f);
+        MARK(S_GATE_UP_GEMM);
+        activate(gate_up, rows, inter, (int)cfg[C_GELU]);
+        MARK(S_ACTIVATION);
         /* x += act(gate)*up @ W_down^T: the activation sits in gate's half, rows 2*inter apart */
-        {
-            const float one = 1.0f;
-            const int lda = 2 * inter;
-            sgemm_ptr("N", "N", &hid, &b, &inter, &one, lp[L_DOWN_T], &hid, gate_up, &lda, &one, x, &hid);
-        }
-        MARK(6);
+        gemm((int)rows, hid, inter, gate_up, 2 * inter, lp[L_DOWN], x, hid, 1.0f);
+        MARK(S_DOWN_GEMM);
     }
-    rms_norm(x, ptrs[P_NORM], nrm, b, hid, eps);
-    MARK(0);
-    gemm(b, vocab, hid, nrm, ptrs[P_HEAD_T], logits, 0.0f);
-    MARK(7);
-    for (int r = 0; r < b; r++) next_pos[r] += 1;
+}
+
+/* logits (n x vocab) = head(norm(rows of x)): `which` picks the n rows. */
+static void head(const int64_t *cfg, float eps, void **ptrs, int64_t rows, const int64_t *which, int64_t n,
+                 float *logits) {
+    const int hid = (int)cfg[C_HIDDEN];
+    float *x = ptrs[P_SCRATCH], *nrm = x + rows * hid;
+    PROFILE_START;
+    for (int64_t i = 0; i < n; i++) memcpy(nrm + i * hid, x + which[i] * hid, sizeof(float) * hid);
+    rms_norm(nrm, ptrs[P_NORM], nrm, n, hid, eps);
+    MARK(S_NORMS);
+    gemm((int)n, (int)cfg[C_VOCAB], hid, nrm, hid, ptrs[P_HEAD], logits, (int)cfg[C_VOCAB], 0.0f);
+    MARK(S_HEAD_GEMM);
+}
+
+/* Returns 0, or -1 - i when ids[i] is not in the embedding table (nothing is written then). */
+static int embed(const int64_t *cfg, void **ptrs, const int64_t *ids, int64_t n) {
+    const int hid = (int)cfg[C_HIDDEN];
+    const float *table = ptrs[P_EMBED];
+    float *x = ptrs[P_SCRATCH];
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= cfg[C_EMBED_ROWS]) return (int)(-1 - i);
+    for (int64_t i = 0; i < n; i++) memcpy(x + i * hid, table + ids[i] * hid, sizeof(float) * hid);
+    return 0;
+}
+
+/* The prompts ids (u x p, left-padded; positions their rotary positions, padding's 0) run once
+ * each; their K/V fill slots 0 .. p-1 of the `repeats` cache rows of each prompt's group.
+ * logits (u x vocab): the next-token logits after each prompt. Returns as embed(). */
+int tether_prefill(const int64_t *cfg, float eps, float scale, void **ptrs, const int64_t *ids,
+                   const int64_t *positions, int64_t u, int64_t p, int64_t repeats, float *logits) {
+    const int64_t rows = u * p;
+    if (rows > cfg[C_ROWS]) return -1 - (int)cfg[C_ROWS];
+    int status = embed(cfg, ptrs, ids, rows);
+    if (status != 0) return status;
+    int64_t *cache_row = ptrs[P_INDEX], *slot = cache_row + rows, *ctx = slot + rows, *last = ctx + rows;
+    for (int64_t i = 0; i < rows; i++) {
+        cache_row[i] = (i / p) * repeats;
+        slot[i] = i % p;
+        ctx[i] = i % p + 1;  /* causal; padding is the key mask's -inf */
+    }
+    forward(cfg, eps, scale, ptrs, rows, cache_row, slot, positions, ctx, repeats);
+    for (int64_t i = 0; i < u; i++) last[i] = i * p + p - 1;
+    head(cfg, eps, ptrs, rows, last, u, logits);
+    return 0;
+}
+
+/* One step: append tokens[b] at slot t of every row, write the next logits (batch x vocab),
+ * advance next_pos. t is the number of slots already in the cache. Returns as embed(). */
+int tether_decode_step(const int64_t *cfg, float eps, float scale, void **ptrs, int64_t t,
+                       const int64_t *tokens, int64_t *next_pos, float *logits) {
+    const int64_t b = cfg[C_BATCH];
+    int status = embed(cfg, ptrs, tokens, b);
+    if (status != 0) return status;
+    int64_t *cache_row = ptrs[P_INDEX], *slot = cache_row + b, *ctx = slot + b;
+    for (int64_t r = 0; r < b; r++) {
+        cache_row[r] = r;
+        slot[r] = t;
+        ctx[r] = t + 1;
+    }
+    forward(cfg, eps, scale, ptrs, b, cache_row, slot, next_pos, ctx, 1);
+    head(cfg, eps, ptrs, b, cache_row, b, logits);  /* every row: cache_row[r] = r */
+    for (int64_t r = 0; r < b; r++) next_pos[r] += 1;
     return 0;
 }
