@@ -3,8 +3,11 @@
 Same ~3M-parameter model (the `small` preset), same 64 prompts, 32 new tokens each (stop tokens
 disabled so both produce exactly 64 × 32 tokens), temperature 1. transformers gets
 `output_scores=True` plus `compute_transition_scores`, i.e. it also returns per-token log-probs,
-which is what an RL engine needs. Interleaved repeats; the median of each is reported, at 1 and
-2 threads.
+which is what an RL engine needs. Tether's engine is timed as a rollout worker runs it: one
+decoder for the run, its weights re-read before every batch (as after each publication; the
+re-read is in the time), through its native decoder (``rollout.decoder=auto``) and, beside it,
+its Python path (``rollout.decoder=python``). Interleaved repeats; the median of each is
+reported, at 1 and 2 threads.
 
 Target (issue 3): at least 1.5× transformers' tokens/s at 1 thread. Beside the ratio, the fraction of
 this machine's own limit (issue 20): the useful arithmetic of a run (2 FLOPs per matmul parameter
@@ -15,10 +18,16 @@ the peak an engine would reach if it spent no time outside the decode step's wei
 at the rate its shape reaches alone (prefill and attention counted at the peak rate) — an upper
 bound on what any engine built on these matrix multiplies can show on this workload.
 
+``--profile`` prints where a decode step spends its time instead, on each path: the native
+decoder's own sections (a build of the library that times them) and the Python path's operators
+(``torch.profiler``), the rest of its wall time being Python and dispatch.
+
 With ``--device cuda`` both run on the GPU instead (one measurement; thread counts do not
-apply), for a machine that has one (scripts/device_check.sh).
+apply; the native decoder is CPU-only, so Tether runs its Python path), for a machine that has
+one (scripts/device_check.sh).
 
     python benchmarks/engine.py [--prompts 64] [--new-tokens 32] [--repeats 5] [--device cpu] [--json]
+    python benchmarks/engine.py --profile [--size small]
 """
 
 from __future__ import annotations
@@ -57,14 +66,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_tether(model, tok, prompts, new_tokens: int) -> float:
+def time_tether(model, tok, prompts, new_tokens: int, stepper) -> float:
+    """One batch through ``stepper`` (a ``stepper_for`` kept for the run), its weights re-read
+    first, as a rollout worker does after every publication."""
     from tether.decoding.sampling import SamplingParams, sample
 
     device = next(model.parameters()).device
     _sync(device)
     t0 = time.perf_counter()
+    stepper.invalidate()
     out = sample(model, prompts, SamplingParams(max_new_tokens=new_tokens), stop_ids=[],
-                 pad_id=tok.pad_token_id, generator=torch.Generator(device=device).manual_seed(0))
+                 pad_id=tok.pad_token_id, generator=torch.Generator(device=device).manual_seed(0),
+                 stepper=stepper)
     elapsed = time.perf_counter() - t0  # the tokens come back as lists: already synchronised
     assert sum(len(t) for t in out.tokens) == len(prompts) * new_tokens
     return elapsed
@@ -171,19 +184,28 @@ def measure(n_prompts: int, new_tokens: int, repeats: int, size: str = "small", 
     result: dict = {"prompts": n_prompts, "new_tokens": new_tokens, "repeats": repeats, "device": device,
                     "size": size, "parameters": sum(p.numel() for p in model.parameters()),
                     "flops_per_run": flops, "threads": {}}
+    from tether.decoding.sampling import stepper_for
+
     on_gpu = torch.device(device).type == "cuda"
+    engine, python_path = stepper_for(model), stepper_for(model, decoder="python")
+    result["decoder"] = getattr(engine, "path", "transformers") if not on_gpu else "python"
     for threads in ((1,) if on_gpu else (1, 2)):
         torch.set_num_threads(threads)
         peak = None if on_gpu else matmul_peak(decode_shapes(model, n_prompts))
-        time_tether(model, tok, prompts, new_tokens)  # warm up both
+        time_tether(model, tok, prompts, new_tokens, engine)  # warm up all three
+        time_tether(model, tok, prompts, new_tokens, python_path)
         time_hf(model, tok, prompts, new_tokens)
-        ours, theirs = [], []
+        result["decoder"] = getattr(engine, "path", "transformers")
+        ours, python, theirs = [], [], []
         for _ in range(repeats):
-            ours.append(time_tether(model, tok, prompts, new_tokens))
+            ours.append(time_tether(model, tok, prompts, new_tokens, engine))
+            python.append(time_tether(model, tok, prompts, new_tokens, python_path))
             theirs.append(time_hf(model, tok, prompts, new_tokens))
-        t, h = statistics.median(ours), statistics.median(theirs)
+        t, py, h = statistics.median(ours), statistics.median(python), statistics.median(theirs)
         row = {"tether_tokens_per_s": tokens / t, "hf_generate_tokens_per_s": tokens / h, "speedup": h / t,
-               "tether_gflops": flops / t / 1e9, "hf_generate_gflops": flops / h / 1e9}
+               "tether_gflops": flops / t / 1e9, "hf_generate_gflops": flops / h / 1e9,
+               "python_path_tokens_per_s": tokens / py, "python_path_speedup": h / py,
+               "native_over_python_path": py / t}
         if peak is not None:
             floor = gemm_floor_seconds(model, prompts, new_tokens, peak)
             chain = gemm_chain_seconds(model, prompts, new_tokens, peak)
@@ -193,15 +215,98 @@ def measure(n_prompts: int, new_tokens: int, repeats: int, size: str = "small", 
                         "time_over_gemm_floor": t / floor,
                         "gemm_chain_fraction_of_peak": flops / chain / 1e9 / peak["gflops"],
                         "time_over_gemm_chain": t / chain,
-                        "hf_generate_fraction_of_peak": flops / h / 1e9 / peak["gflops"]})
+                        "hf_generate_fraction_of_peak": flops / h / 1e9 / peak["gflops"],
+                        "python_path_fraction_of_peak": flops / py / 1e9 / peak["gflops"]})
         result["threads"][str(threads)] = row
     result["speedup_vs_hf_generate"] = result["threads"]["1"]["speedup"]
     result["fraction_of_peak"] = result["threads"]["1"].get("fraction_of_peak")
+    result["fraction_of_peak_target"] = 0.7
     result["gemm_floor_fraction_of_peak"] = result["threads"]["1"].get("gemm_floor_fraction_of_peak")
     result["gemm_chain_fraction_of_peak"] = result["threads"]["1"].get("gemm_chain_fraction_of_peak")
     result["target"] = 1.5
     result["meets_target"] = result["speedup_vs_hf_generate"] >= 1.5
     return result
+
+
+GEMMS = {"aten::mm", "aten::addmm"}
+ATTENTION = {"aten::bmm", "aten::baddbmm", "aten::_softmax"}
+
+
+def profile(size: str, n_prompts: int, new_tokens: int, repeats: int = 5) -> dict:
+    """Where one decode step spends its time (1 thread), on the native decoder (its sections,
+    from a build that times them) and on the Python path (``torch.profiler``'s operator self
+    times; the rest of the step's wall time is Python and dispatch). The best of ``repeats``
+    batches of each."""
+    import os
+
+    os.environ["TETHER_NATIVE_PROFILE"] = "1"  # before the library is first loaded
+    from torch.profiler import profile as torch_profile
+
+    from tether.decoding import native
+    from tether.decoding.fast_decoder import FastDecoder
+    from tether.decoding.sampling import left_pad
+
+    torch.set_num_threads(1)
+    model, tok = build(size)
+    model.eval()
+    ids, mask = left_pad(prompts_of(tok, n_prompts), tok.pad_token_id)
+    steps = new_tokens - 1
+
+    def prefilled(dec) -> torch.Tensor:
+        return dec.prefill(ids, mask, new_tokens).argmax(-1)
+
+    def decode_steps(dec, tokens: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            dec.decode(tokens)
+        return (time.perf_counter() - t0) / steps
+
+    out: dict = {"size": size, "prompts": n_prompts, "threads": 1}
+    dec = FastDecoder(model, decoder="native")
+    best = None
+    for _ in range(repeats + 1):
+        tokens = prefilled(dec)
+        native.profile(reset=True)
+        wall = decode_steps(dec, tokens)
+        sections = {k: v / steps for k, v in native.profile().items()}
+        if best is None or wall < best[0]:
+            best = (wall, sections)
+    wall, sections = best
+    outside = "outside the library (Python, ctypes, the embedding lookup)"
+    sections[outside] = max(0.0, wall - sum(sections.values()))
+    out["native"] = {"step_ms": wall * 1e3, "parts_ms": {k: v * 1e3 for k, v in sections.items()}}
+
+    dec = FastDecoder(model, decoder="python")
+    wall = min(decode_steps(dec, prefilled(dec)) for _ in range(repeats + 1))
+    tokens = prefilled(dec)
+    with torch_profile() as prof:
+        decode_steps(dec, tokens)
+    ops = {e.key: e.self_cpu_time_total / 1e6 / steps for e in prof.key_averages()}
+    others = {k: v for k, v in ops.items() if k not in GEMMS | ATTENTION}
+    parts = {"weight GEMMs (mm, addmm)": sum(v for k, v in ops.items() if k in GEMMS),
+             "attention (bmm, baddbmm, softmax)": sum(v for k, v in ops.items() if k in ATTENTION),
+             "other operators (norms, rotary, KV writes, SiLU, copies)": sum(others.values())}
+    dispatch = "Python and dispatch (the step's wall time outside operators)"
+    parts[dispatch] = max(0.0, wall - sum(parts.values()))
+    top = sorted(others.items(), key=lambda kv: -kv[1])[:8]
+    out["python"] = {"step_ms": wall * 1e3, "parts_ms": {k: v * 1e3 for k, v in parts.items()},
+                     "top_other_ops_ms": {k: v * 1e3 for k, v in top},
+                     "operator_calls_per_step": sum(e.count for e in prof.key_averages()) / steps}
+    return out
+
+
+def print_profile(r: dict) -> None:
+    print(f"decode step, {r['size']} model, {r['prompts']} rows, 1 thread")
+    for path in ("python", "native"):
+        p = r[path]
+        print(f"\n{path} path: {p['step_ms']:.3f} ms a step")
+        for name, ms in p["parts_ms"].items():
+            print(f"  {name:<66}{ms:>8.3f} ms{ms / p['step_ms']:>7.0%}")
+        if "top_other_ops_ms" in p:
+            largest = ", ".join(f"{k.removeprefix('aten::')} {v:.3f} ms"
+                                for k, v in p["top_other_ops_ms"].items())
+            print(f"  ({p['operator_calls_per_step']:.0f} operator calls a step, nested ones included; "
+                  f"the largest other operators: {largest})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,29 +317,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="small", choices=["tiny", "small", "base"])
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--profile", action="store_true", help="where a decode step spends its time, on each path")
     a = p.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: this machine has no CUDA device")
+    if a.profile:
+        r = profile(a.size, a.prompts, a.new_tokens)
+        print(json.dumps(r)) if a.json else print_profile(r)
+        return 0
     r = measure(a.prompts, a.new_tokens, a.repeats, a.size, a.device)
     if a.json:
         print(json.dumps(r))
         return 0
     print(f"{a.prompts} prompts × {a.new_tokens} new tokens, {r['parameters']:,}-parameter model, "
-          f"median of {a.repeats}, on {a.device}")
-    print(f"{'threads':>8}{'tether tok/s':>16}{'hf generate tok/s':>20}{'speedup':>10}"
-          f"{'tether GFLOP/s':>16}{'matmul peak':>13}{'of peak':>9}{'GEMM floor':>12}{'GEMM chain':>12}")
+          f"median of {a.repeats}, on {a.device}; Tether's decoder: {r['decoder']}")
+    print(f"{'threads':>8}{'tether tok/s':>14}{'python path':>13}{'hf generate':>13}{'speedup':>9}"
+          f"{'GFLOP/s':>9}{'matmul peak':>13}{'of peak':>9}{'python path':>13}{'GEMM floor':>12}"
+          f"{'GEMM chain':>12}")
     for threads, row in r["threads"].items():
         peak = (f"{row['matmul_peak_gflops']:>13.1f}{row['fraction_of_peak']:>8.0%}"
+                f"{row['python_path_fraction_of_peak']:>12.0%}"
                 f"{row['gemm_floor_fraction_of_peak']:>11.0%}{row['gemm_chain_fraction_of_peak']:>11.0%}"
-                if "matmul_peak_gflops" in row else f"{'-':>13}{'-':>9}{'-':>12}{'-':>12}")
-        print(f"{threads:>8}{row['tether_tokens_per_s']:>16.0f}{row['hf_generate_tokens_per_s']:>20.0f}"
-              f"{row['speedup']:>9.2f}×{row['tether_gflops']:>16.1f}{peak}")
+                if "matmul_peak_gflops" in row else f"{'-':>13}{'-':>9}{'-':>13}{'-':>12}{'-':>12}")
+        print(f"{threads:>8}{row['tether_tokens_per_s']:>14.0f}{row['python_path_tokens_per_s']:>13.0f}"
+              f"{row['hf_generate_tokens_per_s']:>13.0f}{row['speedup']:>8.2f}×{row['tether_gflops']:>9.1f}{peak}")
     print("GEMM floor: the fraction of the peak an engine would reach that spent no time outside the decode "
           "step's weight GEMMs, each at its shape's own measured rate; GEMM chain: the same with the "
           "GEMMs timed back to back in a step's order over the engine's weights (each streaming its "
           "weights after the others evicted them)")
     print(f"speedup at 1 thread: {r['speedup_vs_hf_generate']:.2f}× (target 1.5×: "
           f"{'met' if r['meets_target'] else 'MISSED'})")
+    if r["fraction_of_peak"] is not None:
+        print(f"fraction of the matmul peak at 1 thread: {r['fraction_of_peak']:.0%} (target 70%: "
+              f"{'met' if r['fraction_of_peak'] >= r['fraction_of_peak_target'] else 'MISSED'})")
     return 0
 
 

@@ -109,6 +109,40 @@ static inline float exp_f32(float x) {
     return x < -87.3f ? 0.0f : p * scale;
 }
 
+/* log(x) in float32 to about 1 ulp, vectorisable: x = 2^e * m with m in [sqrt(1/2), sqrt(2)),
+ * log(m) by Cephes' degree-9 polynomial for logf. log(0) = -inf, log(inf) = inf (the Gumbel
+ * noise of a uniform draw of 0 is then never the argmax, as in torch). */
+static inline float log_f32(float x) {
+    int32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    int32_t e = ((bits >> 23) & 0xff) - 126;
+    int32_t mbits = (bits & 0x007fffff) | 0x3f000000; /* m in [0.5, 1) */
+    float m;
+    memcpy(&m, &mbits, sizeof m);
+    if (m < 0.70710678118654752f) {
+        e -= 1;
+        m = m + m - 1.0f;
+    } else {
+        m = m - 1.0f;
+    }
+    float z = m * m;
+    float y = 7.0376836292e-2f;
+    y = y * m - 1.1514610310e-1f;
+    y = y * m + 1.1676998740e-1f;
+    y = y * m - 1.2420140846e-1f;
+    y = y * m + 1.4249322787e-1f;
+    y = y * m - 1.6668057665e-1f;
+    y = y * m + 2.0000714765e-1f;
+    y = y * m - 2.4999993993e-1f;
+    y = y * m + 3.3333331174e-1f;
+    y = y * m * z;
+    float fe = (float)e;
+    y += -2.12194440e-4f * fe;
+    y += -0.5f * z;
+    float r = m + y + 0.693359375f * fe;
+    return x == 0.0f ? -INFINITY : (x == INFINITY ? INFINITY : r);
+}
+
 /* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps); w may be NULL (no weight); out may be x. */
 static void rms_norm(const float *x, const float *w, float *out, int64_t rows, int n, float eps) {
     for (int64_t r = 0; r < rows; r++) {
@@ -124,13 +158,26 @@ static void rms_norm(const float *x, const float *w, float *out, int64_t rows, i
     }
 }
 
-/* x*cos + swap_halves(x)*sin, in place on one head vector of width d (sin's first half holds
- * -sin, as the Python path's table does). */
-static void rope(float *x, const float *cos_, const float *sin_, int d, float *tmp) {
-    int half = d / 2;
-    for (int i = 0; i < half; i++) tmp[i] = x[i] * cos_[i] + x[i + half] * sin_[i];
-    for (int i = half; i < d; i++) tmp[i] = x[i] * cos_[i] + x[i - half] * sin_[i];
-    memcpy(x, tmp, sizeof(float) * d);
+/* One head vector of width d, in place: RMSNorm with weight w (Qwen3's q/k norm; none when w is
+ * NULL), then rotary: x*cos + swap_halves(x)*sin, sin's first half holding -sin as the Python
+ * path's table does. Each pair (i, i + d/2) is read once and written once. */
+static void norm_rope(float *x, const float *w, const float *cos_, const float *sin_, int d, float eps) {
+    const int half = d / 2;
+    float inv = 1.0f;
+    if (w) {
+        float ss = 0.0f;
+        for (int i = 0; i < d; i++) ss += x[i] * x[i];
+        inv = 1.0f / sqrtf(ss / (float)d + eps);
+    }
+    for (int i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        if (w) {
+            a = w[i] * (a * inv);
+            b = w[i + half] * (b * inv);
+        }
+        x[i] = a * cos_[i] + b * sin_[i];
+        x[i + half] = b * cos_[i + half] + a * sin_[i + half];
+    }
 }
 
 /* softmax(bias + scale * q.K^T) V for the `group` query heads (q: group x d, contiguous) that
@@ -207,7 +254,7 @@ enum {
 int64_t tether_scratch_floats(const int64_t *cfg) {
     int64_t n = cfg[C_ROWS], h = cfg[C_HIDDEN], d = cfg[C_HEAD_DIM];
     int64_t qkv = (cfg[C_HEADS] + 2 * cfg[C_KV_HEADS]) * d;
-    return n * (2 * h + qkv + cfg[C_HEADS] * d + 2 * cfg[C_INTER]) + cfg[C_HEADS] / cfg[C_KV_HEADS] * cfg[C_CAPACITY] + d;
+    return n * (2 * h + qkv + cfg[C_HEADS] * d + 2 * cfg[C_INTER]) + cfg[C_HEADS] / cfg[C_KV_HEADS] * cfg[C_CAPACITY];
 }
 
 int64_t tether_index_ints(const int64_t *cfg) { return 4 * cfg[C_ROWS]; }
@@ -230,7 +277,6 @@ static void forward(const int64_t *cfg, float eps, float scale, void **ptrs, int
     float *att = qkv + rows * width;     /* (rows, heads*d) */
     float *gate_up = att + rows * heads * d; /* (rows, 2*inter) */
     float *scores = gate_up + rows * 2 * inter; /* (group, cap) */
-    float *tmp = scores + group * cap;          /* (d) */
     PROFILE_START;
 
     for (int l = 0; l < layers; l++) {
@@ -250,11 +296,8 @@ static void forward(const int64_t *cfg, float eps, float scale, void **ptrs, int
         for (int64_t r = 0; r < rows; r++) {
             float *row = qkv + r * width;
             const float *cs = rotary + pos[r] * 2 * d, *sn = cs + d; /* (2, 1, d): cos, signed sin */
-            for (int hh = 0; hh < heads + kvh; hh++) {
-                float *v = row + (int64_t)hh * d;
-                if (qk_norm) rms_norm(v, qk_norm + (int64_t)hh * d, v, 1, d, eps);
-                rope(v, cs, sn, d, tmp);
-            }
+            for (int hh = 0; hh < heads + kvh; hh++)
+                norm_rope(row + (int64_t)hh * d, qk_norm ? qk_norm + (int64_t)hh * d : 0, cs, sn, d, eps);
             for (int64_t c = 0; c < copies; c++)
                 for (int g = 0; g < kvh; g++) {
                     int64_t at = (((cache_row[r] + c) * kvh + g) * cap + slot[r]) * d;
@@ -360,4 +403,53 @@ int tether_decode_step(const int64_t *cfg, float eps, float scale, void **ptrs, 
     head(cfg, eps, ptrs, b, cache_row, b, logits);  /* every row: cache_row[r] = r */
     for (int64_t r = 0; r < b; r++) next_pos[r] += 1;
     return 0;
+}
+
+/* One token for each row of logits (rows x vocab), as the Python sampler draws it
+ * (tether/decoding/sampling.py): the log-softmax of logits / temperature, then the argmax of
+ * logp - log(-log u) with u the row's uniforms (Gumbel-max; torch.rand from the batch's
+ * generator, so the random stream is the Python path's), or of logp itself when greedy (u NULL,
+ * temperature 1). tokens[r] and logps[r] (row r's slot, stride apart) get the token and its
+ * log-prob. A row not yet done that drew one of the n_stop stop ids is marked done with length
+ * step + 1. Returns the number of rows done. */
+int64_t tether_sample(const float *logits, const float *u, int64_t rows, int64_t vocab, float temperature,
+                      int64_t *tokens, float *logps, int64_t stride, const int64_t *stop, int64_t n_stop,
+                      uint8_t *done, int64_t *lengths, int64_t step) {
+    int64_t finished = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * vocab;
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t v = 0; v < vocab; v++) {
+            const float xv = temperature == 1.0f ? x[v] : x[v] / temperature;
+            top = xv > top ? xv : top;
+        }
+        for (int64_t v = 0; v < vocab; v++) {
+            const float xv = temperature == 1.0f ? x[v] : x[v] / temperature;
+            total += exp_f32(xv - top);
+        }
+        const float log_total = log_f32(total);
+        int64_t best = 0;
+        float best_score = -INFINITY;
+        for (int64_t v = 0; v < vocab; v++) {
+            const float xv = temperature == 1.0f ? x[v] : x[v] / temperature;
+            const float logp = (xv - top) - log_total;
+            const float score = u ? logp - log_f32(-log_f32(u[r * vocab + v])) : logp;
+            if (score > best_score) {  /* the first of equal maxima, as torch.argmax */
+                best_score = score;
+                best = v;
+            }
+        }
+        const float xb = temperature == 1.0f ? x[best] : x[best] / temperature;
+        tokens[r * stride] = best;
+        logps[r * stride] = (xb - top) - log_total;
+        if (!done[r])
+            for (int64_t i = 0; i < n_stop; i++)
+                if (stop[i] == best) {
+                    done[r] = 1;
+                    lengths[r] = step + 1;
+                    break;
+                }
+        finished += done[r];
+    }
+    return finished;
 }
