@@ -103,46 +103,6 @@ def test_sampling_runs_native_and_matches_a_teacher_forced_forward(tiny_model_di
         assert torch.allclose(torch.tensor(lps), expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
-def test_native_sampling_draws_what_the_python_sampler_draws(tiny_model_dir, temperature):
-    """Same seed, same tokens, the same stops and lengths; log-probs equal to float32 rounding."""
-    from tether.decoding.sampling import SamplingParams, sample
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
-    ps = [tok(t, add_special_tokens=False).input_ids for t in ("1+1=", "12+345=", "rev abcdefg=")]
-    kw = dict(stop_ids=[tok.eos_token_id, tok("3", add_special_tokens=False).input_ids[0]],
-              pad_id=tok.pad_token_id, samples_per_prompt=6)
-    params = SamplingParams(max_new_tokens=16, temperature=temperature)
-    native_stepper = FastDecoder(model, decoder="native")
-    python_stepper = FastDecoder(model, decoder="python")
-    fast = sample(model, ps, params, generator=torch.Generator().manual_seed(3), stepper=native_stepper, **kw)
-    assert native_stepper.native_sampler is not None
-    slow = sample(model, ps, params, generator=torch.Generator().manual_seed(3), stepper=python_stepper, **kw)
-    assert fast.tokens == slow.tokens and fast.finish_reasons == slow.finish_reasons
-    if temperature > 0:  # (the random tiny model's greedy rows never stop)
-        assert "stop" in fast.finish_reasons and "length" in fast.finish_reasons
-    for a, b in zip(fast.logprobs, slow.logprobs, strict=True):
-        assert a == pytest.approx(b, abs=1e-5)
-
-
-def test_truncated_sampling_draws_with_the_python_sampler(tiny_model_dir, monkeypatch):
-    """Top-k / top-p renormalise before the draw; the native draw does not, so it is not used."""
-    from tether.decoding.sampling import SamplingParams, sample
-
-    def refuse(*_):
-        raise AssertionError("the native sampler drew a truncated step")
-
-    monkeypatch.setattr(native.NativeBatch, "sample", refuse)
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
-    stepper = FastDecoder(model, decoder="native")
-    prompt = tok("1+1=", add_special_tokens=False).input_ids
-    out = sample(model, [prompt], SamplingParams(max_new_tokens=6, top_k=5), stop_ids=[],
-                 pad_id=tok.pad_token_id, stepper=stepper)
-    assert stepper.path == "native" and len(out.tokens[0]) == 6
-
-
 def test_a_token_outside_the_table_is_refused_and_changes_nothing():
     model = _model("qwen3")
     dec = FastDecoder(model, decoder="native")

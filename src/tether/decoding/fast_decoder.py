@@ -118,12 +118,6 @@ class FastDecoder:
         """``native`` or ``python``: how the last batch ran (``native_reason`` says why not)."""
         return "native" if self.native_weights is not None else "python"
 
-    @property
-    def native_sampler(self):
-        """``NativeBatch.sample`` while this batch runs natively (``sample`` draws with it), else
-        None."""
-        return self._batch.sample if self._batch is not None else None
-
     def invalidate(self) -> None:
         """The weights changed (a load); re-read them at the next prefill."""
         self._stale = True

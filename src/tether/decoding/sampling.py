@@ -206,32 +206,23 @@ def sample(
     lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long, device=device)
     steps = 0
     for t in range(params.max_new_tokens):
-        native = None if params.truncates else getattr(stepper, "native_sampler", None)
-        if native is not None:  # the same draw in one call (the native decoder's batch)
-            u = None if params.greedy else torch.rand(logits.shape, generator=generator, device=device)
-            tok, finished = native(logits, u, 1.0 if params.greedy else params.temperature, tokens, logps, t,
-                                   stop, done, lengths)
-            all_done = len(stop) > 0 and finished == batch
+        if params.greedy:
+            dist = torch.log_softmax(logits, dim=-1)
+            tok = dist.argmax(dim=-1)
         else:
-            if params.greedy:
-                dist = torch.log_softmax(logits, dim=-1)
-                tok = dist.argmax(dim=-1)
-            else:
-                scaled = logits if params.temperature == 1.0 else logits / params.temperature
-                dist = torch.log_softmax(truncate_logits(scaled, params.top_k, params.top_p), dim=-1)
-                tok = categorical(dist, generator)
-            tokens[:, t] = tok
-            logps[:, t] = dist.gather(-1, tok[:, None]).squeeze(-1)
-            all_done = False
-            if len(stop):
-                hit = torch.isin(tok, stop) & ~done
-                lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
-                done |= hit
-                all_done = bool(done.all())
+            scaled = logits if params.temperature == 1.0 else logits / params.temperature
+            dist = torch.log_softmax(truncate_logits(scaled, params.top_k, params.top_p), dim=-1)
+            tok = categorical(dist, generator)
+        tokens[:, t] = tok
+        logps[:, t] = dist.gather(-1, tok[:, None]).squeeze(-1)
         step_versions.append(version)
         steps = t + 1
-        if all_done:
-            break
+        if len(stop):
+            hit = torch.isin(tok, stop) & ~done
+            lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
+            done |= hit
+            if bool(done.all()):
+                break
         if t + 1 == params.max_new_tokens:
             break
         newer = poll() if poll is not None else None

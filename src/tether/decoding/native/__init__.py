@@ -156,8 +156,6 @@ def _open() -> ctypes.CDLL:
     lib.tether_prefill.restype = ctypes.c_int
     lib.tether_decode_step.argtypes = [p, f32, f32, p, i64, p, p, p]
     lib.tether_decode_step.restype = ctypes.c_int
-    lib.tether_sample.argtypes = [p, p, i64, i64, f32, p, p, i64, p, i64, p, p, i64]
-    lib.tether_sample.restype = i64
     return lib
 
 
@@ -354,23 +352,3 @@ class NativeBatch:
                                              tokens.data_ptr(), next_pos.data_ptr(), logits.data_ptr())
         self._refused(status, tokens)
         return logits
-
-    def sample(self, logits: torch.Tensor, u: torch.Tensor | None, temperature: float, tokens: torch.Tensor,
-               logps: torch.Tensor, step: int, stop: torch.Tensor, done: torch.Tensor,
-               lengths: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """``tether.decoding.sampling.sample``'s draw for one step in one call (untruncated
-        sampling, or greedy with ``u`` None): writes column ``step`` of ``tokens`` and ``logps``
-        (B, N), marks rows that drew a stop id in ``done`` and ``lengths``; returns this step's
-        tokens (B,) and how many rows are done."""
-        rows, vocab = logits.shape
-        for t, dtype in ((logits, torch.float32), (tokens, torch.int64), (logps, torch.float32),
-                         (stop, torch.int64), (done, torch.bool), (lengths, torch.int64)):
-            if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError(f"native sampling takes contiguous {dtype} tensors on the CPU")
-        if u is not None and (u.shape != logits.shape or u.dtype != torch.float32 or not u.is_contiguous()):
-            raise ValueError("native sampling takes one float32 uniform per logit")
-        finished = self.lib.tether_sample(
-            logits.data_ptr(), 0 if u is None else u.data_ptr(), rows, vocab, temperature,
-            tokens[:, step:].data_ptr(), logps[:, step:].data_ptr(), tokens.shape[1], stop.data_ptr(),
-            stop.numel(), done.data_ptr(), lengths.data_ptr(), step)
-        return tokens[:, step].contiguous(), int(finished)
