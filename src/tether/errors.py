@@ -13,7 +13,8 @@
     ├── RunBusyError              another process holds the run directory's lock
     ├── CheckpointError           a checkpoint could not be written; the last good one is kept
     ├── DataError                 a dataset file, row or column is unusable; names file, row, expectation
-    └── RewardError               a reward function is missing, has the wrong signature, or returned junk
+    ├── RewardError               a reward function is missing, has the wrong signature, or returned junk
+    └── NativeDecoderError        rollout.decoder=native, and the native decoder cannot run; says why
 
     KeyboardInterrupt
     └── StopRequested             SIGINT or SIGTERM asked the run to stop (it saves, then exits)
@@ -127,3 +128,9 @@ class StopRequested(KeyboardInterrupt):
         import signal
 
         return 128 + int(signal.Signals[self.signal_name])
+
+
+class NativeDecoderError(TetherError, RuntimeError):
+    """``rollout.decoder=native`` but the native decoder cannot run here: no C compiler, a failed
+    build (its output included), a torch without MKL's packed GEMM, or a model that is not float32
+    on the CPU. The message says which, and that ``auto`` or ``python`` decode without it."""

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from tether.decoding import native  # noqa: E402
 from tether.decoding.fast_decoder import FastDecoder  # noqa: E402
+from tether.errors import ConfigError, NativeDecoderError  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -151,12 +152,12 @@ def test_without_a_compiler_auto_says_why_once_and_decodes_in_python(fresh_nativ
 
 def test_without_a_compiler_on_is_an_error_that_says_why(fresh_native, monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    with pytest.raises(native.NativeUnavailable, match=r"rollout.decoder=native but .*/nonexistent/cc"):
+    with pytest.raises(NativeDecoderError, match=r"rollout.decoder=native but .*/nonexistent/cc"):
         _decodes(_model("qwen3"), "native")
 
 
 def test_on_with_a_model_it_cannot_run_says_why():
-    with pytest.raises(native.NativeUnavailable, match=r"not float32; use rollout\.decoder"):
+    with pytest.raises(NativeDecoderError, match=r"not float32; use rollout\.decoder"):
         _decodes(_model("qwen3").to(torch.bfloat16), "native")
     assert _decodes(_model("qwen3").to(torch.bfloat16), "auto").path == "python"
 
@@ -166,13 +167,13 @@ def test_a_build_that_fails_leaves_no_partial_library(fresh_native, monkeypatch,
     broken.write_text('#!/bin/sh\ncase "$1" in --version) echo cc 1;; *) echo nope >&2; exit 1;; esac\n')
     broken.chmod(0o755)
     monkeypatch.setenv("CC", str(broken))
-    with pytest.raises(native.NativeUnavailable, match=r"failed to build decode_step\.c: nope"):
+    with pytest.raises(NativeDecoderError, match=r"failed to build decode_step\.c: nope"):
         native.library("native")
     assert list((fresh_native / "native").iterdir()) == []
 
 
 def test_a_bad_mode_is_refused():
-    with pytest.raises(ValueError, match="decoder 'sometimes': use auto, native or python"):
+    with pytest.raises(ConfigError, match="decoder 'sometimes': use auto, native or python"):
         FastDecoder(_model("qwen3"), decoder="sometimes")
 
 
@@ -190,3 +191,17 @@ def test_concurrent_first_uses_share_one_library(fresh_native):
     assert all(run.returncode == 0 for run in runs)
     assert len(paths) == 1
     assert [p.name for p in (fresh_native / "native").iterdir()] == [os.path.basename(paths.pop())]
+
+
+def test_a_run_that_requires_the_native_decoder_without_a_compiler_fails_before_it_starts(
+        tiny_model_dir, tmp_path):
+    from test_train import ROOT, recipe
+
+    env = dict(os.environ, CC="/nonexistent/cc", TETHER_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-m", "tether.cli.main", "train", "--run-dir",
+                          str(tmp_path / "never"), *recipe(tiny_model_dir, "rollout.decoder=native")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "rollout.decoder=native but the native decoder cannot run here" in out.stderr
+    assert "/nonexistent/cc" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "never" / "metrics.jsonl").exists()

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tether.errors import NativeDecoderError
+
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
 
@@ -151,8 +153,8 @@ class FastDecoder:
             "the library could not be built or loaded (see the log)" if lib is None
             else native.unusable(self.model))
         if self.native_reason is not None and self.decoder == "native":
-            raise native.NativeUnavailable(f"rollout.decoder=native but this model cannot run natively: "
-                                           f"{self.native_reason}; use rollout.decoder=auto or python")
+            raise NativeDecoderError(f"rollout.decoder=native but this model cannot run natively: "
+                                     f"{self.native_reason}; use rollout.decoder=auto or python")
         if self.native_reason is None:
             self.layers = None
             self.inv_freq = self.model.model.rotary_emb.inv_freq.float()

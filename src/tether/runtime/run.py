@@ -337,12 +337,21 @@ def _pool_settings(cfg: Config, prepared: Prepared, params):
 
 
 def check_engine_installed(cfg: Config) -> None:
-    """With rollout.engine=vllm and local workers (which run this Python), refuse at once where
-    vLLM is not installed, before anything starts. (Ray actors may run another environment: there
-    a worker that cannot import vLLM fails to start, saying so.)"""
+    """With local workers (which run this Python on this machine), refuse at once, before
+    anything starts, rollout.engine=vllm where vLLM is not installed and rollout.decoder=native
+    where the native decoder cannot be built or loaded. (Ray actors may run elsewhere: there a
+    worker that cannot fails its first batch, saying why.)"""
     import importlib.util
 
     r = cfg.rollout
+    if r.engine == "torch" and r.decoder == "native" and r.backend == "local" and cfg.model.family == "lm":
+        from tether.decoding import native
+        from tether.errors import NativeDecoderError
+
+        try:
+            native.library("native")
+        except NativeDecoderError as e:
+            raise ConfigError(str(e)) from e
     if r.engine == "vllm" and r.backend == "local" and importlib.util.find_spec("vllm") is None:
         from tether.rollout.vllm_engine import INSTALL_HINT
 

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from tether.errors import ConfigError, NativeDecoderError
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_step.c")
@@ -57,8 +59,9 @@ PER_LAYER = ("ln1", "ln2", "qkv", "qkv_bias", "qk_norm", "o", "o_bias", "gate_up
              "v_cache")
 
 
-class NativeUnavailable(RuntimeError):
-    """The native decode step cannot run here; the message says why and what to change."""
+class NativeUnavailable(Exception):
+    """Why the library cannot be had (raised inside this module; ``library`` turns it into a
+    warning under ``auto`` and a ``NativeDecoderError`` under ``native``)."""
 
 
 MODES = ("auto", "native", "python")
@@ -66,7 +69,7 @@ MODES = ("auto", "native", "python")
 
 def check_mode(mode: str) -> str:
     if mode not in MODES:
-        raise ValueError(f"decoder {mode!r}: use auto, native or python (rollout.decoder)")
+        raise ConfigError(f"decoder {mode!r}: use auto, native or python (rollout.decoder)")
     return mode
 
 
@@ -181,8 +184,8 @@ def library(mode: str = "auto") -> ctypes.CDLL | None:
     if not isinstance(got, Exception):
         return got
     if mode == "native":
-        raise NativeUnavailable(f"rollout.decoder=native but the native decode step cannot run: "
-                                f"{got}") from got
+        raise NativeDecoderError(f"rollout.decoder=native but the native decoder cannot run here: "
+                                 f"{got}; rollout.decoder=auto or python decode without it") from got
     if str(got) not in _said:
         _said.add(str(got))
         log.warning("native decode step unavailable, decoding with the Python path: %s "
