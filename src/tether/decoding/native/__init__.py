@@ -1,9 +1,10 @@
-"""The native decode step (``decode_step.c``): built here, on first use, with the machine's C compiler.
+"""The native decoder (``decode_step.c``): built here, on first use, with the machine's C compiler.
 
-``FastDecoder.decode`` runs a whole decode step through it on the CPU in float32 (one call in
-place of ~300 framework operations; docs/benchmarks.md has the measurements). It multiplies
-through torch's own ``sgemm_`` (MKL in the CPU wheels), so it needs nothing torch does not
-already bring but a C compiler.
+``FastDecoder`` runs a batch's prefill and each of its decode steps through it on the CPU in
+float32, one call each (in place of ~300 framework operations a step; docs/benchmarks.md has the
+measurements, docs/rollout.md the design). It multiplies with MKL's packed GEMMs from torch's own
+library (the CPU wheels link MKL in), so it needs nothing torch does not already bring but a C
+compiler. ``NativeModel`` holds a model's packed weights, ``NativeBatch`` one batch's state.
 
 The shared library is compiled once per source, flags, compiler and CPU into a cache folder
 (``$TETHER_CACHE_DIR``, else ``$XDG_CACHE_HOME/tether``, else ``~/.cache/tether``), with
