@@ -24,6 +24,13 @@ runs each step with:
 Numerics follow the reference implementation op for op in float32; the engine's log-probs match
 a teacher-forced transformers forward to ~1e-6 (tested). ``supports(model)`` says whether a model
 can use it; anything else falls back to the transformers forward.
+
+On the CPU in float32 the same arithmetic runs by default as native code instead
+(``tether.decoding.native``, chosen by ``decoder`` / ``rollout.decoder``): a prefill and each
+decode step are one call into a C library, with the weights packed for MKL (no transposed copies
+then). This module keeps the batch state both paths share (KV cache, key mask, rotary table,
+positions) and the Python path, which runs everywhere else and is the reference the native one
+is tested against.
 """
 
 from __future__ import annotations
