@@ -41,18 +41,20 @@ def _model(kind: str):
     return model
 
 
-def _batch():
-    ids = torch.randint(3, 40, (3, 7))
+def _batch(length: int = 7):
+    """Three left-padded prompts. From 32 tokens a prompt the native prefill attends through
+    GEMMs (decode_step.c's GEMM_ATTENTION_MIN), below through loops."""
+    ids = torch.randint(3, 40, (3, length))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding
     mask[1, :1] = 0
     return ids, mask
 
 
-def _decode_both(model, steps: int, *, reload_at: int | None = None):
+def _decode_both(model, steps: int, *, reload_at: int | None = None, length: int = 7):
     """Run the native and the Python path side by side from one prefill; the largest logit
     difference seen, and the two decoders."""
-    ids, mask = _batch()
+    ids, mask = _batch(length)
     fast, slow = FastDecoder(model, decoder="native"), FastDecoder(model, decoder="python")
     a = fast.prefill(ids, mask, steps + 1, repeats=2)
     b = slow.prefill(ids, mask, steps + 1, repeats=2)
@@ -80,6 +82,14 @@ def test_native_step_gives_the_python_paths_logits_and_cache(kind):
     for mine, theirs in zip(fast.k_cache + fast.v_cache, slow.k_cache + slow.v_cache, strict=True):
         written = slice(0, fast.length)
         assert torch.allclose(mine[:, :, written], theirs[:, :, written], atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama-biases-gelu"])
+def test_long_prompts_prefill_through_gemms_to_the_same_logits(kind):
+    worst, fast, slow = _decode_both(_model(kind), steps=4, length=40)
+    assert worst < 1e-5
+    for mine, theirs in zip(fast.k_cache + fast.v_cache, slow.k_cache + slow.v_cache, strict=True):
+        assert torch.allclose(mine[:, :, :fast.length], theirs[:, :, :fast.length], atol=1e-5)
 
 
 def test_a_weight_change_mid_generation_rebuilds_the_native_step():

@@ -129,7 +129,7 @@ def build() -> Path:
     return target
 
 
-BLAS = ("cblas_sgemm_pack_get_size", "cblas_sgemm_pack", "cblas_sgemm_compute")
+BLAS = ("cblas_sgemm_pack_get_size", "cblas_sgemm_pack", "cblas_sgemm_compute", "sgemm_")
 
 
 def _blas_addresses() -> list[int]:
@@ -146,7 +146,7 @@ def _blas_addresses() -> list[int]:
 def _open() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build()))
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.tether_set_blas.argtypes = [p, p, p]
+    lib.tether_set_blas.argtypes = [p, p, p, p]
     lib.tether_set_blas(*_blas_addresses())
     lib.tether_packed_floats.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.tether_packed_floats.restype = i64

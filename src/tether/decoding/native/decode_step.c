@@ -58,14 +58,21 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, PACKED = 151, B_MATRIX = 16
 /* the row count packing is asked for; a packed matrix serves products of any row count */
 enum { PACK_ROWS = 64 };
 
+/* and the plain Fortran-convention GEMM, for a prompt's attention (its operands change every call) */
+typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
+                         const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
+                         const float *beta, float *c, const int *ldc);
+
 static pack_size_fn pack_size_ptr = 0;
 static pack_fn pack_ptr = 0;
 static compute_fn compute_ptr = 0;
+static sgemm_fn sgemm_ptr = 0;
 
-void tether_set_blas(void *pack_size, void *pack, void *compute) {
+void tether_set_blas(void *pack_size, void *pack, void *compute, void *sgemm) {
     pack_size_ptr = (pack_size_fn)pack_size;
     pack_ptr = (pack_fn)pack;
     compute_ptr = (compute_fn)compute;
+    sgemm_ptr = (sgemm_fn)sgemm;
 }
 
 /* Floats a packed copy of an (n x k) weight takes. */
@@ -186,6 +193,40 @@ static void attend(const float *q, int group, const float *keys, const float *va
     }
 }
 
+/* Prompts at least this long attend through two GEMMs a head (below: the loops of attend()). */
+#define GEMM_ATTENTION_MIN 32
+
+/* Causal attention of one prompt's p positions for one query head, as two GEMMs:
+ * S = scale * Q K^T (p x p, in s), then bias (the key mask) and the causal mask, a softmax per
+ * row, and O = S V. q has row stride ldq, out row stride ldo; keys, vals and bias are the
+ * prompt's cache block. A position with no key to attend to (padding) gets 0. */
+static void attend_prompt(const float *q, int ldq, const float *keys, const float *vals, const float *bias,
+                          int p, int d, float scale, float *s, float *out, int ldo) {
+    const float zero = 0.0f, one = 1.0f;
+    /* column-major: S^T (keys x queries) = K Q^T, i.e. row-major S (queries x keys) */
+    sgemm_ptr("T", "N", &p, &p, &d, &scale, keys, &d, q, &ldq, &zero, s, &p);
+    for (int i = 0; i < p; i++) {
+        float *row = s + (int64_t)i * p, top = -INFINITY, total = 0.0f;
+        for (int j = 0; j <= i; j++) {
+            row[j] = bias[j] + row[j];
+            top = row[j] > top ? row[j] : top;
+        }
+        for (int j = i + 1; j < p; j++) row[j] = 0.0f;
+        if (top == -INFINITY) {
+            for (int j = 0; j <= i; j++) row[j] = 0.0f;
+            continue;
+        }
+        for (int j = 0; j <= i; j++) {
+            row[j] = exp_f32(row[j] - top);
+            total += row[j];
+        }
+        const float inv = 1.0f / total;
+        for (int j = 0; j <= i; j++) row[j] *= inv;
+    }
+    /* column-major: O^T (d x queries) = V^T S^T */
+    sgemm_ptr("N", "N", &d, &p, &p, &one, vals, &d, s, &p, &zero, out, &ldo);
+}
+
 static void activate(float *gate_up, int64_t rows, int inter, int gelu) {
     for (int64_t r = 0; r < rows; r++) {
         float *g = gate_up + r * 2 * inter, *u = g + inter;
@@ -214,7 +255,9 @@ enum {
 int64_t tether_scratch_floats(const int64_t *cfg) {
     int64_t n = cfg[C_ROWS], h = cfg[C_HIDDEN], d = cfg[C_HEAD_DIM];
     int64_t qkv = (cfg[C_HEADS] + 2 * cfg[C_KV_HEADS]) * d;
-    return n * (2 * h + qkv + cfg[C_HEADS] * d + 2 * cfg[C_INTER]) + cfg[C_HEADS] / cfg[C_KV_HEADS] * cfg[C_CAPACITY];
+    const int64_t group = cfg[C_HEADS] / cfg[C_KV_HEADS], cap = cfg[C_CAPACITY];
+    /* scores: a step's (group x cap), or a long prompt's (p x p, p < cap) */
+    return n * (2 * h + qkv + cfg[C_HEADS] * d + 2 * cfg[C_INTER]) + (group > cap ? group : cap) * cap;
 }
 
 int64_t tether_index_ints(const int64_t *cfg) { return 4 * cfg[C_ROWS]; }
@@ -225,7 +268,7 @@ int64_t tether_index_ints(const int64_t *cfg) { return 4 * cfg[C_ROWS]; }
  * 0 .. ctx[n] - 1 of that cache row. */
 static void forward(const int64_t *cfg, float eps, float scale, void **ptrs, int64_t rows,
                     const int64_t *cache_row, const int64_t *slot, const int64_t *pos, const int64_t *ctx,
-                    int64_t copies) {
+                    int64_t copies, int64_t prompt_len) {
     const int hid = (int)cfg[C_HIDDEN], heads = (int)cfg[C_HEADS], kvh = (int)cfg[C_KV_HEADS];
     const int d = (int)cfg[C_HEAD_DIM], inter = (int)cfg[C_INTER], layers = (int)cfg[C_LAYERS];
     const int64_t cap = cfg[C_CAPACITY];
@@ -236,7 +279,7 @@ static void forward(const int64_t *cfg, float eps, float scale, void **ptrs, int
     float *qkv = nrm + rows * hid;       /* (rows, width) */
     float *att = qkv + rows * width;     /* (rows, heads*d) */
     float *gate_up = att + rows * heads * d; /* (rows, 2*inter) */
-    float *scores = gate_up + rows * 2 * inter; /* (group, cap) */
+    float *scores = gate_up + rows * 2 * inter; /* (group, cap), or a long prompt's (p, p) */
     PROFILE_START;
 
     for (int l = 0; l < layers; l++) {
@@ -267,6 +310,19 @@ static void forward(const int64_t *cfg, float eps, float scale, void **ptrs, int
         }
         MARK(S_ROTARY_KV);
         /* all of this call's K/V are in place: attend (a prompt's positions see each other) */
+        if (prompt_len >= GEMM_ATTENTION_MIN) {  /* a prefill of long prompts: GEMMs per head */
+            const int p = (int)prompt_len;
+            for (int64_t base = 0; base < rows; base += p)
+                for (int g = 0; g < kvh; g++) {
+                    const int64_t block = cache_row[base] * kvh + g;
+                    for (int j = 0; j < group; j++) {
+                        const int hh = g * group + j;
+                        attend_prompt(qkv + base * width + (int64_t)hh * d, width, kc + block * cap * d,
+                                      vc + block * cap * d, key_bias + block * cap, p, d, scale, scores,
+                                      att + base * heads * d + (int64_t)hh * d, heads * d);
+                    }
+                }
+        } else
         for (int64_t r = 0; r < rows; r++) {
             const float *row = qkv + r * width;
             for (int g = 0; g < kvh; g++) {  /* query heads g*group .. are kv head g's */
@@ -341,7 +397,7 @@ int tether_prefill(const int64_t *cfg, float eps, float scale, void **ptrs, cons
         slot[i] = i % p;
         ctx[i] = i % p + 1;  /* causal; padding is the key mask's -inf */
     }
-    forward(cfg, eps, scale, ptrs, rows, cache_row, slot, positions, ctx, repeats);
+    forward(cfg, eps, scale, ptrs, rows, cache_row, slot, positions, ctx, repeats, p);
     for (int64_t i = 0; i < u; i++) last[i] = i * p + p - 1;
     head(cfg, eps, ptrs, rows, last, u, logits);
     return 0;
@@ -360,7 +416,7 @@ int tether_decode_step(const int64_t *cfg, float eps, float scale, void **ptrs, 
         slot[r] = t;
         ctx[r] = t + 1;
     }
-    forward(cfg, eps, scale, ptrs, b, cache_row, slot, next_pos, ctx, 1);
+    forward(cfg, eps, scale, ptrs, b, cache_row, slot, next_pos, ctx, 1, 0);
     head(cfg, eps, ptrs, b, cache_row, b, logits);  /* every row: cache_row[r] = r */
     for (int64_t r = 0; r < b; r++) next_pos[r] += 1;
     return 0;
