@@ -188,7 +188,6 @@ def measure(n_prompts: int, new_tokens: int, repeats: int, size: str = "small", 
 
     on_gpu = torch.device(device).type == "cuda"
     engine, python_path = stepper_for(model), stepper_for(model, decoder="python")
-    result["decoder"] = getattr(engine, "path", "transformers") if not on_gpu else "python"
     for threads in ((1,) if on_gpu else (1, 2)):
         torch.set_num_threads(threads)
         peak = None if on_gpu else matmul_peak(decode_shapes(model, n_prompts))

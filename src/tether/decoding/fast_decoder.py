@@ -115,22 +115,23 @@ class FastDecoder:
 
         self.decoder = check_mode(decoder)
         self.layers: list[_Layer] | None = None  # the Python path's weights, read at its first prefill
-        self.native_weights = None  # the native path's packed weights (``tether.decoding.native``)
         self.native_reason: str | None = None  # why this decoder runs the Python path, if it does
-        self._batch = None  # this batch's native state, made at its prefill
+        # the native path's packed weights, kept (and re-packed in place) for the decoder's life
+        self._packed = None
+        self._native = False  # the weights read last were read for the native path
+        self._batch = None  # the last batch's native state (``NativeBatch``), made at its prefill
         self._stale = True  # the weights must be read again before the next prefill
-        self._packed = None  # the native path's packing buffers, kept for the decoder's life
         self._buffers: dict[str, torch.Tensor] = {}  # the last batch's caches and scratch, for reuse
 
     @property
     def path(self) -> str:
         """``native`` or ``python``: how the last batch ran (``native_reason`` says why not)."""
-        return "native" if self.native_weights is not None else "python"
+        return "native" if self._batch is not None else "python"
 
     def invalidate(self) -> None:
         """The weights changed (a load); re-read them at the next prefill."""
         self._stale = True
-        self.layers = self.native_weights = None
+        self.layers = None  # the Python path's copies, if any: not needed until re-read
 
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device=None,
                zero: bool = False) -> torch.Tensor:
@@ -147,7 +148,7 @@ class FastDecoder:
         """The weights changed mid-generation: re-read them now (the KV cache stays)."""
         self._read_weights()
         if self._batch is not None:
-            self._batch.rebind(self.native_weights)
+            self._batch.rebind(self._packed)
 
     def _read_weights(self) -> None:
         """Read the weights for sampling: packed for the native path when it can run here, else
@@ -162,16 +163,16 @@ class FastDecoder:
         if self.native_reason is not None and self.decoder == "native":
             raise NativeDecoderError(f"rollout.decoder=native but this model cannot run natively: "
                                      f"{self.native_reason}; use rollout.decoder=auto or python")
-        if self.native_reason is None:
+        self._native = self.native_reason is None
+        if self._native:
             self.layers = None
             self.inv_freq = self.model.model.rotary_emb.inv_freq.float()
             if self._packed is None:
                 self._packed = native.NativeModel(lib, self)
             else:
                 self._packed.pack(self.model)
-            self.native_weights = self._packed
         else:
-            self.native_weights = self._batch = None
+            self._batch = None
             self.refresh()
 
     def refresh(self, *, detach: bool = True, contiguous: bool = True) -> None:
@@ -270,7 +271,7 @@ class FastDecoder:
         """Run the (U, P) left-padded prompts once each, and set up a KV cache for ``repeats``
         samples of each (B = U·repeats rows, prompt-major: prompt 0's samples first). Returns the
         last logits, (B, V). A GRPO group shares its prompt, so its prefill is computed once."""
-        if self._stale or (self.layers is None and self.native_weights is None):
+        if self._stale:
             self._read_weights()
         u, p = ids.shape
         b = u * repeats
@@ -295,10 +296,10 @@ class FastDecoder:
         # in float32 and cast to the weights' dtype, as the reference does
         angles = self._angles(torch.arange(self.capacity, device=ids.device))
         self.rotary = torch.stack(angles, dim=1).to(like["dtype"])
-        if self.native_weights is not None:
+        if self._native:
             from tether.decoding.native import NativeBatch
 
-            self._batch = NativeBatch(self.native_weights, self, rows=u * p)
+            self._batch = NativeBatch(self._packed, self, rows=u * p)
             return self._batch.prefill(ids, positions, repeats).repeat_interleave(repeats, 0)
         cos, sin = self.rotary[positions.reshape(-1)].unbind(1)
         causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()

@@ -236,13 +236,14 @@ class NativeModel:
     def __init__(self, lib: ctypes.CDLL, dec) -> None:
         self.lib, self.heads, self.kv_heads = lib, dec.heads, dec.kv_heads
         inner = dec.model.model
-        shapes = [(layer.self_attn.q_proj.out_features + layer.self_attn.k_proj.out_features
-                   + layer.self_attn.v_proj.out_features, layer.self_attn.q_proj.in_features)
-                  for layer in inner.layers]
-        self.shapes = [s for i, layer in enumerate(inner.layers)
-                       for s in (shapes[i], tuple(layer.self_attn.o_proj.weight.shape),
-                                 (2 * layer.mlp.gate_proj.out_features, layer.mlp.gate_proj.in_features),
-                                 tuple(layer.mlp.down_proj.weight.shape))]
+        # (out, in) of each packed matrix: per layer q/k/v stacked, o, gate/up stacked, down; the head
+        self.shapes = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.shapes += [(a.q_proj.out_features + a.k_proj.out_features + a.v_proj.out_features,
+                             a.q_proj.in_features), tuple(a.o_proj.weight.shape),
+                            (2 * m.gate_proj.out_features, m.gate_proj.in_features),
+                            tuple(m.down_proj.weight.shape)]
         self.shapes.append(tuple(dec.model.lm_head.weight.shape))
         # each packed matrix at a 64-byte boundary of one buffer
         sizes = [-(-lib.tether_packed_floats(n, k) // 16) * 16 for n, k in self.shapes]
