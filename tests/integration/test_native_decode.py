@@ -215,3 +215,43 @@ def test_a_run_that_requires_the_native_decoder_without_a_compiler_fails_before_
     assert "rollout.decoder=native but the native decoder cannot run here" in out.stderr
     assert "/nonexistent/cc" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "never" / "metrics.jsonl").exists()
+
+
+class _Unfused(FastDecoder):
+    """The native decoder with its sampler hidden: sample() then draws in torch, from its logits."""
+
+    samples_natively = False
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_the_native_sampler_draws_what_the_torch_sampler_draws(tiny_model_dir, temperature):
+    """decode_sample takes the uniforms the torch sampler would have drawn; the same generator
+    seed gives the same tokens and log-probs (to float32 rounding) either way, greedy included."""
+    from tether.decoding.sampling import SamplingParams, sample
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    ps = [tok(t, add_special_tokens=False).input_ids for t in ("1+1=", "12+345=", "rev abc=", "7*8=")]
+    params = SamplingParams(max_new_tokens=16, temperature=temperature)
+    runs = []
+    for stepper in (FastDecoder(model, decoder="native"), _Unfused(model, decoder="native")):
+        runs.append(sample(model, ps, params, stop_ids=[], pad_id=tok.pad_token_id, stepper=stepper,
+                           generator=torch.Generator().manual_seed(3), samples_per_prompt=4))
+        assert stepper.path == "native"
+    fused, unfused = runs
+    assert fused.tokens == unfused.tokens
+    for a, b in zip(fused.logprobs, unfused.logprobs, strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)
+
+
+def test_the_native_sampler_refuses_mismatched_buffers():
+    model = _model("qwen3")
+    dec = FastDecoder(model, decoder="native")
+    ids, mask = _batch()
+    dec.prefill(ids, mask, 4)
+    out_t, out_l = torch.empty(3, 4, dtype=torch.int64), torch.empty(3, 4)
+    with pytest.raises(ValueError, match="uniforms must be"):
+        dec.decode_sample(torch.tensor([1, 2, 3]), 1.0, torch.rand(3, 7), out_t[:, 0], out_l[:, 0])
+    with pytest.raises(ValueError, match="int64 and float32"):
+        dec.decode_sample(torch.tensor([1, 2, 3]), 1.0, None, out_t[:, 0].float(), out_l[:, 0])
+    assert dec.length == ids.shape[1]  # nothing ran

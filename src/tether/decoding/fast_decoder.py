@@ -282,8 +282,13 @@ class FastDecoder:
         like = dict(device=ids.device, dtype=self.model.model.embed_tokens.weight.dtype)
         layers = self.model.config.num_hidden_layers
         shape = (b, kvh, self.capacity, hd)  # (B, KV, S, D)
-        self.k_cache = [self.buffer(f"k{i}", shape, **like) for i in range(layers)]
-        self.v_cache = [self.buffer(f"v{i}", shape, **like) for i in range(layers)]
+        if self._native:  # one buffer a layer, each slot's key and value side by side (decode_step.c)
+            self.kv_cache = [self.buffer(f"kv{i}", (*shape[:3], 2, hd), **like) for i in range(layers)]
+            self.k_cache = [kv[:, :, :, 0] for kv in self.kv_cache]  # (B, KV, S, D) views
+            self.v_cache = [kv[:, :, :, 1] for kv in self.kv_cache]
+        else:
+            self.k_cache = [self.buffer(f"k{i}", shape, **like) for i in range(layers)]
+            self.v_cache = [self.buffer(f"v{i}", shape, **like) for i in range(layers)]
         key_ok = mask.bool()  # (U, P)
         # additive key mask per (sequence, kv head), -inf on padding: (B·KV, 1, S); decode
         # steps extend it for free (the new columns are 0) and read a slice
@@ -331,6 +336,26 @@ class FastDecoder:
             self.length = t + 1
             return logits
         return self._decode_python(tokens)
+
+    @property
+    def samples_natively(self) -> bool:
+        """Whether ``decode_sample`` can run: this batch is on the native path."""
+        return self._batch is not None
+
+    @torch.inference_mode()
+    def decode_sample(self, tokens: torch.Tensor, temperature: float, uniforms: torch.Tensor | None,
+                      out_tokens: torch.Tensor, out_logps: torch.Tensor) -> None:
+        """``decode`` and then, in the same native call, each row's next token drawn from the
+        new logits as ``sampling.sample`` draws it untruncated (from ``uniforms``, (B, V), the
+        ``torch.rand`` its sampler would take; greedy when None), written with its log-probability
+        into ``out_tokens`` and ``out_logps`` (B,). Native path only (``samples_natively``)."""
+        t = self.length
+        if t >= self.capacity:
+            raise RuntimeError("KV cache is full")
+        if self._batch is None:
+            raise RuntimeError("decode_sample runs on the native path only (see samples_natively)")
+        self._batch.step_and_sample(tokens, t, self.next_pos, temperature, uniforms, out_tokens, out_logps)
+        self.length = t + 1
 
     def _decode_python(self, tokens: torch.Tensor) -> torch.Tensor:
         b, t = self.batch, self.length

@@ -56,8 +56,7 @@ SECTIONS = ("norms", "qkv GEMM", "q/k norm, rotary, KV write", "attention", "o G
 CONFIG = ("batch", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "layers", "capacity",
           "qk_norm", "qkv_bias", "o_bias", "gelu", "embed_rows", "rows")
 ROOT = ("embed", "norm", "head", "rotary", "key_bias", "scratch", "index")
-PER_LAYER = ("ln1", "ln2", "qkv", "qkv_bias", "qk_norm", "o", "o_bias", "gate_up", "down", "k_cache",
-             "v_cache")
+PER_LAYER = ("ln1", "ln2", "qkv", "qkv_bias", "qk_norm", "o", "o_bias", "gate_up", "down", "kv_cache")
 
 
 class NativeUnavailable(Exception):
@@ -160,6 +159,10 @@ def _open() -> ctypes.CDLL:
     lib.tether_prefill.restype = ctypes.c_int
     lib.tether_decode_step.argtypes = [p, f32, f32, p, i64, p, p, p]
     lib.tether_decode_step.restype = ctypes.c_int
+    lib.tether_sample.argtypes = [p, i64, i64, f32, p, p, p, i64]
+    lib.tether_sample.restype = None
+    lib.tether_decode_sample.argtypes = [p, f32, f32, p, i64, p, p, p, f32, p, p, p, i64]
+    lib.tether_decode_sample.restype = ctypes.c_int
     return lib
 
 
@@ -314,7 +317,8 @@ class NativeBatch:
         self.index = dec.buffer("native index", (self.lib.tether_index_ints(self.cfg.data_ptr()),),
                                 torch.int64)
         self.eps, self.scale = float(dec.eps), float(dec.scale)
-        self.state = dict(rotary=dec.rotary, key_bias=dec.key_bias, k_cache=dec.k_cache, v_cache=dec.v_cache)
+        self._logits: torch.Tensor | None = None  # step_and_sample's logits, kept for the batch
+        self.state = dict(rotary=dec.rotary, key_bias=dec.key_bias, kv_cache=dec.kv_cache)
         self.rebind(weights)
 
     def rebind(self, weights: NativeModel) -> None:
@@ -324,7 +328,7 @@ class NativeBatch:
                     key_bias=state["key_bias"], scratch=self.scratch, index=self.index)
         table = [_pointer(root[k]) for k in ROOT]
         for i, layer in enumerate(weights.layers):
-            parts = dict(layer, k_cache=state["k_cache"][i], v_cache=state["v_cache"][i])
+            parts = dict(layer, kv_cache=state["kv_cache"][i])
             table += [_pointer(parts[k]) for k in PER_LAYER]
         self.table = (ctypes.c_void_p * len(table))(*table)
 
@@ -357,3 +361,26 @@ class NativeBatch:
                                              tokens.data_ptr(), next_pos.data_ptr(), logits.data_ptr())
         self._refused(status, tokens)
         return logits
+
+    def step_and_sample(self, tokens: torch.Tensor, length: int, next_pos: torch.Tensor, temperature: float,
+                        uniforms: torch.Tensor | None, out_tokens: torch.Tensor, out_logps: torch.Tensor) -> None:
+        """``step``, then every row's next token drawn from the step's logits in the same call
+        (``tether_sample``: the untruncated draw of ``tether.decoding.sampling.sample`` from the
+        same ``uniforms``, (B, V), or greedy when they are None), written into ``out_tokens``
+        (int64) and ``out_logps`` (float32), (B,) each, strided views allowed."""
+        b, vocab = self.batch, self.weights.vocab
+        if tokens.shape != (b,):
+            raise ValueError(f"decode takes one token per row, ({b},); got {tuple(tokens.shape)}")
+        if (out_tokens.shape != (b,) or out_logps.shape != (b,) or out_tokens.dtype != torch.int64
+                or out_logps.dtype != torch.float32 or out_tokens.stride() != out_logps.stride()):
+            raise ValueError("out_tokens and out_logps must be (B,) int64 and float32 views of one stride")
+        if uniforms is not None and (uniforms.shape != (b, vocab) or not uniforms.is_contiguous()):
+            raise ValueError(f"uniforms must be a contiguous ({b}, {vocab}) tensor")
+        tokens = tokens.to(torch.int64).contiguous()
+        if self._logits is None:
+            self._logits = torch.empty(b, vocab, dtype=torch.float32)
+        status = self.lib.tether_decode_sample(
+            self.cfg.data_ptr(), self.eps, self.scale, self.table, length, tokens.data_ptr(), next_pos.data_ptr(),
+            self._logits.data_ptr(), float(temperature), _pointer(uniforms), out_tokens.data_ptr(),
+            out_logps.data_ptr(), out_tokens.stride(0))
+        self._refused(status, tokens)

@@ -133,11 +133,18 @@ static void rms_norm(const float *x, const float *w, float *out, int64_t rows, i
 
 /* One head vector of width d, in place: RMSNorm with weight w (Qwen3's q/k norm; none when w is
  * NULL), then rotary: x*cos + swap_halves(x)*sin, sin's first half holding -sin as the Python
- * path's table does (each pair i, i + d/2 read once and written once). */
-static void norm_rope(float *x, const float *w, const float *cos_, const float *sin_, int d, float eps) {
+ * path's table does (each pair i, i + d/2 read once and written once). Written for a d the
+ * compiler knows, like attend_d below. */
+static inline __attribute__((always_inline)) void norm_rope_d(float *x, const float *w, const float *cos_,
+                                                              const float *sin_, const int d, float eps) {
     const int half = d / 2;
     float *restrict lo = x, *restrict hi = x + half; /* the two halves: disjoint */
-    if (w) rms_norm(x, w, x, 1, d, eps);
+    if (w) {
+        float ss = 0.0f;
+        for (int i = 0; i < d; i++) ss += x[i] * x[i];
+        const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        for (int i = 0; i < d; i++) x[i] = w[i] * (x[i] * inv);
+    }
     for (int i = 0; i < half; i++) {
         const float a = lo[i], b = hi[i];
         lo[i] = a * cos_[i] + b * sin_[i];
@@ -145,22 +152,50 @@ static void norm_rope(float *x, const float *w, const float *cos_, const float *
     }
 }
 
+static void norm_rope_64(float *x, const float *w, const float *c, const float *s, float eps) {
+    norm_rope_d(x, w, c, s, 64, eps);
+}
+static void norm_rope_128(float *x, const float *w, const float *c, const float *s, float eps) {
+    norm_rope_d(x, w, c, s, 128, eps);
+}
+static void norm_rope_any(float *x, const float *w, const float *c, const float *s, int d, float eps) {
+    norm_rope_d(x, w, c, s, d, eps);
+}
+static void norm_rope(float *x, const float *w, const float *c, const float *s, int d, float eps) {
+    if (d == 64) norm_rope_64(x, w, c, s, eps);
+    else if (d == 128) norm_rope_128(x, w, c, s, eps);
+    else norm_rope_any(x, w, c, s, d, eps);
+}
+
+/* The cache's layout: per layer one buffer, (row, kv head, slot, [key | value]), each slot's key
+ * and value side by side (d floats each). A (row, kv head) block's context is then one
+ * contiguous run of memory, so a decode step's attention streams one sequence of lines per
+ * block, and the next block's run follows it (FastDecoder's k_cache and v_cache are views). */
+static inline float *slot_at(float *block, int64_t slot, int d) { return block + slot * 2 * d; }
+
 #define PREFETCH_AHEAD 1
 
 /* softmax(bias + scale * q.K^T) V for the `group` query heads (q: group x d, contiguous) that
- * share one KV head, over ctx cached positions: each key and value row is read once for all of
- * them (it comes from L3 or memory; the queries and outputs stay in L1). sc holds group x ctx
- * scores. A query with no key to attend to (a padding position of a prompt) gets 0. */
-static void attend(const float *q, int group, const float *keys, const float *vals, const float *bias,
-                   int64_t ctx, float scale, int d, float *sc, float *out, const float *next_keys,
-                   const float *next_vals, int64_t next_ctx) {
+ * share one KV head, over ctx cached slots of one block: each key and value is read once for
+ * all of them (from L3 or memory; the queries and outputs stay in L1). sc holds group x ctx
+ * scores. A query with no key to attend to (a padding position of a prompt) gets 0. While it
+ * runs, the next block's next_ctx slots are prefetched, one slot per slot. new_k and new_v, when
+ * not NULL, are slot ctx - 1's key and value, written first (a decode step's: their lines come
+ * with this block's prefetch).
+ * Written for a d the compiler knows (attend() calls it with 64 and 128 as constants, and with
+ * any other d as a variable): with d fixed, each dot product and output row is a few vector
+ * registers, where a run-time d cost loop set-up per key that outweighed its arithmetic. */
+static inline __attribute__((always_inline)) void attend_d(
+        const float *q, int group, float *block, const float *bias, int64_t ctx, float scale, const int d,
+        float *sc, float *out, const float *next, int64_t next_ctx, const float *new_k, const float *new_v) {
+    if (new_k) {
+        memcpy(slot_at(block, ctx - 1, d), new_k, sizeof(float) * d);
+        memcpy(slot_at(block, ctx - 1, d) + d, new_v, sizeof(float) * d);
+    }
     for (int64_t s = 0; s < ctx; s++) {
-        const float *k = keys + s * d;
-        if (next_keys && s < next_ctx)  /* the next block's rows, one per row of this one */
-            for (int i = 0; i < d; i += 16) {
-                __builtin_prefetch(next_keys + s * d + i);
-                __builtin_prefetch(next_vals + s * d + i);
-            }
+        const float *k = slot_at(block, s, d);
+        if (next && s < next_ctx)
+            for (int i = 0; i < 2 * d; i += 16) __builtin_prefetch(next + s * 2 * d + i, 0, 1);
         for (int j = 0; j < group; j++) {
             const float *qj = q + (int64_t)j * d;
             float dot = 0.0f;
@@ -169,10 +204,10 @@ static void attend(const float *q, int group, const float *keys, const float *va
         }
     }
     for (int j = 0; j < group; j++) {
-        float *sj = sc + j * ctx, top = -INFINITY, total = 0.0f;
+        float *sj = sc + j * ctx, *oj = out + (int64_t)j * d, top = -INFINITY, total = 0.0f;
         for (int64_t s = 0; s < ctx; s++) top = sj[s] > top ? sj[s] : top;
-        if (top == -INFINITY) {  /* nothing to attend to: p = 0 everywhere */
-            for (int64_t s = 0; s < ctx; s++) sj[s] = 0.0f;
+        if (top == -INFINITY) {  /* nothing to attend to: the output is 0 */
+            memset(oj, 0, sizeof(float) * d);
             continue;
         }
         for (int64_t s = 0; s < ctx; s++) {
@@ -180,17 +215,32 @@ static void attend(const float *q, int group, const float *keys, const float *va
             total += sj[s];
         }
         const float inv = 1.0f / total;
-        for (int64_t s = 0; s < ctx; s++) sj[s] *= inv;
-    }
-    memset(out, 0, sizeof(float) * d * group);
-    for (int64_t s = 0; s < ctx; s++) {
-        const float *v = vals + s * d;
-        for (int j = 0; j < group; j++) {
-            const float p = sc[j * ctx + s];
-            float *oj = out + (int64_t)j * d;
-            for (int i = 0; i < d; i++) oj[i] += p * v[i];
+        float acc[d];
+        for (int i = 0; i < d; i++) acc[i] = 0.0f;
+        for (int64_t s = 0; s < ctx; s++) {
+            const float p = sj[s] * inv, *v = slot_at(block, s, d) + d;
+            for (int i = 0; i < d; i++) acc[i] += p * v[i];
         }
+        for (int i = 0; i < d; i++) oj[i] = acc[i];
     }
+}
+
+#define ATTEND_ARGS const float *q, int group, float *block, const float *bias, int64_t ctx, float scale, \
+                    float *sc, float *out, const float *next, int64_t next_ctx, const float *new_k, \
+                    const float *new_v
+static void attend_64(ATTEND_ARGS) {
+    attend_d(q, group, block, bias, ctx, scale, 64, sc, out, next, next_ctx, new_k, new_v);
+}
+static void attend_128(ATTEND_ARGS) {
+    attend_d(q, group, block, bias, ctx, scale, 128, sc, out, next, next_ctx, new_k, new_v);
+}
+static void attend_any(ATTEND_ARGS, int d) {
+    attend_d(q, group, block, bias, ctx, scale, d, sc, out, next, next_ctx, new_k, new_v);
+}
+static void attend(ATTEND_ARGS, int d) {
+    if (d == 64) attend_64(q, group, block, bias, ctx, scale, sc, out, next, next_ctx, new_k, new_v);
+    else if (d == 128) attend_128(q, group, block, bias, ctx, scale, sc, out, next, next_ctx, new_k, new_v);
+    else attend_any(q, group, block, bias, ctx, scale, sc, out, next, next_ctx, new_k, new_v, d);
 }
 
 /* Prompts at least this long attend through two GEMMs a head (below: the loops of attend()). */
@@ -198,13 +248,14 @@ static void attend(const float *q, int group, const float *keys, const float *va
 
 /* Causal attention of one prompt's p positions for one query head, as two GEMMs:
  * S = scale * Q K^T (p x p, in s), then bias (the key mask) and the causal mask, a softmax per
- * row, and O = S V. q has row stride ldq, out row stride ldo; keys, vals and bias are the
- * prompt's cache block. A position with no key to attend to (padding) gets 0. */
-static void attend_prompt(const float *q, int ldq, const float *keys, const float *vals, const float *bias,
+ * row, and O = S V. q, keys and vals are the prompt's rows of the projections (row stride ld),
+ * out has row stride ldo, bias is the prompt's key mask. A position with no key to attend to
+ * (padding) gets 0. */
+static void attend_prompt(const float *q, const float *keys, const float *vals, int ld, const float *bias,
                           int p, int d, float scale, float *s, float *out, int ldo) {
     const float zero = 0.0f, one = 1.0f;
     /* column-major: S^T (keys x queries) = K Q^T, i.e. row-major S (queries x keys) */
-    sgemm_ptr("T", "N", &p, &p, &d, &scale, keys, &d, q, &ldq, &zero, s, &p);
+    sgemm_ptr("T", "N", &p, &p, &d, &scale, keys, &ld, q, &ld, &zero, s, &p);
     for (int i = 0; i < p; i++) {
         float *row = s + (int64_t)i * p, top = -INFINITY, total = 0.0f;
         for (int j = 0; j <= i; j++) {
@@ -224,7 +275,7 @@ static void attend_prompt(const float *q, int ldq, const float *keys, const floa
         for (int j = 0; j <= i; j++) row[j] *= inv;
     }
     /* column-major: O^T (d x queries) = V^T S^T */
-    sgemm_ptr("N", "N", &d, &p, &p, &one, vals, &d, s, &p, &zero, out, &ldo);
+    sgemm_ptr("N", "N", &d, &p, &p, &one, vals, &ld, s, &p, &zero, out, &ldo);
 }
 
 static void activate(float *gate_up, int64_t rows, int inter, int gelu) {
@@ -248,7 +299,7 @@ enum {
 enum { P_EMBED, P_NORM, P_HEAD, P_ROTARY, P_KEY_BIAS, P_SCRATCH, P_INDEX, P_ROOT };
 enum {
     L_LN1, L_LN2, L_QKV, L_QKV_BIAS, L_QK_NORM, L_O, L_O_BIAS, L_GATE_UP, L_DOWN,
-    L_K_CACHE, L_V_CACHE, PER_LAYER
+    L_KV_CACHE, PER_LAYER
 };
 
 /* The buffers a forward over up to cfg[C_ROWS] rows at once needs: floats, then int64s. */
@@ -271,8 +322,11 @@ static void forward(const int64_t *cfg, float eps, float scale, void **ptrs, int
                     int64_t copies, int64_t prompt_len) {
     const int hid = (int)cfg[C_HIDDEN], heads = (int)cfg[C_HEADS], kvh = (int)cfg[C_KV_HEADS];
     const int d = (int)cfg[C_HEAD_DIM], inter = (int)cfg[C_INTER], layers = (int)cfg[C_LAYERS];
-    const int64_t cap = cfg[C_CAPACITY];
+    const int64_t cap = cfg[C_CAPACITY], kv_block = cap * 2 * d; /* floats a (row, kv head) block takes */
     const int group = heads / kvh, width = (heads + 2 * kvh) * d;
+    /* a decode step (one new slot a row, the last it attends to) writes each key and value inside
+     * attention, into lines it reads next, instead of in a pass of their own */
+    const int decoding = copies == 1 && prompt_len == 0;
     const float *rotary = ptrs[P_ROTARY], *key_bias = ptrs[P_KEY_BIAS];
     float *x = ptrs[P_SCRATCH];          /* (rows, hid): the residual stream */
     float *nrm = x + rows * hid;         /* (rows, hid): normalised input of a projection */
@@ -285,7 +339,7 @@ static void forward(const int64_t *cfg, float eps, float scale, void **ptrs, int
     for (int l = 0; l < layers; l++) {
         void **lp = ptrs + P_ROOT + (int64_t)l * PER_LAYER;
         const float *qkv_bias = lp[L_QKV_BIAS], *qk_norm = lp[L_QK_NORM], *o_bias = lp[L_O_BIAS];
-        float *kc = lp[L_K_CACHE], *vc = lp[L_V_CACHE];
+        float *kv = lp[L_KV_CACHE];
 
         rms_norm(x, lp[L_LN1], nrm, rows, hid, eps);
         MARK(S_NORMS);
@@ -301,11 +355,11 @@ static void forward(const int64_t *cfg, float eps, float scale, void **ptrs, int
             const float *cs = rotary + pos[r] * 2 * d, *sn = cs + d; /* (2, 1, d): cos, signed sin */
             for (int hh = 0; hh < heads + kvh; hh++)
                 norm_rope(row + (int64_t)hh * d, qk_norm ? qk_norm + (int64_t)hh * d : 0, cs, sn, d, eps);
-            for (int64_t c = 0; c < copies; c++)
+            for (int64_t c = 0; c < (decoding ? 0 : copies); c++)  /* a decode step writes in attention */
                 for (int g = 0; g < kvh; g++) {
-                    int64_t at = (((cache_row[r] + c) * kvh + g) * cap + slot[r]) * d;
-                    memcpy(kc + at, row + (int64_t)(heads + g) * d, sizeof(float) * d);
-                    memcpy(vc + at, row + (int64_t)(heads + kvh + g) * d, sizeof(float) * d);
+                    float *at = slot_at(kv + ((cache_row[r] + c) * kvh + g) * kv_block, slot[r], d);
+                    memcpy(at, row + (int64_t)(heads + g) * d, sizeof(float) * d);
+                    memcpy(at + d, row + (int64_t)(heads + kvh + g) * d, sizeof(float) * d);
                 }
         }
         MARK(S_ROTARY_KV);
@@ -317,9 +371,10 @@ static void forward(const int64_t *cfg, float eps, float scale, void **ptrs, int
                     const int64_t block = cache_row[base] * kvh + g;
                     for (int j = 0; j < group; j++) {
                         const int hh = g * group + j;
-                        attend_prompt(qkv + base * width + (int64_t)hh * d, width, kc + block * cap * d,
-                                      vc + block * cap * d, key_bias + block * cap, p, d, scale, scores,
-                                      att + base * heads * d + (int64_t)hh * d, heads * d);
+                        const float *rows0 = qkv + base * width;
+                        attend_prompt(rows0 + (int64_t)hh * d, rows0 + (int64_t)(heads + g) * d,
+                                      rows0 + (int64_t)(heads + kvh + g) * d, width, key_bias + block * cap,
+                                      p, d, scale, scores, att + base * heads * d + (int64_t)hh * d, heads * d);
                     }
                 }
         } else
@@ -332,9 +387,10 @@ static void forward(const int64_t *cfg, float eps, float scale, void **ptrs, int
                 const int64_t ahead = r * kvh + g + PREFETCH_AHEAD, r2 = ahead / kvh;
                 const int more = r2 < rows;
                 const int64_t next = more ? cache_row[r2] * kvh + ahead % kvh : 0;
-                attend(row + (int64_t)g * group * d, group, kc + block * cap * d, vc + block * cap * d,
-                       key_bias + block * cap, ctx[r], scale, d, scores, att + r * heads * d + (int64_t)g * group * d,
-                       more ? kc + next * cap * d : 0, more ? vc + next * cap * d : 0, more ? ctx[r2] : 0);
+                attend(row + (int64_t)g * group * d, group, kv + block * kv_block, key_bias + block * cap, ctx[r],
+                       scale, scores, att + r * heads * d + (int64_t)g * group * d, more ? kv + next * kv_block : 0,
+                       more ? ctx[r2] : 0, decoding ? row + (int64_t)(heads + g) * d : 0,
+                       decoding ? row + (int64_t)(heads + kvh + g) * d : 0, d);
             }
         }
         MARK(S_ATTENTION);
@@ -420,4 +476,85 @@ int tether_decode_step(const int64_t *cfg, float eps, float scale, void **ptrs, 
     head(cfg, eps, ptrs, b, cache_row, b, logits);  /* every row: cache_row[r] = r */
     for (int64_t r = 0; r < b; r++) next_pos[r] += 1;
     return 0;
+}
+
+/* log(x) in float32 to about 1 ulp, written so the compiler vectorises loops that call it:
+ * x = 2^e * m with m in [sqrt(1/2), sqrt(2)), log(x) = e ln 2 + log(m), log(m) by Cephes'
+ * polynomial for logf. 0 gives -inf and +inf gives +inf (as torch.log); subnormals are scaled
+ * into range first; negative x is not handled (no caller passes one). */
+static inline float log_f32(float x) {
+    const int sub = x < 1.17549435e-38f;  /* subnormal (or 0): scale by 2^25 */
+    const float xs = sub ? x * 33554432.0f : x;
+    int32_t bits;
+    memcpy(&bits, &xs, sizeof bits);
+    int32_t e = ((bits >> 23) & 0xff) - 126 - (sub ? 25 : 0);
+    const int32_t mant = (bits & 0x007fffff) | 0x3f000000; /* m in [0.5, 1) */
+    float m;
+    memcpy(&m, &mant, sizeof m);
+    const int low = m < 0.707106781186547524f;
+    e = low ? e - 1 : e;
+    m = low ? m + m - 1.0f : m - 1.0f;
+    const float z = m * m;
+    float y = 7.0376836292e-2f;
+    y = y * m - 1.1514610310e-1f;
+    y = y * m + 1.1676998740e-1f;
+    y = y * m - 1.2420140846e-1f;
+    y = y * m + 1.4249322787e-1f;
+    y = y * m - 1.6668057665e-1f;
+    y = y * m + 2.0000714765e-1f;
+    y = y * m - 2.4999993993e-1f;
+    y = y * m + 3.3333331174e-1f;
+    y = y * m * z;
+    const float fe = (float)e;
+    y += -2.12194440e-4f * fe;
+    y += -0.5f * z;
+    float r = m + y + 0.693359375f * fe;
+    r = x == 0.0f ? -INFINITY : r;
+    return x == INFINITY ? INFINITY : r;
+}
+
+/* One token per row of logits (rows x vocab), as tether/decoding/sampling.py's untruncated
+ * sampler draws it: the row over temperature (none when it is 1; 0 means greedy, at temperature
+ * 1) as log-probabilities, log_softmax's way (x - max - log(sum(exp(x - max)))), written over
+ * the logits in place; then the argmax of logp - log(-log(u)) for the row's uniforms u (the
+ * Gumbel-max draw of sampling.categorical), or of logp itself when greedy (u is NULL). Writes
+ * each row's token and its log-probability at tokens[r * stride], logps[r * stride]. */
+void tether_sample(float *logits, int64_t rows, int64_t vocab, float temperature, const float *u,
+                   int64_t *tokens, float *logps, int64_t stride) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *x = logits + r * vocab, top = -INFINITY, total = 0.0f;
+        if (temperature != 1.0f && temperature != 0.0f)
+            for (int64_t i = 0; i < vocab; i++) x[i] = x[i] / temperature;
+        for (int64_t i = 0; i < vocab; i++) top = x[i] > top ? x[i] : top;
+        for (int64_t i = 0; i < vocab; i++) total += exp_f32(x[i] - top);
+        const float lse = logf(total);
+        for (int64_t i = 0; i < vocab; i++) x[i] = (x[i] - top) - lse;
+        int64_t best = 0;
+        if (u) {  /* in chunks: the keys vectorised into g, then a scan for the first largest */
+            const float *ur = u + r * vocab;
+            float g[256], best_g = -INFINITY;
+            for (int64_t at = 0; at < vocab; at += 256) {
+                const int64_t n = vocab - at < 256 ? vocab - at : 256;
+                for (int64_t i = 0; i < n; i++) g[i] = x[at + i] - log_f32(-log_f32(ur[at + i]));
+                for (int64_t i = 0; i < n; i++)
+                    if (g[i] > best_g) { best_g = g[i]; best = at + i; }
+            }
+        } else {
+            for (int64_t i = 1; i < vocab; i++)
+                if (x[i] > x[best]) best = i;
+        }
+        tokens[r * stride] = best;
+        logps[r * stride] = x[best];
+    }
+}
+
+/* A decode step (tether_decode_step) and then the next token of every row drawn from its logits
+ * (tether_sample; logits is the step's output and scratch). Returns as tether_decode_step. */
+int tether_decode_sample(const int64_t *cfg, float eps, float scale, void **ptrs, int64_t t,
+                         const int64_t *tokens, int64_t *next_pos, float *logits, float temperature,
+                         const float *u, int64_t *out_tokens, float *out_logps, int64_t stride) {
+    int status = tether_decode_step(cfg, eps, scale, ptrs, t, tokens, next_pos, logits);
+    if (status == 0)
+        tether_sample(logits, cfg[C_BATCH], cfg[C_VOCAB], temperature, u, out_tokens, out_logps, stride);
+    return status;
 }
