@@ -249,9 +249,13 @@ def test_the_native_sampler_refuses_mismatched_buffers():
     dec = FastDecoder(model, decoder="native")
     ids, mask = _batch()
     dec.prefill(ids, mask, 4)
-    out_t, out_l = torch.empty(3, 4, dtype=torch.int64), torch.empty(3, 4)
-    with pytest.raises(ValueError, match="uniforms must be"):
-        dec.decode_sample(torch.tensor([1, 2, 3]), 1.0, torch.rand(3, 7), out_t[:, 0], out_l[:, 0])
-    with pytest.raises(ValueError, match="int64 and float32"):
-        dec.decode_sample(torch.tensor([1, 2, 3]), 1.0, None, out_t[:, 0].float(), out_l[:, 0])
+    toks, lps = torch.ones(3, 4, dtype=torch.int64), torch.empty(3, 4)
+    with pytest.raises(ValueError, match=r"uniforms must be a contiguous \(3, 40\)"):
+        dec.decode_sample(toks[:, 0], 1.0, torch.rand(3, 7), toks[:, 1], lps[:, 1])
+    with pytest.raises(ValueError, match="int64, int64 and float32 views of one stride"):
+        dec.decode_sample(toks[:, 0], 1.0, None, toks[:, 1].float(), lps[:, 1])
+    with pytest.raises(ValueError, match="views of one stride"):
+        dec.decode_sample(torch.ones(3, dtype=torch.int64), 1.0, None, toks[:, 1], lps[:, 1])
     assert dec.length == ids.shape[1]  # nothing ran
+    dec.decode_sample(toks[:, 0], 1.0, torch.rand(3, 40), toks[:, 1], lps[:, 1])
+    assert dec.length == ids.shape[1] + 1 and (lps[:, 1] < 0).all()

@@ -342,13 +342,14 @@ class FastDecoder:
         """Whether ``decode_sample`` can run: this batch is on the native path."""
         return self._batch is not None
 
-    @torch.inference_mode()
     def decode_sample(self, tokens: torch.Tensor, temperature: float, uniforms: torch.Tensor | None,
                       out_tokens: torch.Tensor, out_logps: torch.Tensor) -> None:
         """``decode`` and then, in the same native call, each row's next token drawn from the
         new logits as ``sampling.sample`` draws it untruncated (from ``uniforms``, (B, V), the
         ``torch.rand`` its sampler would take; greedy when None), written with its log-probability
-        into ``out_tokens`` and ``out_logps`` (B,). Native path only (``samples_natively``)."""
+        into ``out_tokens`` and ``out_logps`` (B,). ``tokens`` and the two outputs are int64,
+        int64 and float32 views of one stride (columns of the sampler's buffers). Native path only
+        (``samples_natively``); no autograd runs in it, so it needs no inference mode of its own."""
         t = self.length
         if t >= self.capacity:
             raise RuntimeError("KV cache is full")

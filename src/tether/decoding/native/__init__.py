@@ -317,7 +317,8 @@ class NativeBatch:
         self.index = dec.buffer("native index", (self.lib.tether_index_ints(self.cfg.data_ptr()),),
                                 torch.int64)
         self.eps, self.scale = float(dec.eps), float(dec.scale)
-        self._logits: torch.Tensor | None = None  # step_and_sample's logits, kept for the batch
+        self._logits = torch.empty(dec.batch, weights.vocab, dtype=torch.float32)  # step_and_sample's
+        self._logits_ptr, self._cfg = self._logits.data_ptr(), self.cfg.data_ptr()
         self.state = dict(rotary=dec.rotary, key_bias=dec.key_bias, kv_cache=dec.kv_cache)
         self.rebind(weights)
 
@@ -367,20 +368,20 @@ class NativeBatch:
         """``step``, then every row's next token drawn from the step's logits in the same call
         (``tether_sample``: the untruncated draw of ``tether.decoding.sampling.sample`` from the
         same ``uniforms``, (B, V), or greedy when they are None), written into ``out_tokens``
-        (int64) and ``out_logps`` (float32), (B,) each, strided views allowed."""
-        b, vocab = self.batch, self.weights.vocab
-        if tokens.shape != (b,):
-            raise ValueError(f"decode takes one token per row, ({b},); got {tuple(tokens.shape)}")
-        if (out_tokens.shape != (b,) or out_logps.shape != (b,) or out_tokens.dtype != torch.int64
-                or out_logps.dtype != torch.float32 or out_tokens.stride() != out_logps.stride()):
-            raise ValueError("out_tokens and out_logps must be (B,) int64 and float32 views of one stride")
-        if uniforms is not None and (uniforms.shape != (b, vocab) or not uniforms.is_contiguous()):
-            raise ValueError(f"uniforms must be a contiguous ({b}, {vocab}) tensor")
-        tokens = tokens.to(torch.int64).contiguous()
-        if self._logits is None:
-            self._logits = torch.empty(b, vocab, dtype=torch.float32)
+        and ``out_logps``. ``tokens`` and ``out_tokens`` (int64) and ``out_logps`` (float32) are
+        (B,) views of one row stride: columns of the sampler's (B, steps) buffers, read and
+        written in place."""
+        b, stride = self.batch, tokens.stride(0)
+        if (tokens.shape != (b,) or out_tokens.shape != (b,) or out_logps.shape != (b,)
+                or tokens.dtype != torch.int64 or out_tokens.dtype != torch.int64
+                or out_logps.dtype != torch.float32 or out_tokens.stride(0) != stride
+                or out_logps.stride(0) != stride):
+            raise ValueError(f"tokens, out_tokens and out_logps must be ({b},) int64, int64 and float32 "
+                             f"views of one stride")
+        if uniforms is not None and (uniforms.shape != self._logits.shape or not uniforms.is_contiguous()):
+            raise ValueError(f"uniforms must be a contiguous {tuple(self._logits.shape)} tensor")
         status = self.lib.tether_decode_sample(
-            self.cfg.data_ptr(), self.eps, self.scale, self.table, length, tokens.data_ptr(), next_pos.data_ptr(),
-            self._logits.data_ptr(), float(temperature), _pointer(uniforms), out_tokens.data_ptr(),
-            out_logps.data_ptr(), out_tokens.stride(0))
+            self._cfg, self.eps, self.scale, self.table, length, tokens.data_ptr(), next_pos.data_ptr(),
+            self._logits_ptr, temperature, uniforms.data_ptr() if uniforms is not None else None,
+            out_tokens.data_ptr(), out_logps.data_ptr(), stride)
         self._refused(status, tokens)

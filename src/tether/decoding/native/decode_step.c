@@ -428,13 +428,14 @@ static void head(const int64_t *cfg, float eps, void **ptrs, int64_t rows, const
 }
 
 /* Returns 0, or -1 - i when ids[i] is not in the embedding table (nothing is written then). */
-static int embed(const int64_t *cfg, void **ptrs, const int64_t *ids, int64_t n) {
+/* ids[i * stride] for i < n. */
+static int embed(const int64_t *cfg, void **ptrs, const int64_t *ids, int64_t n, int64_t stride) {
     const int hid = (int)cfg[C_HIDDEN];
     const float *table = ptrs[P_EMBED];
     float *x = ptrs[P_SCRATCH];
     for (int64_t i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= cfg[C_EMBED_ROWS]) return (int)(-1 - i);
-    for (int64_t i = 0; i < n; i++) memcpy(x + i * hid, table + ids[i] * hid, sizeof(float) * hid);
+        if (ids[i * stride] < 0 || ids[i * stride] >= cfg[C_EMBED_ROWS]) return (int)(-1 - i);
+    for (int64_t i = 0; i < n; i++) memcpy(x + i * hid, table + ids[i * stride] * hid, sizeof(float) * hid);
     return 0;
 }
 
@@ -445,7 +446,7 @@ int tether_prefill(const int64_t *cfg, float eps, float scale, void **ptrs, cons
                    const int64_t *positions, int64_t u, int64_t p, int64_t repeats, float *logits) {
     const int64_t rows = u * p;
     if (rows > cfg[C_ROWS]) return -1 - (int)cfg[C_ROWS];
-    int status = embed(cfg, ptrs, ids, rows);
+    int status = embed(cfg, ptrs, ids, rows, 1);
     if (status != 0) return status;
     int64_t *cache_row = ptrs[P_INDEX], *slot = cache_row + rows, *ctx = slot + rows, *last = ctx + rows;
     for (int64_t i = 0; i < rows; i++) {
@@ -461,10 +462,10 @@ int tether_prefill(const int64_t *cfg, float eps, float scale, void **ptrs, cons
 
 /* One step: append tokens[b] at slot t of every row, write the next logits (batch x vocab),
  * advance next_pos. t is the number of slots already in the cache. Returns as embed(). */
-int tether_decode_step(const int64_t *cfg, float eps, float scale, void **ptrs, int64_t t,
-                       const int64_t *tokens, int64_t *next_pos, float *logits) {
+static int decode_step(const int64_t *cfg, float eps, float scale, void **ptrs, int64_t t,
+                       const int64_t *tokens, int64_t stride, int64_t *next_pos, float *logits) {
     const int64_t b = cfg[C_BATCH];
-    int status = embed(cfg, ptrs, tokens, b);
+    int status = embed(cfg, ptrs, tokens, b, stride);
     if (status != 0) return status;
     int64_t *cache_row = ptrs[P_INDEX], *slot = cache_row + b, *ctx = slot + b;
     for (int64_t r = 0; r < b; r++) {
@@ -476,6 +477,11 @@ int tether_decode_step(const int64_t *cfg, float eps, float scale, void **ptrs, 
     head(cfg, eps, ptrs, b, cache_row, b, logits);  /* every row: cache_row[r] = r */
     for (int64_t r = 0; r < b; r++) next_pos[r] += 1;
     return 0;
+}
+
+int tether_decode_step(const int64_t *cfg, float eps, float scale, void **ptrs, int64_t t,
+                       const int64_t *tokens, int64_t *next_pos, float *logits) {
+    return decode_step(cfg, eps, scale, ptrs, t, tokens, 1, next_pos, logits);
 }
 
 /* log(x) in float32 to about 1 ulp, written so the compiler vectorises loops that call it:
@@ -549,11 +555,13 @@ void tether_sample(float *logits, int64_t rows, int64_t vocab, float temperature
 }
 
 /* A decode step (tether_decode_step) and then the next token of every row drawn from its logits
- * (tether_sample; logits is the step's output and scratch). Returns as tether_decode_step. */
+ * (tether_sample; logits is the step's output and scratch). The step's tokens are read at
+ * tokens[r * stride], and the new ones written with that stride too (columns of one (rows x
+ * steps) buffer). Returns as tether_decode_step. */
 int tether_decode_sample(const int64_t *cfg, float eps, float scale, void **ptrs, int64_t t,
                          const int64_t *tokens, int64_t *next_pos, float *logits, float temperature,
                          const float *u, int64_t *out_tokens, float *out_logps, int64_t stride) {
-    int status = tether_decode_step(cfg, eps, scale, ptrs, t, tokens, next_pos, logits);
+    int status = decode_step(cfg, eps, scale, ptrs, t, tokens, stride, next_pos, logits);
     if (status == 0)
         tether_sample(logits, cfg[C_BATCH], cfg[C_VOCAB], temperature, u, out_tokens, out_logps, stride);
     return status;
