@@ -67,14 +67,15 @@ class Completions:
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu"):
     """(B, P) token ids and attention mask, prompts right-aligned."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)  # (B, P)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)  # (B, P)
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty")
-        ids[i, width - len(p):] = torch.as_tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
+    width = max(len(p) for p in prompts)
+    # one tensor from padded Python lists: a slice assignment per prompt cost ~8 µs each
+    rows = [[pad_id] * (width - len(p)) + list(p) for p in prompts]
+    ids = torch.tensor(rows, dtype=torch.long, device=device)  # (B, P)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long,
+                        device=device)  # (B, P)
     return ids, mask
 
 

@@ -151,6 +151,8 @@ def _open() -> ctypes.CDLL:
     lib.tether_packed_floats.restype = i64
     lib.tether_pack.argtypes = [p, ctypes.c_int, ctypes.c_int, p]
     lib.tether_pack.restype = None
+    lib.tether_pack_stacked.argtypes = [p, ctypes.c_int, p, ctypes.c_int, p, ctypes.c_int, ctypes.c_int, p, p]
+    lib.tether_pack_stacked.restype = None
     lib.tether_scratch_floats.argtypes = [p]
     lib.tether_scratch_floats.restype = i64
     lib.tether_index_ints.argtypes = [p]
@@ -252,19 +254,26 @@ class NativeModel:
         sizes = [-(-lib.tether_packed_floats(n, k) // 16) * 16 for n, k in self.shapes]
         self.arena = torch.empty(sum(sizes), dtype=torch.float32)
         self.packed = list(self.arena.split(sizes))
+        self.packed_ptrs = [t.data_ptr() for t in self.packed]
         # q/k/v and gate/up are stacked into this one buffer before packing
         self.staging = torch.empty(max(n * k for n, k in self.shapes[:-1]), dtype=torch.float32)
+        self.staging_ptr = self.staging.data_ptr()
         self.vocab, self.inter = self.shapes[-1][0], inner.layers[0].mlp.down_proj.in_features
         self.pack(dec.model)
 
     def _pack(self, i: int, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Pack the row-stacked ``parts`` (each (rows, in), contiguous) as matrix ``i``."""
         n, k = self.shapes[i]
-        if len(parts) == 1 and parts[0].is_contiguous():
-            src = parts[0]
-        else:
-            src = self.staging[: n * k].view(n, k)
-            torch.cat(parts, out=src)
-        self.lib.tether_pack(src.data_ptr(), n, k, self.packed[i].data_ptr())
+        if any(not t.is_contiguous() for t in parts):
+            parts = [t.contiguous() for t in parts]
+        if len(parts) == 1:
+            self.lib.tether_pack(parts[0].data_ptr(), n, k, self.packed_ptrs[i])
+        else:  # stacked in C, into the staging buffer
+            a, b, c = (*parts, None)[:3]
+            self.lib.tether_pack_stacked(a.data_ptr(), a.shape[0], b.data_ptr(), b.shape[0],
+                                         c.data_ptr() if c is not None else None,
+                                         c.shape[0] if c is not None else 0, k, self.staging_ptr,
+                                         self.packed_ptrs[i])
         return self.packed[i]
 
     @torch.inference_mode()

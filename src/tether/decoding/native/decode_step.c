@@ -86,6 +86,17 @@ void tether_pack(const float *w, int n, int k, float *dest) {
     pack_ptr(ROW_MAJOR, B_MATRIX, TRANS, PACK_ROWS, n, k, 1.0f, w, k, dest);
 }
 
+/* Pack the row-stacked a (na x k), b (nb x k) and c (nc x k; nb, nc may be 0) as one matrix:
+ * q/k/v, or gate/up. They are copied into staging ((na + nb + nc) x k) first, as MKL packs one
+ * matrix a call. */
+void tether_pack_stacked(const float *a, int na, const float *b, int nb, const float *c, int nc, int k,
+                         float *staging, float *dest) {
+    memcpy(staging, a, sizeof(float) * na * k);
+    if (nb) memcpy(staging + (int64_t)na * k, b, sizeof(float) * nb * k);
+    if (nc) memcpy(staging + (int64_t)(na + nb) * k, c, sizeof(float) * nc * k);
+    tether_pack(staging, na + nb + nc, k, dest);
+}
+
 /* C (m x n, row stride ldc) = beta*C + A (m x k, row stride lda) @ W^T, W packed. */
 static void gemm(int m, int n, int k, const float *a, int lda, const float *packed, float *c, int ldc,
                  float beta) {
