@@ -12,11 +12,12 @@
  *
  * The arithmetic follows the Python path op for op: RMSNorm (mean of squares, times
  * 1/sqrt(var + eps), times the weight), the q/k RMSNorm of Qwen3, rotary as
- * x*cos + swap_halves(x)*sin_signed, K/V written into the cache before attending, attention as
- * bias + scale*(q.k), softmax, p.v, the residual adds folded into the o and down products
- * (beta = 1, as torch.addmm), act(gate)*up. Sums reduce in another order than torch's kernels,
- * so results agree to float32 rounding (~1e-6), not bit for bit
- * (tests/integration/test_native_decode.py).
+ * x*cos + swap_halves(x)*sin_signed, each new position attending to the cache and to itself,
+ * attention as bias + scale*(q.k), softmax, p.v, the residual adds folded into the o and down
+ * products (beta = 1, as torch.addmm), act(gate)*up. Sums reduce in another order than torch's
+ * kernels, so results agree to float32 rounding (~1e-6), not bit for bit
+ * (tests/integration/test_native_decode.py). Sampling (tether_sample) is the torch sampler's
+ * untruncated draw from the same uniforms.
  *
  * Built by tether/decoding/native/__init__.py with the C compiler of the machine that runs it;
  * called through ctypes with raw pointers into tensors the Python side owns.
@@ -191,19 +192,17 @@ static inline float *slot_at(float *block, int64_t slot, int d) { return block +
  * all of them (from L3 or memory; the queries and outputs stay in L1). sc holds group x ctx
  * scores. A query with no key to attend to (a padding position of a prompt) gets 0. While it
  * runs, the next block's next_ctx slots are prefetched, one slot per slot. new_k and new_v, when
- * not NULL, are slot ctx - 1's key and value, written first (a decode step's: their lines come
- * with this block's prefetch).
+ * not NULL, are slot ctx - 1's key and value (a decode step's): attended from where they are,
+ * then written into the block, after its reads (written first, the stores ran ahead of the
+ * reads they then had to wait for: 5% slower attention).
  * Written for a d the compiler knows (attend() calls it with 64 and 128 as constants, and with
  * any other d as a variable): with d fixed, each dot product and output row is a few vector
  * registers, where a run-time d cost loop set-up per key that outweighed its arithmetic. */
 static inline __attribute__((always_inline)) void attend_d(
         const float *q, int group, float *block, const float *bias, int64_t ctx, float scale, const int d,
         float *sc, float *out, const float *next, int64_t next_ctx, const float *new_k, const float *new_v) {
-    if (new_k) {
-        memcpy(slot_at(block, ctx - 1, d), new_k, sizeof(float) * d);
-        memcpy(slot_at(block, ctx - 1, d) + d, new_v, sizeof(float) * d);
-    }
-    for (int64_t s = 0; s < ctx; s++) {
+    const int64_t cached = new_k ? ctx - 1 : ctx;  /* slots read from the block */
+    for (int64_t s = 0; s < cached; s++) {
         const float *k = slot_at(block, s, d);
         if (next && s < next_ctx)
             for (int i = 0; i < 2 * d; i += 16) __builtin_prefetch(next + s * 2 * d + i, 0, 1);
@@ -214,6 +213,13 @@ static inline __attribute__((always_inline)) void attend_d(
             sc[j * ctx + s] = bias[s] + scale * dot;
         }
     }
+    if (new_k)
+        for (int j = 0; j < group; j++) {
+            const float *qj = q + (int64_t)j * d;
+            float dot = 0.0f;
+            for (int i = 0; i < d; i++) dot += qj[i] * new_k[i];
+            sc[j * ctx + ctx - 1] = bias[ctx - 1] + scale * dot;
+        }
     for (int j = 0; j < group; j++) {
         float *sj = sc + j * ctx, *oj = out + (int64_t)j * d, top = -INFINITY, total = 0.0f;
         for (int64_t s = 0; s < ctx; s++) top = sj[s] > top ? sj[s] : top;
@@ -228,11 +234,19 @@ static inline __attribute__((always_inline)) void attend_d(
         const float inv = 1.0f / total;
         float acc[d];
         for (int i = 0; i < d; i++) acc[i] = 0.0f;
-        for (int64_t s = 0; s < ctx; s++) {
+        for (int64_t s = 0; s < cached; s++) {
             const float p = sj[s] * inv, *v = slot_at(block, s, d) + d;
             for (int i = 0; i < d; i++) acc[i] += p * v[i];
         }
+        if (new_v) {
+            const float p = sj[ctx - 1] * inv;
+            for (int i = 0; i < d; i++) acc[i] += p * new_v[i];
+        }
         for (int i = 0; i < d; i++) oj[i] = acc[i];
+    }
+    if (new_k) {  /* into the cache, once its slots are read */
+        memcpy(slot_at(block, ctx - 1, d), new_k, sizeof(float) * d);
+        memcpy(slot_at(block, ctx - 1, d) + d, new_v, sizeof(float) * d);
     }
 }
 
