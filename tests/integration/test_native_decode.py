@@ -224,22 +224,35 @@ class _Unfused(FastDecoder):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
-def test_the_native_sampler_draws_what_the_torch_sampler_draws(tiny_model_dir, temperature):
-    """decode_sample takes the uniforms the torch sampler would have drawn; the same generator
-    seed gives the same tokens and log-probs (to float32 rounding) either way, greedy included."""
-    from tether.decoding.sampling import SamplingParams, sample
+@pytest.mark.parametrize("stops", [False, True])
+@pytest.mark.parametrize("loop", ["native run", "native steps"])
+def test_the_native_sampler_draws_what_the_torch_sampler_draws(tiny_model_dir, temperature, stops, loop):
+    """The native decoder samples inside its decode calls, from the uniforms the torch sampler
+    would have drawn: with nothing polling for new weights, the whole loop in native calls
+    (decode_run, stop ids checked there), else one call a step (decode_sample). Either way the
+    same generator seed gives the same tokens, log-probs (to float32 rounding) and stops as the
+    torch sampler over the native logits, greedy included."""
+    from tether.decoding.sampling import SamplingParams, sample, stop_ids_for
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     ps = [tok(t, add_special_tokens=False).input_ids for t in ("1+1=", "12+345=", "rev abc=", "7*8=")]
     params = SamplingParams(max_new_tokens=16, temperature=temperature)
+    poll = (lambda: None) if loop == "native steps" else None
+    stop_ids = []
+    if stops:  # a token the model does sample: the one 4 steps into row 0's unstopped sample
+        free = sample(model, ps, params, stop_ids=[], pad_id=tok.pad_token_id, samples_per_prompt=4,
+                      stepper=_Unfused(model, decoder="native"), generator=torch.Generator().manual_seed(3))
+        stop_ids = [free.tokens[0][3]]
     runs = []
     for stepper in (FastDecoder(model, decoder="native"), _Unfused(model, decoder="native")):
-        runs.append(sample(model, ps, params, stop_ids=[], pad_id=tok.pad_token_id, stepper=stepper,
-                           generator=torch.Generator().manual_seed(3), samples_per_prompt=4))
+        runs.append(sample(model, ps, params, stop_ids=stop_ids, pad_id=tok.pad_token_id, stepper=stepper,
+                           generator=torch.Generator().manual_seed(3), samples_per_prompt=4, poll=poll))
         assert stepper.path == "native"
     fused, unfused = runs
-    assert fused.tokens == unfused.tokens
+    assert fused.tokens == unfused.tokens and fused.finish_reasons == unfused.finish_reasons
+    if stops:
+        assert "stop" in fused.finish_reasons and len(fused.tokens[0]) <= 4
     for a, b in zip(fused.logprobs, unfused.logprobs, strict=True):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)
 

@@ -358,6 +358,26 @@ class FastDecoder:
         self._batch.step_and_sample(tokens, t, self.next_pos, temperature, uniforms, out_tokens, out_logps)
         self.length = t + 1
 
+    def decode_run(self, steps: int, tokens: torch.Tensor, logps: torch.Tensor, col: int, temperature: float,
+                   uniforms: torch.Tensor | None, stop: torch.Tensor, done: torch.Tensor,
+                   lengths: torch.Tensor) -> int:
+        """Up to ``steps`` of ``decode_sample`` in one native call, the sampler's whole loop
+        while nothing can change the weights: each step decodes column ``col`` + k of
+        ``tokens`` (B, N) and samples the next (log-probs into ``logps``) from ``uniforms``
+        (steps, B, V), marking rows that sample a ``stop`` id done, with their ``lengths``, and
+        ending early once all are (``NativeBatch.run``). Returns the steps run."""
+        t = self.length
+        if t + steps > self.capacity:
+            raise RuntimeError("KV cache is full")
+        if self._batch is None:
+            raise RuntimeError("decode_run runs on the native path only (see samples_natively)")
+        ran, error = self._batch.run(t, steps, tokens, logps, col, self.next_pos, temperature, uniforms, stop,
+                                     done, lengths)
+        self.length = t + ran
+        if error is not None:
+            raise error
+        return ran
+
     def _decode_python(self, tokens: torch.Tensor) -> torch.Tensor:
         b, t = self.batch, self.length
         kvh, hd, group = self.kv_heads, self.head_dim, self.heads // self.kv_heads

@@ -235,6 +235,10 @@ def sample(
         newer = poll() if poll is not None else None
         if newer is None:
             if fuse and stepper.samples_natively:
+                if poll is None:  # nothing can change the weights now: the rest in native calls
+                    steps = _run_natively(stepper, params, generator, tokens, logps, t, vocab, stop, done, lengths)
+                    step_versions += [version] * (steps - len(step_versions))
+                    break
                 u = None if params.greedy else torch.rand((batch, vocab), generator=generator, device=device)
                 stepper.decode_sample(tok, params.temperature, u, tokens[:, t + 1], logps[:, t + 1])
                 logits = None
@@ -256,6 +260,28 @@ def sample(
         else:  # keep: the prefix's KV cache stays as the old weights computed it
             logits = stepper.decode(tok)
     return _completions(tokens[:, :steps], logps[:, :steps], lengths, done, step_versions, switches)
+
+
+_UNIFORMS_AT_ONCE = 1 << 21  # floats of uniforms _run_natively draws in one call (8 MB)
+
+
+def _run_natively(stepper, params: SamplingParams, generator: torch.Generator | None, tokens: torch.Tensor,
+                  logps: torch.Tensor, t: int, vocab: int, stop: torch.Tensor, done: torch.Tensor,
+                  lengths: torch.Tensor) -> int:
+    """The sampling loop from column ``t`` (sampled, its stop ids seen) to the end, in native
+    calls (``FastDecoder.decode_run``): each takes the uniforms of as many steps as fit in
+    ``_UNIFORMS_AT_ONCE`` floats, drawn in one ``torch.rand`` — the numbers the per-step loop
+    would draw, in the same order, so the same tokens. Returns the columns now filled."""
+    batch, n = tokens.shape
+    col = t
+    while col + 1 < n:
+        k = min(n - 1 - col, max(1, _UNIFORMS_AT_ONCE // (batch * vocab)))
+        u = None if params.greedy else torch.rand((k, batch, vocab), generator=generator, device=tokens.device)
+        ran = stepper.decode_run(k, tokens, logps, col, params.temperature, u, stop, done, lengths)
+        col += ran
+        if ran < k or (len(stop) and bool(done.all())):
+            break
+    return col + 1
 
 
 def _completions(tokens: torch.Tensor, logps: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor,

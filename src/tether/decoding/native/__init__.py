@@ -165,6 +165,8 @@ def _open() -> ctypes.CDLL:
     lib.tether_sample.restype = None
     lib.tether_decode_sample.argtypes = [p, f32, f32, p, i64, p, p, p, f32, p, p, p, i64]
     lib.tether_decode_sample.restype = ctypes.c_int
+    lib.tether_decode_run.argtypes = [p, f32, f32, p, i64, i64, p, p, i64, i64, p, p, f32, p, p, i64, p, p, p]
+    lib.tether_decode_run.restype = i64
     return lib
 
 
@@ -394,3 +396,37 @@ class NativeBatch:
             self._logits_ptr, temperature, uniforms.data_ptr() if uniforms is not None else None,
             out_tokens.data_ptr(), out_logps.data_ptr(), stride)
         self._refused(status, tokens)
+
+    def run(self, length: int, steps: int, tokens: torch.Tensor, logps: torch.Tensor, col: int,
+            next_pos: torch.Tensor, temperature: float, uniforms: torch.Tensor | None, stop: torch.Tensor,
+            done: torch.Tensor, lengths: torch.Tensor) -> tuple[int, IndexError | None]:
+        """Up to ``steps`` decode steps, each sampling the next column of ``tokens`` / ``logps``
+        ((B, N) int64 and float32, contiguous) after column ``col`` as ``step_and_sample`` does,
+        from ``uniforms`` ((steps, B, V), or None: greedy), and marking rows that sample a
+        ``stop`` id (int64) in ``done`` (bool) and ``lengths`` (int64), (B,) each, as
+        ``tether.decoding.sampling.sample`` does; it ends early when every row is done (the
+        ``tether_decode_run`` loop). Returns the steps run, and the error that stopped it if a
+        token was outside the embedding table (the steps before it stand)."""
+        b, vocab = self.batch, self.weights.vocab
+        if (tokens.dtype != torch.int64 or logps.dtype != torch.float32 or tokens.shape != logps.shape
+                or tokens.shape[0] != b or not tokens.is_contiguous() or not logps.is_contiguous()
+                or col + steps >= tokens.shape[1]):
+            raise ValueError(f"tokens and logps must be contiguous ({b}, N) int64 and float32 with room "
+                             f"for {steps} more columns after column {col}")
+        if done.dtype != torch.bool or lengths.dtype != torch.int64 or stop.dtype != torch.int64:
+            raise ValueError("done, lengths and stop must be bool, int64 and int64")
+        if uniforms is not None and (uniforms.shape != (steps, b, vocab) or not uniforms.is_contiguous()):
+            raise ValueError(f"uniforms must be a contiguous ({steps}, {b}, {vocab}) tensor")
+        ran = ctypes.c_int64(0)
+        status = self.lib.tether_decode_run(
+            self._cfg, self.eps, self.scale, self.table, length, steps, tokens.data_ptr(), logps.data_ptr(),
+            tokens.stride(0), col, next_pos.data_ptr(), self._logits_ptr, temperature,
+            uniforms.data_ptr() if uniforms is not None else None, stop.data_ptr(), stop.numel(),
+            done.data_ptr(), lengths.data_ptr(), ctypes.byref(ran))
+        error = None
+        if status < 0:
+            try:
+                self._refused(int(status), tokens[:, col + ran.value])
+            except IndexError as e:
+                error = e
+        return ran.value, error

@@ -591,3 +591,43 @@ int tether_decode_sample(const int64_t *cfg, float eps, float scale, void **ptrs
         tether_sample(logits, cfg[C_BATCH], cfg[C_VOCAB], temperature, u, out_tokens, out_logps, stride);
     return status;
 }
+
+/* Up to n decode steps with sampling, as tether/decoding/sampling.sample runs them when nothing
+ * can change the weights in between (no in-flight updates): column col of tokens and logps
+ * (row stride `stride`) holds the tokens sampled last; step k appends column col + k to the
+ * cache (slot t + k) and samples column col + k + 1 from uniforms u + k * rows * vocab (NULL:
+ * greedy). After each new column, a row that is not yet done and sampled one of the n_stop
+ * stop ids is done (done[r] = 1) with lengths[r] = that column + 1, and when every row is done
+ * the run ends. Returns the steps run, or, when a token is outside the embedding table, -1 minus
+ * its row (the steps before it stand; *ran says how many). */
+int64_t tether_decode_run(const int64_t *cfg, float eps, float scale, void **ptrs, int64_t t, int64_t n,
+                          int64_t *tokens, float *logps, int64_t stride, int64_t col, int64_t *next_pos,
+                          float *logits, float temperature, const float *u, const int64_t *stop, int64_t n_stop,
+                          uint8_t *done, int64_t *lengths, int64_t *ran) {
+    const int64_t rows = cfg[C_BATCH], vocab = cfg[C_VOCAB];
+    *ran = 0;
+    for (int64_t k = 0; k < n; k++) {
+        const int64_t c = col + k;
+        int status = decode_step(cfg, eps, scale, ptrs, t + k, tokens + c, stride, next_pos, logits);
+        if (status != 0) return status;
+        tether_sample(logits, rows, vocab, temperature, u ? u + k * rows * vocab : 0, tokens + c + 1, logps + c + 1,
+                      stride);
+        *ran = k + 1;
+        if (n_stop == 0) continue;
+        int all = 1;
+        for (int64_t r = 0; r < rows; r++) {
+            if (!done[r]) {
+                const int64_t tok = tokens[r * stride + c + 1];
+                for (int64_t i = 0; i < n_stop; i++)
+                    if (tok == stop[i]) {
+                        done[r] = 1;
+                        lengths[r] = c + 2;
+                        break;
+                    }
+            }
+            all &= done[r];
+        }
+        if (all) break;
+    }
+    return *ran;
+}
