@@ -229,13 +229,17 @@ def measure(n_prompts: int, new_tokens: int, repeats: int, size: str = "small", 
 
 GEMMS = {"aten::mm", "aten::addmm"}
 ATTENTION = {"aten::bmm", "aten::baddbmm", "aten::_softmax"}
+SAMPLER = {"aten::_log_softmax", "aten::uniform_", "aten::log_", "aten::neg_", "aten::argmax", "aten::sub",
+           "aten::gather"}
 
 
 def profile(size: str, n_prompts: int, new_tokens: int, repeats: int = 5) -> dict:
-    """Where one decode step spends its time (1 thread), on the native decoder (its sections,
-    from a build that times them) and on the Python path (``torch.profiler``'s operator self
-    times; the rest of the step's wall time is Python and dispatch). The best of ``repeats``
-    batches of each."""
+    """Where one step of generation (a decode step and the sampling of the next tokens) spends
+    its time (1 thread), on each path as ``sample`` runs it: on the native decoder, the whole
+    loop in one ``decode_run`` call (its sections, from a build that times them, the uniforms
+    drawn in one ``torch.rand`` inside the time); on the Python path, ``decode`` and the torch
+    sampler each step (``torch.profiler``'s operator self times; the rest of the step's wall
+    time is Python and dispatch). The best of ``repeats`` batches of each."""
     import os
 
     os.environ["TETHER_NATIVE_PROFILE"] = "1"  # before the library is first loaded
@@ -243,48 +247,57 @@ def profile(size: str, n_prompts: int, new_tokens: int, repeats: int = 5) -> dic
 
     from tether.decoding import native
     from tether.decoding.fast_decoder import FastDecoder
-    from tether.decoding.sampling import left_pad
+    from tether.decoding.sampling import categorical, left_pad
 
     torch.set_num_threads(1)
     model, tok = build(size)
     model.eval()
     ids, mask = left_pad(prompts_of(tok, n_prompts), tok.pad_token_id)
-    steps = new_tokens - 1
-
-    def prefilled(dec) -> torch.Tensor:
-        return dec.prefill(ids, mask, new_tokens).argmax(-1)
-
-    def decode_steps(dec, tokens: torch.Tensor) -> float:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            dec.decode(tokens)
-        return (time.perf_counter() - t0) / steps
-
+    steps, rows = new_tokens - 1, ids.shape[0]
     out: dict = {"size": size, "prompts": n_prompts, "threads": 1}
+
     dec = FastDecoder(model, decoder="native")
     best = None
     for _ in range(repeats + 1):
-        tokens = prefilled(dec)
+        tokens = torch.empty(rows, new_tokens, dtype=torch.long)
+        logps = torch.empty(rows, new_tokens)
+        tokens[:, 0] = dec.prefill(ids, mask, new_tokens).argmax(-1)
+        done, lengths = torch.zeros(rows, dtype=torch.bool), torch.full((rows,), new_tokens)
         native.profile(reset=True)
-        wall = decode_steps(dec, tokens)
+        t0 = time.perf_counter()
+        u = torch.rand(steps, rows, model.config.vocab_size, generator=torch.Generator().manual_seed(0))
+        dec.decode_run(steps, tokens, logps, 0, 1.0, u, torch.empty(0, dtype=torch.long), done, lengths)
+        wall = (time.perf_counter() - t0) / steps
         sections = {k: v / steps for k, v in native.profile().items()}
         if best is None or wall < best[0]:
             best = (wall, sections)
     wall, sections = best
-    outside = "outside the library (Python, ctypes, the embedding lookup)"
+    outside = "outside the library (Python, ctypes, torch.rand)"
     sections[outside] = max(0.0, wall - sum(sections.values()))
     out["native"] = {"step_ms": wall * 1e3, "parts_ms": {k: v * 1e3 for k, v in sections.items()}}
 
     dec = FastDecoder(model, decoder="python")
-    wall = min(decode_steps(dec, prefilled(dec)) for _ in range(repeats + 1))
-    tokens = prefilled(dec)
+    generator = torch.Generator().manual_seed(0)
+
+    def python_steps() -> float:
+        tok_ = dec.prefill(ids, mask, new_tokens).argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            dist = torch.log_softmax(dec.decode(tok_), dim=-1)
+            tok_ = categorical(dist, generator)
+            dist.gather(-1, tok_[:, None])
+        return (time.perf_counter() - t0) / steps
+
+    wall = min(python_steps() for _ in range(repeats + 1))
     with torch_profile() as prof:
-        decode_steps(dec, tokens)
+        python_steps()
     ops = {e.key: e.self_cpu_time_total / 1e6 / steps for e in prof.key_averages()}
-    others = {k: v for k, v in ops.items() if k not in GEMMS | ATTENTION}
+    prefill_ops = {"aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu"}
+    others = {k: v for k, v in ops.items() if k not in GEMMS | ATTENTION | SAMPLER | prefill_ops}
     parts = {"weight GEMMs (mm, addmm)": sum(v for k, v in ops.items() if k in GEMMS),
              "attention (bmm, baddbmm, softmax)": sum(v for k, v in ops.items() if k in ATTENTION),
-             "other operators (norms, rotary, KV writes, SiLU, copies)": sum(others.values())}
+             "other operators (norms, rotary, KV writes, SiLU, copies)": sum(others.values()),
+             "sampling (log_softmax, rand, log, argmax, gather)": sum(v for k, v in ops.items() if k in SAMPLER)}
     dispatch = "Python and dispatch (the step's wall time outside operators)"
     parts[dispatch] = max(0.0, wall - sum(parts.values()))
     top = sorted(others.items(), key=lambda kv: -kv[1])[:8]

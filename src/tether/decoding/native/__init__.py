@@ -50,7 +50,7 @@ if platform.machine() in ("x86_64", "AMD64"):
 # time the library's sections (benchmarks/engine.py --profile); a build of its own
 PROFILE_ENV = "TETHER_NATIVE_PROFILE"
 SECTIONS = ("norms", "qkv GEMM", "q/k norm, rotary, KV write", "attention", "o GEMM", "gate/up GEMM",
-            "activation", "down GEMM", "head GEMM")
+            "activation", "down GEMM", "head GEMM", "sampling")
 
 # the order of decode_step.c's enums
 CONFIG = ("batch", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "layers", "capacity",

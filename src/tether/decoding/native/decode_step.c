@@ -31,7 +31,7 @@
  * forward() and head(), summed over calls, for benchmarks/engine.py --profile. */
 enum {
     S_NORMS, S_QKV_GEMM, S_ROTARY_KV, S_ATTENTION, S_O_GEMM, S_GATE_UP_GEMM, S_ACTIVATION, S_DOWN_GEMM,
-    S_HEAD_GEMM, S_COUNT
+    S_HEAD_GEMM, S_SAMPLE, S_COUNT
 };
 #ifdef TETHER_PROFILE
 #include <time.h>
@@ -552,6 +552,7 @@ static inline float log_f32(float x) {
  * each row's token and its log-probability at tokens[r * stride], logps[r * stride]. */
 void tether_sample(float *logits, int64_t rows, int64_t vocab, float temperature, const float *u,
                    int64_t *tokens, float *logps, int64_t stride) {
+    PROFILE_START;
     for (int64_t r = 0; r < rows; r++) {
         float *x = logits + r * vocab, top = -INFINITY, total = 0.0f;
         if (temperature != 1.0f && temperature != 0.0f)
@@ -577,6 +578,7 @@ void tether_sample(float *logits, int64_t rows, int64_t vocab, float temperature
         tokens[r * stride] = best;
         logps[r * stride] = x[best];
     }
+    MARK(S_SAMPLE);
 }
 
 /* A decode step (tether_decode_step) and then the next token of every row drawn from its logits
