@@ -59,6 +59,17 @@ def test_engine_and_channel_benchmarks_run_at_a_tiny_size():
     assert json.loads(out.stdout)["fraction_of_memcpy"] > 0
 
 
+def test_engine_profile_splits_a_native_step_into_its_sections():
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, "benchmarks/engine.py", "--profile", "--size", "tiny", "--prompts", "4",
+                          "--new-tokens", "4", "--json"], cwd=ROOT, capture_output=True, text=True, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    native = r["native"]["parts_ms"]
+    assert {"attention", "gate/up GEMM", "sampling"} <= set(native) and native["gate/up GEMM"] > 0
+    assert sum(native.values()) == pytest.approx(r["native"]["step_ms"], rel=0.05)  # the rest is "outside"
+    assert r["python"]["parts_ms"]["sampling (log_softmax, rand, log, argmax, gather)"] > 0
+
+
 def test_overlap_and_ray_backend_benchmarks_run_at_a_tiny_size():
     pytest.importorskip("transformers")
     out = subprocess.run([sys.executable, "benchmarks/overlap.py", "--batches", "4", "--json"], cwd=ROOT,

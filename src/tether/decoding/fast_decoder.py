@@ -28,9 +28,11 @@ can use it; anything else falls back to the transformers forward.
 On the CPU in float32 the same arithmetic runs by default as native code instead
 (``tether.decoding.native``, chosen by ``decoder`` / ``rollout.decoder``): a prefill and each
 decode step are one call into a C library, with the weights packed for MKL (no transposed copies
-then). This module keeps the batch state both paths share (KV cache, key mask, rotary table,
-positions) and the Python path, which runs everywhere else and is the reference the native one
-is tested against.
+then), and ``decode_sample`` / ``decode_run`` sample inside those calls (one step, or the whole
+loop). This module keeps the batch state both paths share (KV cache, key mask, rotary table,
+positions; the native path's cache holds each slot's key and value side by side, ``k_cache`` and
+``v_cache`` being views of it) and the Python path, which runs everywhere else and is the
+reference the native one is tested against.
 """
 
 from __future__ import annotations
