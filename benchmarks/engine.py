@@ -299,7 +299,8 @@ def profile(size: str, n_prompts: int, new_tokens: int, repeats: int = 5) -> dic
     parts = {"weight GEMMs (mm, addmm)": sum(v for k, v in ops.items() if k in GEMMS),
              "attention (bmm, baddbmm, softmax)": sum(v for k, v in ops.items() if k in ATTENTION),
              "other operators (norms, rotary, KV writes, SiLU, copies)": sum(others.values()),
-             "sampling (log_softmax, rand, log, argmax, gather)": sum(v for k, v in ops.items() if k in SAMPLER)}
+             "sampling (log_softmax, rand, log, argmax, gather)":
+                 sum(v for k, v in ops.items() if k in SAMPLER)}
     profiled = sum(parts.values())
     if profiled > wall:  # the profiler's own cost per operator call: shares of the wall time instead
         parts = {k: v * wall / profiled for k, v in parts.items()}

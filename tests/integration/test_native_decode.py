@@ -232,7 +232,7 @@ def test_the_native_sampler_draws_what_the_torch_sampler_draws(tiny_model_dir, t
     (decode_run, stop ids checked there), else one call a step (decode_sample). Either way the
     same generator seed gives the same tokens, log-probs (to float32 rounding) and stops as the
     torch sampler over the native logits, greedy included."""
-    from tether.decoding.sampling import SamplingParams, sample, stop_ids_for
+    from tether.decoding.sampling import SamplingParams, sample
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)

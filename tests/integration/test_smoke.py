@@ -61,8 +61,9 @@ def test_engine_and_channel_benchmarks_run_at_a_tiny_size():
 
 def test_engine_profile_splits_a_native_step_into_its_sections():
     pytest.importorskip("transformers")
-    out = subprocess.run([sys.executable, "benchmarks/engine.py", "--profile", "--size", "tiny", "--prompts", "4",
-                          "--new-tokens", "4", "--json"], cwd=ROOT, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "benchmarks/engine.py", "--profile", "--size", "tiny",
+                          "--prompts", "4", "--new-tokens", "4", "--json"], cwd=ROOT, capture_output=True,
+                         text=True, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     native = r["native"]["parts_ms"]
     assert {"attention", "gate/up GEMM", "sampling"} <= set(native) and native["gate/up GEMM"] > 0

@@ -236,7 +236,8 @@ def sample(
         if newer is None:
             if fuse and stepper.samples_natively:
                 if poll is None:  # nothing can change the weights now: the rest in native calls
-                    steps = _run_natively(stepper, params, generator, tokens, logps, t, vocab, stop, done, lengths)
+                    steps = _run_natively(stepper, params, generator, tokens, logps, t, vocab, stop, done,
+                                          lengths)
                     step_versions += [version] * (steps - len(step_versions))
                     break
                 u = None if params.greedy else torch.rand((batch, vocab), generator=generator, device=device)
@@ -276,7 +277,8 @@ def _run_natively(stepper, params: SamplingParams, generator: torch.Generator | 
     col = t
     while col + 1 < n:
         k = min(n - 1 - col, max(1, _UNIFORMS_AT_ONCE // (batch * vocab)))
-        u = None if params.greedy else torch.rand((k, batch, vocab), generator=generator, device=tokens.device)
+        u = None if params.greedy else torch.rand((k, batch, vocab), generator=generator,
+                                                  device=tokens.device)
         ran = stepper.decode_run(k, tokens, logps, col, params.temperature, u, stop, done, lengths)
         col += ran
         if ran < k or (len(stop) and bool(done.all())):

@@ -375,7 +375,8 @@ class NativeBatch:
         return logits
 
     def step_and_sample(self, tokens: torch.Tensor, length: int, next_pos: torch.Tensor, temperature: float,
-                        uniforms: torch.Tensor | None, out_tokens: torch.Tensor, out_logps: torch.Tensor) -> None:
+                        uniforms: torch.Tensor | None, out_tokens: torch.Tensor,
+                        out_logps: torch.Tensor) -> None:
         """``step``, then every row's next token drawn from the step's logits in the same call
         (``tether_sample``: the untruncated draw of ``tether.decoding.sampling.sample`` from the
         same ``uniforms``, (B, V), or greedy when they are None), written into ``out_tokens``
