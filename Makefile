@@ -43,6 +43,9 @@ demo: $(STAMP)
 flow-demo: $(STAMP)
 	$(VENV)/bin/tether train recipes/flow-demo.yaml
 
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+
 test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(PY) -m pytest -q
