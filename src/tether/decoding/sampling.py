@@ -2,7 +2,9 @@
 
 Prompts of different lengths are left-padded into one batch; position ids follow the attention
 mask so padding does not shift positions. Each step runs one forward pass over the newest token
-of every sequence, so per-token Python work is a handful of tensor operations for the whole batch.
+of every sequence, so per-token Python work is a handful of tensor operations for the whole batch;
+on the native decoder (``FastDecoder.decode_sample`` / ``decode_run``) sampling runs inside its
+decode calls, from the same uniforms, and without in-flight updates the whole loop does.
 
 Log-prob semantics: ``logprobs[t]`` is log μ(token_t), where μ is the distribution actually
 sampled from — softmax(logits / temperature) after top-k and top-p truncation and renormalisation.
@@ -201,8 +203,9 @@ def sample(
     vocab = logits.shape[-1]
     step_versions: list[int] = []  # the version of each step's logits
     switches = 0
-    # the native decoder draws untruncated samples itself, in its decode call, from the uniforms
-    # this loop would have drawn: the same stream, one call a step instead of ~10 operations
+    # the native decoder draws untruncated samples itself, inside its decode calls (one a step,
+    # or the whole loop when nothing polls for new weights), from the uniforms this loop would
+    # have drawn: the same stream, and no torch sampler operations a step
     fuse = not params.truncates and hasattr(stepper, "decode_sample")
 
     tokens = torch.empty((batch, params.max_new_tokens), dtype=torch.long, device=device)  # (B, N)
