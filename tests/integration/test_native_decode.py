@@ -272,3 +272,20 @@ def test_the_native_sampler_refuses_mismatched_buffers():
     assert dec.length == ids.shape[1]  # nothing ran
     dec.decode_sample(toks[:, 0], 1.0, torch.rand(3, 40), toks[:, 1], lps[:, 1])
     assert dec.length == ids.shape[1] + 1 and (lps[:, 1] < 0).all()
+
+
+def test_a_native_run_refuses_a_token_outside_the_table_and_keeps_the_steps_before():
+    model = _model("qwen3")
+    dec = FastDecoder(model, decoder="native")
+    ids, mask = _batch()
+    dec.prefill(ids, mask, 6)
+    toks, lps = torch.ones(3, 6, dtype=torch.int64), torch.zeros(3, 6)
+    done, lengths, stop = torch.zeros(3, dtype=torch.bool), torch.full((3,), 6), torch.empty(0, dtype=torch.long)
+    assert dec.decode_run(2, toks, lps, 0, 1.0, torch.rand(2, 3, 40), stop, done, lengths) == 2
+    assert dec.length == ids.shape[1] + 2 and (lps[:, 1:3] < 0).all()
+    toks[1, 2] = 40  # the next step would embed it
+    with pytest.raises(IndexError, match="token 40 at 1 is outside the embedding table"):
+        dec.decode_run(2, toks, lps, 2, 1.0, torch.rand(2, 3, 40), stop, done, lengths)
+    assert dec.length == ids.shape[1] + 2  # the refused step did not count
+    with pytest.raises(ValueError, match="room for 4 more columns"):
+        dec.decode_run(4, toks, lps, 2, 1.0, None, stop, done, lengths)
