@@ -280,7 +280,8 @@ def test_a_native_run_refuses_a_token_outside_the_table_and_keeps_the_steps_befo
     ids, mask = _batch()
     dec.prefill(ids, mask, 6)
     toks, lps = torch.ones(3, 6, dtype=torch.int64), torch.zeros(3, 6)
-    done, lengths, stop = torch.zeros(3, dtype=torch.bool), torch.full((3,), 6), torch.empty(0, dtype=torch.long)
+    done, lengths = torch.zeros(3, dtype=torch.bool), torch.full((3,), 6)
+    stop = torch.empty(0, dtype=torch.long)
     assert dec.decode_run(2, toks, lps, 0, 1.0, torch.rand(2, 3, 40), stop, done, lengths) == 2
     assert dec.length == ids.shape[1] + 2 and (lps[:, 1:3] < 0).all()
     toks[1, 2] = 40  # the next step would embed it
