@@ -191,7 +191,8 @@ static inline float *slot_at(float *block, int64_t slot, int d) { return block +
  * share one KV head, over ctx cached slots of one block: each key and value is read once for
  * all of them (from L3 or memory; the queries and outputs stay in L1). sc holds group x ctx
  * scores. A query with no key to attend to (a padding position of a prompt) gets 0. While it
- * runs, the next block's next_ctx slots are prefetched, one slot per slot. new_k and new_v, when
+ * runs, the next block's next_ctx slots are prefetched, one slot per slot, towards L2 (locality
+ * 1: as fast as into L1 here; without it attention took 20% longer). new_k and new_v, when
  * not NULL, are slot ctx - 1's key and value (a decode step's): attended from where they are,
  * then written into the block, after its reads (written first, the stores ran ahead of the
  * reads they then had to wait for: 5% slower attention).
