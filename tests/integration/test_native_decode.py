@@ -229,7 +229,7 @@ class _Unfused(FastDecoder):
 def test_the_native_sampler_draws_what_the_torch_sampler_draws(tiny_model_dir, temperature, stops, loop):
     """The native decoder samples inside its decode calls, from the uniforms the torch sampler
     would have drawn: with nothing polling for new weights, the whole loop in native calls
-    (decode_run, stop ids checked there), else one call a step (decode_sample). Either way the
+    (stop ids checked there), else one call a step (the same decode_run). Either way the
     same generator seed gives the same tokens, log-probs (to float32 rounding) and stops as the
     torch sampler over the native logits, greedy included."""
     from tether.decoding.sampling import SamplingParams, sample
@@ -257,36 +257,39 @@ def test_the_native_sampler_draws_what_the_torch_sampler_draws(tiny_model_dir, t
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)
 
 
-def test_the_native_sampler_refuses_mismatched_buffers():
-    model = _model("qwen3")
-    dec = FastDecoder(model, decoder="native")
+def _native_run_buffers(columns: int):
+    """A native decoder prefilled for ``columns`` more tokens of _batch(), and the sampler's
+    buffers for decode_run: tokens, log-probs (3, columns), done, lengths, no stop ids."""
+    dec = FastDecoder(_model("qwen3"), decoder="native")
     ids, mask = _batch()
-    dec.prefill(ids, mask, 4)
-    toks, lps = torch.ones(3, 4, dtype=torch.int64), torch.empty(3, 4)
-    with pytest.raises(ValueError, match=r"uniforms must be a contiguous \(3, 40\)"):
-        dec.decode_sample(toks[:, 0], 1.0, torch.rand(3, 7), toks[:, 1], lps[:, 1])
-    with pytest.raises(ValueError, match="int64, int64 and float32 views of one stride"):
-        dec.decode_sample(toks[:, 0], 1.0, None, toks[:, 1].float(), lps[:, 1])
-    with pytest.raises(ValueError, match="views of one stride"):
-        dec.decode_sample(torch.ones(3, dtype=torch.int64), 1.0, None, toks[:, 1], lps[:, 1])
-    assert dec.length == ids.shape[1]  # nothing ran
-    dec.decode_sample(toks[:, 0], 1.0, torch.rand(3, 40), toks[:, 1], lps[:, 1])
-    assert dec.length == ids.shape[1] + 1 and (lps[:, 1] < 0).all()
+    dec.prefill(ids, mask, columns)
+    toks, lps = torch.ones(3, columns, dtype=torch.int64), torch.zeros(3, columns)
+    done, lengths = torch.zeros(3, dtype=torch.bool), torch.full((3,), columns)
+    return dec, ids.shape[1], toks, lps, done, lengths, torch.empty(0, dtype=torch.long)
+
+
+def test_the_native_sampler_refuses_mismatched_buffers():
+    dec, prompt, toks, lps, done, lengths, stop = _native_run_buffers(4)
+    with pytest.raises(ValueError, match=r"uniforms must be a contiguous \(1, 3, 40\)"):
+        dec.decode_run(1, toks, lps, 0, 1.0, torch.rand(1, 3, 7), stop, done, lengths)
+    with pytest.raises(ValueError, match="contiguous \\(3, N\\) int64 and float32"):
+        dec.decode_run(1, toks, lps.double(), 0, 1.0, None, stop, done, lengths)
+    with pytest.raises(ValueError, match="contiguous \\(3, N\\) int64 and float32"):
+        dec.decode_run(1, toks.t().contiguous().t(), lps, 0, 1.0, None, stop, done, lengths)
+    with pytest.raises(ValueError, match="done, lengths and stop must be bool, int64 and int64"):
+        dec.decode_run(1, toks, lps, 0, 1.0, None, stop, done.long(), lengths)
+    assert dec.length == prompt  # nothing ran
+    assert dec.decode_run(1, toks, lps, 0, 1.0, torch.rand(1, 3, 40), stop, done, lengths) == 1
+    assert dec.length == prompt + 1 and (lps[:, 1] < 0).all()
 
 
 def test_a_native_run_refuses_a_token_outside_the_table_and_keeps_the_steps_before():
-    model = _model("qwen3")
-    dec = FastDecoder(model, decoder="native")
-    ids, mask = _batch()
-    dec.prefill(ids, mask, 6)
-    toks, lps = torch.ones(3, 6, dtype=torch.int64), torch.zeros(3, 6)
-    done, lengths = torch.zeros(3, dtype=torch.bool), torch.full((3,), 6)
-    stop = torch.empty(0, dtype=torch.long)
+    dec, prompt, toks, lps, done, lengths, stop = _native_run_buffers(6)
     assert dec.decode_run(2, toks, lps, 0, 1.0, torch.rand(2, 3, 40), stop, done, lengths) == 2
-    assert dec.length == ids.shape[1] + 2 and (lps[:, 1:3] < 0).all()
+    assert dec.length == prompt + 2 and (lps[:, 1:3] < 0).all()
     toks[1, 2] = 40  # the next step would embed it
     with pytest.raises(IndexError, match="token 40 at 1 is outside the embedding table"):
         dec.decode_run(2, toks, lps, 2, 1.0, torch.rand(2, 3, 40), stop, done, lengths)
-    assert dec.length == ids.shape[1] + 2  # the refused step did not count
+    assert dec.length == prompt + 2  # the refused step did not count
     with pytest.raises(ValueError, match="room for 4 more columns"):
         dec.decode_run(4, toks, lps, 2, 1.0, None, stop, done, lengths)

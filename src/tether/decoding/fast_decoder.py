@@ -28,9 +28,9 @@ can use it; anything else falls back to the transformers forward.
 On the CPU in float32 the same arithmetic runs by default as native code instead
 (``tether.decoding.native``, chosen by ``decoder`` / ``rollout.decoder``): a prefill and each
 decode step are one call into a C library, with the weights packed for MKL (no transposed copies
-then), and ``decode_sample`` / ``decode_run`` sample inside those calls (one step, or the whole
-loop). This module keeps the batch state both paths share (KV cache, key mask, rotary table,
-positions; the native path's cache holds each slot's key and value side by side, ``k_cache`` and
+then), and ``decode_run`` samples inside those calls (a step, or the whole loop). This module
+keeps the batch state both paths share (KV cache, key mask, rotary table, positions; the native
+path's cache holds each slot's key and value side by side, ``k_cache`` and
 ``v_cache`` being views of it) and the Python path, which runs everywhere else and is the
 reference the native one is tested against.
 """
@@ -341,33 +341,19 @@ class FastDecoder:
 
     @property
     def samples_natively(self) -> bool:
-        """Whether ``decode_sample`` can run: this batch is on the native path."""
+        """Whether ``decode_run`` can run: this batch is on the native path."""
         return self._batch is not None
-
-    def decode_sample(self, tokens: torch.Tensor, temperature: float, uniforms: torch.Tensor | None,
-                      out_tokens: torch.Tensor, out_logps: torch.Tensor) -> None:
-        """``decode`` and then, in the same native call, each row's next token drawn from the
-        new logits as ``sampling.sample`` draws it untruncated (from ``uniforms``, (B, V), the
-        ``torch.rand`` its sampler would take; greedy when None), written with its log-probability
-        into ``out_tokens`` and ``out_logps`` (B,). ``tokens`` and the two outputs are int64,
-        int64 and float32 views of one stride (columns of the sampler's buffers). Native path only
-        (``samples_natively``); no autograd runs in it, so it needs no inference mode of its own."""
-        t = self.length
-        if t >= self.capacity:
-            raise RuntimeError("KV cache is full")
-        if self._batch is None:
-            raise RuntimeError("decode_sample runs on the native path only (see samples_natively)")
-        self._batch.step_and_sample(tokens, t, self.next_pos, temperature, uniforms, out_tokens, out_logps)
-        self.length = t + 1
 
     def decode_run(self, steps: int, tokens: torch.Tensor, logps: torch.Tensor, col: int, temperature: float,
                    uniforms: torch.Tensor | None, stop: torch.Tensor, done: torch.Tensor,
                    lengths: torch.Tensor) -> int:
-        """Up to ``steps`` of ``decode_sample`` in one native call, the sampler's whole loop
-        while nothing can change the weights: each step decodes column ``col`` + k of
-        ``tokens`` (B, N) and samples the next (log-probs into ``logps``) from ``uniforms``
-        (steps, B, V), marking rows that sample a ``stop`` id done, with their ``lengths``, and
-        ending early once all are (``NativeBatch.run``). Returns the steps run."""
+        """Up to ``steps`` decode steps with sampling in one native call (one step between polls
+        for new weights, or the sampler's whole loop while nothing can change them): each step
+        decodes column ``col`` + k of ``tokens`` (B, N) and samples the next (log-probs into
+        ``logps``) as ``sampling.sample`` draws it untruncated, from ``uniforms`` (steps, B, V):
+        the ``torch.rand`` its sampler would take; greedy when None. Rows that sample a ``stop``
+        id are marked ``done``, with their ``lengths``, and the call ends early once all are
+        (``NativeBatch.run``). Returns the steps run. Native path only (``samples_natively``)."""
         t = self.length
         if t + steps > self.capacity:
             raise RuntimeError("KV cache is full")

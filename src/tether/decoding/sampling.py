@@ -3,8 +3,8 @@
 Prompts of different lengths are left-padded into one batch; position ids follow the attention
 mask so padding does not shift positions. Each step runs one forward pass over the newest token
 of every sequence, so per-token Python work is a handful of tensor operations for the whole batch;
-on the native decoder (``FastDecoder.decode_sample`` / ``decode_run``) sampling runs inside its
-decode calls, from the same uniforms, and without in-flight updates the whole loop does.
+on the native decoder (``FastDecoder.decode_run``) sampling runs inside its decode calls, from
+the same uniforms, and without in-flight updates the whole loop does.
 
 Log-prob semantics: ``logprobs[t]`` is log μ(token_t), where μ is the distribution actually
 sampled from — softmax(logits / temperature) after top-k and top-p truncation and renormalisation.
@@ -206,7 +206,7 @@ def sample(
     # the native decoder draws untruncated samples itself, inside its decode calls (one a step,
     # or the whole loop when nothing polls for new weights), from the uniforms this loop would
     # have drawn: the same stream, and no torch sampler operations a step
-    fuse = not params.truncates and hasattr(stepper, "decode_sample")
+    fuse = not params.truncates and hasattr(stepper, "decode_run")
 
     tokens = torch.empty((batch, params.max_new_tokens), dtype=torch.long, device=device)  # (B, N)
     logps = torch.empty((batch, params.max_new_tokens), dtype=torch.float32, device=device)  # (B, N)
@@ -214,7 +214,7 @@ def sample(
     lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long, device=device)
     steps = 0
     for t in range(params.max_new_tokens):
-        if logits is not None:  # else decode_sample wrote this step's tokens and log-probs
+        if logits is not None:  # else decode_run wrote this step's tokens, log-probs and stops
             if params.greedy:
                 dist = torch.log_softmax(logits, dim=-1)
                 tok = dist.argmax(dim=-1)
@@ -243,8 +243,9 @@ def sample(
                                           lengths)
                     step_versions += [version] * (steps - len(step_versions))
                     break
-                u = None if params.greedy else torch.rand((batch, vocab), generator=generator, device=device)
-                stepper.decode_sample(tok, params.temperature, u, tokens[:, t + 1], logps[:, t + 1])
+                u = None if params.greedy else torch.rand((1, batch, vocab), generator=generator,
+                                                          device=device)
+                stepper.decode_run(1, tokens, logps, t, params.temperature, u, stop, done, lengths)
                 logits = None
             else:
                 logits = stepper.decode(tok)

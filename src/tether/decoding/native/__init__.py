@@ -161,10 +161,6 @@ def _open() -> ctypes.CDLL:
     lib.tether_prefill.restype = ctypes.c_int
     lib.tether_decode_step.argtypes = [p, f32, f32, p, i64, p, p, p]
     lib.tether_decode_step.restype = ctypes.c_int
-    lib.tether_sample.argtypes = [p, i64, i64, f32, p, p, p, i64]
-    lib.tether_sample.restype = None
-    lib.tether_decode_sample.argtypes = [p, f32, f32, p, i64, p, p, p, f32, p, p, p, i64]
-    lib.tether_decode_sample.restype = ctypes.c_int
     lib.tether_decode_run.argtypes = [p, f32, f32, p, i64, i64, p, p, i64, i64, p, p, f32, p, p, i64, p, p, p]
     lib.tether_decode_run.restype = i64
     return lib
@@ -328,7 +324,7 @@ class NativeBatch:
         self.index = dec.buffer("native index", (self.lib.tether_index_ints(self.cfg.data_ptr()),),
                                 torch.int64)
         self.eps, self.scale = float(dec.eps), float(dec.scale)
-        self._logits = torch.empty(dec.batch, weights.vocab, dtype=torch.float32)  # step_and_sample's
+        self._logits = torch.empty(dec.batch, weights.vocab, dtype=torch.float32)  # run's
         self._logits_ptr, self._cfg = self._logits.data_ptr(), self.cfg.data_ptr()
         self.state = dict(rotary=dec.rotary, key_bias=dec.key_bias, kv_cache=dec.kv_cache)
         self.rebind(weights)
@@ -344,11 +340,18 @@ class NativeBatch:
             table += [_pointer(parts[k]) for k in PER_LAYER]
         self.table = (ctypes.c_void_p * len(table))(*table)
 
+    def _refusal(self, status: int, ids: torch.Tensor) -> IndexError | None:
+        """The error a call's negative ``status`` stands for (-1 - i: ``ids``' i-th token is
+        outside the embedding table), or None."""
+        if status >= 0:
+            return None
+        i = -1 - status
+        return IndexError(f"token {int(ids.reshape(-1)[i])} at {i} is outside the embedding table "
+                          f"(0..{self.weights.embed.shape[0] - 1})")
+
     def _refused(self, status: int, ids: torch.Tensor) -> None:
-        if status != 0:
-            i = -1 - status
-            raise IndexError(f"token {int(ids.reshape(-1)[i])} at {i} is outside the embedding table "
-                             f"(0..{self.weights.embed.shape[0] - 1})")
+        if (error := self._refusal(status, ids)) is not None:
+            raise error
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, repeats: int) -> torch.Tensor:
         """Run the (U, P) prompts; the next-token logits after each, (U, V)."""
@@ -374,36 +377,13 @@ class NativeBatch:
         self._refused(status, tokens)
         return logits
 
-    def step_and_sample(self, tokens: torch.Tensor, length: int, next_pos: torch.Tensor, temperature: float,
-                        uniforms: torch.Tensor | None, out_tokens: torch.Tensor,
-                        out_logps: torch.Tensor) -> None:
-        """``step``, then every row's next token drawn from the step's logits in the same call
-        (``tether_sample``: the untruncated draw of ``tether.decoding.sampling.sample`` from the
-        same ``uniforms``, (B, V), or greedy when they are None), written into ``out_tokens``
-        and ``out_logps``. ``tokens`` and ``out_tokens`` (int64) and ``out_logps`` (float32) are
-        (B,) views of one row stride: columns of the sampler's (B, steps) buffers, read and
-        written in place."""
-        b, stride = self.batch, tokens.stride(0)
-        if (tokens.shape != (b,) or out_tokens.shape != (b,) or out_logps.shape != (b,)
-                or tokens.dtype != torch.int64 or out_tokens.dtype != torch.int64
-                or out_logps.dtype != torch.float32 or out_tokens.stride(0) != stride
-                or out_logps.stride(0) != stride):
-            raise ValueError(f"tokens, out_tokens and out_logps must be ({b},) int64, int64 and float32 "
-                             f"views of one stride")
-        if uniforms is not None and (uniforms.shape != self._logits.shape or not uniforms.is_contiguous()):
-            raise ValueError(f"uniforms must be a contiguous {tuple(self._logits.shape)} tensor")
-        status = self.lib.tether_decode_sample(
-            self._cfg, self.eps, self.scale, self.table, length, tokens.data_ptr(), next_pos.data_ptr(),
-            self._logits_ptr, temperature, uniforms.data_ptr() if uniforms is not None else None,
-            out_tokens.data_ptr(), out_logps.data_ptr(), stride)
-        self._refused(status, tokens)
-
     def run(self, length: int, steps: int, tokens: torch.Tensor, logps: torch.Tensor, col: int,
             next_pos: torch.Tensor, temperature: float, uniforms: torch.Tensor | None, stop: torch.Tensor,
             done: torch.Tensor, lengths: torch.Tensor) -> tuple[int, IndexError | None]:
-        """Up to ``steps`` decode steps, each sampling the next column of ``tokens`` / ``logps``
-        ((B, N) int64 and float32, contiguous) after column ``col`` as ``step_and_sample`` does,
-        from ``uniforms`` ((steps, B, V), or None: greedy), and marking rows that sample a
+        """Up to ``steps`` decode steps, each decoding a column of ``tokens`` / ``logps`` ((B, N)
+        int64 and float32, contiguous) from column ``col`` on and sampling the next from its
+        logits (``sample_rows``: the untruncated draw of ``tether.decoding.sampling.sample``)
+        with ``uniforms`` ((steps, B, V), or None: greedy), and marking rows that sample a
         ``stop`` id (int64) in ``done`` (bool) and ``lengths`` (int64), (B,) each, as
         ``tether.decoding.sampling.sample`` does; it ends early when every row is done (the
         ``tether_decode_run`` loop). Returns the steps run, and the error that stopped it if a
@@ -424,10 +404,4 @@ class NativeBatch:
             tokens.stride(0), col, next_pos.data_ptr(), self._logits_ptr, temperature,
             uniforms.data_ptr() if uniforms is not None else None, stop.data_ptr(), stop.numel(),
             done.data_ptr(), lengths.data_ptr(), ctypes.byref(ran))
-        error = None
-        if status < 0:
-            try:
-                self._refused(int(status), tokens[:, col + ran.value])
-            except IndexError as e:
-                error = e
-        return ran.value, error
+        return ran.value, self._refusal(int(status), tokens[:, col + ran.value])

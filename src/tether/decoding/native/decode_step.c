@@ -16,7 +16,7 @@
  * attention as bias + scale*(q.k), softmax, p.v, the residual adds folded into the o and down
  * products (beta = 1, as torch.addmm), act(gate)*up. Sums reduce in another order than torch's
  * kernels, so results agree to float32 rounding (~1e-6), not bit for bit
- * (tests/integration/test_native_decode.py). Sampling (tether_sample) is the torch sampler's
+ * (tests/integration/test_native_decode.py). Sampling (sample_rows) is the torch sampler's
  * untruncated draw from the same uniforms.
  *
  * Built by tether/decoding/native/__init__.py with the C compiler of the machine that runs it;
@@ -551,7 +551,7 @@ static inline float log_f32(float x) {
  * the logits in place; then the argmax of logp - log(-log(u)) for the row's uniforms u (the
  * Gumbel-max draw of sampling.categorical), or of logp itself when greedy (u is NULL). Writes
  * each row's token and its log-probability at tokens[r * stride], logps[r * stride]. */
-void tether_sample(float *logits, int64_t rows, int64_t vocab, float temperature, const float *u,
+static void sample_rows(float *logits, int64_t rows, int64_t vocab, float temperature, const float *u,
                    int64_t *tokens, float *logps, int64_t stride) {
     PROFILE_START;
     for (int64_t r = 0; r < rows; r++) {
@@ -582,21 +582,9 @@ void tether_sample(float *logits, int64_t rows, int64_t vocab, float temperature
     MARK(S_SAMPLE);
 }
 
-/* A decode step (tether_decode_step) and then the next token of every row drawn from its logits
- * (tether_sample; logits is the step's output and scratch). The step's tokens are read at
- * tokens[r * stride], and the new ones written with that stride too (columns of one (rows x
- * steps) buffer). Returns as tether_decode_step. */
-int tether_decode_sample(const int64_t *cfg, float eps, float scale, void **ptrs, int64_t t,
-                         const int64_t *tokens, int64_t *next_pos, float *logits, float temperature,
-                         const float *u, int64_t *out_tokens, float *out_logps, int64_t stride) {
-    int status = decode_step(cfg, eps, scale, ptrs, t, tokens, stride, next_pos, logits);
-    if (status == 0)
-        tether_sample(logits, cfg[C_BATCH], cfg[C_VOCAB], temperature, u, out_tokens, out_logps, stride);
-    return status;
-}
-
-/* Up to n decode steps with sampling, as tether/decoding/sampling.sample runs them when nothing
- * can change the weights in between (no in-flight updates): column col of tokens and logps
+/* Up to n decode steps with sampling, as tether/decoding/sampling.sample runs them (n = 1
+ * between polls for new weights; the whole loop when nothing can change them): column col of
+ * tokens and logps
  * (row stride `stride`) holds the tokens sampled last; step k appends column col + k to the
  * cache (slot t + k) and samples column col + k + 1 from uniforms u + k * rows * vocab (NULL:
  * greedy). After each new column, a row that is not yet done and sampled one of the n_stop
@@ -613,7 +601,7 @@ int64_t tether_decode_run(const int64_t *cfg, float eps, float scale, void **ptr
         const int64_t c = col + k;
         int status = decode_step(cfg, eps, scale, ptrs, t + k, tokens + c, stride, next_pos, logits);
         if (status != 0) return status;
-        tether_sample(logits, rows, vocab, temperature, u ? u + k * rows * vocab : 0, tokens + c + 1, logps + c + 1,
+        sample_rows(logits, rows, vocab, temperature, u ? u + k * rows * vocab : 0, tokens + c + 1, logps + c + 1,
                       stride);
         *ran = k + 1;
         if (n_stop == 0) continue;
