@@ -34,11 +34,12 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     from tether.config import load_config
-    from tether.data.prepare import ensure_model, flow_sampling
-    from tether.flow import scenes
-    from tether.flow.model import FlowModel
-    from tether.flow.policy import sample, step_logprobs
-    from tether.flow.task import examples
+    from tether.data.prepare import ensure_model
+    from tether.families.flow import scenes
+    from tether.families.flow.model import FlowModel
+    from tether.families.flow.policy import sample, step_logprobs
+    from tether.families.flow.rollout import sampling_of
+    from tether.families.flow.task import SHAPES
     from tether.runtime.run import train
 
     cfg = load_config(ROOT / "recipes" / "flow-demo.yaml", [
@@ -46,13 +47,13 @@ def main(argv=None) -> int:
         "train.updates_per_batch=2", f"train.num_batches={args.batches}", "train.lr_schedule=constant",
         "train.min_lr_ratio=0", f"eval.interval={args.batches}", f"checkpoint.interval={args.batches}"])
     ensure_model(cfg)
-    sampling = flow_sampling(cfg)
+    sampling = sampling_of(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         train(cfg, Path(tmp) / "run", progress_plain=True)
         trained = FlowModel.from_pretrained(Path(tmp) / "run" / "checkpoints" / f"step-{args.batches:06d}"
                                             / "learner" / "model").eval()
     behavior = FlowModel.from_pretrained(args.model).eval()
-    words = torch.tensor([scenes.encode(e.prompt) for e in examples("train", args.prompts, seed=3)])
+    words = torch.tensor([scenes.encode(e.prompt) for e in SHAPES.examples("train", args.prompts, seed=3)])
     words = words.repeat_interleave(8, 0)
     latents, _, _ = sample(behavior, words, sampling, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

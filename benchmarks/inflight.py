@@ -92,9 +92,9 @@ def measure_prefill_cost(model_dir: Path, max_new: int, repeats: int = 5) -> flo
 
     import torch
 
-    from tether.decoding.sampling import SamplingParams
     from tether.modeling import load_causal_lm, unique_parameters
     from tether.rollout.torch_engine import TorchEngine
+    from tether.vocabulary import SamplingParams
 
     torch.set_num_threads(1)
     model, tok = load_causal_lm(model_dir)

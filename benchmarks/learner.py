@@ -29,7 +29,6 @@ gathered whole on rank 0 and copied in by the driver, and every rank writing its
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -44,11 +43,10 @@ def setup():
 
     from tether.data.tasks import get_task
     from tether.data.tiny_model import init_model
-    from tether.decoding.sampling import SamplingParams
-    from tether.loop.protocols import RolloutBatch
-    from tether.loop.scored import ScoredBatch
+    from tether.families.text.payload import ScoredBatch
     from tether.modeling import load_causal_lm
     from tether.rollout.torch_engine import TorchEngine
+    from tether.vocabulary import RolloutBatch, SamplingParams
 
     hf_logging.disable_progress_bar()
     path = tempfile.mkdtemp() + "/model"
@@ -102,19 +100,26 @@ def step_flops(model, scored) -> int:
     return total
 
 
+def recipe(*overrides: str):
+    """The benchmark's learner: PPO-clip with clip-higher, token mean, the proximal anchor with
+    token TIS (the DAPO preset's defaults), at a rate too small to change the step's cost."""
+    from tether.config import load_config
+
+    return load_config(None, ["train.lr=1e-6", "train.algorithm=dapo", "train.drop_zero_std=false",
+                              "correction.tis=token", *overrides])
+
+
 def measure(repeats: int, threads: int, device: str = "cpu") -> dict:
+    from tether.families.text.batch import to_train_batch
     from tether.modeling import load_causal_lm
     from tether.train.advantages import group_advantages
-    from tether.train.batch import to_train_batch
-    from tether.train.corrections import CorrectionSettings
-    from tether.train.learner import LearnerSettings, TorchLearner
+    from tether.train.learner import TorchLearner
 
     torch.set_num_threads(threads)
     path, batch, tok = setup()
+
     def make(shared: bool) -> TorchLearner:
-        return TorchLearner(path, LearnerSettings(lr=1e-6, loss="ppo_clip", aggregation="token_mean",
-                                                  clip_high=0.28, anchor="proximal", shared_prefix=shared,
-                                                  correction=CorrectionSettings(tis="token"), device=device))
+        return TorchLearner(path, recipe(f"train.shared_prefix={shared}", f"train.device={device}"))
 
     learner, shared = make(False), make(True)
     model, _ = load_causal_lm(path)
@@ -161,20 +166,19 @@ def measure_world(sizes: list[int], repeats: int, threads: int, device: str = "c
     """Each world size's update time, per-rank peak memory and whole-weights gather time; world
     size 1 also runs as one rank process, so the figures compare like with like."""
     from tether.rollout.channel import WeightChannel
-    from tether.train.corrections import CorrectionSettings
-    from tether.train.learner import LearnerSettings
-    from tether.train.sharded import ShardedLearner
+    from tether.train.ranks import ProcessRanks, RankGroup
 
     path, batch, _tok = setup()
-    settings = LearnerSettings(lr=1e-6, loss="ppo_clip", aggregation="token_mean", clip_high=0.28,
-                               anchor="proximal", shared_prefix=False, device=device,
-                               correction=CorrectionSettings(tis="token"))
     out = {"device": device, "threads_per_rank": threads, "repeats": repeats, "sequences": 32, "worlds": {}}
+
+    def ranks(world: int, shared: bool) -> RankGroup:
+        cfg = recipe(f"train.shared_prefix={shared}", f"train.device={device}", f"train.world_size={world}",
+                     f"train.threads={threads}")
+        return RankGroup(ProcessRanks(cfg, path, None))
 
     def shared_prefix_step(world: int) -> float:
         """The update's median time with the default shared-prompt forward instead."""
-        learner = ShardedLearner(path, dataclasses.replace(settings, shared_prefix=True), world_size=world,
-                                 threads=threads)
+        learner = ranks(world, True)
         try:
             for _ in range(3):
                 learner.train(batch, train_version=0)
@@ -188,7 +192,7 @@ def measure_world(sizes: list[int], repeats: int, threads: int, device: str = "c
             learner.close()
 
     for world in sizes:
-        learner = ShardedLearner(path, settings, world_size=world, threads=threads)
+        learner = ranks(world, False)
         try:
             for _ in range(3):  # warm up
                 learner.train(batch, train_version=0)

@@ -27,16 +27,18 @@ from pathlib import Path
 
 
 def _pools(model_dir: Path, weights, tmp: Path):
+    from tether.config import load_config
     from tether.data.stream import PromptStream
     from tether.data.tasks import get_task
-    from tether.decoding.sampling import SamplingParams
     from tether.rollout.dispatch import PoolSettings
     from tether.rollout.pool import ProcessPool
     from tether.rollout.ray_pool import RayOptions, RayPool
 
     stream = PromptStream(get_task("arithmetic").examples("train", 100, seed=0), batch_size=1)
-    settings = PoolSettings(model_path=str(model_dir), task="arithmetic", group_size=1,
-                            params=SamplingParams(max_new_tokens=1))
+    # the smallest batch a recipe allows (one prompt, a group of two, one token): what is timed is
+    # the publication
+    cfg = load_config(None, ["rollout.batch_size=1", "rollout.group_size=2", "rollout.max_new_tokens=1"])
+    settings = PoolSettings(cfg, str(model_dir))
     local = ProcessPool(settings, stream.batch, weights)
     try:
         ray = RayPool(settings, stream.batch, weights, options=RayOptions(local_cpus=2), run_dir=tmp / "run")
@@ -51,8 +53,8 @@ def measure(size: str, repeats: int) -> dict:
     from transformers.utils import logging as hf_logging
 
     from tether.data.tiny_model import init_model
-    from tether.loop.protocols import GenerationRequest
     from tether.modeling import load_causal_lm, unique_parameters
+    from tether.vocabulary import GenerationRequest
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(1)

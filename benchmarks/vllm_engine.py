@@ -31,13 +31,13 @@ import time
 def pools(size: str, new_tokens: int):
     import torch
 
+    from tether.config import load_config
     from tether.data.stream import PromptStream
     from tether.data.tasks import get_task
     from tether.data.tiny_model import init_model
-    from tether.decoding.sampling import SamplingParams
     from tether.modeling import load_causal_lm, unique_parameters
-    from tether.rollout.pool import PoolSettings, ProcessPool
-    from tether.rollout.vllm_engine import VllmOptions
+    from tether.rollout.dispatch import PoolSettings
+    from tether.rollout.pool import ProcessPool
 
     path = tempfile.mkdtemp() + "/model"
     init_model(path, size=size, seed=0)
@@ -45,9 +45,9 @@ def pools(size: str, new_tokens: int):
     stream = PromptStream(get_task("arithmetic").examples("train", 2000, seed=0), batch_size=8)
     out = {}
     for engine in ("torch", "vllm"):
-        settings = PoolSettings(model_path=path, task="arithmetic", group_size=16,
-                                params=SamplingParams(max_new_tokens=new_tokens), engine=engine,
-                                vllm=VllmOptions() if engine == "vllm" else None)
+        cfg = load_config(None, ["rollout.group_size=16", f"rollout.max_new_tokens={new_tokens}",
+                                 f"rollout.engine={engine}"])
+        settings = PoolSettings(cfg, path)
         t0 = time.perf_counter()
         pool = ProcessPool(settings, stream.batch, unique_parameters(model))
         out[engine] = (pool, time.perf_counter() - t0)
@@ -58,8 +58,8 @@ def pools(size: str, new_tokens: int):
 def measure(size: str, batches: int, publishes: int, new_tokens: int) -> dict:
     import torch
 
-    from tether.loop.protocols import GenerationRequest
     from tether.modeling import unique_parameters
+    from tether.vocabulary import GenerationRequest
 
     model, started = pools(size, new_tokens)
     result = {"size": size, "parameters": sum(p.numel() for p in unique_parameters(model).values()),
@@ -111,13 +111,14 @@ def measure_on_device(size: str, batches: int, publishes: int, new_tokens: int, 
     """Both engines in this process on ``device``: tokens/s, weight-load time, vLLM's log-prob Δ."""
     import torch
 
+    from tether.config.backends import VllmSection
     from tether.data.stream import PromptStream
     from tether.data.tasks import get_task
     from tether.data.tiny_model import init_model
     from tether.decoding.sampling import SamplingParams, stop_ids_for
     from tether.modeling import load_causal_lm, unique_parameters
     from tether.rollout.torch_engine import TorchEngine
-    from tether.rollout.vllm_engine import VLLMEngine, VllmOptions
+    from tether.rollout.vllm_engine import VLLMEngine
 
     path = tempfile.mkdtemp() + "/model"
     init_model(path, size=size, seed=0)
@@ -126,7 +127,7 @@ def measure_on_device(size: str, batches: int, publishes: int, new_tokens: int, 
     stop = stop_ids_for(tok, "\n")
     engines = {"torch": TorchEngine(model, pad_id=tok.pad_token_id, stop_ids=stop),
                "vllm": VLLMEngine(path, stop_ids=stop, device=torch.device(device).type,
-                                  options=VllmOptions(gpu_memory_utilization=0.5))}  # the model shares it
+                                  options=VllmSection(gpu_memory_utilization=0.5))}  # the model shares it
     stream = PromptStream(get_task("arithmetic").examples("train", 2000, seed=0), batch_size=8)
     params = SamplingParams(max_new_tokens=new_tokens)
     rates = {e: [] for e in engines}

@@ -67,10 +67,9 @@ def run_trl(model_dir: Path, steps: int, seed: int, out: Path) -> dict:
 
     from tether.data.rewards import scorer
     from tether.data.source import resolve_data
-    from tether.data.types import Example
-    from tether.decoding.sampling import SamplingParams
+    from tether.families.text.evaluate import Evaluator
     from tether.modeling import load_causal_lm
-    from tether.runtime.evaluate import Evaluator
+    from tether.vocabulary import Example, SamplingParams
 
     torch.set_num_threads(2)
     cfg = demo_config(model_dir, f"run.seed={seed}")

@@ -1,5 +1,71 @@
-"""Tether: asynchronous RL post-training with a staleness budget stated in rollout batches."""
+"""Tether: asynchronous RL post-training with a staleness budget stated in rollout batches.
+
+The public API — everything else is internal and may move:
+
+    train, load_config, Config                 run a recipe (as ``tether train`` does)
+    register_family, register_task,            plug-ins: what a recipe can name
+    register_reward, register_loss,            (``run.plugins`` imports them in every process)
+    register_advantage, register_kl
+    Family, FamilyBase, Capabilities, ...      the vocabulary a plug-in is written in
+    TetherError, ConfigError, ...              the errors (``tether.errors``)
+
+Importing ``tether`` loads neither torch nor the parts of a run: each name is imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+_EXPORTS = {
+    "train": "tether.runtime.run",
+    "load_config": "tether.config",
+    "Config": "tether.config",
+    "register_family": "tether.registry",
+    "register_task": "tether.registry",
+    "register_reward": "tether.registry",
+    "register_loss": "tether.registry",
+    "register_advantage": "tether.registry",
+    "register_kl": "tether.registry",
+    "FamilyBase": "tether.families.base",
+    "Capabilities": "tether.vocabulary",
+    "DataBundle": "tether.vocabulary",
+    "Example": "tether.vocabulary",
+    "Family": "tether.vocabulary",
+    "Policy": "tether.vocabulary",
+    "Sampler": "tether.vocabulary",
+    "WorkItem": "tether.vocabulary",
+    "TetherError": "tether.errors",
+    "ConfigError": "tether.errors",
+    "PluginError": "tether.errors",
+    "ControlError": "tether.errors",
+    "StaleBatchError": "tether.errors",
+    "AdmissionStallError": "tether.errors",
+    "QueueClosedError": "tether.errors",
+    "QueueTimeoutError": "tether.errors",
+    "RolloutError": "tether.errors",
+    "LearnerLostError": "tether.errors",
+    "LearnerError": "tether.errors",
+    "RunBusyError": "tether.errors",
+    "CheckpointError": "tether.errors",
+    "DataError": "tether.errors",
+    "RewardError": "tether.errors",
+    "NativeDecoderError": "tether.errors",
+    "StopRequested": "tether.errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tether' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

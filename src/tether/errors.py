@@ -2,6 +2,7 @@
 
     TetherError                   every error Tether raises on purpose
     ├── ConfigError               a recipe, override or flag is wrong; the message says what to change
+    │   └── PluginError           a plug-in (run.plugins) failed to import or registered something wrong
     ├── ControlError              the control plane's rules were broken
     │   ├── StaleBatchError       a batch is staler than the budget (``async.on_stale=error``)
     │   └── AdmissionStallError   nothing in flight or ready and no launch allowed (a bug, never a hang)
@@ -31,6 +32,11 @@ class TetherError(Exception):
 
 class ConfigError(TetherError, ValueError):
     """A recipe key, value, override or flag is wrong. The message names the fix."""
+
+
+class PluginError(ConfigError):
+    """A plug-in named by ``run.plugins`` failed to import, or registered something wrong (a name
+    taken, an object that lacks what its kind needs)."""
 
 
 class ControlError(TetherError):

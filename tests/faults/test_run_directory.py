@@ -19,8 +19,8 @@ from runs import ROOT, leftovers, recipe, rows, stop_after
 from procs import descendants, shm_left, wait_gone
 from tether.cli.main import main
 from tether.config import load_config
-from tether.loop.protocols import LoopState
 from tether.runtime.checkpoint import Checkpointer
+from tether.vocabulary import LoopState
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

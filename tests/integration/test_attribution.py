@@ -10,16 +10,18 @@ pytest.importorskip("transformers")
 
 from test_learner import sampled_batch  # noqa: E402
 
+from recipes import config  # noqa: E402
+from tether.families.text.batch import to_train_batch, token_logprobs  # noqa: E402
 from tether.modeling import load_causal_lm  # noqa: E402
-from tether.train.batch import to_train_batch, token_logprobs  # noqa: E402
-from tether.train.learner import LearnerSettings, TorchLearner  # noqa: E402
+from tether.train.learner import TorchLearner  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
 def test_on_policy_the_staleness_part_is_zero_and_the_numeric_part_is_the_mismatch(tiny_model_dir):
     batch, _tok = sampled_batch(tiny_model_dir, seed=0)
-    learner = TorchLearner(tiny_model_dir, LearnerSettings(lr=1e-3, attribution=True, staleness_budget=0))
+    learner = TorchLearner(tiny_model_dir, config("metrics.attribution=true", "async.max_staleness=0",
+                                                  lr=1e-3))
     m = learner.train(batch, train_version=0).metrics
     assert m["attribution/token_frac"] == 1.0
     assert m["attribution/staleness_logratio_abs_max"] == 0.0
@@ -38,7 +40,8 @@ def test_a_stale_batch_splits_into_what_the_updates_changed_and_the_engine_numer
     numeric part the engine's tiny difference from v0, and the two add up to the total."""
     stale, tok = sampled_batch(tiny_model_dir, seed=0)
     fresh = [sampled_batch(tiny_model_dir, seed=s)[0] for s in (1, 2)]
-    learner = TorchLearner(tiny_model_dir, LearnerSettings(lr=3e-3, attribution=True, staleness_budget=2))
+    learner = TorchLearner(tiny_model_dir, config("metrics.attribution=true", "async.max_staleness=2",
+                                                  lr=3e-3))
     for v, b in enumerate(fresh):  # versions 0 → 2 (the batches' own tokens stamped v0 as well)
         payload = dataclasses.replace(b.payload, versions=[[v] * len(x) for x in b.payload.versions])
         learner.train(dataclasses.replace(b, payload=payload, behavior_version=v), train_version=v)
@@ -69,7 +72,8 @@ def test_a_stale_batch_splits_into_what_the_updates_changed_and_the_engine_numer
 
 def test_tokens_of_a_version_the_learner_never_held_are_left_out_and_counted(tiny_model_dir):
     batch, _tok = sampled_batch(tiny_model_dir, seed=0)
-    learner = TorchLearner(tiny_model_dir, LearnerSettings(lr=1e-3, attribution=True, staleness_budget=4))
+    learner = TorchLearner(tiny_model_dir, config("metrics.attribution=true", "async.max_staleness=4",
+                                                  lr=1e-3))
     learner.train(batch, train_version=0)
     m = learner.train(batch, train_version=5).metrics  # v0 is out of reach, as after a resume
     assert m["attribution/token_frac"] == 0.0

@@ -5,10 +5,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tether.decoding.sampling import SamplingParams  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
 from tether.rollout.channel import ChannelError, WeightChannel, WeightReader  # noqa: E402
 from tether.rollout.torch_engine import TorchEngine  # noqa: E402
+from tether.vocabulary import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

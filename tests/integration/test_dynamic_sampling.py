@@ -8,12 +8,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from recipes import pool_settings
 from tether.data.stream import PromptStream
 from tether.data.tasks import get_task
-from tether.decoding.sampling import SamplingParams
 from tether.rollout.dynamic import DynamicSampling, ShortBatchError, informative
-from tether.rollout.types import WorkItem
 from tether.rollout.worker import Rollout, WorkerSpec
+from tether.vocabulary import SamplingParams, WorkItem
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 SPARSE = Path(__file__).parent / "sparse_reward.py"
@@ -23,8 +23,7 @@ B, G = 4, 3
 
 @pytest.fixture(scope="module")
 def rollout(tiny_model_dir):
-    return Rollout(WorkerSpec(worker_id=0, model_path=str(tiny_model_dir), reward=f"{SPARSE}:reward",
-                              task=None, stop_text="\n"))
+    return Rollout(WorkerSpec(0, pool_settings(tiny_model_dir, f"reward.function={SPARSE}:reward")))
 
 
 def item(index, dynamic):

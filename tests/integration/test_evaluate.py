@@ -4,10 +4,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tether.data.types import Example  # noqa: E402
-from tether.decoding.sampling import SamplingParams  # noqa: E402
+from tether.families.text.evaluate import Evaluator  # noqa: E402
 from tether.modeling import load_causal_lm  # noqa: E402
-from tether.runtime.evaluate import Evaluator  # noqa: E402
+from tether.vocabulary import Example, SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

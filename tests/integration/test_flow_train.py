@@ -27,13 +27,11 @@ REWARD = Path(__file__).parent / "flow_reward.py"
 def flow_model(tmp_path_factory):
     """A small flow model warm-started for a few steps (its images earn some checks, so groups
     have reward variance), built once for the module."""
-    from tether.data.prepare import build_flow_model
-
     path = tmp_path_factory.mktemp("flow") / "model"
     cfg = load_config(None, ["model.family=flow", "data.task=shapes", "flow.init_width=32",
                              "flow.init_depth=1", "warmstart.max_steps=40", "warmstart.target_pass_rate=1.0",
                              "warmstart.eval_every=40", "data.num_eval=16"])
-    build_flow_model(cfg, path)
+    cfg.family().build_model(cfg, path, None)
     return path
 
 
@@ -129,7 +127,7 @@ def test_the_flow_demo_recipe_runs_shortened_with_pictures(flow_model, tmp_path,
 @pytest.mark.parametrize(("override", "says"), [
     ("rollout.temperature=0.5", "rollout.temperature"),
     ("async.inflight_update=keep", "drain only"),
-    ("train.world_size=2", "one learner process"),
+    ("train.world_size=2", "asks for learner ranks .* which model.family=flow does not have"),
     ("reward.function=exact_match", "scores text"),
     ("flow.train_steps=5", "exceeds the flow.steps=4"),
 ])

@@ -8,22 +8,21 @@ without CUDA can check — the clear error when a GPU is asked for and none is t
 at the end.
 """
 
-import dataclasses
 
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from recipes import config, pool_settings  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
 from tether.decoding.sampling import SamplingParams, sample  # noqa: E402
 from tether.errors import ConfigError  # noqa: E402
 from tether.modeling import load_causal_lm  # noqa: E402
 from tether.rollout.torch_engine import TorchEngine  # noqa: E402
-from tether.rollout.types import WorkItem  # noqa: E402
 from tether.rollout.worker import Rollout, WorkerSpec  # noqa: E402
-from tether.train.corrections import CorrectionSettings  # noqa: E402
-from tether.train.learner import LearnerSettings, TorchLearner  # noqa: E402
+from tether.train.learner import TorchLearner  # noqa: E402
+from tether.vocabulary import WorkItem  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 DEVICES = [
@@ -114,8 +113,7 @@ def test_lean_decoder_on_the_device_agrees_with_the_transformers_forward(tiny_mo
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_rollout_worker_on_the_device_returns_a_whole_scored_batch(tiny_model_dir, device):
-    rollout = Rollout(WorkerSpec(worker_id=0, model_path=str(tiny_model_dir), reward="task",
-                                 task="arithmetic", stop_text="\n", device=device))
+    rollout = Rollout(WorkerSpec(0, pool_settings(tiny_model_dir), device=device))
     assert next(rollout.engine.model.parameters()).device.type == device
     examples = list(enumerate(get_task("arithmetic").examples("train", 3, seed=0)))
     batch = rollout.generate(WorkItem(batch_index=0, examples=examples, group_size=4,
@@ -126,8 +124,8 @@ def test_a_rollout_worker_on_the_device_returns_a_whole_scored_batch(tiny_model_
 
 def rollout_batch(model_dir, group_size=4):
     """A real rollout batch sampled on the CPU engine; rewards vary within every group."""
-    from tether.loop.protocols import RolloutBatch
-    from tether.loop.scored import ScoredBatch
+    from tether.families.text.payload import ScoredBatch
+    from tether.vocabulary import RolloutBatch
 
     model, tok = on("cpu", model_dir)
     ps = prompt_ids(tok, ["1+1=", "22+3=", "rev abc=", "sort cab="])
@@ -150,10 +148,11 @@ def test_the_learner_on_the_device_takes_the_cpu_learners_steps(tiny_model_dir, 
                                                                  shared_prefix):
     batch = rollout_batch(tiny_model_dir)
     # a KL anchor (a second model on the device) and masks (thresholds against device tensors) too
-    settings = LearnerSettings(lr=1e-3, updates_per_batch=2, shared_prefix=shared_prefix, kl_coef=0.01,
-                               correction=CorrectionSettings(mask="token", outlier_token=20.0))
+    keys = dict(lr=1e-3, updates_per_batch=2, shared_prefix=shared_prefix, kl_coef=0.01)
+    masks = ("correction.mask=token", "correction.outlier_token=20.0")
+    settings = config(*masks, **keys)
     cpu = TorchLearner(tiny_model_dir, settings)
-    dev = TorchLearner(tiny_model_dir, dataclasses.replace(settings, device=device))
+    dev = TorchLearner(tiny_model_dir, config(*masks, **keys, device=device))
     assert next(dev.model.parameters()).device.type == device
     for version in range(2):
         a, b = cpu.train(batch, train_version=version), dev.train(batch, train_version=version)
@@ -184,13 +183,12 @@ def test_the_learner_on_the_device_takes_the_cpu_learners_steps(tiny_model_dir, 
 def test_two_nccl_ranks_take_the_single_device_learners_steps(tiny_model_dir):
     """train.world_size=2 on CUDA: NCCL ranks on cuda:0 and cuda:1 make the one-GPU update,
     publish whole weights to host memory, and report each rank's largest peak memory."""
-    from tether.train.sharded import ShardedLearner
+    from tether.train.ranks import ProcessRanks, RankGroup
 
     batch = rollout_batch(tiny_model_dir)
-    settings = LearnerSettings(lr=5e-5, updates_per_batch=2, shared_prefix=False, kl_coef=0.01,
-                               device="cuda")
-    one = TorchLearner(tiny_model_dir, settings)
-    two = ShardedLearner(tiny_model_dir, settings, world_size=2)
+    keys = dict(lr=5e-5, updates_per_batch=2, shared_prefix=False, kl_coef=0.01, device="cuda")
+    one = TorchLearner(tiny_model_dir, config(**keys))
+    two = RankGroup(ProcessRanks(config(**keys, world_size=2), tiny_model_dir, None))
     try:
         for version in range(2):
             a, b = one.train(batch, train_version=version), two.train(batch, train_version=version)
@@ -209,7 +207,7 @@ def test_two_nccl_ranks_take_the_single_device_learners_steps(tiny_model_dir):
 @pytest.mark.parametrize("device", DEVICES)
 def test_held_out_evaluation_runs_on_the_learners_device(tiny_model_dir, device):
     from tether.data.rewards import scorer
-    from tether.runtime.evaluate import Evaluator
+    from tether.families.text.evaluate import Evaluator
 
     model, tok = on(device, tiny_model_dir)
     task = get_task("arithmetic")
@@ -223,15 +221,14 @@ def test_held_out_evaluation_runs_on_the_learners_device(tiny_model_dir, device)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_a_learner_asked_for_cuda_without_it_is_a_clear_error(tiny_model_dir):
     with pytest.raises(ConfigError, match=r"train\.device=cuda, but this process sees no CUDA") as info:
-        TorchLearner(tiny_model_dir, LearnerSettings(device="cuda"))
+        TorchLearner(tiny_model_dir, config(device="cuda"))
     assert "set train.device=cpu" in str(info.value)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_asking_for_cuda_without_it_is_a_clear_error(tiny_model_dir):
     with pytest.raises(ConfigError, match="no CUDA device") as info:
-        Rollout(WorkerSpec(worker_id=0, model_path=str(tiny_model_dir), reward="task", task="arithmetic",
-                           stop_text="\n", device="cuda"))
+        Rollout(WorkerSpec(0, pool_settings(tiny_model_dir), device="cuda"))
     assert "ray.gpus_per_worker=0" in str(info.value)
 
 

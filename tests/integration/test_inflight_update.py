@@ -15,23 +15,23 @@ pytest.importorskip("transformers")
 from test_pool import STREAM  # noqa: E402
 from test_train import recipe, rows  # noqa: E402
 
+from recipes import pool_settings  # noqa: E402
 from tether.config import load_config  # noqa: E402
-from tether.decoding.sampling import SamplingParams  # noqa: E402
-from tether.loop.protocols import GenerationRequest  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
-from tether.rollout.pool import PoolSettings, ProcessPool  # noqa: E402
+from tether.rollout.pool import ProcessPool  # noqa: E402
 from tether.runtime.run import train  # noqa: E402
+from tether.vocabulary import GenerationRequest  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def publish_while_generating(model_dir, mode, **pool):
+def publish_while_generating(model_dir, mode, *overrides):
     """In a pool of one worker, publish perturbed weights while batches of long completions
     generate, until one batch sees a switch (``publish_until_a_switch``). Returns that batch, its
-    launch version and each version's weights. ``pool``: more PoolSettings (another engine)."""
+    launch version and each version's weights. ``overrides``: more of the recipe (another engine)."""
     model, _ = load_causal_lm(model_dir)
-    settings = PoolSettings(model_path=str(model_dir), task="arithmetic", group_size=8, stop_text="",
-                            params=SamplingParams(max_new_tokens=40), inflight_update=mode, **pool)
+    settings = pool_settings(model_dir, "rollout.group_size=8", "rollout.max_new_tokens=40",
+                             f"async.inflight_update={mode}", *overrides, stop_text="")
     with ProcessPool(settings, STREAM.batch, unique_parameters(model)) as pool:
         return publish_until_a_switch(pool, model, mode)
 

@@ -8,15 +8,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from recipes import config  # noqa: E402
 from tether.control import AsyncControl, BudgetSettings  # noqa: E402
-from tether.decoding.sampling import SamplingParams  # noqa: E402
 from tether.errors import ConfigError  # noqa: E402
-from tether.loop.protocols import RolloutBatch  # noqa: E402
-from tether.loop.scored import ScoredBatch  # noqa: E402
+from tether.families.text.batch import to_train_batch, token_logprobs  # noqa: E402
+from tether.families.text.payload import ScoredBatch  # noqa: E402
 from tether.modeling import load_causal_lm  # noqa: E402
 from tether.rollout.torch_engine import TorchEngine  # noqa: E402
-from tether.train.batch import to_train_batch, token_logprobs  # noqa: E402
-from tether.train.learner import LearnerSettings, TorchLearner  # noqa: E402
+from tether.train.learner import TorchLearner  # noqa: E402
+from tether.vocabulary import RolloutBatch, SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 PROMPTS = ["1+1=", "22+3=", "rev abc=", "sort cab="]
@@ -58,7 +58,7 @@ def sequence_logprobs(learner, batch, tok):
 ])
 def test_updates_raise_positive_and_lower_negative_completions(tiny_model_dir, algorithm):
     batch, tok = sampled_batch(tiny_model_dir)
-    learner = TorchLearner(tiny_model_dir, LearnerSettings(lr=3e-3, updates_per_batch=2, **algorithm))
+    learner = TorchLearner(tiny_model_dir, config(lr=3e-3, updates_per_batch=2, **algorithm))
     before = sequence_logprobs(learner, batch, tok)
     params_before = [p.detach().clone() for p in learner.model.parameters()]
     for _ in range(3):
@@ -80,23 +80,23 @@ def test_updates_raise_positive_and_lower_negative_completions(tiny_model_dir, a
 
 def test_trainer_logprobs_match_the_engine_at_the_sampling_temperature(tiny_model_dir):
     batch, _tok = sampled_batch(tiny_model_dir, temperature=0.7)
-    learner = TorchLearner(tiny_model_dir, LearnerSettings(temperature=0.7))
+    learner = TorchLearner(tiny_model_dir, config("rollout.temperature=0.7"))
     metrics = learner.train(batch, train_version=0).metrics
     assert metrics["mismatch/logprob_abs_diff_max"] < 1e-5
     # every token was sampled with the weights being trained: the whole difference is numerics
     assert metrics["mismatch/numeric_token_frac"] == 1.0
     assert metrics["mismatch/numeric_logprob_abs_diff_max"] < 1e-5
     # the same tokens counted as sampled by an older policy: nothing to measure numerics on
-    stale = TorchLearner(tiny_model_dir, LearnerSettings(temperature=0.7)).train(batch, train_version=1)
+    stale = TorchLearner(tiny_model_dir, config("rollout.temperature=0.7")).train(batch, train_version=1)
     assert stale.metrics["mismatch/numeric_token_frac"] == 0.0
     assert math.isnan(stale.metrics["mismatch/numeric_logprob_abs_diff_max"])
-    wrong_t = TorchLearner(tiny_model_dir, LearnerSettings(temperature=1.0)).train(batch, train_version=0)
+    wrong_t = TorchLearner(tiny_model_dir, config("rollout.temperature=1.0")).train(batch, train_version=0)
     assert wrong_t.metrics["mismatch/logprob_abs_diff_max"] > 1e-2  # the ratio would measure T
 
 
 def test_a_non_finite_gradient_skips_the_update_and_keeps_the_clock_honest(tiny_model_dir):
     batch, _tok = sampled_batch(tiny_model_dir)
-    learner = TorchLearner(tiny_model_dir, LearnerSettings(lr=1e-3, updates_per_batch=2))
+    learner = TorchLearner(tiny_model_dir, config(lr=1e-3, updates_per_batch=2))
     calls = {"n": 0}
 
     def poison(grad):  # the embedding's gradient on the second backward becomes NaN
@@ -125,7 +125,7 @@ def test_a_batch_with_nothing_to_learn_from_makes_no_step_and_commits_nothing(ti
     batch, _tok = sampled_batch(tiny_model_dir)
     settings = {"zero_variance_dropped": {"drop_zero_std": True}, "zero_advantage": {"drop_zero_std": False},
                 "all_truncated_masked": {"mask_truncated": True}}[case]
-    learner = TorchLearner(tiny_model_dir, LearnerSettings(lr=1e-3, updates_per_batch=2, **settings))
+    learner = TorchLearner(tiny_model_dir, config(lr=1e-3, updates_per_batch=2, **settings))
     batch.payload.finish_reasons = ["stop"] * len(batch.payload.finish_reasons)  # a batch with signal
     assert learner.train(batch, train_version=0).committed_updates == 2
     scored = copy.deepcopy(batch.payload)
@@ -149,7 +149,7 @@ def test_micro_batches_accumulate_to_the_same_update(tiny_model_dir):
     # ±lr·sign(g), which would turn round-off in a near-zero gradient into a visible difference.
     grads = []
     for micro in (0, 3):
-        learner = TorchLearner(tiny_model_dir, LearnerSettings(lr=0.0, micro_batch_size=micro, grad_clip=0.0))
+        learner = TorchLearner(tiny_model_dir, config(lr=0.0, micro_batch_size=micro, grad_clip=0.0))
         learner.train(batch, train_version=0)
         grads.append([p.grad.detach().clone() for p in learner.model.parameters()])
     for a, b in zip(*grads, strict=True):
@@ -159,7 +159,7 @@ def test_micro_batches_accumulate_to_the_same_update(tiny_model_dir):
 
 def test_save_and_load_resume_exactly(tiny_model_dir, tmp_path):
     batch, _tok = sampled_batch(tiny_model_dir)
-    settings = LearnerSettings(lr=1e-3, warmup_steps=3)
+    settings = config(lr=1e-3, warmup_steps=3)
     a = TorchLearner(tiny_model_dir, settings)
     a.train(batch, train_version=0)
     a.save(tmp_path / "ckpt")
@@ -174,8 +174,7 @@ def test_save_and_load_resume_exactly(tiny_model_dir, tmp_path):
 
 def test_cosine_schedule_follows_the_update_count_across_a_resume(tiny_model_dir, tmp_path):
     batch, _tok = sampled_batch(tiny_model_dir)
-    settings = LearnerSettings(lr=1e-3, updates_per_batch=2, lr_schedule="cosine", min_lr_ratio=0.2,
-                               total_updates=4)
+    settings = config(lr=1e-3, updates_per_batch=2, lr_schedule="cosine", min_lr_ratio=0.2, num_batches=2)
     a = TorchLearner(tiny_model_dir, settings)
     rates = []
     for version in range(2):
@@ -204,8 +203,8 @@ def with_lengths(batch, lengths, max_new_tokens=6):
     return batch
 
 
-def grads_after_one_batch(model_dir, batch, **settings):
-    learner = TorchLearner(model_dir, LearnerSettings(lr=0.0, grad_clip=0.0, **settings))
+def grads_after_one_batch(model_dir, batch, *overrides, **settings):
+    learner = TorchLearner(model_dir, config(*overrides, lr=0.0, grad_clip=0.0, **settings))
     result = learner.train(batch, train_version=0)
     return [None if p.grad is None else p.grad.detach().clone() for p in learner.model.parameters()], \
         result.metrics
@@ -236,8 +235,8 @@ def test_overlong_penalty_shapes_rewards_before_advantages(tiny_model_dir):
     batch.payload.rewards = [1.0] * len(lengths)  # equal rewards: no signal without the penalty
     plain, metrics = grads_after_one_batch(tiny_model_dir, batch)
     assert all(g is None for g in plain) and metrics["train/skipped_no_signal"] == 1.0  # not even a backward
-    shaped, metrics = grads_after_one_batch(tiny_model_dir, batch, overlong_buffer=3, overlong_penalty=0.5,
-                                            max_new_tokens=6)
+    shaped, metrics = grads_after_one_batch(tiny_model_dir, batch, "reward.overlong_buffer=3",
+                                            "reward.overlong_penalty=0.5", "rollout.max_new_tokens=6")
     # L_max = 6, L_c = 3: lengths 4, 5, 6 lose 0.5·⅓, 0.5·⅔, 0.5; 8 of the 16 samples are past 3 tokens
     expected = sum({4: 1 / 6, 5: 1 / 3, 6: 0.5}.get(n, 0.0) for n in lengths) / len(lengths)
     assert metrics["reward/overlong_penalty_mean"] == pytest.approx(-expected)
@@ -248,11 +247,11 @@ def test_overlong_penalty_shapes_rewards_before_advantages(tiny_model_dir):
 def test_bad_batches_are_refused(tiny_model_dir):
     batch, _tok = sampled_batch(tiny_model_dir)
     with pytest.raises(ConfigError, match="exceeds the 16 sequences"):
-        TorchLearner(tiny_model_dir, LearnerSettings(updates_per_batch=17)).train(batch, train_version=0)
+        TorchLearner(tiny_model_dir, config(updates_per_batch=17)).train(batch, train_version=0)
     scored = batch.payload
     scored.logprobs = [None] * len(scored.logprobs)
     with pytest.raises(ConfigError, match="carries no engine log-probs"):
-        TorchLearner(tiny_model_dir, LearnerSettings()).train(batch, train_version=0)
+        TorchLearner(tiny_model_dir, config()).train(batch, train_version=0)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -327,15 +326,15 @@ def check_shared_prompt_forward(model, tok):
                               token_logprobs(model, tb, 0.8, forward=shared)[0][tb.mask.bool()], atol=1e-5)
 
 
-def test_every_train_and_reward_key_reaches_the_learner():
-    from tether.config import load_config
-    from tether.runtime.settings import learner_settings
-
-    s = learner_settings(load_config(None, [
-        "train.mask_truncated=true", "reward.overlong_buffer=3", "reward.overlong_penalty=0.5",
-        "train.lr_schedule=linear", "train.min_lr_ratio=0.2", "train.warmup_steps=2", "train.num_batches=7",
-        "train.updates_per_batch=3", "rollout.max_new_tokens=9", "train.advantage=rloo"]))
-    assert (s.mask_truncated, s.overlong_buffer, s.overlong_penalty) == (True, 3, 0.5)
-    assert (s.advantage, s.adv_std_norm) == ("rloo", False)
-    assert (s.lr_schedule, s.min_lr_ratio, s.warmup_steps, s.total_updates) == ("linear", 0.2, 2, 21)
-    assert s.max_new_tokens == 9
+def test_the_learner_reads_its_keys_from_the_recipe(tiny_model_dir):
+    learner = TorchLearner(tiny_model_dir, config(
+        "reward.overlong_buffer=3", "reward.overlong_penalty=0.5", "rollout.max_new_tokens=9",
+        "rollout.temperature=0.7", mask_truncated=True, lr_schedule="linear", min_lr_ratio=0.2,
+        warmup_steps=2,
+        num_batches=7, updates_per_batch=3, advantage="rloo"))
+    schedule = learner.scheduler.lr_lambdas[0].keywords
+    assert (schedule["kind"], schedule["min_ratio"], schedule["warmup_steps"], schedule["total_steps"]) == (
+        "linear", 0.2, 2, 21)
+    assert learner.norm_constant == 9 and learner.policy.temperature == 0.7
+    assert (learner.s.mask_truncated, learner.s.advantage, learner.s.adv_std_norm) == (True, "rloo", False)
+    assert (learner.cfg.reward.overlong_buffer, learner.cfg.reward.overlong_penalty) == (3, 0.5)

@@ -6,13 +6,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from recipes import pool_settings  # noqa: E402
 from tether.control import AsyncControl, BudgetSettings  # noqa: E402
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
-from tether.decoding.sampling import SamplingParams  # noqa: E402
 from tether.loop import Driver, Timings, TraceRecorder, TrainResult, simulate, summarize  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
-from tether.rollout.pool import PoolSettings, ProcessPool  # noqa: E402
+from tether.rollout.pool import ProcessPool  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -45,9 +45,9 @@ def test_measured_staleness_and_publications_match_the_plan(tiny_model_dir, s, u
     stream = PromptStream(get_task("arithmetic").examples("train", 200), batch_size=2)
     learner = PerturbLearner(model, u)
     trace = TraceRecorder()
-    pool_settings = PoolSettings(model_path=str(tiny_model_dir), num_workers=2, task="arithmetic",
-                                 group_size=2, params=SamplingParams(max_new_tokens=4))
-    with ProcessPool(pool_settings, stream.batch, unique_parameters(model)) as pool:
+    settings_ = pool_settings(tiny_model_dir, "rollout.num_workers=2", "rollout.group_size=2",
+                              "rollout.max_new_tokens=4")
+    with ProcessPool(settings_, stream.batch, unique_parameters(model)) as pool:
         Driver(AsyncControl(settings), pool, learner, observer=trace, wait_timeout_s=60).run()
     measured = [tv - oldest for tv, oldest, _newest in learner.seen]
     assert all(oldest == newest for _tv, oldest, newest in learner.seen)  # no mid-sample update

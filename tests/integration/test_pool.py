@@ -13,22 +13,21 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from procs import children, running, wait_gone  # noqa: E402
+from recipes import pool_settings  # noqa: E402
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
-from tether.decoding.sampling import SamplingParams  # noqa: E402
 from tether.errors import RolloutError  # noqa: E402
-from tether.loop.protocols import GenerationRequest  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
-from tether.rollout.pool import PoolSettings, ProcessPool  # noqa: E402
+from tether.rollout.pool import ProcessPool  # noqa: E402
+from tether.vocabulary import GenerationRequest  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 STREAM = PromptStream(get_task("arithmetic").examples("train", 300, seed=0), batch_size=3)
 
 
-def make_pool(model_dir, **kw):
+def make_pool(model_dir, *overrides):
     model, _ = load_causal_lm(model_dir)
-    settings = PoolSettings(model_path=str(model_dir), task="arithmetic", group_size=2,
-                            params=SamplingParams(max_new_tokens=6), **kw)
+    settings = pool_settings(model_dir, "rollout.group_size=2", "rollout.max_new_tokens=6", *overrides)
     return ProcessPool(settings, STREAM.batch, unique_parameters(model)), model
 
 
@@ -46,7 +45,7 @@ def reward_file(tmp_path, body):
 
 
 def test_whole_batches_in_completion_order_and_weight_updates(tiny_model_dir):
-    pool, model = make_pool(tiny_model_dir, num_workers=2)
+    pool, model = make_pool(tiny_model_dir, "rollout.num_workers=2")
     with pool:
         pids = pool.pids
         assert len(pids) == 2 and all(running(p) for p in pids)
@@ -90,7 +89,7 @@ def test_reward_exception_names_worker_batch_cause_and_traceback(tiny_model_dir,
         def reward(prompt, completion, answer, fields):
             raise ValueError("bad reward for " + prompt)
     """)
-    pool, _ = make_pool(tiny_model_dir, reward=spec)
+    pool, _ = make_pool(tiny_model_dir, f"reward.function={spec}")
     with pool:
         pool.launch(GenerationRequest(index=4, version=0))
         with pytest.raises(RolloutError) as info:
@@ -106,7 +105,7 @@ def test_reward_errors_scored_zero_and_counted_when_asked(tiny_model_dir, tmp_pa
         def reward(prompt, completion, answer, fields):
             return float("nan")
     """)
-    pool, _ = make_pool(tiny_model_dir, reward=spec, reward_on_error="zero")
+    pool, _ = make_pool(tiny_model_dir, f"reward.function={spec}", "reward.on_error=zero")
     with pool:
         pool.launch(GenerationRequest(index=0, version=0))
         batch = collect(pool, 1)[0]
@@ -119,7 +118,7 @@ def test_non_finite_reward_fails_the_batch_by_default(tiny_model_dir, tmp_path):
         def reward(prompt, completion, answer, fields):
             return float("inf")
     """)
-    pool, _ = make_pool(tiny_model_dir, reward=spec)
+    pool, _ = make_pool(tiny_model_dir, f"reward.function={spec}")
     with pool, pytest.raises(RolloutError, match="must return a finite number"):
         pool.launch(GenerationRequest(index=0, version=0))
         collect(pool, 1)
@@ -134,7 +133,7 @@ SLOW_REWARD = """
 
 
 def test_killed_worker_is_reported_with_its_batch_and_signal(tiny_model_dir, tmp_path):
-    pool, _ = make_pool(tiny_model_dir, reward=reward_file(tmp_path, SLOW_REWARD))
+    pool, _ = make_pool(tiny_model_dir, f"reward.function={reward_file(tmp_path, SLOW_REWARD)}")
     with pool:
         pid = pool.pids[0]
         pool.launch(GenerationRequest(index=2, version=0))
@@ -147,7 +146,7 @@ def test_killed_worker_is_reported_with_its_batch_and_signal(tiny_model_dir, tmp
 
 
 def test_a_generation_past_the_wait_timeout_fails_naming_worker_and_batch(tiny_model_dir, tmp_path):
-    pool, _ = make_pool(tiny_model_dir, reward=reward_file(tmp_path, SLOW_REWARD))
+    pool, _ = make_pool(tiny_model_dir, f"reward.function={reward_file(tmp_path, SLOW_REWARD)}")
     with pool:
         pids = pool.pids
         pool.launch(GenerationRequest(index=5, version=0))
@@ -160,8 +159,7 @@ def test_a_generation_past_the_wait_timeout_fails_naming_worker_and_batch(tiny_m
 
 def test_prompt_longer_than_the_context_is_a_clear_error(tiny_model_dir):
     model, _ = load_causal_lm(tiny_model_dir)
-    settings = PoolSettings(model_path=str(tiny_model_dir), task="arithmetic", group_size=2,
-                            params=SamplingParams(max_new_tokens=300))
+    settings = pool_settings(tiny_model_dir, "rollout.group_size=2", "rollout.max_new_tokens=300")
     with ProcessPool(settings, STREAM.batch, unique_parameters(model)) as pool:
         pool.launch(GenerationRequest(index=0, version=0))
         with pytest.raises(RolloutError, match="exceeds the model's context of 256"):
@@ -170,7 +168,7 @@ def test_prompt_longer_than_the_context_is_a_clear_error(tiny_model_dir):
 
 def test_a_worker_that_cannot_start_fails_the_pool_and_leaves_nothing(tmp_path, tiny_model_dir):
     model, _ = load_causal_lm(tiny_model_dir)
-    settings = PoolSettings(model_path=str(tiny_model_dir), reward="nope.py:reward", task=None)
+    settings = pool_settings(tiny_model_dir, "reward.function=nope.py:reward")
     with pytest.raises(RolloutError, match="failed to start") as info:
         ProcessPool(settings, STREAM.batch, unique_parameters(model))
     assert "does not exist" in str(info.value)
@@ -178,7 +176,7 @@ def test_a_worker_that_cannot_start_fails_the_pool_and_leaves_nothing(tmp_path, 
 
 @pytest.mark.parametrize("exit_path", ["exception", "keyboard_interrupt"])
 def test_no_process_outlives_an_error_inside_the_pool(tiny_model_dir, exit_path):
-    pool, _ = make_pool(tiny_model_dir, num_workers=2)
+    pool, _ = make_pool(tiny_model_dir, "rollout.num_workers=2")
     pids = pool.pids
     error = RuntimeError("boom") if exit_path == "exception" else KeyboardInterrupt()
     with pytest.raises(type(error)), pool:
@@ -194,7 +192,7 @@ def test_workers_exit_when_the_driver_process_is_killed(tiny_model_dir, tmp_path
         sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
         from test_pool import make_pool
         if __name__ == "__main__":
-            pool, _ = make_pool({str(tiny_model_dir)!r}, num_workers=2)
+            pool, _ = make_pool({str(tiny_model_dir)!r}, "rollout.num_workers=2")
             print(" ".join(map(str, pool.pids)), flush=True)
             time.sleep(120)
     """))
@@ -230,5 +228,5 @@ def test_a_stop_while_the_pool_publishes_its_first_weights_unlinks_the_channel(t
     monkeypatch.setattr(WeightChannel, "for_tensors", classmethod(for_tensors))
     monkeypatch.setattr(WeightChannel, "publish", publish)
     with pytest.raises(StopRequested):
-        make_pool(tiny_model_dir, num_workers=1)
+        make_pool(tiny_model_dir, "rollout.num_workers=1")
     assert len(made) == 1 and not os.path.exists(f"/dev/shm/{made[0].name}")

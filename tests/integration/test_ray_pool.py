@@ -14,14 +14,13 @@ pytest.importorskip("transformers")
 pytest.importorskip("ray")
 
 from procs import running, wait_gone  # noqa: E402
+from recipes import pool_settings  # noqa: E402
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
-from tether.decoding.sampling import SamplingParams  # noqa: E402
 from tether.errors import ConfigError, RolloutError  # noqa: E402
-from tether.loop.protocols import GenerationRequest  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
-from tether.rollout.dispatch import PoolSettings  # noqa: E402
 from tether.rollout.ray_pool import RayOptions, RayPool  # noqa: E402
+from tether.vocabulary import GenerationRequest  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 STREAM = PromptStream(get_task("arithmetic").examples("train", 300, seed=0), batch_size=3)
@@ -42,10 +41,9 @@ def slow_reward(tmp_path, seconds_for_batch0):
     return f"{path}:reward"
 
 
-def make_pool(model_dir, run_dir, **kw):
+def make_pool(model_dir, run_dir, *overrides):
     model, _ = load_causal_lm(model_dir)
-    settings = PoolSettings(model_path=str(model_dir), group_size=2, params=SamplingParams(max_new_tokens=6),
-                            **{"task": "arithmetic", **kw})
+    settings = pool_settings(model_dir, "rollout.group_size=2", "rollout.max_new_tokens=6", *overrides)
     return RayPool(settings, STREAM.batch, unique_parameters(model), options=RayOptions(local_cpus=2),
                    run_dir=run_dir), model
 
@@ -72,8 +70,8 @@ def collect(pool, n, timeout=60):
 
 
 def test_two_actors_are_both_used_in_completion_order_and_weights_update(tiny_model_dir, tmp_path):
-    pool, model = make_pool(tiny_model_dir, tmp_path / "run", num_workers=2, task=None,
-                            reward=slow_reward(tmp_path, 0.5))
+    pool, model = make_pool(tiny_model_dir, tmp_path / "run", "rollout.num_workers=2",
+                            f"reward.function={slow_reward(tmp_path, 0.5)}")
     with pool:
         assert len(pool.pids) == 2 and all(running(p) for p in pool.pids)
         for i in range(4):
@@ -107,8 +105,7 @@ def test_same_seed_same_tokens_as_the_local_backend(tiny_model_dir, tmp_path):
     from tether.rollout.pool import ProcessPool
 
     model, _ = load_causal_lm(tiny_model_dir)
-    settings = PoolSettings(model_path=str(tiny_model_dir), task="arithmetic", group_size=2,
-                            params=SamplingParams(max_new_tokens=6))
+    settings = pool_settings(tiny_model_dir, "rollout.group_size=2", "rollout.max_new_tokens=6")
     with ProcessPool(settings, STREAM.batch, unique_parameters(model)) as local:
         local.launch(GenerationRequest(index=3, version=0))
         expected = collect(local, 1)[0].payload
@@ -130,8 +127,8 @@ def test_actors_switch_weights_mid_generation_and_stamp_every_token(tiny_model_d
     from test_inflight_update import check_abort, check_recompute_stamps, publish_until_a_switch
 
     model, _ = load_causal_lm(tiny_model_dir)
-    settings = PoolSettings(model_path=str(tiny_model_dir), task="arithmetic", group_size=8, stop_text="",
-                            params=SamplingParams(max_new_tokens=40), inflight_update=mode)
+    settings = pool_settings(tiny_model_dir, "rollout.group_size=8", "rollout.max_new_tokens=40",
+                             f"async.inflight_update={mode}", stop_text="")
     with RayPool(settings, STREAM.batch, unique_parameters(model), options=RayOptions(local_cpus=2),
                  run_dir=tmp_path / "run") as pool:
         pids = list(pool.pids)
@@ -146,7 +143,7 @@ def test_actors_switch_weights_mid_generation_and_stamp_every_token(tiny_model_d
 
 def test_a_killed_actor_names_itself_and_its_batch_and_nothing_is_left_running(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    pool, _ = make_pool(tiny_model_dir, run_dir, task=None, reward=slow_reward(tmp_path, 3.0))
+    pool, _ = make_pool(tiny_model_dir, run_dir, f"reward.function={slow_reward(tmp_path, 3.0)}")
     temp_dir = os.path.realpath(run_dir / "ray")
     try:
         assert ray_processes(temp_dir), "the local Ray instance should run under the run directory"
@@ -167,8 +164,8 @@ def test_a_killed_actor_names_itself_and_its_batch_and_nothing_is_left_running(t
 
 def test_publish_to_a_dead_actor_and_missing_resources_are_clear_errors(tiny_model_dir, tmp_path):
     model, _ = load_causal_lm(tiny_model_dir)
-    settings = PoolSettings(model_path=str(tiny_model_dir), task="arithmetic", group_size=2,
-                            params=SamplingParams(max_new_tokens=6), startup_timeout_s=8)
+    settings = pool_settings(tiny_model_dir, "rollout.group_size=2", "rollout.max_new_tokens=6",
+                             startup_timeout_s=8)
     with pytest.raises(ConfigError, match="do not fit the Ray cluster's nodes"):
         RayPool(settings, STREAM.batch, unique_parameters(model),
                 options=RayOptions(local_cpus=2, cpus_per_worker=4), run_dir=tmp_path / "a")
@@ -225,8 +222,7 @@ def test_connects_to_a_cluster_by_address_and_leaves_it_running(tiny_model_dir, 
     head = ray_processes(temp_dir)
     try:
         model, _ = load_causal_lm(tiny_model_dir)
-        settings = PoolSettings(model_path=str(tiny_model_dir), task="arithmetic", group_size=2,
-                                params=SamplingParams(max_new_tokens=6))
+        settings = pool_settings(tiny_model_dir, "rollout.group_size=2", "rollout.max_new_tokens=6")
         with RayPool(settings, STREAM.batch, unique_parameters(model),
                      options=RayOptions(address=f"127.0.0.1:{port}")) as pool:
             assert pool.session.connected and not pool.session.started

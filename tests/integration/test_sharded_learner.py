@@ -25,11 +25,11 @@ pytest.importorskip("transformers")
 from test_learner import sampled_batch  # noqa: E402
 
 from procs import wait_gone  # noqa: E402
+from recipes import config  # noqa: E402
 from tether.errors import ConfigError, LearnerError, LearnerLostError  # noqa: E402
 from tether.rollout.channel import ChannelError, WeightChannel  # noqa: E402
-from tether.train.corrections import CorrectionSettings  # noqa: E402
-from tether.train.learner import LearnerSettings, TorchLearner  # noqa: E402
-from tether.train.sharded import ShardedLearner  # noqa: E402
+from tether.train.learner import TorchLearner  # noqa: E402
+from tether.train.ranks import ProcessRanks, RankGroup  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 METRICS = ("loss/policy", "loss/total", "train/grad_norm", "ratio/mean", "ratio/max", "ratio/clip_frac_high",
@@ -46,6 +46,11 @@ def batches(model_dir):
     return out
 
 
+def ranks(cfg, model_dir):
+    """``cfg``'s learner as ``train.world_size`` rank processes (no held-out evaluation)."""
+    return RankGroup(ProcessRanks(cfg, model_dir, None))
+
+
 def trained(learner, rollout_batches):
     results = [learner.train(b, train_version=2 * i) for i, b in enumerate(rollout_batches)]
     return dict(learner.export_weights()), results  # gathered now: ranks' exports are lazy
@@ -57,10 +62,10 @@ def trained(learner, rollout_batches):
     {"aggregation": "seq_mean_token_sum", "updates_per_batch": 1},
     {"aggregation": "seq_mean_token_sum_norm", "updates_per_batch": 2, "kl_coef": 0.05},
     {"aggregation": "token_mean", "updates_per_batch": 1,
-     "correction": CorrectionSettings(tis="token", tis_cap=1.5, mask="sequence", mask_low=0.7,
-                                      mask_high=1.3)},
-    {"aggregation": "token_mean", "updates_per_batch": 2, "attribution": True, "staleness_budget": 4,
-     "shared_prefix": True},
+     "overrides": ("correction.tis=token", "correction.tis_cap=1.5", "correction.mask=sequence",
+                   "correction.mask_low=0.7", "correction.mask_high=1.3")},
+    {"aggregation": "token_mean", "updates_per_batch": 2, "shared_prefix": True,
+     "overrides": ("metrics.attribution=true", "async.max_staleness=2")},
     {"aggregation": "seq_mean_token_mean", "updates_per_batch": 2, "kl_coef": 0.05, "shared_prefix": True},
 ], ids=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum-inline", "dr_grpo-kl", "tis-mask-inline",
         "attribution", "shared-prefix-kl"])
@@ -68,9 +73,11 @@ def test_two_ranks_make_the_single_process_update(tiny_model_dir, case):
     rollout_batches = batches(tiny_model_dir)
     # the model's own forward on both sides, so only the split across ranks differs; the last two
     # cases run the shared-prompt forward on both (under FSDP2: as FSDP forward methods)
-    settings = LearnerSettings(lr=5e-5, seed=0, **{"shared_prefix": False, **case})
-    solo_weights, solo = trained(TorchLearner(tiny_model_dir, settings), rollout_batches)
-    sharded = ShardedLearner(tiny_model_dir, settings, world_size=2)
+    keys = {"shared_prefix": False, **case}
+    overrides = keys.pop("overrides", ())
+    solo_weights, solo = trained(TorchLearner(tiny_model_dir, config(*overrides, lr=5e-5, **keys)),
+                                 rollout_batches)
+    sharded = ranks(config(*overrides, lr=5e-5, world_size=2, **keys), tiny_model_dir)
     try:
         pids = list(sharded.pids)
         weights, two = trained(sharded, rollout_batches)
@@ -88,7 +95,7 @@ def test_two_ranks_make_the_single_process_update(tiny_model_dir, case):
         assert a.committed_updates == b.committed_updates == case["updates_per_batch"]
         for key in METRICS:
             assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-4, abs=1e-6), key
-    if case.get("attribution"):
+    if "metrics.attribution=true" in overrides:
         # batches trained at versions 0, 2, 4 from tokens of version 0: the ranks' kept shards
         # give the split one process's whole copies give
         keys = [k for k in solo[-1].metrics if k.startswith("attribution/") and k != "attribution/memory_mb"]
@@ -106,7 +113,7 @@ def test_ranks_write_their_rows_into_the_channel_and_a_killed_rank_fails_naming_
     publication it could not finish leaves the block marked incomplete (no worker takes it), and
     no rank is left."""
     rollout_batches = batches(tiny_model_dir)
-    sharded = ShardedLearner(tiny_model_dir, LearnerSettings(lr=3e-3), world_size=2)
+    sharded = ranks(config(lr=3e-3, world_size=2), tiny_model_dir)
     pids = list(sharded.pids)
     by_ranks = gathered = None
     try:
@@ -274,9 +281,10 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_update_on_every_rank(tiny_m
     logprobs = [list(lp) for lp in scored.logprobs]
     logprobs[row][0] = -1e30
     poisoned = dataclasses.replace(batch, payload=dataclasses.replace(scored, logprobs=logprobs))
-    settings = LearnerSettings(lr=1e-3, updates_per_batch=2, anchor="behavior", shared_prefix=False)
-    solo = TorchLearner(tiny_model_dir, settings).train(poisoned, train_version=0)
-    sharded = ShardedLearner(tiny_model_dir, settings, world_size=2)
+    keys = dict(lr=1e-3, updates_per_batch=2, anchor="behavior", shared_prefix=False)
+    solo = TorchLearner(tiny_model_dir, config("correction.tis=none", **keys)).train(poisoned,
+                                                                                     train_version=0)
+    sharded = ranks(config("correction.tis=none", world_size=2, **keys), tiny_model_dir)
     try:
         two = sharded.train(poisoned, train_version=0)
         after = dict(sharded.export_weights())  # gathered now, before the weights change again

@@ -8,11 +8,12 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tether.config import load_config
+from tether.config.schema import WarmstartSection
 from tether.data.prepare import ensure_model
 from tether.data.rewards import scorer
 from tether.data.tasks import get_task
-from tether.data.warmstart import WarmstartSettings, warmstart
 from tether.errors import ConfigError
+from tether.families.text.warmstart import warmstart
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -23,8 +24,8 @@ def test_short_warm_start_raises_held_out_pass_rate(tiny_model_dir, tmp_path):
     held_out = task.examples("eval", 60, seed=0, difficulty=3)
     result = warmstart(tiny_model_dir, train, held_out, scorer("task", task="reverse"),
                        out_dir=tmp_path / "warm", description="reverse-3",
-                       settings=WarmstartSettings(max_steps=150, eval_every=25, batch_size=32,
-                                                  target_pass_rate=0.8))
+                       settings=WarmstartSection(max_steps=150, eval_every=25, batch_size=32,
+                                                 target_pass_rate=0.8))
     assert result.pass_at_1_before < 0.1
     assert result.pass_at_1_after >= result.pass_at_1_before + 0.5
     saved = json.loads((tmp_path / "warm" / "warmstart.json").read_text())

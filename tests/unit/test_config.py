@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from tether.config import Config, load_config, reference_markdown
+from tether.config.presets import preset
 from tether.errors import ConfigError
-from tether.train.algorithms import preset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,15 +114,31 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
         (["data.eval_dataset=y.jsonl"], "data.eval_dataset is set but data.dataset is not"),
         (["model.init_size=huge"], "model.init_size must be one of 'tiny', 'small', 'base'"),
         (["warmstart.target_pass_rate=1.5"], "warmstart.target_pass_rate must be <= 1"),
-        (["ray.address=auto"], "the ray section is set but rollout.backend is 'local'"),
-        (["ray.gpus_per_worker=1"], "the ray section is set but rollout.backend is 'local'"),
+        (["ray.address=auto"], "the ray section is set, but it is read only with rollout.backend=ray "
+                               "(rollout.backend is 'local'); set rollout.backend=ray to use it, or remove"),
+        (["ray.gpus_per_worker=1"], "the ray section is set, but it is read only with rollout.backend=ray"),
         (["rollout.backend=slurm"], "rollout.backend must be one of 'local', 'ray'"),
-        (["vllm.dtype=bfloat16"], "the vllm section is set but rollout.engine is 'torch'"),
+        (["vllm.dtype=bfloat16"], "the vllm section is set, but it is read only with rollout.engine=vllm "
+                                  "(rollout.engine is 'torch')"),
         (["rollout.engine=sglang"], "rollout.engine must be one of 'torch', 'vllm'"),
         (["rollout.engine=vllm", "rollout.decoder=python"],
-         "rollout.decoder=python is the built-in engine's; with rollout.engine=vllm, vLLM decodes"),
+         "rollout.decoder=python is read only with rollout.engine=torch (rollout.engine is 'vllm'); remove "
+         "rollout.decoder, or set rollout.engine=torch"),
         (["model.family=flow", "data.task=shapes", "rollout.decoder=native"],
-         "rollout.decoder=native decodes language models"),
+         "rollout.decoder=native asks for a choice of token decoder, which model.family=flow does not have "
+         "(a flow model's sampler has no native form)"),
+        (["model.family=flow", "data.task=arithmetic"],
+         "data.task=arithmetic is a task of model.family=text; model.family=flow has: shapes"),
+        (["data.task=shapes"], "data.task=shapes is a task of model.family=flow; model.family=text has: "
+                               "arithmetic, countdown"),
+        (["model.family=flow", "data.task=shapes", "model.init_arch=llama"],
+         "model.init_arch=llama is read only with model.family=text (model.family is 'flow')"),
+        (["flow.steps=4"], "the flow section is set, but it is read only with model.family=flow"),
+        (["model.family=flow", "data.task=shapes", "rollout.engine=vllm"],
+         "rollout.engine=vllm: model.family=flow runs with rollout.engine torch only (vLLM serves language "
+         "models)"),
+        (["model.family=bandit"],
+         "model.family must be one of 'text', 'flow', got 'bandit'; plug-ins add more"),
         (["rollout.decoder=on"], "rollout.decoder must be one of 'auto', 'native', 'python'"),
         (["train.world_size=3", "rollout.batch_size=4", "train.updates_per_batch=2"],
          "leaves some with 2; raise rollout.batch_size"),

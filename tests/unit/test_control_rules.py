@@ -36,7 +36,7 @@ def test_a_regular_sync_period_is_min_of_depth_and_nonzero_intervals(s, eval_i, 
 @pytest.mark.parametrize(
     ("s", "eval_i", "save_i", "gaps", "first"),
     [
-        (3, 6, 0, (4, 2), [4, 6, 10, 12]),  # DESIGN §1's example
+        (3, 6, 0, (4, 2), [4, 6, 10, 12]),  # docs/architecture.md §1's example
         (3, 10, 6, (4, 2, 4, 2, 4, 2, 2, 4, 4, 2), [4, 6, 10, 12, 16, 18, 20, 24, 28, 30]),
         (3, 2, 3, (2, 1, 1, 2), [2, 3, 4, 6, 8, 9, 10, 12]),
     ],

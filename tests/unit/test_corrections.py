@@ -6,7 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tether.train.corrections import CorrectionSettings, correct  # noqa: E402
+from tether.config.schema import CorrectionSection  # noqa: E402
+from tether.train.corrections import correct  # noqa: E402
 
 OLD = torch.tensor([[math.log(3.0), math.log(0.5)]])  # log π_old, with μ = 1 → ρ = [3, 0.5]
 MU = torch.zeros(1, 2)
@@ -18,7 +19,7 @@ def flat(t):
 
 
 def run(**kw):
-    return correct(OLD, MU, MASK, CorrectionSettings(**kw), weigh=True)
+    return correct(OLD, MU, MASK, CorrectionSection(**kw), weigh=True)
 
 
 def test_truncated_importance_weights():
@@ -26,7 +27,7 @@ def test_truncated_importance_weights():
     assert flat(run(tis="sequence", tis_cap=2.0).weights) == pytest.approx([1.5, 1.5])  # 3·0.5
     assert flat(run(tis="sequence", tis_cap=1.2).weights) == pytest.approx([1.2, 1.2])
     assert flat(run(tis="none").weights) == pytest.approx([3.0, 0.5])  # the full π_prox/μ
-    unweighted = correct(OLD, MU, MASK, CorrectionSettings(), weigh=False)
+    unweighted = correct(OLD, MU, MASK, CorrectionSection(), weigh=False)
     assert unweighted.weights.tolist() == [[1.0, 1.0]]
 
 
@@ -62,7 +63,7 @@ def test_metrics():
 
 def test_tokens_off_the_mask_are_ignored():
     mask = torch.tensor([[1.0, 0.0]])
-    c = correct(OLD, MU, mask, CorrectionSettings(mask="token"), weigh=True)
+    c = correct(OLD, MU, mask, CorrectionSection(mask="token"), weigh=True)
     assert c.keep.tolist() == [[0.0, 0.0]]
     assert c.metrics["mismatch/logprob_abs_diff_max"] == pytest.approx(math.log(3))
 
@@ -72,12 +73,12 @@ def test_numeric_mismatch_counts_only_tokens_sampled_with_the_same_weights():
     mu = torch.tensor([[1e-6, -1.5, -2.0]])  # token 0: numerics only; token 1: a stale token
     mask = torch.ones(1, 3)
     same = torch.tensor([[True, False, True]])
-    m = correct(old, mu, mask, CorrectionSettings(), weigh=True, same_weights=same).metrics
+    m = correct(old, mu, mask, CorrectionSection(), weigh=True, same_weights=same).metrics
     assert m["mismatch/logprob_abs_diff_max"] == pytest.approx(0.5)  # staleness and numerics mixed
     assert m["mismatch/numeric_logprob_abs_diff_max"] == pytest.approx(1e-6)  # numerics alone
     assert m["mismatch/numeric_logprob_abs_diff_mean"] == pytest.approx(0.5e-6)
     assert m["mismatch/numeric_token_frac"] == pytest.approx(2 / 3)
-    none = correct(old, mu, mask, CorrectionSettings(), weigh=True,
+    none = correct(old, mu, mask, CorrectionSection(), weigh=True,
                    same_weights=torch.zeros(1, 3, dtype=torch.bool)).metrics
     assert none["mismatch/numeric_token_frac"] == 0.0
     assert "mismatch/numeric_logprob_abs_diff_max" not in none  # undefined: the learner reports NaN

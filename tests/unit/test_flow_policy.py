@@ -7,12 +7,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tether.flow import scenes  # noqa: E402
-from tether.flow.learn import FlowPolicy, to_flow_batch  # noqa: E402
-from tether.flow.model import FlowModel, FlowModelConfig, is_flow_model  # noqa: E402
-from tether.flow.policy import FlowSampling, gaussian_kl, step_log_density  # noqa: E402
-from tether.flow.rollout import FlowBatch, FlowEngine  # noqa: E402
-from tether.flow.task import examples, held_out, split_scenes  # noqa: E402
+from tether.families.flow import scenes  # noqa: E402
+from tether.families.flow.learn import FlowPolicy, to_flow_batch  # noqa: E402
+from tether.families.flow.model import FlowModel, FlowModelConfig, is_flow_model  # noqa: E402
+from tether.families.flow.policy import FlowSampling, gaussian_kl, step_log_density  # noqa: E402
+from tether.families.flow.rollout import FlowBatch, FlowEngine  # noqa: E402
+from tether.families.flow.task import SHAPES, held_out, split_scenes  # noqa: E402
 
 
 def small_model(seed=0):
@@ -52,9 +52,9 @@ def test_the_held_out_prompts_are_a_balanced_quarter_never_in_training():
     for attribute in ("count", "colour", "shape", "position"):
         values = {getattr(s, attribute) for s in held}
         assert len(values) == len({getattr(s, attribute) for s in scenes.all_scenes()})
-    prompts = {e.prompt for e in examples("train", 500, seed=3)}
+    prompts = {e.prompt for e in SHAPES.examples("train", 500, seed=3)}
     assert prompts and not prompts & {s.prompt for s in held}
-    assert all(held_out(scenes.Scene.parse(e.prompt)) for e in examples("eval", 40, seed=3))
+    assert all(held_out(scenes.Scene.parse(e.prompt)) for e in SHAPES.examples("eval", 40, seed=3))
 
 
 def test_engine_and_learner_step_logprobs_agree_at_the_same_weights():
@@ -96,7 +96,7 @@ def test_engine_and_learner_step_logprobs_agree_at_the_same_weights():
 
 
 def test_the_trained_steps_are_drawn_per_trajectory_from_the_batch_seed():
-    from tether.flow.learn import trained_steps
+    from tether.families.flow.learn import trained_steps
 
     drawn = trained_steps(500, 8, 3, seed=7)
     assert drawn.shape == (500, 3) and torch.equal(drawn, trained_steps(500, 8, 3, seed=7))
@@ -145,7 +145,7 @@ def test_the_learners_kl_term_is_the_closed_form_of_the_two_step_gaussians():
     policy = FlowPolicy()
     own, theirs = policy.forward(model, tb)[2], policy.forward(ref, tb)[2]
     kl = policy.kl(own, theirs, "k3")
-    from tether.flow.policy import step_means
+    from tether.families.flow.policy import step_means
 
     means, stds = step_means(model, tb.latents, tb.words, tb.times, 0.7)
     ref_means, _ = step_means(ref, tb.latents, tb.words, tb.times, 0.7)

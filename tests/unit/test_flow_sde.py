@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tether.flow.sde import sde_step, step_log_prob, step_mean_std, timesteps
+from tether.families.flow.sde import sde_step, step_log_prob, step_mean_std, timesteps
 
 
 def gaussian_velocity(m: float, s: float):

@@ -1,4 +1,4 @@
-"""Randomized invariant fuzzing of the control plane through the real loop (DESIGN §2).
+"""Randomized invariant fuzzing of the control plane through the real loop (docs/architecture.md §2).
 
 Thousands of random settings — partially committed steps, random eval/save intervals, in-flight
 caps, worker counts, generation-time jitter and every ``async.inflight_update`` mode — each run

@@ -6,17 +6,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tether.errors import ConfigError  # noqa: E402
+from tether import registry  # noqa: E402
+from tether.errors import ConfigError, PluginError  # noqa: E402
 from tether.train.advantages import group_advantages, overlong_penalty  # noqa: E402
-from tether.train.losses import (  # noqa: E402
-    LossInputs,
-    LossSettings,
-    aggregate,
-    get_loss,
-    kl_penalty,
-    loss_names,
-    register_loss,
-)
+from tether.train.losses import LossInputs, LossSettings, aggregate  # noqa: E402
+
+get_loss = registry.losses.get
+
+
+def kl_penalty(logp, ref, estimator):
+    return registry.kl_estimators.get(estimator)(logp, ref)
 
 
 def flat(t):
@@ -33,11 +32,26 @@ def inputs(ratios, adv, mask=None, logp=None):
 
 
 def test_registry_lists_valid_names_and_refuses_duplicates():
-    assert loss_names() == ["cispo", "gspo", "ppo_clip"]
-    with pytest.raises(ConfigError, match="valid losses are: cispo, gspo, ppo_clip"):
+    assert registry.losses.names() == ["ppo_clip", "gspo", "cispo"]
+    with pytest.raises(ConfigError, match=r"unknown loss 'ppo' for train.loss; valid: ppo_clip, gspo, cispo"):
         get_loss("ppo")
-    with pytest.raises(ValueError, match="already registered"):
-        register_loss("ppo_clip")(lambda x, s: (x.logp, {}))
+    with pytest.raises(PluginError, match="a loss named 'ppo_clip' is already registered"):
+        registry.register_loss("ppo_clip")(lambda x, s: (x.logp, {}))
+
+
+def test_a_registered_loss_is_a_valid_train_loss_until_it_is_removed():
+    from tether.config import load_config
+
+    with pytest.raises(ConfigError, match=r"train\.loss must be one of 'ppo_clip', 'gspo', 'cispo', got"):
+        load_config(None, ["train.loss=mine"])
+    registry.register_loss("mine")(lambda x, s: (-x.advantages[:, None] * x.logp, {}))
+    try:
+        assert load_config(None, ["train.loss=mine"]).train.loss == "mine"
+        x = inputs([[1.0, 1.0]], [2.0])
+        loss, _ = get_loss("mine")(x, LossSettings())
+        assert loss.tolist() == [[-0.0, -0.0]]
+    finally:
+        registry.losses.unregister("mine")
 
 
 def test_ppo_clip_hand_computed():
@@ -109,7 +123,7 @@ def test_kl_estimators():
     assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5 * math.log(2) ** 2)
     assert kl_penalty(logp, ref, "k3").item() == pytest.approx(0.5 + math.log(2) - 1)
     assert kl_penalty(logp, logp, "k3").item() == 0.0
-    with pytest.raises(ConfigError, match="k1, k2, k3"):
+    with pytest.raises(ConfigError, match=r"unknown KL estimator 'k4' .*valid: k1, k2, k3"):
         kl_penalty(logp, ref, "k4")
 
 
@@ -135,7 +149,7 @@ def test_group_advantages():
     batch = group_advantages(rewards, 4, scope="batch")
     # batch std of six 1s and two 0s: sqrt(0.75·0.25) = 0.4330 → 0.5 / 0.4330 = 1.1547
     assert batch.values.tolist()[0] == pytest.approx(1.1547, abs=1e-4)
-    with pytest.raises(ValueError, match="do not split into groups of 3"):
+    with pytest.raises(AssertionError, match="do not split into groups of 3"):
         group_advantages(rewards, 3)
 
 
@@ -162,5 +176,5 @@ def test_reinforce_pp_normalises_over_the_whole_batch_without_a_group_baseline()
     assert a.values[4:].abs().min() > 0.5 and a.frac_zero_std == 0.5
     dropped = group_advantages(rewards, 4, estimator="reinforce_pp", drop_zero_std=True)
     assert dropped.keep.tolist() == [True] * 4 + [False] * 4
-    with pytest.raises(ValueError, match="valid: grpo, rloo, reinforce_pp"):
+    with pytest.raises(ConfigError, match="valid: grpo, rloo, reinforce_pp"):
         group_advantages(rewards, 4, estimator="ppo")

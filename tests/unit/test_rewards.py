@@ -5,8 +5,8 @@ import sys
 import pytest
 
 from tether.data.rewards import load_reward, scorer
-from tether.data.types import Example
 from tether.errors import ConfigError, RewardError
+from tether.vocabulary import Example
 
 EX = Example("What is 6*7?", "42", fields={"source": "test"})
 

@@ -12,31 +12,31 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 from procs import running, wait_gone  # noqa: E402
+from recipes import pool_settings  # noqa: E402
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
-from tether.decoding.sampling import SamplingParams  # noqa: E402
 from tether.errors import RolloutError  # noqa: E402
-from tether.loop.protocols import GenerationRequest  # noqa: E402
+from tether.families.text.batch import to_train_batch, token_logprobs  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
-from tether.rollout.pool import PoolSettings, ProcessPool  # noqa: E402
-from tether.rollout.vllm_engine import VllmOptions  # noqa: E402
-from tether.train.batch import to_train_batch, token_logprobs  # noqa: E402
+from tether.rollout.pool import ProcessPool  # noqa: E402
+from tether.vocabulary import GenerationRequest  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 STREAM = PromptStream(get_task("arithmetic").examples("train", 300, seed=0), batch_size=4)
 TEMPERATURE = 0.8
 
 
-def start(model_dir, params):
+def start(model_dir, *sampling):
+    """A pool of one vLLM worker, sampling as ``sampling`` (rollout.* overrides) says."""
     model, tokenizer = load_causal_lm(model_dir)
-    settings = PoolSettings(model_path=str(model_dir), task="arithmetic", group_size=4, params=params,
-                            engine="vllm", vllm=VllmOptions())
+    settings = pool_settings(model_dir, "rollout.group_size=4", "rollout.engine=vllm", *sampling)
     return ProcessPool(settings, STREAM.batch, unique_parameters(model)), model, tokenizer
 
 
 @pytest.fixture(scope="module")
 def vllm_pool(demo_model):
-    pool, model, tokenizer = start(demo_model, SamplingParams(max_new_tokens=8, temperature=TEMPERATURE))
+    pool, model, tokenizer = start(demo_model, "rollout.max_new_tokens=8",
+                                   f"rollout.temperature={TEMPERATURE}")
     with pool:
         yield pool, model, tokenizer
     assert wait_gone(pool.pids) == []
@@ -117,8 +117,8 @@ def test_truncated_sampling_log_probs_are_of_the_renormalised_distribution(demo_
     """top-k / top-p: vLLM's processed log-probs are those of the truncated, renormalised
     distribution it samples from — the built-in engine's μ too."""
     k, p = 5, 0.9
-    pool, model, tokenizer = start(demo_model, SamplingParams(max_new_tokens=8, temperature=1.0, top_k=k,
-                                                              top_p=p))
+    pool, model, tokenizer = start(demo_model, "rollout.max_new_tokens=8", "rollout.temperature=1.0",
+                                   f"rollout.top_k={k}", f"rollout.top_p={p}")
 
     def truncate(logits):
         kth = logits.topk(k, dim=-1).values[..., -1:]

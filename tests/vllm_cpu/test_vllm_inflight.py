@@ -24,11 +24,10 @@ from test_inflight_update import (  # noqa: E402
 from test_vllm_engine import STREAM, collect  # noqa: E402
 
 from procs import wait_gone  # noqa: E402
-from tether.decoding.sampling import SamplingParams  # noqa: E402
-from tether.loop.protocols import GenerationRequest  # noqa: E402
+from recipes import pool_settings  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
-from tether.rollout.pool import PoolSettings, ProcessPool  # noqa: E402
-from tether.rollout.vllm_engine import VllmOptions  # noqa: E402
+from tether.rollout.pool import ProcessPool  # noqa: E402
+from tether.vocabulary import GenerationRequest  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 ATOL = 1e-4  # vLLM's CPU kernels against a transformers forward, float32
@@ -36,9 +35,8 @@ ATOL = 1e-4  # vLLM's CPU kernels against a transformers forward, float32
 
 def pool_for(model_dir, mode):
     model, _ = load_causal_lm(model_dir)
-    settings = PoolSettings(model_path=str(model_dir), task="arithmetic", group_size=8, stop_text="",
-                            params=SamplingParams(max_new_tokens=40), engine="vllm", vllm=VllmOptions(),
-                            inflight_update=mode)
+    settings = pool_settings(model_dir, "rollout.group_size=8", "rollout.max_new_tokens=40",
+                             "rollout.engine=vllm", f"async.inflight_update={mode}", stop_text="")
     return ProcessPool(settings, STREAM.batch, unique_parameters(model)), model
 
 

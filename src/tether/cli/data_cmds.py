@@ -36,12 +36,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _tasks(ns: argparse.Namespace) -> int:
-    from tether.data.tasks import TASKS
+    from tether import registry
 
     rows = []
-    for task in TASKS.values():
+    for name in registry.tasks.names():
+        task = registry.tasks.get(name)
         ex = task.examples("train", 1, seed=0)[0]
-        rows.append({"name": task.name, "description": task.description,
+        rows.append({"name": task.name, "family": task.family, "description": task.description,
                      "difficulties": list(task.difficulties), "default_difficulty": task.default_difficulty,
                      "sample_prompt": ex.prompt, "sample_answer": ex.answer,
                      "sample_demonstration": ex.target})
@@ -49,8 +50,8 @@ def _tasks(ns: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     for r in rows:
-        print(f"{r['name']}  (difficulty {r['difficulties'][0]}..{r['difficulties'][-1]}, "
-              f"default {r['default_difficulty']})")
+        print(f"{r['name']}  (model.family={r['family']}; difficulty {r['difficulties'][0]}.."
+              f"{r['difficulties'][-1]}, default {r['default_difficulty']})")
         print(f"  {r['description']}")
         line = f"  e.g. {r['sample_prompt']!r} → {r['sample_demonstration']!r}"
         if r["sample_demonstration"] != r["sample_answer"]:
@@ -81,7 +82,6 @@ def _warmstart(ns: argparse.Namespace) -> int:
 
     from tether.cli.plan import split_recipe_args
     from tether.config import load_config
-    from tether.data.prepare import run_warmstart
     from tether.runtime.progress import Progress
 
     recipe, overrides = split_recipe_args(ns.args)
@@ -93,9 +93,13 @@ def _warmstart(ns: argparse.Namespace) -> int:
     if out.exists() and any(out.iterdir()) and not ns.overwrite and out.resolve() != model.resolve():
         raise ConfigError(f"--out {out} exists and is not empty; choose another path or pass --overwrite")
     cfg = replace(cfg, model=replace(cfg.model, path=str(model)))
-    w = cfg.warmstart
-    with Progress(w.max_steps, "warmstart", fields=("loss", "pass_at_1"), eta_label="at most") as progress:
-        result = run_warmstart(cfg, model, out, progress.update)
+    family = cfg.family()
+    if not hasattr(family, "warmstart"):
+        raise ConfigError(f"tether warmstart fine-tunes an existing model; model.family={family.name} builds "
+                          "and warm-starts its models itself (model.create_if_missing=true)")
+    with Progress(cfg.warmstart.max_steps, "warmstart", fields=family.warmstart_fields,
+                  eta_label="at most") as progress:
+        result = family.warmstart(cfg, model, out, progress.update)
     print(f"warm start on {result.data}: held-out pass@1 {result.pass_at_1_before:.1%} → "
           f"{result.pass_at_1_after:.1%} in {result.steps} steps, {result.seconds:.0f}s "
           f"(stopped: {result.stopped_because}); saved to {out}")

@@ -67,32 +67,14 @@ def evaluate_model(cfg, model_dir: Path, samples: int) -> tuple[dict[str, float]
     """The held-out metrics of ``model_dir`` and a description of the data."""
     import torch
 
-    from tether.data.rewards import scorer
-    from tether.data.source import resolve_data
-    from tether.modeling import learner_device, load_causal_lm
-    from tether.runtime.run import evaluator
+    from tether.modeling import learner_device
 
     torch.set_num_threads(cfg.train.threads)
-    if cfg.model.family == "flow":
-        return _evaluate_flow(cfg, model_dir, samples)
-    model, tokenizer = load_causal_lm(model_dir)
+    family = cfg.family()
+    model, tokenizer = family.policy(cfg).load(model_dir)
     model.to(learner_device(cfg.train.device))  # where the run's learner evaluated
-    data = resolve_data(cfg.data, tokenizer, seed=cfg.run.seed)
-    score = scorer(cfg.reward.function, task=cfg.data.task or None)
-    evaluate = evaluator(cfg, model, tokenizer, data.eval, score, data.stop_text, num_samples=samples)
-    return dict(evaluate(step=0)), data.description
-
-
-def _evaluate_flow(cfg, model_dir: Path, samples: int) -> tuple[dict[str, float], str]:
-    from tether.flow.model import FlowModel
-    from tether.flow.task import flow_data, flow_scorer
-    from tether.modeling import learner_device
-    from tether.runtime.run import evaluator
-
-    model = FlowModel.from_pretrained(model_dir).to(learner_device(cfg.train.device))
-    data = flow_data(cfg.data.task, cfg.data.num_train, cfg.data.num_eval, seed=cfg.run.seed)
-    score = flow_scorer(cfg.reward.function, task=cfg.data.task)
-    evaluate = evaluator(cfg, model, None, data.eval, score, "", num_samples=samples)
+    data = family.data(cfg, model_dir)
+    evaluate = family.evaluator(cfg, model, tokenizer, data, family.scorer(cfg), num_samples=samples)
     return dict(evaluate(step=0)), data.description
 
 
@@ -105,20 +87,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps({"model": str(model), "data": data, **metrics}, indent=2))
         return 0
-    n = int(metrics["eval/examples"])
-    print(f"{model} on {n} held-out prompts of {data}")
-    if cfg.model.family == "flow":
-        print(f"  ODE ({cfg.flow.eval_steps} steps): pass@1 {metrics['eval/pass_at_1']:.1%}, mean reward "
-              f"{metrics['eval/reward_mean']:.3f}")
-        print(f"  SDE ({cfg.flow.steps} steps, noise {cfg.flow.noise_level:g}): pass@1 "
-              f"{metrics['eval/sampled_pass_at_1']:.1%}, mean reward "
-              f"{metrics['eval/sampled_reward_mean']:.3f}  ({samples} per prompt)")
-        return 0
-    print(f"  greedy:  pass@1 {metrics['eval/pass_at_1']:.1%}, mean reward "
-          f"{metrics['eval/greedy_reward_mean']:.3f}")
-    line = (f"  sampled: pass@1 {metrics['eval/sampled_pass_at_1']:.1%}, mean reward "
-            f"{metrics['eval/sampled_reward_mean']:.3f}")
-    if samples > 1:
-        line += f", pass@{samples} {metrics['eval/pass_at_k']:.1%}"
-    print(line + f"  ({samples} per prompt at temperature {cfg.rollout.temperature:g})")
+    print(f"{model} on {int(metrics['eval/examples'])} held-out prompts of {data}")
+    for line in cfg.family().eval_summary(cfg, metrics, samples):
+        print(line)
     return 0

@@ -69,12 +69,12 @@ def resolve(ns: argparse.Namespace):
 
 
 def run(ns: argparse.Namespace) -> int:
-    from tether.cli import supervise
+    from tether.runtime import supervise
 
     cfg, run_dir, overrides = resolve(ns)
     if supervise.supervised():
         supervise.die_with_supervisor()
-    elif cfg.rollout.backend == "ray" and ns.argv is not None:
+    elif cfg_backend_supervised(cfg) and ns.argv is not None:
         # Ray can end its driver without a word (a dead raylet): train in a child, report here
         argv = list(ns.argv)
         if not ns.resume and not ns.run_dir:
@@ -117,6 +117,13 @@ def run(ns: argparse.Namespace) -> int:
                   f"{first_k['eval/pass_at_k']:.1%} → {last_k['eval/pass_at_k']:.1%}")
     print(f"run directory: {run_dir}")
     return 0
+
+
+def cfg_backend_supervised(cfg) -> bool:
+    """Whether the recipe's rollout backend trains in a supervised child (``BackendPlugin``)."""
+    from tether import registry
+
+    return registry.backends.get(cfg.rollout.backend).supervised
 
 
 def _where_to_resume(run_dir: Path) -> str:

@@ -1,4 +1,11 @@
-"""The whole configuration: recipe YAML plus dotted overrides, validated once, strictly."""
+"""The whole configuration: recipe YAML plus dotted overrides, validated once, strictly.
+
+The core sections are fields of ``Config``; a family's own section (``Family.section``, e.g.
+``flow``) is a plug-in section, read as ``cfg.section(name)`` or ``cfg.<name>``. A recipe's
+``run.plugins`` are imported first, so a plug-in family, loss or task is known while the rest is
+read. A ``Config`` pickles as its recipe, rebuilt (and checked) on arrival, so it crosses into
+rollout workers, learner ranks and Ray actors however its plug-ins were loaded.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +18,10 @@ from typing import Any
 
 import yaml
 
+from tether import registry
+from tether.config import features
 from tether.config.backends import RaySection, VllmSection
 from tether.config.fields import build_section, closest, section_fields
-from tether.config.flow import FlowSection
 from tether.config.schema import (
     SECTIONS,
     AsyncSection,
@@ -32,6 +40,7 @@ from tether.config.schema import (
 )
 from tether.control import BudgetSettings
 from tether.errors import ConfigError
+from tether.vocabulary import DynamicSampling, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -48,36 +57,73 @@ class Config:
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     correction: CorrectionSection = dataclasses.field(default_factory=CorrectionSection)
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
-    flow: FlowSection = dataclasses.field(default_factory=FlowSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     reward: RewardSection = dataclasses.field(default_factory=RewardSection)
     warmstart: WarmstartSection = dataclasses.field(default_factory=WarmstartSection)
     plan: PlanSection = dataclasses.field(default_factory=PlanSection)
     metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
+    plugin_sections: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The chosen family's own section, by name (empty when it has none)."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> Config:
         data = {} if data is None else data
         if not isinstance(data, Mapping):
             raise ConfigError(f"a recipe must be a mapping of sections, got {type(data).__name__}")
-        home = _key_homes()
+        run = build_section(RunSection, data.get("run") or {}, "run", _key_homes(SECTIONS))
+        registry.load_plugins(run.plugins)  # before anything they may register is looked up
+        sections = {**SECTIONS, **plugin_section_classes()}
+        home = _key_homes(sections)
         built: dict[str, Any] = {}
+        plugins: dict[str, Any] = {}
         for name, value in data.items():
-            if name not in SECTIONS:
-                hint = closest(str(name), SECTIONS)
-                if hint:
-                    raise ConfigError(f"unknown section {name!r}; did you mean {hint!r}?")
-                if name in home:
-                    homes = " or ".join(f"{h}.{name}" for h in home[name])
-                    raise ConfigError(f"unknown section {name!r}; {name} is a key: {homes}")
-                raise ConfigError(
-                    f"unknown section {name!r}; valid sections are: {', '.join(SECTIONS)}"
-                )
-            built[_attr(name)] = build_section(SECTIONS[name], value or {}, name, home)
-        config = cls(**built)
+            if name not in sections:
+                raise ConfigError(_unknown_section(str(name), sections, home))
+            section = build_section(sections[name], value or {}, name, home)
+            if name in SECTIONS:
+                built[_attr(name)] = section
+            else:
+                plugins[name] = section
+        config = cls(**built, plugin_sections=plugins)
         config = dataclasses.replace(config, train=_resolve_preset(config.train))
         config.check()
-        return config
+        return config._own_sections_only()
+
+    def __reduce__(self):
+        return (_rebuild, (self.to_dict(),))
+
+    def __getattr__(self, name: str) -> Any:
+        """A plug-in section as an attribute (``cfg.flow``)."""
+        sections = self.__dict__.get("plugin_sections", {})
+        if name in sections:
+            return sections[name]
+        raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
+
+    def section(self, name: str) -> Any:
+        """The section called ``name`` in recipe form (``async``, ``flow``): the chosen family's
+        own section at its defaults when the recipe does not set it."""
+        if name in SECTIONS:
+            return getattr(self, _attr(name))
+        if name in self.plugin_sections:
+            return self.plugin_sections[name]
+        classes = plugin_section_classes()
+        if name in classes:
+            return classes[name]()
+        raise KeyError(name)
+
+    def has_section(self, name: str) -> bool:
+        return name in SECTIONS or name in plugin_section_classes()
+
+    def family(self):
+        """The chosen policy family (``tether.vocabulary.Family``)."""
+        return registry.families.get(self.model.family)
+
+    def _own_sections_only(self) -> Config:
+        """The chosen family's section (defaults when unset); other families' (all at their
+        defaults, or the check refused them) dropped."""
+        own = self.family().section
+        sections = {own[0]: self.section(own[0])} if own is not None else {}
+        return dataclasses.replace(self, plugin_sections=sections)
 
     def check(self) -> None:
         """Rules that span keys: each refuses a combination that cannot run or a key that would
@@ -85,11 +131,9 @@ class Config:
         self._check_data()
         self._check_training()
         self._check_corrections()
-        self._check_ray()
-        self._check_vllm()
-        self._check_inflight()
         self._check_world()
-        self._check_flow()
+        self._check_inflight()
+        self._check_plugins()
 
     def _check_data(self) -> None:
         d = self.data
@@ -103,8 +147,8 @@ class Config:
                               "their own held-out split")
         if self.reward.function == "task" and not d.task:
             raise ConfigError("reward.function=task scores with a built-in task's verifier, but "
-                              "data.task is empty; choose exact_match, numeric_match, math or "
-                              "path/to/file.py:function")
+                              "data.task is empty; choose "
+                              f"{', '.join(registry.rewards.names())} or path/to/file.py:function")
         r, default = self.rollout, RolloutSection()
         if not r.dynamic_sampling and (r.dynamic_sampling_max_draws, r.dynamic_sampling_on_short) != (
                 default.dynamic_sampling_max_draws, default.dynamic_sampling_on_short):
@@ -118,11 +162,12 @@ class Config:
 
     def _check_training(self) -> None:
         t, rw = self.train, self.reward
-        if t.advantage != "grpo" and t.adv_scope != "group":
+        estimator = registry.advantages.meta(t.advantage)
+        if not estimator.get("std_norm") and t.adv_scope != "group":
             raise ConfigError(f"train.adv_scope={t.adv_scope} has no effect with "
                               f"train.advantage={t.advantage}; set train.adv_scope=group, or use "
                               "train.advantage=grpo (with adv_scope=batch it is REINFORCE++-baseline)")
-        if self.rollout.group_size < 2:
+        if self.rollout.group_size < estimator.get("min_group_size", 2):
             raise ConfigError("rollout.group_size=1 trains nothing: every advantage is a sample's reward "
                               "relative to its prompt group's mean, so a group of one always has advantage "
                               "0; set rollout.group_size to 2 or more (GRPO-family runs use 4 to 64)")
@@ -167,19 +212,6 @@ class Config:
         if c.mask_low >= c.mask_high:
             raise ConfigError("correction.mask_low must be below correction.mask_high")
 
-    def _check_ray(self) -> None:
-        r = self.ray
-        if self.rollout.backend != "ray" and (r.address or r.local_cpus or r.cpus_per_worker
-                                              or r.gpus_per_worker or r.learner != "driver"
-                                              or r.learner_placement != "PACK"):
-            raise ConfigError("the ray section is set but rollout.backend is "
-                              f"{self.rollout.backend!r}; set rollout.backend=ray to use it, or remove "
-                              "the ray keys")
-        if r.learner_placement != "PACK" and (r.learner != "actor" or self.train.world_size == 1):
-            raise ConfigError(f"ray.learner_placement={r.learner_placement} places learner ranks, which "
-                              "exist only with ray.learner=actor and train.world_size > 1; set both, or "
-                              "remove ray.learner_placement")
-
     def _check_world(self) -> None:
         t, r = self.train, self.rollout
         if t.world_size == 1:
@@ -201,41 +233,45 @@ class Config:
     def _check_inflight(self) -> None:
         self.budget()  # the control plane's own rules (async.sync_when_idle has no effect without draining)
 
-    def _check_vllm(self) -> None:
-        if self.rollout.engine == "vllm" and self.rollout.decoder != "auto":
-            raise ConfigError(f"rollout.decoder={self.rollout.decoder} is the built-in engine's; "
-                              "with rollout.engine=vllm, vLLM decodes. Remove the key, or set "
-                              "rollout.engine=torch")
-        if self.rollout.engine != "vllm" and self.vllm != VllmSection():
-            raise ConfigError("the vllm section is set but rollout.engine is "
-                              f"{self.rollout.engine!r}; set rollout.engine=vllm to use it, or remove "
-                              "the vllm keys")
-
-    def _check_flow(self) -> None:
-        if self.model.family != "flow":
-            if self.flow != FlowSection():
-                raise ConfigError("the flow section is set but model.family is 'lm'; set model.family=flow "
-                                  "to train a flow model, or remove the flow keys")
-            return
-        if self.flow.train_steps > self.flow.steps:
-            raise ConfigError(f"flow.train_steps={self.flow.train_steps} exceeds the "
-                              f"flow.steps={self.flow.steps} steps of a trajectory; lower it (0 trains all "
-                              "of them)")
-        refused = [(key, why) for key, why in _flow_refusals(self) if why]
-        if refused:
-            key, why = refused[0]
-            raise ConfigError(f"{key} {why} with model.family=flow (docs/flow.md lists what applies)")
+    def _check_plugins(self) -> None:
+        """The chosen family, engine and backend: what is theirs, what they can do, their own
+        rules (``tether.config.features``)."""
+        features.check_ownership(self)
+        family = self.family()
+        features.check_capabilities(self, family)
+        if self.data.task:
+            task = registry.tasks.get(self.data.task)
+            if task.family != family.name:
+                theirs = [n for n in registry.tasks.names() if registry.tasks.get(n).family == family.name]
+                raise ConfigError(f"data.task={self.data.task} is a task of model.family={task.family}; "
+                                  f"model.family={family.name} has: "
+                                  f"{', '.join(theirs) or 'none built in (use data.dataset)'}")
+        registry.backends.get(self.rollout.backend).check(self)
+        family.check(self)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Every key, defaults included, in recipe form."""
+        """Every key, defaults included, in recipe form (the chosen family's section too)."""
+        names = [*SECTIONS, *self.plugin_sections]
         return {
             name: {k: (list(v) if isinstance(v, tuple) else v)
-                   for k, v in dataclasses.asdict(getattr(self, _attr(name))).items()}
-            for name in SECTIONS
+                   for k, v in dataclasses.asdict(self.section(name)).items()}
+            for name in names
         }
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def sampling(self) -> SamplingParams:
+        """How the token engines sample (the rollout section)."""
+        r = self.rollout
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+                              top_p=r.top_p)
+
+    def dynamic_sampling(self) -> DynamicSampling | None:
+        """DAPO's dynamic sampling (the rollout.dynamic_sampling* keys), or None when it is off."""
+        r = self.rollout
+        return DynamicSampling(r.dynamic_sampling_max_draws, r.dynamic_sampling_on_short) \
+            if r.dynamic_sampling else None
 
     def budget(self) -> BudgetSettings:
         """The control plane's settings from this recipe."""
@@ -253,36 +289,34 @@ class Config:
         )
 
 
-def _flow_refusals(c: Config):
-    """(key, why it is refused or '') for every key the flow family does not use or support yet."""
-    r, t, m = c.rollout, c.train, ModelSection()
-    sampling = [k for k in ("max_new_tokens", "temperature", "top_k", "top_p")
-                if getattr(r, k) != getattr(RolloutSection(), k)]
-    rules = [
-        (f"rollout.{sampling[0] if sampling else ''}", bool(sampling),
-         "samples tokens; a flow model's sampling is the flow section"),
-        ("rollout.engine=vllm", r.engine != "torch", "serves language models"),
-        (f"rollout.decoder={r.decoder}", r.decoder != "auto",
-         "decodes language models; a flow model's sampler has no native form"),
-        ("rollout.dynamic_sampling", r.dynamic_sampling, "is not supported yet"),
-        ("ray.learner=actor", c.ray.learner != "driver", "is not supported yet (ray.learner=driver)"),
-        (f"async.inflight_update={c.async_.inflight_update}", c.async_.inflight_update != "drain",
-         "is not supported yet (drain only)"),
-        (f"train.world_size={t.world_size}", t.world_size > 1, "is not supported yet (one learner process)"),
-        ("metrics.attribution", c.metrics.attribution, "is not supported yet"),
-        ("data.dataset", bool(c.data.dataset), "is a text dataset; use data.task=shapes"),
-        ("reward.overlong_buffer", bool(c.reward.overlong_buffer), "shapes lengths; trajectories have none"),
-        ("train.mask_truncated", t.mask_truncated, "has no effect: trajectories are never truncated"),
-        ("train.shared_prefix=false", not t.shared_prefix, "has no effect: no prompt prefix is shared"),
-        ("model.init_arch / init_size", (c.model.init_arch, c.model.init_size) != (m.init_arch, m.init_size),
-         "build language models; use flow.init_width / init_depth"),
-    ]
-    return [(key, why if on else "") for key, on, why in rules]
+def _rebuild(data: dict[str, Any]) -> Config:
+    return Config.from_dict(data)
+
+
+def plugin_section_classes(families: Sequence[str] | None = None) -> dict[str, type]:
+    """Section name → class of each family (default: every one registered) that has a section
+    of its own."""
+    out = {}
+    for name in registry.families.names() if families is None else families:
+        section = registry.families.get(name).section
+        if section is not None:
+            out[section[0]] = section[1]
+    return out
+
+
+def _unknown_section(name: str, sections: Mapping[str, type], home: Mapping[str, list[str]]) -> str:
+    hint = closest(name, sections)
+    if hint:
+        return f"unknown section {name!r}; did you mean {hint!r}?"
+    if name in home:
+        homes = " or ".join(f"{h}.{name}" for h in home[name])
+        return f"unknown section {name!r}; {name} is a key: {homes}"
+    return f"unknown section {name!r}; valid sections are: {', '.join(sections)}"
 
 
 def _resolve_preset(train: TrainSection) -> TrainSection:
     """Fill every key left null from the ``train.algorithm`` preset."""
-    from tether.train.algorithms import preset
+    from tether.config.presets import preset
 
     p = preset(train.algorithm)
     if train.advantage != "grpo" and train.adv_std_norm is not None:
@@ -299,10 +333,10 @@ def _attr(section: str) -> str:
     return "async_" if section == "async" else section
 
 
-def _key_homes() -> dict[str, list[str]]:
+def _key_homes(sections: Mapping[str, type]) -> dict[str, list[str]]:
     """Key name → the sections that have a key of that name."""
     seen: dict[str, list[str]] = {}
-    for section, cls in SECTIONS.items():
+    for section, cls in sections.items():
         for key in section_fields(cls):
             seen.setdefault(key, []).append(section)
     return seen

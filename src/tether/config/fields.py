@@ -23,8 +23,12 @@ _MISSING = dataclasses.MISSING
 
 def knob(default: Any, help: str, *, min: float | None = None, max: float | None = None,
          choices: Iterable[str] | None = None) -> Any:
-    """Declare a config field with its default, help text and allowed values."""
-    meta = {"help": help, "min": min, "max": max, "choices": tuple(choices) if choices else None}
+    """Declare a config field with its default, help text and allowed values. ``choices`` may be
+    a ``tether.registry.Registry``: its names are read when a value is checked (plug-ins add
+    names), and a former name it still knows is replaced by the current one."""
+    if choices is not None and not hasattr(choices, "names"):
+        choices = tuple(choices)
+    meta = {"help": help, "min": min, "max": max, "choices": choices}
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -129,7 +133,17 @@ def check_range(key: str, value: Any, meta: Mapping[str, Any]) -> None:
         if hi is not None and v > hi:
             raise ConfigError(f"{key} must be <= {hi:g}, got {v!r}")
         if choices is not None and v not in choices:
-            raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {v!r}")
+            names = choice_names(choices)
+            hint = closest(str(v), names)
+            extra = f" (did you mean {hint!r}?)" if hint else ""
+            more = "; plug-ins add more (run.plugins)" if hasattr(choices, "names") else ""
+            raise ConfigError(f"{key} must be one of {', '.join(repr(n) for n in names)}, got {v!r}{extra}"
+                              + more)
+
+
+def choice_names(choices: Any) -> list[str]:
+    """The allowed values of a ``choices`` (a tuple, or a registry's names)."""
+    return list(choices.names()) if hasattr(choices, "names") else list(choices)
 
 
 def section_fields(cls: type) -> dict[str, dataclasses.Field]:
@@ -154,6 +168,9 @@ def build_section(cls: type, data: Mapping[str, Any], prefix: str,
             raise ConfigError(unknown_key_message(key, str(name), fields, prefix, elsewhere))
         value = coerce(key, hints[name], value)
         check_range(key, value, fields[name].metadata)
+        choices = fields[name].metadata.get("choices")
+        if hasattr(choices, "canonical") and value is not None:
+            value = choices.canonical(value)
         values[name] = value
     return cls(**values)
 

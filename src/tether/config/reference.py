@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typing
 
+from tether import registry
+from tether.config.config import plugin_section_classes
 from tether.config.fields import describe_type, section_fields
 from tether.config.schema import SECTIONS
 
@@ -22,8 +24,9 @@ def _allowed(field, tp) -> str:
         parts.append(f"≥ {meta['min']:g}")
     if meta.get("max") is not None:
         parts.append(f"≤ {meta['max']:g}")
-    if meta.get("choices"):
-        parts.append(" | ".join(meta["choices"]))
+    choices = meta.get("choices")
+    if choices is not None:  # a registry's built-in names: plug-ins add to them
+        parts.append(" | ".join(getattr(choices, "builtins", None) or choices))
     return ", ".join(parts)
 
 
@@ -33,7 +36,8 @@ def reference_markdown() -> str:
         "# Recipe reference",
         "",
         "Every key a recipe may set, with its default and meaning. Generated from",
-        "`src/tether/config/schema.py` (the backends' sections: `backends.py`) by `tether config",
+        "`src/tether/config/schema.py` (the backends' sections: `backends.py`; a family's own section:",
+        "its folder under `src/tether/families/`) by `tether config",
         "reference`; do not edit by hand.",
         "",
         "Set keys in a YAML recipe (`section:` then `key: value`) or on the command line as",
@@ -41,7 +45,7 @@ def reference_markdown() -> str:
         "one; a value of the wrong type or range says what is allowed.",
         "",
     ]
-    for name, cls in SECTIONS.items():
+    for name, cls in {**SECTIONS, **plugin_section_classes(registry.families.builtins)}.items():
         hints = typing.get_type_hints(cls)
         lines += [f"## `{name}`", "", (cls.__doc__ or "").strip(), "",
                   "| key | type | default | allowed | meaning |",

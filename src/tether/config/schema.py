@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from tether import registry
 from tether.config.backends import RaySection, VllmSection
 from tether.config.fields import knob
-from tether.config.flow import FlowSection
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,12 @@ class RunSection:
     """The run as a whole."""
 
     seed: int = knob(0, "Seed for every random choice Tether makes (data order, sampling, init).", min=0)
+    plugins: list[str] = knob(
+        [],
+        "Plug-ins imported before the rest of the recipe is read, in every process of the run: "
+        "path/to/file.py files or importable module names whose tether.register_* calls add "
+        "families, tasks, rewards, losses, advantage or KL estimators (docs/architecture.md).",
+    )
     wandb_project: str = knob(
         "",
         "Also log to Weights & Biases under this project (needs `pip install wandb`; set "
@@ -102,7 +108,7 @@ class TrainSection:
         "Preset of loss, aggregation, clip range and advantage settings from its paper (see "
         "docs/training.md); any of those keys set explicitly wins over the preset.",
     )
-    loss: Literal["ppo_clip", "gspo", "cispo"] | None = knob(None, f"Policy loss ({FROM_PRESET}).")
+    loss: str | None = knob(None, f"Policy loss ({FROM_PRESET}).", choices=registry.losses)
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
                          "seq_mean_token_sum_norm"] | None = knob(
         None, f"How per-token losses reduce to one number ({FROM_PRESET})."
@@ -114,12 +120,13 @@ class TrainSection:
     dual_clip: float | None = knob(
         None, f"Dual clip c > 1 bounds negative-advantage losses at c·|A|; 0 = off ({FROM_PRESET}).", min=0
     )
-    advantage: Literal["grpo", "rloo", "reinforce_pp"] = knob(
+    advantage: str = knob(
         "grpo",
         "Advantage estimator: 'grpo' (reward minus its group's mean, optionally over the std), "
         "'rloo' (reward minus the mean of the other samples of its prompt, not normalised) or "
         "'reinforce_pp' (REINFORCE++: reward minus the batch mean, over the batch std). See "
         "docs/training.md.",
+        choices=registry.advantages,
     )
     adv_std_norm: bool | None = knob(
         None, f"With train.advantage=grpo: divide advantages by the reward std ({FROM_PRESET})."
@@ -139,7 +146,7 @@ class TrainSection:
     kl_coef: float | None = knob(
         None, f"β of a KL penalty to the frozen initial model; 0 = off ({FROM_PRESET}).", min=0
     )
-    kl_estimator: Literal["k1", "k2", "k3"] | None = knob(None, f"KL estimator ({FROM_PRESET}).")
+    kl_estimator: str | None = knob(None, f"KL estimator ({FROM_PRESET}).", choices=registry.kl_estimators)
     anchor: Literal["behavior", "proximal"] = knob(
         "proximal",
         "What the ratio is taken against: 'behavior' = the engine's log-probs μ directly; "
@@ -220,21 +227,23 @@ class RolloutSection:
     batch_size: int = knob(8, "Prompts per rollout batch.", min=1)
     group_size: int = knob(4, "Samples per prompt; advantages are relative within a group.", min=1)
     num_workers: int = knob(1, "Rollout workers (engines) generating concurrently.", min=1)
-    backend: Literal["local", "ray"] = knob(
+    backend: str = knob(
         "local",
         "Where rollout workers run: 'local' = worker processes on this machine, weights through "
         "shared memory; 'ray' = Ray actors (see the ray section and docs/distributed.md), weights "
         "through Ray's object store. The learner runs in the driver process unless ray.learner=actor.",
+        choices=registry.backends,
     )
     threads_per_worker: int = knob(
         1, "torch threads in each rollout worker (on 2 cores: 1 for generation, 1 for training).", min=1
     )
-    engine: Literal["torch", "vllm"] = knob(
+    engine: str = knob(
         "torch",
         "What generates in each worker: 'torch' = the built-in PyTorch engine (any Hugging Face causal "
         "LM; right for tiny models and tests); 'vllm' = vLLM (paged attention, continuous batching; "
         "needs vLLM installed: `make vllm` on CPU, `pip install 'tether[vllm]'` on GPUs; see the vllm "
         "section and docs/rollout.md). Both return the log-probs of the distribution they sample from.",
+        choices=registry.engines,
     )
     decoder: Literal["auto", "native", "python"] = knob(
         "auto",
@@ -317,10 +326,12 @@ class CheckpointSection:
 class ModelSection:
     """The policy model: any local Hugging Face causal LM directory, or a flow model's."""
 
-    family: Literal["lm", "flow"] = knob(
-        "lm",
-        "Policy family. 'lm': a causal language model (tokens). 'flow': a flow-matching image "
-        "generator trained with Flow-GRPO (denoising steps; the flow section; docs/flow.md).",
+    family: str = knob(
+        "text",
+        "Policy family. 'text': a causal language model (a sample is a completion, an action a "
+        "token). 'flow': a flow-matching image generator trained with Flow-GRPO (an action is a "
+        "denoising step; the flow section; docs/flow.md). Plug-ins add more (run.plugins).",
+        choices=registry.families,
     )
     path: str = knob(
         "runs/models/demo-small",
@@ -476,7 +487,6 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointSection,
     "correction": CorrectionSection,
     "model": ModelSection,
-    "flow": FlowSection,
     "data": DataSection,
     "reward": RewardSection,
     "warmstart": WarmstartSection,

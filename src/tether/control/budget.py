@@ -1,6 +1,6 @@
 """The staleness budget: static settings and the rules derived from them alone.
 
-Vocabulary (DESIGN §1): ``S = max_staleness`` is stated in whole rollout batches, ``U =
+Vocabulary (docs/architecture.md §1): ``S = max_staleness`` is stated in whole rollout batches, ``U =
 updates_per_batch`` optimizer updates are made from each batch, so the budget in updates is
 ``staleness_budget = S·U`` and ``admission_depth = S + 1`` batches may be outstanding against one
 published snapshot. A *hard boundary* is the next eval, checkpoint or final batch count.
@@ -54,7 +54,7 @@ class BudgetSettings:
     (an ``idle`` sync), not only when the budget or a boundary forces it. Never waits for
     generation; keeps the pipeline full at S >= 1 when training is the slower side."""
     inflight_update: InflightUpdate = "drain"
-    """How a publication meets generations in flight. ``drain`` waits for them (DESIGN §2 rule 5
+    """How a publication meets generations in flight. ``drain`` waits for them (docs/architecture.md §2 rule 5
     as written). ``keep``, ``recompute`` and ``abort`` publish without waiting (the engines
     switch mid-generation; the modes differ in the engine, not here): the sync rule then
     publishes after every step the trainer is ahead (nothing waits), and admission bounds each
@@ -127,7 +127,7 @@ class BudgetSettings:
         """Batches between consecutive publications over one repeating cycle of the schedule
         (lazy rule, full commits; the run's own publications when it is shorter than a cycle).
         One gap when the schedule is regular: with no intervals, or intervals that are multiples
-        of ``admission_depth`` — DESIGN §1 (S = 3 with eval every 6: publications after 4, 6,
+        of ``admission_depth`` — docs/architecture.md §1 (S = 3 with eval every 6: publications after 4, 6,
         10, 12, …: gaps (4, 2)). Computed once per settings: the driver reads it every step."""
         intervals = [i for i in (self.eval_interval, self.save_interval) if i > 0]
         if not self.drains:
@@ -188,10 +188,8 @@ class BudgetSettings:
 
     def next_hard_boundary(self, trained_batches: int) -> int:
         """The nearest eval, checkpoint or final batch count strictly above ``trained_batches``."""
-        if not 0 <= trained_batches < self.total_batches:
-            raise ValueError(
-                f"trained_batches={trained_batches} outside [0, {self.total_batches})"
-            )
+        assert 0 <= trained_batches < self.total_batches, (
+            f"trained_batches={trained_batches} outside [0, {self.total_batches})")
         boundary = self.total_batches
         for interval in (self.eval_interval, self.save_interval):
             if interval > 0:

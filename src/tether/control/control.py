@@ -4,7 +4,7 @@
 published to the rollout engines. Their difference is ``publish_lag`` (weight-sync debt). A
 batch's staleness is ``train_version − behavior_version`` when it starts training.
 
-Launch rule (DESIGN §2), evaluated each time the driver looks for a batch:
+Launch rule (docs/architecture.md §2), evaluated each time the driver looks for a batch:
 
     no launch while publish_lag > staleness_budget
     freshness = (staleness_budget − publish_lag) // U + 1
@@ -186,7 +186,7 @@ class AsyncControl:
 
     def launch_slots(self, *, inflight: int, ready: int, trained_batches: int,
                      oldest_generating: int | None = None) -> int:
-        """How many generations to launch now (DESIGN §2 rule 2; ``oldest_generating``: see
+        """How many generations to launch now (docs/architecture.md §2 rule 2; ``oldest_generating``: see
         ``freshness``)."""
         s = self.settings
         boundary = s.next_hard_boundary(trained_batches)
@@ -204,7 +204,7 @@ class AsyncControl:
 
         An idle sync is safe for the budget: admission bounds each launch by the batches then
         outstanding, whatever version they were launched under, so batches still queued from an
-        older snapshot keep their own bound (DESIGN §2, rule 2)."""
+        older snapshot keep their own bound (docs/architecture.md §2, rule 2)."""
         s = self.settings
         reasons = []
         if s.eval_due(step):

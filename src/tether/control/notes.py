@@ -2,7 +2,7 @@
 
 Logged once at start. Each note states the number that actually takes effect, so a recipe that
 asks for a deep budget but clamps it with an eval interval says so instead of running silently
-shallower (DESIGN §2, last paragraph).
+shallower (docs/architecture.md §2, the admission notes).
 """
 
 from __future__ import annotations

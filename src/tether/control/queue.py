@@ -16,7 +16,7 @@ import traceback
 from collections import deque
 from typing import Generic, TypeVar
 
-from tether.errors import QueueClosedError, QueueTimeoutError, RolloutError
+from tether.errors import ConfigError, QueueClosedError, QueueTimeoutError, RolloutError
 
 T = TypeVar("T")
 
@@ -26,7 +26,7 @@ class BatchQueue(Generic[T]):
 
     def __init__(self, maxsize: int, *, name: str = "rollout-batches") -> None:
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize <= 0:
-            raise ValueError(f"maxsize must be a positive integer, got {maxsize!r}")
+            raise ConfigError(f"maxsize must be a positive integer, got {maxsize!r}")
         self.maxsize = maxsize
         self.name = name
         self._items: deque[T] = deque()

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tether.data.pyload import load_python_object
-from tether.data.types import Example
 from tether.errors import ConfigError, DataError
+from tether.vocabulary import Example
 
 FORMATS = ("jsonl", "json", "parquet", "csv", "save_to_disk folder", "file.py:function")
 

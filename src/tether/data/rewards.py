@@ -16,14 +16,15 @@ from __future__ import annotations
 import inspect
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tether import registry
 from tether.data.pyload import load_python_object
 from tether.data.tasks import get_task, strip_answer
-from tether.data.types import Example
 from tether.errors import ConfigError, RewardError
+from tether.vocabulary import Example
 
 RewardFn = Callable[[str, str, str, Mapping[str, Any]], float]
 SIGNATURE = "(prompt, completion, answer, fields) -> float"
@@ -61,13 +62,6 @@ def math_verify(prompt: str, completion: str, answer: str, fields: Mapping[str, 
     return float(bool(gold) and bool(pred) and verify(gold, pred))
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {
-    "exact_match": exact_match,
-    "numeric_match": numeric_match,
-    "math": math_verify,
-}
-
-
 def task_reward(task_name: str) -> RewardFn:
     """The verifier of a built-in task, in the reward signature."""
     task = get_task(task_name)
@@ -96,24 +90,25 @@ def check_signature(fn: Callable, spec: str) -> None:
 
 
 def load_reward(spec: str, *, task: str | None = None) -> RewardFn:
-    """``task`` (the task's verifier), a built-in name, or ``path/to/file.py:function``."""
+    """``task`` (the task's verifier), a registered name (``tether.registry.rewards``), or
+    ``path/to/file.py:function``."""
     if spec == "task":
         if not task:
             raise ConfigError("reward.function=task needs a built-in data.task; choose one of "
-                              f"{', '.join(['task', *BUILTIN_REWARDS])} or path/to/file.py:function")
+                              f"{', '.join(['task', *registry.rewards.names()])} or path/to/file.py:function")
         return task_reward(task)
-    if spec in BUILTIN_REWARDS:
+    if spec in registry.rewards:
         if spec == "math":
             try:
                 import math_verify  # noqa: F401
             except ImportError as exc:
                 raise ConfigError("reward 'math' needs math-verify: pip install 'tether[math]'") from exc
-        return BUILTIN_REWARDS[spec]
+        return registry.rewards.get(spec)
     if ":" in spec:
         fn = load_python_object(spec, what="reward function")
         check_signature(fn, spec)
         return fn
-    raise ConfigError(f"unknown reward {spec!r}; use 'task', one of {', '.join(BUILTIN_REWARDS)}, "
+    raise ConfigError(f"unknown reward {spec!r}; use 'task', one of {', '.join(registry.rewards.names())}, "
                       "or path/to/file.py:function")
 
 
@@ -134,6 +129,23 @@ class Scorer:
                 "it must return a finite number"
             )
         return float(value)
+
+
+def score_all(score: Scorer, pairs: Iterable[tuple[Example, Any]], *,
+              on_error: str = "raise") -> tuple[list[float], int]:
+    """The reward of each (example, completion) pair, and how many failed: with
+    ``reward.on_error=zero`` a reward function that raises (or returns junk) scores that sample 0
+    and is counted; with ``raise`` the first failure propagates."""
+    rewards, errors = [], 0
+    for example, completion in pairs:
+        try:
+            rewards.append(score(example, completion))
+        except Exception:
+            if on_error == "raise":
+                raise
+            errors += 1
+            rewards.append(0.0)
+    return rewards, errors
 
 
 def scorer(spec: str, *, task: str | None = None) -> Scorer:

@@ -3,25 +3,12 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 from tether.config.schema import DataSection
 from tether.data.datasets import apply_chat_template, limit_prompt_length, load_examples
 from tether.data.tasks import get_task
-from tether.data.types import Example
 from tether.errors import DataError
-
-
-@dataclass(frozen=True)
-class DataBundle:
-    """What a run trains and evaluates on."""
-
-    train: list[Example]
-    eval: list[Example]
-    stop_text: str
-    """Text that ends an answer besides EOS ('' = none)."""
-    skipped_long_prompts: int
-    description: str
+from tether.vocabulary import DataBundle
 
 
 def resolve_data(d: DataSection, tokenizer, *, seed: int = 0) -> DataBundle:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from tether.data.types import Example
 from tether.errors import ConfigError
+from tether.vocabulary import Example
 
 
 class PromptStream:

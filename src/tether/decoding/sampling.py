@@ -30,25 +30,8 @@ from functools import cache as _memo
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample. ``temperature == 0`` means greedy."""
-
-    max_new_tokens: int = 32
-    temperature: float = 1.0
-    top_k: int = 0
-    """Keep only the k most likely tokens (0 = off)."""
-    top_p: float = 1.0
-    """Keep the smallest set of tokens whose probability reaches p (1 = off)."""
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def truncates(self) -> bool:
-        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+from tether.errors import ConfigError
+from tether.vocabulary import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -193,7 +176,7 @@ def sample(
     (keep, recompute, abort) says what happens to the sequences then (module docstring).
     """
     if inflight_update not in ("keep", "recompute", "abort"):
-        raise ValueError(f"inflight_update must be keep, recompute or abort, got {inflight_update!r}")
+        raise ConfigError(f"inflight_update must be keep, recompute or abort, got {inflight_update!r}")
     stepper = stepper if stepper is not None else stepper_for(model)
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)

@@ -2,7 +2,8 @@
 
 from tether.loop.driver import Driver, NoHooks
 from tether.loop.observe import BatchRecord, LoopEvent, LoopObserver, Observers, TraceRecorder
-from tether.loop.protocols import (
+from tether.loop.virtual import Simulation, Timings, plan_document, simulate, summarize
+from tether.vocabulary import (
     BoundaryHooks,
     GenerationRequest,
     Learner,
@@ -11,7 +12,6 @@ from tether.loop.protocols import (
     RolloutPool,
     TrainResult,
 )
-from tether.loop.virtual import Simulation, Timings, plan_document, simulate, summarize
 
 __all__ = [
     "BatchRecord",

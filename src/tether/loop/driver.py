@@ -1,4 +1,4 @@
-"""The driver loop (DESIGN §2): reap → launch → consume → train → sync → eval/save.
+"""The driver loop (docs/architecture.md §2): reap → launch → consume → train → sync → eval/save.
 
 Single-threaded; the pool's workers run concurrently with it. The same loop runs for real, in
 virtual time (``tether plan``) and in tests, against the ``RolloutPool`` and ``Learner`` seams.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from tether.control import AdmissionNote, AsyncControl, Staleness, admission_notes
 from tether.errors import AdmissionStallError, ControlError, StopRequested
 from tether.loop.observe import BatchRecord, LoopEvent, LoopObserver
-from tether.loop.protocols import (
+from tether.vocabulary import (
     BoundaryHooks,
     GenerationRequest,
     Learner,

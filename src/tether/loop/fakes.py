@@ -15,7 +15,7 @@ from typing import Any
 
 from tether.control import BatchQueue
 from tether.errors import ControlError, RolloutError
-from tether.loop.protocols import GenerationRequest, LoopState, RolloutBatch, TrainResult
+from tether.vocabulary import GenerationRequest, LoopState, RolloutBatch, TrainResult
 
 
 class FakePool:

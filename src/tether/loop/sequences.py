@@ -28,6 +28,8 @@ import math
 import random
 from dataclasses import dataclass
 
+from tether.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Lengths:
@@ -40,7 +42,7 @@ class Lengths:
 
     def __post_init__(self) -> None:
         if not (self.mean >= 1 and self.cap >= 1 and self.rows >= 1):
-            raise ValueError(f"lengths need mean >= 1, cap >= 1 and rows >= 1, got {self}")
+            raise ConfigError(f"lengths need mean >= 1, cap >= 1 and rows >= 1, got {self}")
 
     @functools.cached_property
     def _continue(self) -> float:

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tether.control import AsyncControl, BudgetSettings, admission_notes
-from tether.errors import ControlError
+from tether.errors import ConfigError, ControlError
 from tether.loop.driver import Driver
 from tether.loop.observe import LoopObserver, Observers, TraceRecorder
-from tether.loop.protocols import GenerationRequest, LoopState, RolloutBatch, TrainResult
 from tether.loop.sequences import Lengths, Replay, replay
+from tether.vocabulary import GenerationRequest, LoopState, RolloutBatch, TrainResult
 
 
 class VirtualClock:
@@ -65,15 +65,15 @@ class Timings:
 
     def __post_init__(self) -> None:
         if self.mean_length > 0 and (self.gen_jitter > 0 or self.max_length < 1):
-            raise ValueError("per-sequence lengths (mean_length > 0) need max_length >= 1 and make "
+            raise ConfigError("per-sequence lengths (mean_length > 0) need max_length >= 1 and make "
                              "the batch-to-batch variation themselves: gen_jitter must be 0")
         for name in ("gen_time", "gen_jitter", "train_time", "sync_time", "eval_time", "save_time",
                      "mean_length", "prefill_cost"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.workers < 1:
-            raise ValueError(f"workers must be >= 1, got {self.workers}")
+            raise ConfigError(f"workers must be >= 1, got {self.workers}")
 
 
 @dataclass(order=True)

@@ -16,58 +16,46 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from tether.config import Config
 from tether.control import BatchQueue
-from tether.data.types import Example
-from tether.decoding.sampling import SamplingParams
 from tether.errors import QueueTimeoutError, RolloutError
-from tether.loop.protocols import GenerationRequest, RolloutBatch
-from tether.loop.scored import ScoredBatch
-from tether.rollout.dynamic import DynamicSampling
-from tether.rollout.types import WorkItem
+from tether.vocabulary import Example, GenerationRequest, Payload, RolloutBatch, WorkItem
 
 
 @dataclass(frozen=True)
 class PoolSettings:
-    """How the pool's workers run (see the ``rollout`` and ``reward`` recipe sections)."""
+    """What a pool and its workers are told: the recipe, and what preparing the run found (the
+    model directory, the task's stop text)."""
 
+    cfg: Config
     model_path: str
-    num_workers: int = 1
-    threads_per_worker: int = 1
-    group_size: int = 4
-    params: SamplingParams = SamplingParams()
-    reward: str = "task"
-    task: str | None = None
     stop_text: str = "\n"
-    reward_on_error: Literal["raise", "zero"] = "raise"
-    seed: int = 0
     startup_timeout_s: float = 300.0
-    dynamic: DynamicSampling | None = None
-    """DAPO's dynamic sampling (``tether.rollout.dynamic``), or None."""
-    engine: Literal["torch", "vllm"] = "torch"
-    vllm: Any = None
-    """``tether.rollout.vllm_engine.VllmOptions`` with ``engine="vllm"``."""
-    decoder: Literal["auto", "native", "python"] = "auto"
-    """``rollout.decoder``: the built-in engine's decode path."""
-    inflight_update: Literal["drain", "keep", "recompute", "abort"] = "drain"
-    """``async.inflight_update``: whether a publication waits for the batches in flight."""
-    family: Literal["lm", "flow"] = "lm"
-    flow: Any = None
-    """``tether.flow.policy.FlowSampling`` with ``family="flow"``."""
+
+    @property
+    def num_workers(self) -> int:
+        return self.cfg.rollout.num_workers
+
+    @property
+    def threads_per_worker(self) -> int:
+        return self.cfg.rollout.threads_per_worker
+
+    @property
+    def group_size(self) -> int:
+        return self.cfg.rollout.group_size
+
+    @property
+    def inflight_update(self) -> str:
+        return self.cfg.async_.inflight_update
 
     def worker_spec(self, worker_id: int, version: int, **where: Any):
         """The ``WorkerSpec`` of worker ``worker_id`` starting at ``version``; ``where`` adds the
         backend's fields (its weight channel, its device)."""
         from tether.rollout.worker import WorkerSpec
 
-        return WorkerSpec(worker_id=worker_id, model_path=self.model_path, reward=self.reward, task=self.task,
-                          stop_text=self.stop_text, num_threads=self.threads_per_worker,
-                          reward_on_error=self.reward_on_error, initial_version=version,
-                          engine=self.engine, vllm=self.vllm, decoder=self.decoder,
-                          seed=self.seed,
-                          inflight_update=self.inflight_update, family=self.family, flow=self.flow,
-                          **where)
+        return WorkerSpec(worker_id=worker_id, settings=self, initial_version=version, **where)
 
 
 class WorkerSlot:
@@ -86,9 +74,11 @@ class DispatchingPool:
     def __init__(self, settings: PoolSettings, batches: Callable[[int], Sequence[tuple[int, Example]]],
                  *, initial_version: int = 0,
                  extras: Callable[[int], Sequence[tuple[int, Example]]] | None = None) -> None:
-        if (settings.dynamic is None) != (extras is None):
-            raise ValueError("dynamic sampling needs both PoolSettings.dynamic and the extra prompts")
+        assert (settings.cfg.dynamic_sampling() is None) == (extras is None), (
+            "dynamic sampling needs both rollout.dynamic_sampling and the extra prompts")
         self.settings = settings
+        self.params = settings.cfg.sampling()
+        self.dynamic = settings.cfg.dynamic_sampling()
         self.batches = batches
         self.extras = extras
         self.version = initial_version
@@ -143,7 +133,8 @@ class DispatchingPool:
         s = self.settings
         item = WorkItem(batch_index=request.index, version=request.version,
                         examples=list(self.batches(request.index)), group_size=s.group_size,
-                        params=s.params, seed=s.seed * 1_000_003 + request.index, dynamic=s.dynamic,
+                        params=self.params, seed=s.cfg.run.seed * 1_000_003 + request.index,
+                        dynamic=self.dynamic,
                         extra_examples=[] if self.extras is None else
                         [(-1 - pos, ex) for pos, ex in self.extras(request.index)])
         with self._lock:
@@ -226,7 +217,7 @@ class DispatchingPool:
             worker=where if where.startswith("rollout") else None, batch_index=oldest,
         )
 
-    def _accept(self, w: Any, index: int, scored: ScoredBatch) -> None:
+    def _accept(self, w: Any, index: int, scored: Payload) -> None:
         """A worker's finished batch: check it is whole, free the worker, queue the batch."""
         try:
             scored.check()

@@ -27,24 +27,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from tether.data.types import Example
-
-
-@dataclass(frozen=True)
-class DynamicSampling:
-    """The ``rollout.dynamic_sampling*`` keys, resolved."""
-
-    max_draws: int = 3
-    """A batch may generate at most ``max_draws × batch_size`` prompts in all."""
-    on_short: Literal["error", "partial"] = "error"
-
-    def extra_per_batch(self, batch_size: int) -> int:
-        return (self.max_draws - 1) * batch_size
+from tether.errors import RolloutError
+from tether.vocabulary import DynamicSampling, Example
 
 
-class ShortBatchError(RuntimeError):
+class ShortBatchError(RolloutError):
     """Dynamic sampling ran out of prompts before the batch had enough informative groups."""
 
 

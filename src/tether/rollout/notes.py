@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tether.control import AdmissionNote
-from tether.decoding.sampling import SamplingParams
+from tether.vocabulary import SamplingParams
 
 
 def sampling_notes(params: SamplingParams) -> list[AdmissionNote]:

@@ -28,13 +28,12 @@ from multiprocessing.connection import wait as wait_any
 import torch
 
 from tether.control import BatchQueue
-from tether.data.types import Example
 from tether.errors import QueueTimeoutError, RolloutError
 from tether.procinfo import stop_signals_deferred
 from tether.rollout.channel import WeightChannel
 from tether.rollout.dispatch import DispatchingPool, PoolSettings, WorkerSlot
-from tether.rollout.types import WorkItem
 from tether.rollout.worker import worker_main
+from tether.vocabulary import Example, WorkItem
 
 __all__ = ["PoolSettings", "ProcessPool"]
 

@@ -34,14 +34,13 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
-from tether.data.types import Example
 from tether.errors import ConfigError, RolloutError
 from tether.rollout.channel import Layout, Snapshot, open_snapshot
 from tether.rollout.dispatch import DispatchingPool, PoolSettings, WorkerSlot
-from tether.rollout.types import WorkItem
 from tether.rollout.worker import WorkerSpec
+from tether.vocabulary import Example, WorkItem
 
 log = logging.getLogger("tether.rollout")
 
@@ -66,7 +65,19 @@ class RayOptions:
     reserved_gpus: float = 0.0
     """GPUs other actors of the run take (a learner actor on CUDA), counted the same way."""
 
+    @classmethod
+    def of(cls, cfg: Any) -> RayOptions:
+        """The ``ray`` section of ``cfg``, with what the learner's actors reserve."""
+        r, t = cfg.ray, cfg.train
+        actors = r.learner == "actor"
+        return cls(address=r.address, local_cpus=r.local_cpus,
+                   cpus_per_worker=r.cpus_per_worker or float(cfg.rollout.threads_per_worker),
+                   gpus_per_worker=r.gpus_per_worker,
+                   reserved_cpus=float(t.threads * t.world_size) if actors else 0.0,
+                   reserved_gpus=(1.0 if actors and t.device != "cpu" else 0.0) * t.world_size)
 
+
+@runtime_checkable
 class RemoteWeights(Protocol):
     """Weights that live elsewhere (a learner actor) and put themselves into the object store."""
 
@@ -265,11 +276,11 @@ class RayPool(DispatchingPool):
         self.session = RaySession(options, run_dir) if session is None else session
         self.ray = self.session.ray
         try:
-            if isinstance(initial_weights, Mapping):
+            if isinstance(initial_weights, RemoteWeights):
+                self.snapshot, self.layout = None, initial_weights.layout
+            else:
                 self.snapshot: Snapshot | None = Snapshot.for_tensors(initial_weights)
                 self.layout = self.snapshot.layout
-            else:
-                self.snapshot, self.layout = None, initial_weights.layout
             self._start_actors()
             metrics = self._load_all(initial_weights, initial_version)
             log.info("ray: %d rollout actor(s) ready; version %d loaded in %.2fs", len(self._workers),
@@ -379,13 +390,12 @@ class RayPool(DispatchingPool):
         dead = [w.name for w in self._workers if not w.alive]
         if dead:
             raise RolloutError(f"cannot publish version {version}: {', '.join(dead)} died")
-        if isinstance(weights, Mapping):
-            if self.snapshot is None:
-                raise RolloutError("this pool was started with remote weights; publish those")
+        if isinstance(weights, RemoteWeights):
+            ref, metrics = weights.put(version)
+        else:
+            assert self.snapshot is not None, "this pool was started with remote weights; publish those"
             ref, metrics = put_snapshot(self.ray, self.snapshot, weights, version)
             self._staged_version = version
-        else:
-            ref, metrics = weights.put(version)
         loads = {getattr(w.handle, method).remote(ref, version): w for w in self._workers}
         seconds = []
         for call, w in loads.items():

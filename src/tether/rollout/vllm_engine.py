@@ -33,26 +33,12 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from tether.decoding.sampling import SamplingParams
-from tether.errors import ConfigError
-from tether.rollout.engine import Completion, check_context
-
-INSTALL_HINT = ("install vLLM's build for this machine: `make vllm` (CPU, a separate virtual "
-                "environment .venv-vllm whose pins vLLM needs) or `pip install 'tether[vllm]'` on a GPU "
-                "machine, and run tether from that environment")
-
-
-@dataclass(frozen=True)
-class VllmOptions:
-    """The ``vllm`` recipe section, as the engine reads it."""
-
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_gb: float = 1.0
-    enforce_eager: bool = True
-    enable_prefix_caching: bool = True
+from tether.config.backends import VllmSection
+from tether.errors import ConfigError, RolloutError
+from tether.rollout.engines import VLLM_INSTALL_HINT, check_context
+from tether.vocabulary import Completion, SamplingParams
 
 
 class WeightLoader:
@@ -79,7 +65,7 @@ class WeightLoader:
             del model.load_weights
         missing = sorted({name for name, _ in model.named_parameters()} - loaded)
         if missing:
-            raise RuntimeError(f"the published weights left {len(missing)} of vLLM's parameters unloaded, "
+            raise RolloutError(f"the published weights left {len(missing)} of vLLM's parameters unloaded, "
                                f"e.g. {missing[:3]}: the learner's model and vLLM's do not name the same "
                                "tensors")
         return len(weights)
@@ -106,7 +92,7 @@ def tied_names(model_path: str) -> dict[str, str]:
     return tied
 
 
-def _prepare_environment(device: str, options: VllmOptions, threads: int) -> None:
+def _prepare_environment(device: str, options: VllmSection, threads: int) -> None:
     """vLLM reads these when it is imported and started; a user's own settings win."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its per-publish warnings are noise here
@@ -129,7 +115,7 @@ def _require_processed_logprobs(version: str) -> None:
         raise ConfigError(
             f"vLLM {version} cannot return the log-probs of the distribution it samples from "
             "(logprobs_mode='processed_logprobs' arrived in 0.10.2), without which the importance "
-            f"ratios would silently compare different distributions; {INSTALL_HINT}")
+            f"ratios would silently compare different distributions; {VLLM_INSTALL_HINT}")
 
 
 @dataclass
@@ -150,14 +136,15 @@ class VLLMEngine:
     """A vLLM ``LLM`` on a local model directory; stamps its version on every token."""
 
     def __init__(self, model_path: str, *, stop_ids: Sequence[int], device: str = "cpu",
-                 options: VllmOptions = VllmOptions(), threads: int = 1, seed: int = 0,
+                 options: VllmSection | None = None, threads: int = 1, seed: int = 0,
                  version: int = 0) -> None:
+        options = VllmSection() if options is None else options
         _prepare_environment(device, options, threads)
         try:
             import vllm
         except ImportError as exc:
             raise ConfigError(f"rollout.engine=vllm, but vLLM cannot be imported here ({exc}); "
-                              f"{INSTALL_HINT}") from exc
+                              f"{VLLM_INSTALL_HINT}") from exc
         self.stop_ids = list(stop_ids)
         self._version = version
         self._cached_version = version  # the weights the prefix cache's blocks were computed under
@@ -187,8 +174,11 @@ class VLLMEngine:
         in place (through ``bind``) and returns their version, or returns None;
         ``inflight_update`` (keep, recompute, abort) says what happens to the running requests."""
         if inflight_update not in ("keep", "recompute", "abort"):
-            raise ValueError(f"unknown in-flight update mode {inflight_update!r}")
+            raise ConfigError(f"unknown in-flight update mode {inflight_update!r}")
         self.poll, self.inflight_update = poll, inflight_update
+
+    def report(self) -> dict[str, float]:
+        return {}
 
     def take_counts(self) -> tuple[int, int]:
         """(tokens wasted by abort, weight switches) since the last call."""
@@ -243,7 +233,7 @@ class VLLMEngine:
     def _clear_prefix_cache(self) -> None:
         if self._cached_version != self._version:
             if not self.llm.reset_prefix_cache():
-                raise RuntimeError("vLLM refused to clear its prefix cache after a weight load")
+                raise RolloutError("vLLM refused to clear its prefix cache after a weight load")
             self._cached_version = self._version
 
     def _generate_stepping(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,

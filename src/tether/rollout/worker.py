@@ -5,14 +5,15 @@ actors (``tether.rollout.ray_pool``); this module adds the process's message loo
 shared-memory weight reader.
 
 It receives whole rollout batches (prompts, group size, sampling parameters, behavior version),
-generates, scores every sample, and sends back one complete ``ScoredBatch`` — or an error with
+generates, scores every sample, and sends back one complete payload (the family's scored batch)
+— or an error with
 the original traceback, never a partial batch. It loads weights only when told to, between
 batches, after verifying the version and checksum of the shared snapshot.
 
 Messages, each a tuple whose first item names it:
 
     driver → worker   ("generate", WorkItem) | ("load", version) | ("stop",)
-    worker → driver   ("ready", pid) | ("batch", index, ScoredBatch) | ("loaded", version, seconds)
+    worker → driver   ("ready", pid) | ("batch", index, payload) | ("loaded", version, seconds)
                       | ("error", index | None, message, traceback_text)
 """
 
@@ -24,47 +25,34 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING
 
-from tether.loop.scored import ScoredBatch
+from tether.errors import RolloutError
 from tether.procinfo import exit_when_closed
-from tether.rollout.types import WorkItem
+from tether.vocabulary import Payload, WorkItem
 
 if TYPE_CHECKING:
     from tether.rollout.channel import Layout
-    from tether.rollout.vllm_engine import VllmOptions
+    from tether.rollout.dispatch import PoolSettings
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs to start, picklable for a spawned process."""
+    """Everything a worker needs to start, picklable for a spawned process: the pool's settings
+    (the recipe among them) and where this worker gets its weights."""
 
     worker_id: int
-    model_path: str
-    reward: str
-    task: str | None
-    stop_text: str
-    num_threads: int = 1
-    reward_on_error: Literal["raise", "zero"] = "raise"
+    settings: PoolSettings
     initial_version: int = 0
     channel_name: str | None = None
     """The shared-memory weight channel (process workers); None where weights come otherwise."""
     channel_layout: Layout | None = None
     device: str = "cpu"
     """Where the engine samples: ``cpu``, or ``cuda`` for a Ray actor given a GPU."""
-    engine: Literal["torch", "vllm"] = "torch"
-    vllm: VllmOptions | None = None
-    """The ``vllm`` section's settings, with ``engine="vllm"``."""
-    decoder: Literal["auto", "native", "python"] = "auto"
-    """``rollout.decoder``, with ``engine="torch"``."""
-    seed: int = 0
-    inflight_update: Literal["drain", "keep", "recompute", "abort"] = "drain"
-    """drain: load weights between batches, when told; otherwise switch to each newly published
-    version between decode steps (``_ChannelWorker``)."""
-    family: Literal["lm", "flow"] = "lm"
-    """``model.family``: what the engine samples (token sequences, or image trajectories)."""
-    flow: Any = None
-    """``tether.flow.policy.FlowSampling`` with ``family="flow"``."""
+
+    @property
+    def inflight_update(self) -> str:
+        return self.settings.cfg.async_.inflight_update
 
 
 def worker_main(spec: WorkerSpec, requests: Connection, results: Connection,
@@ -98,56 +86,44 @@ def worker_main(spec: WorkerSpec, requests: Connection, results: Connection,
             elif kind == "load":
                 results.send(("loaded", msg[1], worker.load(msg[1])))
             else:
-                raise ValueError(f"unknown message {kind!r}")
+                raise AssertionError(f"unknown message {kind!r}")
         except BaseException as exc:
             results.send(("error", index, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
 
 
 class Rollout:
     """One engine and the reward function: generates and scores whole rollout batches. What it
-    samples is the policy family's (``WorkerSpec.family``): token sequences (``TextSampler``,
-    ``tether.rollout.text``) or image trajectories (``tether.flow.rollout.FlowSampler``); the
-    weight handling here is the same for both."""
+    samples is the policy family's (``Family.sampler``: token sequences for text, image
+    trajectories for flow); the weight handling here is the same for every family."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         import torch
 
-        torch.set_num_threads(spec.num_threads)
+        settings = spec.settings
+        torch.set_num_threads(settings.threads_per_worker)
         from tether.modeling import torch_device
 
         self.spec = spec
         device = torch_device(spec.device, who=f"worker {spec.worker_id} is to sample on {spec.device}",
                               fix="give its Ray actor a GPU and a CUDA build of torch, or set "
                               "ray.gpus_per_worker=0")
-        if spec.family == "flow":
-            from tether.flow.rollout import FlowSampler
-
-            self.sampler = FlowSampler(spec, device)
-        else:
-            from tether.rollout.text import TextSampler
-
-            self.sampler = TextSampler(spec, device)
+        cfg = settings.cfg
+        self.sampler = cfg.family().sampler(cfg, settings.model_path, settings.stop_text, device=device,
+                                            threads=settings.threads_per_worker, seed=cfg.run.seed)
         self.engine = self.sampler.engine
 
     def use_weights(self, weights, version: int | None = None) -> None:
         """Make ``weights`` (name → tensor: shared-memory views or an object-store snapshot) the
         engine's, as ``version`` when given: the built-in engines sample from them in place (on
         CPU), vLLM copies them into its own layout."""
-        if hasattr(self.engine, "bind"):
-            self.engine.bind(weights, version)
-        elif version is not None:
-            self.engine.load_weights(weights, version)
+        self.engine.bind(weights, version)
 
     def close(self) -> None:
-        if hasattr(self.engine, "close"):
-            self.engine.close()
+        self.engine.close()
 
     def watch(self, poll) -> None:
         """Without draining: have the engine call ``poll`` before every decode step (it binds
         newer weights when it has them and returns their version, else None)."""
-        if not hasattr(self.engine, "watch"):
-            raise ValueError(f"async.inflight_update={self.spec.inflight_update} needs an engine that "
-                             "switches weights mid-generation (rollout.engine=torch or vllm)")
         self._poll = poll
         self.engine.watch(poll, self.spec.inflight_update)
 
@@ -159,12 +135,12 @@ class Rollout:
         while self.engine.version < version:
             if self._poll() is None:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"version {version} did not reach this worker within {wait_s:.0f}s")
+                    raise RolloutError(f"version {version} did not reach this worker within {wait_s:.0f}s")
                 time.sleep(0.001)
         self._poll()
 
-    def generate(self, item: WorkItem):
-        """The scored batch of ``item``: a ``ScoredBatch``, or the family's own payload."""
+    def generate(self, item: WorkItem) -> Payload:
+        """The scored batch of ``item``: the family's payload."""
         return self.sampler.generate(item)
 
 
@@ -194,7 +170,7 @@ class _ChannelWorker(Rollout):
         self.current = 1
         self.reader.verify(spec.initial_version)
         if self._switch(spec.initial_version) is None:
-            raise RuntimeError(f"the weight channel changed while version {spec.initial_version} was read")
+            raise RolloutError(f"the weight channel changed while version {spec.initial_version} was read")
         self.watch(self._newest)
 
     def load(self, version: int) -> float:
@@ -217,7 +193,7 @@ class _ChannelWorker(Rollout):
             return None
         return self._switch(newest)
 
-    def generate(self, item: WorkItem) -> ScoredBatch:
+    def generate(self, item: WorkItem) -> Payload:
         if self.spec.inflight_update != "drain":
             self.start_at(item.version, self.WAIT_S)
         return super().generate(item)

@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tether.errors import CheckpointError, ConfigError
-from tether.loop.protocols import LoopState
+from tether.vocabulary import LoopState
 
 log = logging.getLogger("tether.checkpoint")
 PREFIX = "step-"

@@ -6,8 +6,8 @@
 - ``timeline.png``: generation, training and sync over wall time, showing the overlap;
 - ``study.png`` and ``study.json``: the staleness study the run contains (``tether.runtime.study``):
   clip fraction and ratio spread per staleness, low against high staleness, the reward trend;
-- ``samples.png`` (flow runs): the fixed held-out prompts' images at evaluations across the run,
-  first to last (from ``samples/step_*.png``, written at each evaluation).
+- and the family's own (``Family.report``): for flow runs ``samples.png``, the fixed held-out
+  prompts' images at evaluations across the run, first to last.
 """
 
 from __future__ import annotations
@@ -144,10 +144,15 @@ def write_report(run_dir: Path) -> list[Path]:
 
     paths.append(_timeline(plt, events, out / "timeline.png"))
     paths += _study(plt, metrics, out)
-    pictures = sorted((run_dir / "samples").glob("step_*.png"))
-    if pictures:
-        paths.append(_samples(plt, pictures, evals, out / "samples.png"))
+    paths += _family(run_dir).report(run_dir, evals, out)
     return paths
+
+
+def _family(run_dir: Path):
+    """The run's policy family (its own plots), from the run's config."""
+    from tether.config import load_config
+
+    return load_config(run_dir / "config.yaml").family()
 
 
 def _study(plt, metrics: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -171,26 +176,6 @@ def _study(plt, metrics: list[dict[str, Any]], out: Path) -> list[Path]:
     if "t" in r:
         fig.suptitle(f"In-run staleness study; reward trend {r['slope']:+.2e}/batch, t = {r['t']:.2f}")
     return [out / "study.json", _save(fig, out / "study.png")]
-
-
-def _samples(plt, pictures: list[Path], evals: list[dict[str, Any]], path: Path, rows: int = 5) -> Path:
-    """Up to ``rows`` evaluations' image grids, evenly spaced from the first to the last, each
-    titled with its step and held-out reward."""
-    from PIL import Image
-
-    last = len(pictures) - 1
-    chosen = sorted({round(i * last / max(rows - 1, 1)) for i in range(min(rows, len(pictures)))})
-    reward = {int(e["step"]): e.get("eval/reward_mean") for e in evals}
-    fig, axes = plt.subplots(len(chosen), 1, figsize=(8, 1.6 * len(chosen) + 0.4), squeeze=False)
-    for ax, i in zip(axes[:, 0], chosen, strict=True):
-        step = int(pictures[i].stem.split("_")[1])
-        ax.imshow(Image.open(pictures[i]))
-        r = reward.get(step)
-        ax.set_title(f"after {step} batches" + (f": held-out reward {r:.3f}" if r is not None else ""),
-                     fontsize=9)
-        ax.axis("off")
-    fig.suptitle("held-out prompts (ODE samples, fixed noise)")
-    return _save(fig, path)
 
 
 def _timeline(plt, events: list[dict[str, Any]], path: Path) -> Path:

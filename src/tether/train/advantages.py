@@ -32,6 +32,9 @@ from typing import Literal
 
 import torch
 
+from tether import registry
+from tether.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Advantages:
@@ -45,35 +48,44 @@ class Advantages:
 def overlong_penalty(lengths: torch.Tensor, *, max_len: int, buffer: int, factor: float) -> torch.Tensor:
     """R_len for completion ``lengths`` (N,): 0 before the last ``buffer`` tokens, falling to −factor."""
     if not 0 < buffer <= max_len:
-        raise ValueError(f"the overlong buffer must be 1..{max_len} tokens, got {buffer}")
+        raise ConfigError(f"reward.overlong_buffer must be 1..{max_len} tokens, got {buffer}")
     exceed = (lengths.float() - (max_len - buffer)).clamp(min=0.0)  # (N,)
     return -factor * (exceed / buffer).clamp(max=1.0)
 
 
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
+# The estimators, registered by name (``tether.registry.advantages``, ``train.advantage``; a
+# plug-in adds one with ``tether.register_advantage``). Each maps group-major rewards r (B, G) to
+# one advantage per sample (B, G); ``std_norm`` and ``scope`` mean something to grpo only.
+
+
+def grpo(r: torch.Tensor, *, std_norm: bool, scope: str, eps: float) -> torch.Tensor:
+    centered = r - r.mean(dim=1, keepdim=True)  # (B, G)
+    if not std_norm:
+        return centered
+    group_std = r.std(dim=1, unbiased=False, keepdim=True)  # (B, 1)
+    std = group_std if scope == "group" else r.std(unbiased=False).expand_as(group_std)
+    return centered / (std + eps)
+
+
+def rloo(r: torch.Tensor, *, std_norm: bool, scope: str, eps: float) -> torch.Tensor:
+    g = r.shape[1]
+    if g < 2:
+        raise ConfigError("RLOO needs groups of at least 2 samples (rollout.group_size)")
+    return (r - r.mean(dim=1, keepdim=True)) * (g / (g - 1))  # (B, G)
+
+
+def reinforce_pp(r: torch.Tensor, *, std_norm: bool, scope: str, eps: float) -> torch.Tensor:
+    return (r - r.mean()) / (r.std(unbiased=False) + eps)  # (B, G)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, estimator: str = "grpo",
                      std_norm: bool = True, scope: Literal["group", "batch"] = "group",
                      drop_zero_std: bool = False, eps: float = 1e-6) -> Advantages:
     """Advantages for group-major ``rewards`` (N,); ``std_norm`` and ``scope`` apply to grpo."""
-    if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
+    assert rewards.ndim == 1 and rewards.numel() % group_size == 0, (
+        f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.float().view(-1, group_size)  # (B, G)
-    group_std = r.std(dim=1, unbiased=False, keepdim=True)  # (B, 1)
-    zero = (group_std.squeeze(1) <= eps)  # (B,)
-    if estimator == "rloo":
-        if group_size < 2:
-            raise ValueError("RLOO needs groups of at least 2 samples")
-        centered = (r - r.mean(dim=1, keepdim=True)) * (group_size / (group_size - 1))  # (B, G)
-    elif estimator == "reinforce_pp":
-        centered = (r - r.mean()) / (r.std(unbiased=False) + eps)  # (B, G)
-    else:
-        centered = r - r.mean(dim=1, keepdim=True)  # (B, G)
-        if std_norm:
-            std = group_std if scope == "group" else r.std(unbiased=False).expand_as(group_std)
-            centered = centered / (std + eps)
+    zero = r.std(dim=1, unbiased=False) <= eps  # (B,)
+    centered = registry.advantages.get(estimator)(r, std_norm=std_norm, scope=scope, eps=eps)
     keep = (~zero if drop_zero_std else torch.ones_like(zero)).repeat_interleave(group_size)  # (N,)
     return Advantages(values=centered.reshape(-1), keep=keep, frac_zero_std=float(zero.float().mean()))

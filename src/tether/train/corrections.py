@@ -24,20 +24,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-
-@dataclass(frozen=True)
-class CorrectionSettings:
-    tis: Literal["none", "token", "sequence"] = "token"
-    tis_cap: float = 2.0
-    mask: Literal["none", "token", "sequence", "geometric"] = "none"
-    mask_low: float = 0.5
-    mask_high: float = 2.0
-    outlier_token: float = 0.0
-    """T > 1 masks a sequence with any ρ_t > T or < 1/T (0 = off)."""
+from tether.config.schema import CorrectionSection
 
 
 @dataclass(frozen=True)
@@ -73,7 +63,7 @@ def mismatch_metrics(old_logp: torch.Tensor, behavior_logp: torch.Tensor,
 
 
 def correct(old_logp: torch.Tensor, behavior_logp: torch.Tensor, mask: torch.Tensor,
-            s: CorrectionSettings, *, weigh: bool, same_weights: torch.Tensor | None = None) -> Correction:
+            s: CorrectionSection, *, weigh: bool, same_weights: torch.Tensor | None = None) -> Correction:
     """Weights and masks from ρ = π_old/μ. ``weigh`` applies the weight ρ itself (the proximal
     anchor's decoupled objective), truncated when ``s.tis`` is set; masks apply either way.
     ``same_weights`` marks tokens sampled with π_old's own weights (for ``mismatch/numeric_*``)."""

@@ -1,4 +1,5 @@
-"""The torch learner: a Hugging Face causal LM trained with U updates per rollout batch.
+"""The torch learner: any family's policy model (a Hugging Face causal LM for text) trained with U
+updates per rollout batch.
 
 Per batch: advantages over the whole batch; π_old (the trainer's log-probs with the weights it
 holds now) once, before any update; then the batch is split into U mini-batches, each one
@@ -19,78 +20,25 @@ import functools
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from tether import registry
+from tether.config import Config
 from tether.errors import ConfigError
-from tether.loop.protocols import RolloutBatch, TrainResult
 from tether.modeling import learner_device, unique_parameters
 from tether.procinfo import peak_rss_mb
 from tether.train import fsdp
 from tether.train.advantages import Advantages, group_advantages, overlong_penalty
-from tether.train.batch import TrainBatch
 from tether.train.collective import Solo
-from tether.train.corrections import CorrectionSettings, correct
-from tether.train.family import policy_for
-from tether.train.losses import LossInputs, LossSettings, aggregate, get_loss, kl_penalty
+from tether.train.corrections import correct
+from tether.train.losses import LossInputs, LossSettings, aggregate
 from tether.train.schedule import lr_factor
+from tether.vocabulary import RolloutBatch, TrainResult
 
 log = logging.getLogger("tether.train")
-
-
-@dataclass(frozen=True)
-class LearnerSettings:
-    """Resolved training settings (from the ``train`` and ``correction`` recipe sections)."""
-
-    updates_per_batch: int = 1
-    loss: str = "ppo_clip"
-    aggregation: str = "token_mean"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float = 0.0
-    advantage: str = "grpo"
-    adv_std_norm: bool = True
-    adv_scope: str = "group"
-    drop_zero_std: bool = False
-    mask_truncated: bool = False
-    """Leave completions cut off at ``max_new_tokens`` out of the loss (DAPO's overlong filtering)."""
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    anchor: str = "proximal"
-    correction: CorrectionSettings = field(default_factory=CorrectionSettings)
-    lr: float = 1e-6
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"
-    min_lr_ratio: float = 0.0
-    total_updates: int = 1
-    """The run's planned optimizer updates: where a decaying schedule reaches its floor."""
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    micro_batch_size: int = 0
-    shared_prefix: bool = True
-    """Forward each group's prompt once (``SharedPrefixForward``) where the architecture allows."""
-    temperature: float = 1.0
-    max_new_tokens: int = 32
-    """L_max: Dr. GRPO's normalising constant for ``seq_mean_token_sum_norm``, and where the
-    overlong punishment reaches its full penalty."""
-    seed: int = 0
-    device: str = "cpu"
-    """Where the model trains ('cpu', 'cuda', 'cuda:N'); weights are exported from there."""
-    sharded_checkpoints: bool = False
-    """With several ranks: each writes its own shards (torch.distributed.checkpoint)."""
-    attribution: bool = False
-    """Split each token's log π_old/μ into staleness and numerics (``tether.train.attribution``)."""
-    staleness_budget: int = 0
-    """S·U: how many versions back a batch's tokens can be (the attribution keeps that many)."""
-    family: str = "lm"
-    """``model.family``: what a column of the batch is (a token, or a denoising step)."""
-    flow_train_steps: int = 0
-    """``flow.train_steps``: denoising steps of each trajectory trained (0: all)."""
 
 
 class _Stats:
@@ -116,20 +64,24 @@ def _denominators(keep: torch.Tensor) -> tuple[float, float]:
 
 
 class TorchLearner:
-    def __init__(self, model_path: str | Path, settings: LearnerSettings, *,
-                 group: Solo | None = None) -> None:
-        self.s = settings
+    """The learner of one process, or of one rank (``group``). Everything it is told is the
+    recipe: the ``train``, ``correction`` and ``reward`` sections, the family's policy."""
+
+    def __init__(self, model_path: str | Path, cfg: Config, *, group: Solo | None = None) -> None:
+        self.cfg = cfg
+        self.s = s = cfg.train
         self.group = group or Solo()
-        self.loss_fn = get_loss(settings.loss)
-        torch.manual_seed(settings.seed)
-        self.device = learner_device(settings.device)
-        self.policy = policy_for(settings.family, settings.temperature,
-                                 flow_train_steps=settings.flow_train_steps)
+        self.loss_fn = registry.losses.get(s.loss)
+        self.norm_constant = cfg.family().norm_constant(cfg)
+        """L_max: Dr. GRPO's normalising constant for ``seq_mean_token_sum_norm``."""
+        torch.manual_seed(cfg.run.seed)
+        self.device = learner_device(s.device)
+        self.policy = cfg.family().policy(cfg)
         self.model, self.tokenizer = self.policy.load(model_path)
         self.model.to(self.device).train()
         self.names = list(unique_parameters(self.model))  # the published names, tied ones once
         self.ref_model = None
-        if settings.kl_coef > 0:  # frozen; with ranks sharded like the model, so no rank holds it whole
+        if s.kl_coef > 0:  # frozen; with ranks sharded like the model, so no rank holds it whole
             self.ref_model, _ = self.policy.load(model_path)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         if self.group.world > 1:
@@ -140,18 +92,18 @@ class TorchLearner:
         self.ref_forward = self._forward_for(self.ref_model) if self.ref_model is not None else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.attribution = None
-        if settings.attribution:
+        if cfg.metrics.attribution:
             from tether.train.attribution import Attribution
 
-            self.attribution = Attribution(self.model, settings.staleness_budget)
+            self.attribution = Attribution(self.model, cfg.budget().staleness_budget)
         # the fused kernel: one pass over every parameter instead of a handful of small ops per
         # tensor (2.2 against 9.8 ms a step for the demo model on one CPU thread)
-        self.optimizer = torch.optim.AdamW(self.params, lr=settings.lr, betas=settings.betas,
-                                           weight_decay=settings.weight_decay,
+        self.optimizer = torch.optim.AdamW(self.params, lr=s.lr, betas=(s.adam_beta1, s.adam_beta2),
+                                           weight_decay=s.weight_decay,
                                            fused=True if self.group.world == 1 else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(
-            lr_factor, kind=settings.lr_schedule, warmup_steps=settings.warmup_steps,
-            total_steps=settings.total_updates, min_ratio=settings.min_lr_ratio))
+            lr_factor, kind=s.lr_schedule, warmup_steps=s.warmup_steps,
+            total_steps=s.num_batches * s.updates_per_batch, min_ratio=s.min_lr_ratio))
         self.committed = 0
         self.skipped = 0
 
@@ -187,7 +139,7 @@ class TorchLearner:
             committed += self._update(tb, rows, share, adv.values, mask, same, old, ref, stats)
         return TrainResult(committed, u, {**self._metrics(stats, adv.frac_zero_std, u - committed), **split})
 
-    def _attribute(self, tb: TrainBatch, old: torch.Tensor | None, mine: torch.Tensor,
+    def _attribute(self, tb: Any, old: torch.Tensor | None, mine: torch.Tensor,
                    train_version: int) -> dict[str, float]:
         """``attribution/*`` of the batch, before its updates (π_old is the weights now)."""
         assert self.attribution is not None
@@ -209,13 +161,13 @@ class TorchLearner:
                 f"{self.group.world} ranks, which split mini-batches by whole groups; raise "
                 "rollout.batch_size, or lower train.updates_per_batch or train.world_size")
 
-    def _advantages(self, tb: TrainBatch, stats: _Stats) -> tuple[Advantages, torch.Tensor]:
+    def _advantages(self, tb: Any, stats: _Stats) -> tuple[Advantages, torch.Tensor]:
         """Advantages of the (shaped) rewards, and the loss mask (N, L − 1) of the samples kept."""
-        s = self.s
+        s, shaping = self.s, self.cfg.reward
         rewards = tb.rewards  # (N,)
-        if s.overlong_buffer:
-            penalty = overlong_penalty(tb.mask.sum(dim=1), max_len=s.max_new_tokens, buffer=s.overlong_buffer,
-                                       factor=s.overlong_penalty)
+        if shaping.overlong_buffer:
+            penalty = overlong_penalty(tb.mask.sum(dim=1), max_len=self.norm_constant,
+                                       buffer=shaping.overlong_buffer, factor=shaping.overlong_penalty)
             rewards = rewards + penalty
             stats.add("reward/overlong_penalty_mean", penalty.mean())
             stats.add("reward/overlong_frac", (penalty < 0).float().mean())
@@ -240,7 +192,7 @@ class TorchLearner:
         and possible, else None (the model's own forward)."""
         return self.policy.fast_forward(model, self.s.shared_prefix)
 
-    def _no_grad_logp(self, model, tb: TrainBatch, mine: torch.Tensor, *,
+    def _no_grad_logp(self, model, tb: Any, mine: torch.Tensor, *,
                       basis: bool = False) -> torch.Tensor:
         """log π of ``model`` for every row of ``tb`` (N, L − 1) — or, with ``basis``, what the
         family's KL term compares (the log-probs, or a flow step's means): this rank computes
@@ -259,7 +211,7 @@ class TorchLearner:
         runs the sharded model's forward and backward with the others (its result unused)."""
         return rows if len(rows) else mine[:1]
 
-    def _update(self, tb: TrainBatch, rows: torch.Tensor, mine: torch.Tensor, adv: torch.Tensor,
+    def _update(self, tb: Any, rows: torch.Tensor, mine: torch.Tensor, adv: torch.Tensor,
                 mask: torch.Tensor, same: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None,
                 stats: _Stats) -> int:
         """One optimizer update from mini-batch ``rows`` (global row indices), of which this rank
@@ -274,7 +226,7 @@ class TorchLearner:
         behavior = tb.behavior_logp[rows]
         # With π_old known, the corrections (and so the mini-batch's loss denominators) are fixed
         # before any forward pass; otherwise (U = 1, one micro-batch) the forward provides π_old.
-        corr_all = None if old is None else correct(old[rows], behavior, mask[rows], s.correction,
+        corr_all = None if old is None else correct(old[rows], behavior, mask[rows], self.cfg.correction,
                                                     weigh=weigh, same_weights=same[rows])
         if corr_all is not None:
             total_tokens, total_seqs = _denominators(corr_all.keep)
@@ -289,7 +241,7 @@ class TorchLearner:
             local = part - start
             if corr_all is None:  # the whole mini-batch's π_old, from every rank's forward
                 old_rows = self.group.gather(logp.detach(), local, len(rows))
-                corr = correct(old_rows, behavior, mask[rows], s.correction, weigh=weigh,
+                corr = correct(old_rows, behavior, mask[rows], self.cfg.correction, weigh=weigh,
                                same_weights=same[rows])
                 total_tokens, total_seqs = _denominators(corr.keep)
                 for key, value in corr.metrics.items():
@@ -302,13 +254,13 @@ class TorchLearner:
             anchor = old_mb if weigh else tb.behavior_logp[part]
             inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[part], mask=keep)
             per_token, loss_metrics = self.loss_fn(inputs, settings)
-            policy = aggregate(per_token * weights, keep, s.aggregation, norm_constant=s.max_new_tokens,
+            policy = aggregate(per_token * weights, keep, s.aggregation, norm_constant=self.norm_constant,
                                total_tokens=total_tokens, total_seqs=total_seqs)
             total = policy
             kl = None
             if ref is not None:
                 kl = aggregate(self.policy.kl(own, ref[part], s.kl_estimator), keep, s.aggregation,
-                               norm_constant=s.max_new_tokens, total_tokens=total_tokens,
+                               norm_constant=self.norm_constant, total_tokens=total_tokens,
                                total_seqs=total_seqs)
                 total = policy + s.kl_coef * kl
             if not len(part):
@@ -354,12 +306,12 @@ class TorchLearner:
         inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[rows], mask=keep)
         with torch.no_grad():
             per_token, loss_metrics = self.loss_fn(inputs, settings)
-            policy = aggregate(per_token * weights, keep, s.aggregation, norm_constant=s.max_new_tokens,
+            policy = aggregate(per_token * weights, keep, s.aggregation, norm_constant=self.norm_constant,
                                total_tokens=total_tokens, total_seqs=total_seqs)
             kl = None
             if ref is not None:
-                kl = aggregate(kl_penalty(logp, ref_rows, s.kl_estimator), keep, s.aggregation,
-                               norm_constant=s.max_new_tokens, total_tokens=total_tokens,
+                kl = aggregate(self.policy.kl(logp, ref_rows, s.kl_estimator), keep, s.aggregation,
+                               norm_constant=self.norm_constant, total_tokens=total_tokens,
                                total_seqs=total_seqs)
         return policy, kl, loss_metrics, logp, entropy, anchor, keep
 
@@ -420,9 +372,9 @@ class TorchLearner:
                  "committed": self.committed, "skipped": self.skipped}
         weights = None
         if self.group.world == 1:
-            self.model.save_pretrained(path / "model", safe_serialization=True)
+            self.policy.save(self.model, self.tokenizer, path / "model")
             extra["optimizer"] = self.optimizer.state_dict()
-        elif self.s.sharded_checkpoints:
+        elif self.cfg.checkpoint.sharded:
             fsdp.save_shards(self.model, self.optimizer, path / "sharded")
             extra.update(format="sharded", world_size=self.group.world)
         else:
@@ -431,8 +383,8 @@ class TorchLearner:
             return
         if self.group.world > 1:
             self._write_model_folder(path / "model", weights)
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(path / "model")
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(path / "model")
         torch.save(extra, path / "learner.pt")
 
     def _write_model_folder(self, folder: Path, weights: dict[str, torch.Tensor] | None) -> None:

@@ -50,36 +50,14 @@ class LossSettings:
 
 
 LossFn = Callable[[LossInputs, LossSettings], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-_REGISTRY: dict[str, LossFn] = {}
-
-
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-    """Register a loss under ``name``; a second loss under the same name is refused."""
-    def deco(fn: LossFn) -> LossFn:
-        if name in _REGISTRY:
-            raise ValueError(f"a loss named {name!r} is already registered")
-        _REGISTRY[name] = fn
-        return fn
-    return deco
-
-
-def get_loss(name: str) -> LossFn:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        valid = ", ".join(sorted(_REGISTRY))
-        raise ConfigError(f"unknown loss {name!r}; valid losses are: {valid}") from None
-
-
-def loss_names() -> list[str]:
-    return sorted(_REGISTRY)
+"""A policy loss: per-column losses (N, T), unreduced, and metrics. Registered by name in
+``tether.registry.losses`` (``train.loss``; ``tether.register_loss`` adds one)."""
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-@register_loss("ppo_clip")
 def ppo_clip(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     ratio = torch.exp(x.logp - x.anchor_logp)  # (N, T)
     adv = x.advantages[:, None]  # (N, 1)
@@ -99,7 +77,6 @@ def ppo_clip(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, to
     return loss, metrics
 
 
-@register_loss("gspo")
 def gspo(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     log_ratio = (x.logp - x.anchor_logp) * x.mask  # (N, T)
     lengths = x.mask.sum(dim=1).clamp(min=1)  # (N,)
@@ -119,7 +96,6 @@ def gspo(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.
     return loss, metrics
 
 
-@register_loss("cispo")
 def cispo(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     ratio = torch.exp(x.logp - x.anchor_logp)  # (N, T)
     weight = ratio.clamp(1 - s.clip_low, 1 + s.clip_high).detach()
@@ -160,19 +136,20 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, *, norm_constan
     return (per_seq * has_tokens).sum() / max(float(seqs), 1.0)
 
 
-KLEstimator = Literal["k1", "k2", "k3"]
+# Per-token estimates of KL(π_θ ‖ π_ref) from tokens sampled by the policy (Schulman's k1-k3),
+# registered by name (``tether.registry.kl_estimators``, ``train.kl_estimator``). With
+# d = log π_ref − log π_θ: k1 = −d, k2 = d²/2, k3 = exp(d) − d − 1 (unbiased, ≥ 0).
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(π_θ ‖ π_ref) from tokens sampled by the policy (Schulman's k1-k3).
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return logp - ref_logp
 
-    With d = log π_ref − log π_θ: k1 = −d, k2 = d²/2, k3 = exp(d) − d − 1 (unbiased, ≥ 0).
-    """
+
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     d = ref_logp - logp
-    if estimator == "k1":
-        return -d
-    if estimator == "k2":
-        return 0.5 * d * d
-    if estimator == "k3":
-        return torch.exp(d) - d - 1
-    raise ConfigError(f"unknown KL estimator {estimator!r}; valid ones are: k1, k2, k3")
+    return 0.5 * d * d
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import math
 
+from tether.errors import ConfigError
+
 SCHEDULES = ("constant", "linear", "cosine")
 
 
 def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
     """f(k): the multiple of the base rate for update ``step`` (0-based)."""
     if kind not in SCHEDULES:
-        raise ValueError(f"unknown learning-rate schedule {kind!r}; valid: {', '.join(SCHEDULES)}")
+        raise ConfigError(f"unknown learning-rate schedule {kind!r}; valid: {', '.join(SCHEDULES)}")
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
     if kind == "constant":

@@ -1,4 +1,4 @@
-"""Built-in verifiable tasks, looked up by name."""
+"""Verifiable tasks of the text family: built-in ones, and any a plug-in registers."""
 
 from tether.data.tasks.base import EVAL_BUCKET_PERCENT, Split, Task, split_of, strip_answer
 from tether.data.tasks.builtin import (
@@ -10,18 +10,14 @@ from tether.data.tasks.builtin import (
     SORT,
     evaluate_expression,
 )
-from tether.errors import ConfigError
-
-TASKS: dict[str, Task] = {t.name: t for t in (ARITHMETIC, COUNTDOWN, REVERSE, SORT, REPEAT)}
+from tether.registry import tasks
 
 
 def get_task(name: str) -> Task:
-    """The built-in task called ``name``; an unknown name lists the valid ones."""
-    try:
-        return TASKS[name]
-    except KeyError:
-        raise ConfigError(f"unknown task {name!r}; built-in tasks are: {', '.join(TASKS)}") from None
+    """The task called ``name`` (``tether.registry.tasks``: built in, or registered by a
+    plug-in); an unknown name lists the valid ones."""
+    return tasks.get(name)
 
 
-__all__ = ["EVAL_BUCKET_PERCENT", "FORMAT_CREDIT", "TASKS", "Split", "Task", "evaluate_expression",
-           "get_task", "split_of", "strip_answer"]
+__all__ = ["ARITHMETIC", "COUNTDOWN", "EVAL_BUCKET_PERCENT", "FORMAT_CREDIT", "REPEAT", "REVERSE", "SORT",
+           "Split", "Task", "evaluate_expression", "get_task", "split_of", "strip_answer"]

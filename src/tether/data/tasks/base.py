@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from tether.data.types import Example
 from tether.errors import ConfigError
+from tether.vocabulary import Example
 
 Split = Literal["train", "eval"]
 EVAL_BUCKET_PERCENT = 10
@@ -43,6 +43,8 @@ class Task:
     """Reward in [0, 1] for a completion of an example (partial credit for the format)."""
     stop: str = "\n"
     """Text that ends an answer, besides the tokenizer's end-of-sequence token."""
+    family: str = "text"
+    """The policy family whose samples it verifies (``model.family``)."""
 
     def examples(self, split: Split, n: int, *, seed: int = 0,
                  difficulty: int | None = None) -> list[Example]:

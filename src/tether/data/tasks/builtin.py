@@ -15,7 +15,7 @@ from collections.abc import Callable
 from fractions import Fraction
 
 from tether.data.tasks.base import Task, strip_answer
-from tether.data.types import Example
+from tether.vocabulary import Example
 
 FORMAT_CREDIT = 0.1
 """Reward for an answer in the right format that is wrong."""

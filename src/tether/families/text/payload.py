@@ -1,12 +1,14 @@
-"""The payload of a real rollout batch: B prompts × G samples, columnar, pure Python.
+"""The text family's payload: a rollout batch of B prompts × G completions, columnar, pure Python.
 
-It lives beside the loop's protocols because both sides use it: rollout workers build it and the
-learner trains on it, and neither imports the other.
+The sampler builds it in a rollout worker (``tether.families.text.sampler``); the learner's policy
+turns it into tensors (``tether.families.text.batch``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from tether.vocabulary import version_shares
 
 
 @dataclass
@@ -58,9 +60,4 @@ class ScoredBatch:
     def version_shares(self) -> dict[int, float]:
         """version → the share of the batch's tokens sampled under it, oldest first (empty when
         no sample has a token)."""
-        counts: dict[int, int] = {}
-        for versions in self.versions:
-            for v in versions:
-                counts[v] = counts.get(v, 0) + 1
-        total = sum(counts.values())
-        return {v: counts[v] / total for v in sorted(counts)}
+        return version_shares(self.versions)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tether.errors import ConfigError
-from tether.loop.scored import ScoredBatch
+from tether.errors import ConfigError, RolloutError
+from tether.families.text.payload import ScoredBatch
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def to_train_batch(scored: ScoredBatch, pad_id: int) -> TrainBatch:
     versions = torch.full((n, width - 1), -1, dtype=torch.long)
     for i, (seq, p, lps, vs) in enumerate(zip(seqs, prompts, scored.logprobs, scored.versions, strict=True)):
         if len(lps) != len(seq) - len(p) or len(vs) != len(lps):
-            raise ValueError(f"sample {i}: {len(lps)} log-probs and {len(vs)} versions for "
+            raise RolloutError(f"sample {i}: {len(lps)} log-probs and {len(vs)} versions for "
                              f"{len(seq) - len(p)} completion tokens")
         ids[i, : len(seq)] = torch.as_tensor(seq)
         attn[i, : len(seq)] = 1
@@ -71,7 +71,7 @@ def to_train_batch(scored: ScoredBatch, pad_id: int) -> TrainBatch:
         behavior[i, start:end] = torch.as_tensor(lps, dtype=torch.float32)
         versions[i, start:end] = torch.as_tensor(vs, dtype=torch.long)
     if not torch.isfinite(behavior).all():
-        raise ValueError("the engine's log-probs contain non-finite values")
+        raise RolloutError("the engine's log-probs contain non-finite values")
     truncated = torch.as_tensor([reason == "length" for reason in scored.finish_reasons], dtype=torch.bool)
     return TrainBatch(ids, attn, ids[:, 1:], mask, behavior,
                       torch.as_tensor(scored.rewards, dtype=torch.float32), g, versions, truncated)

@@ -1,7 +1,7 @@
 """The flow model as a policy: sampling a trajectory, and the log-probabilities of its steps.
 
 A sample is a trajectory x_{t_0} → x_{t_1} → … → x_{t_T} (t_0 = 1 noise, t_T = 0 the image);
-step j is a Gaussian policy action (``tether.flow.sde``). Its log-probability is taken per
+step j is a Gaussian policy action (``tether.families.flow.sde``). Its log-probability is taken per
 dimension — the Gaussian log-density averaged over the C·H·W coordinates of the image — as
 Flow-GRPO's reference implementation does: the ratio of two steps is then the geometric mean of
 the per-coordinate density ratios, which keeps PPO's clip range meaningful for images of any
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tether.flow.sde import gaussian_mean, sde_step, step_coefficients, step_mean_std, timesteps
+from tether.families.flow.sde import gaussian_mean, sde_step, step_coefficients, step_mean_std, timesteps
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ Each check reads the pixels on its own, so an image with the wrong colour can st
 other three.
 
 ``render`` draws an image that passes, from a random layout; the warm start trains on such
-images with deliberately noisy captions (``tether.flow.warmstart``).
+images with deliberately noisy captions (``tether.families.flow.warmstart``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from tether.data.types import Example
+from tether.errors import DataError
+from tether.vocabulary import Example
 
 SIZE = 16
 COUNTS = {"one": 1, "two": 2}
@@ -62,10 +63,10 @@ class Scene:
     def parse(cls, prompt: str) -> Scene:
         words = prompt.split()
         if len(words) != PROMPT_WORDS or words[0] not in COUNTS or words[1] not in COLOURS:
-            raise ValueError(f"not a shapes prompt: {prompt!r} (expected e.g. 'two blue circles left')")
+            raise DataError(f"not a shapes prompt: {prompt!r} (expected e.g. 'two blue circles left')")
         shape = words[2].rstrip("s")
         if shape not in SHAPES or words[3] not in POSITIONS:
-            raise ValueError(f"not a shapes prompt: {prompt!r} (expected e.g. 'two blue circles left')")
+            raise DataError(f"not a shapes prompt: {prompt!r} (expected e.g. 'two blue circles left')")
         return cls(COUNTS[words[0]], words[1], shape, words[3])
 
     def example(self) -> Example:
@@ -87,7 +88,7 @@ def encode(prompt: str) -> list[int]:
     ids = []
     for word in prompt.split():
         if word not in WORDS:
-            raise ValueError(f"word {word!r} of prompt {prompt!r} is not in the shapes vocabulary "
+            raise DataError(f"word {word!r} of prompt {prompt!r} is not in the shapes vocabulary "
                              f"{WORDS[1:]}")
         ids.append(WORDS.index(word))
     return ids

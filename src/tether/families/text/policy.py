@@ -1,10 +1,9 @@
-"""Policy families, as the learner sees them: how a rollout batch becomes training tensors, how
-a model gives the log-probability (and entropy) of every action column, and the KL term.
+"""The text family as the learner sees it (``tether.vocabulary.Policy``): a scored batch as
+training tensors, each completion token's log-probability (and entropy) — a column is a token —
+and the sampled KL estimators.
 
-``TextPolicy`` is the language-model family (a column is a completion token);
-``tether.flow.learn.FlowPolicy`` is the flow family (a column is a denoising step). The learner's
-advantages, losses, corrections, aggregation, skipping rules and metrics do not know which.
-"""
+The learner's advantages, losses, corrections, aggregation, skipping rules and metrics are the
+same for every family (``tether.families.flow.learn.FlowPolicy`` is the flow family's)."""
 
 from __future__ import annotations
 
@@ -13,16 +12,14 @@ from pathlib import Path
 
 import torch
 
+from tether import registry
+from tether.families.text.batch import TrainBatch, to_train_batch, token_logprobs
 from tether.modeling import load_causal_lm
-from tether.train.batch import TrainBatch, to_train_batch, token_logprobs
-from tether.train.losses import kl_penalty
 
 log = logging.getLogger("tether.train")
 
 
 class TextPolicy:
-    name = "lm"
-
     def __init__(self, temperature: float) -> None:
         self.temperature = temperature
         self.pad_id: int | None = None
@@ -31,6 +28,10 @@ class TextPolicy:
         model, tokenizer = load_causal_lm(path)
         self.pad_id = tokenizer.pad_token_id
         return model, tokenizer
+
+    def save(self, model, tokenizer, folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
 
     def batch(self, payload) -> TrainBatch:
         return to_train_batch(payload, self.pad_id)
@@ -42,7 +43,7 @@ class TextPolicy:
         return logp, entropy, logp
 
     def kl(self, basis: torch.Tensor, ref_basis: torch.Tensor, estimator: str) -> torch.Tensor:
-        return kl_penalty(basis, ref_basis, estimator)
+        return registry.kl_estimators.get(estimator)(basis, ref_basis)
 
     def fast_forward(self, model, enabled: bool):
         """The shared-prompt forward when asked for and the architecture has one, else None (the
@@ -60,7 +61,7 @@ class TextPolicy:
 
 def policy_for(family: str, temperature: float, *, flow_train_steps: int = 0):
     if family == "flow":
-        from tether.flow.learn import FlowPolicy
+        from tether.families.flow.learn import FlowPolicy
 
         return FlowPolicy(flow_train_steps)
     return TextPolicy(temperature)

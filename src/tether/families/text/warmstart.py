@@ -1,52 +1,26 @@
-"""Supervised warm start: fine-tune on a task's demonstrations until RL has something to work with.
-
-A base model whose groups are all wrong gets zero group-relative advantage and never moves, so RL
-starts from a model with a non-trivial pass rate. Training stops as soon as held-out greedy
-pass@1 reaches ``target_pass_rate`` (checked every ``eval_every`` steps), or at ``max_steps`` or
-``max_seconds``, leaving room above it for RL to show.
+"""The text family's warm start: fine-tune on a task's demonstrations (``tether.train.supervised``)
+until held-out greedy pass@1 reaches ``warmstart.target_pass_rate``, so RL has something to work
+with. Each training example's demonstration (or its answer) followed by EOS is the target; the
+loss covers target tokens only.
 """
 
 from __future__ import annotations
 
-import json
 import random
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from tether.data.types import Example
-from tether.decoding.sampling import SamplingParams, sample, stop_ids_for
+from tether.decoding.sampling import sample, stop_ids_for
 from tether.errors import ConfigError
+from tether.train.supervised import WarmstartResult, warmstart_loop, write_record
+from tether.vocabulary import Example, Progress, SamplingParams
 
 Score = Callable[[Example, str], float]
 """A completion's reward for an example, in [0, 1]; 1 counts as solved."""
-
-
-@dataclass(frozen=True)
-class WarmstartSettings:
-    """See the ``warmstart`` recipe section for each field."""
-
-    max_steps: int = 1500
-    batch_size: int = 64
-    lr: float = 3e-3
-    target_pass_rate: float = 0.3
-    eval_every: int = 25
-    max_seconds: float = 170.0
-    seed: int = 0
-
-
-@dataclass
-class WarmstartResult:
-    data: str
-    steps: int
-    seconds: float
-    pass_at_1_before: float
-    pass_at_1_after: float
-    stopped_because: str
-    history: list[dict[str, float]] = field(default_factory=list)
 
 
 def encode_demonstrations(tokenizer, examples: Sequence[Example]) -> list[tuple[list[int], int]]:
@@ -100,17 +74,15 @@ def warmstart(
     held_out: Sequence[Example],
     score: Score,
     *,
+    settings: Any,
+    seed: int = 0,
     stop_text: str = "\n",
     description: str = "",
     out_dir: str | Path | None = None,
-    settings: WarmstartSettings = WarmstartSettings(),
-    on_progress: Callable[[int, Mapping[str, float]], None] | None = None,
+    on_progress: Progress | None = None,
 ) -> WarmstartResult:
-    """Fine-tune the model in ``model_dir`` on demonstrations; save to ``out_dir`` (default: in place).
-
-    Each training example's demonstration (or its answer) followed by EOS is the target; the loss
-    covers target tokens only.
-    """
+    """Fine-tune the model in ``model_dir`` on demonstrations under the ``warmstart`` section's
+    ``settings``; save to ``out_dir`` (default: in place) with ``warmstart.json``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = Path(model_dir)
@@ -119,54 +91,38 @@ def warmstart(
             f"{model_dir} is not a model directory (no config.json); run `tether init-model` first"
         )
     s = settings
-    torch.manual_seed(s.seed)
+    torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     train = encode_demonstrations(tokenizer, train_examples)
-
-    def evaluate() -> float:
-        return pass_at_1(model, tokenizer, score, held_out, stop_text=stop_text)
-
     # Not the fused kernel the learner uses: its different rounding changes which step reaches
     # the target and so the demo's starting model (tried: 21% after 590 steps instead of 22%
     # after 535, and the demo's RL gained 17 points from there instead of 24.5); it would save
     # ~4 s of ~65.
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
-    rng = random.Random(s.seed)
+    rng = random.Random(seed)
 
-    t0 = time.monotonic()
-    before = evaluate()
-    result = WarmstartResult(data=description, steps=0, seconds=0.0,
-                             pass_at_1_before=before, pass_at_1_after=before, stopped_because="max_steps")
-    model.train()
-    for step in range(1, s.max_steps + 1):
+    def loss_at(step: int) -> torch.Tensor:
         chosen = rng.sample(train, min(s.batch_size, len(train)))
         ids, mask, labels = sft_batch(chosen, tokenizer.pad_token_id)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        result.steps = step
-        metrics = {"loss": float(loss.detach()), "seconds": time.monotonic() - t0}
-        if step % s.eval_every == 0 or step == s.max_steps:
-            metrics["pass_at_1"] = result.pass_at_1_after = evaluate()
-            result.history.append({"step": step, **metrics})
-        if on_progress is not None:
-            on_progress(step, metrics)
-        if result.pass_at_1_after >= s.target_pass_rate and "pass_at_1" in metrics:
-            result.stopped_because = "target_pass_rate"
-            break
-        if metrics["seconds"] > s.max_seconds:
-            result.stopped_because = "max_seconds"
-            result.pass_at_1_after = evaluate()
-            break
-    result.seconds = time.monotonic() - t0
+        return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    def evaluate() -> dict[str, float]:
+        return {"pass_at_1": pass_at_1(model, tokenizer, score, held_out, stop_text=stop_text)}
+
+    result = warmstart_loop(model, optimizer, loss_at, evaluate, s, data=description, on_progress=on_progress)
     out = Path(out_dir) if out_dir is not None else model_dir
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / "warmstart.json").write_text(
-        json.dumps({**asdict(result), "settings": asdict(s)}, indent=2) + "\n"
-    )
+    write_record(out, result, {**asdict(s), "seed": seed})
     return result
+
+
+def run_warmstart(cfg: Any, model_dir: Path, out_dir: Path, on_progress: Progress | None = None):
+    """Warm-start ``model_dir`` on the recipe's data and reward; write the result to ``out_dir``."""
+    family = cfg.family()
+    data = family.data(cfg, model_dir)
+    return warmstart(model_dir, data.train, data.eval, family.scorer(cfg), stop_text=data.stop_text,
+                     description=data.description, out_dir=out_dir, settings=cfg.warmstart,
+                     seed=cfg.run.seed, on_progress=on_progress)

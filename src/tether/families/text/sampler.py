@@ -1,4 +1,4 @@
-"""The language-model family's side of a rollout worker: prompts tokenized, completions sampled
+"""The text family's side of a rollout worker: prompts tokenized, completions sampled
 by the built-in engine or vLLM, decoded and scored, gathered into one ``ScoredBatch``."""
 
 from __future__ import annotations
@@ -6,36 +6,26 @@ from __future__ import annotations
 import math
 import time
 
-from tether.loop.scored import ScoredBatch
+from tether.data.rewards import score_all
+from tether.families.text.payload import ScoredBatch
 from tether.procinfo import peak_rss_mb
-from tether.rollout.types import WorkItem
+from tether.vocabulary import WorkItem
 
 
 class TextSampler:
-    """The tokenizer, the engine and the reward of one worker (``WorkerSpec``)."""
+    """The tokenizer, the token engine (``rollout.engine``) and the reward of one worker."""
 
-    def __init__(self, spec, device) -> None:
-        from tether.data.rewards import scorer
+    def __init__(self, cfg, model_path: str, stop_text: str, *, device, threads: int, seed: int) -> None:
+        from tether import registry
         from tether.decoding.sampling import stop_ids_for
         from tether.modeling import load_tokenizer
 
-        self.spec = spec
-        self.tokenizer = load_tokenizer(spec.model_path)
-        stop_ids = stop_ids_for(self.tokenizer, spec.stop_text)
-        if spec.engine == "vllm":
-            from tether.rollout.vllm_engine import VLLMEngine, VllmOptions
-
-            self.engine = VLLMEngine(spec.model_path, stop_ids=stop_ids, device=device.type,
-                                     options=spec.vllm or VllmOptions(), threads=spec.num_threads,
-                                     seed=spec.seed)
-        else:
-            from tether.modeling import load_causal_lm
-            from tether.rollout.torch_engine import TorchEngine
-
-            model, _ = load_causal_lm(spec.model_path)
-            self.engine = TorchEngine(model.to(device), pad_id=self.tokenizer.pad_token_id, stop_ids=stop_ids,
-                                      decoder=spec.decoder)
-        self.score = scorer(spec.reward, task=spec.task)
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(model_path)
+        stop_ids = stop_ids_for(self.tokenizer, stop_text)
+        self.engine = registry.engines.get(cfg.rollout.engine).build(
+            cfg, model_path, self.tokenizer, stop_ids, device=device, threads=threads, seed=seed)
+        self.score = cfg.family().scorer(cfg)
 
     def generate(self, item: WorkItem) -> ScoredBatch:
         t0 = time.perf_counter()
@@ -63,15 +53,14 @@ class TextSampler:
         n = len(batch.rewards)  # the pool checks the batch is whole when it arrives
         mean = sum(batch.rewards) / n
         tokens = sum(len(t) for t in batch.completion_ids)
-        if self.spec.inflight_update != "drain":
+        if self.cfg.async_.inflight_update != "drain":
             wasted, switches = self.engine.take_counts()
             batch.metrics.update({
                 "rollout/weight_switches": float(switches),
                 "rollout/wasted_tokens": float(wasted),
                 "staleness/multi_version_seq_frac": sum(len(set(v)) > 1 for v in batch.versions) / n,
             })
-        if self.spec.engine == "torch":  # which decoder sampled it (rollout.decoder)
-            batch.metrics["rollout/native_decoder"] = float(self.engine.decoder_path == "native")
+        batch.metrics.update(self.engine.report())
         batch.metrics.update({
             "reward/mean": mean,
             "reward/std": math.sqrt(sum((r - mean) ** 2 for r in batch.rewards) / n),
@@ -96,21 +85,15 @@ class TextSampler:
         sampled = self.engine.generate(prompt_ids, samples_per_prompt=item.group_size, params=item.params,
                                        seed=seed)
         t0 = time.perf_counter()
-        groups = []
-        for (position, example), ids, samples in zip(prompts, prompt_ids, sampled, strict=True):
-            texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in samples]
-            rewards = [self._reward(example, t) for t in texts]
-            groups.append(Group(position, example, ids, list(samples), rewards, texts))
+        texts = [[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in samples]
+                 for samples in sampled]
+        pairs = [(example, text)
+                 for (_, example), group in zip(prompts, texts, strict=True) for text in group]
+        rewards, errors = score_all(self.score, pairs, on_error=self.cfg.reward.on_error)
+        self._errors += errors
+        g = item.group_size
+        groups = [Group(position, example, ids, list(samples), rewards[i * g:(i + 1) * g], group_texts)
+                  for i, ((position, example), ids, samples, group_texts)
+                  in enumerate(zip(prompts, prompt_ids, sampled, texts, strict=True))]
         self._score_s += time.perf_counter() - t0
         return groups
-
-    def _reward(self, example, text: str) -> float:
-        try:
-            return self.score(example, text)
-        except Exception:
-            if self.spec.reward_on_error == "raise":
-                raise
-            self._errors += 1
-            return 0.0
-
-

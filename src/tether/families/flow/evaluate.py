@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tether.data.rewards import Scorer
-from tether.data.types import Example
-from tether.flow import scenes
-from tether.flow.policy import FlowSampling, generate_images, sample
+from tether.families.flow import scenes
+from tether.families.flow.policy import FlowSampling, generate_images, sample
+from tether.vocabulary import Example
 
 
 class FlowEvaluator:
@@ -95,3 +96,30 @@ def save_grid(images: torch.Tensor, path: Path, *, columns: int = 8, scale: int 
     size = (canvas.shape[1] * scale, canvas.shape[0] * scale)
     Image.fromarray(canvas).resize(size, Image.NEAREST).save(tmp)
     os.replace(tmp, path)
+
+
+def report_samples(pictures: list[Path], evals: list[dict[str, Any]], path: Path, rows: int = 5) -> Path:
+    """Up to ``rows`` evaluations' image grids, evenly spaced from the first to the last, each
+    titled with its step and held-out reward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    last = len(pictures) - 1
+    chosen = sorted({round(i * last / max(rows - 1, 1)) for i in range(min(rows, len(pictures)))})
+    reward = {int(e["step"]): e.get("eval/reward_mean") for e in evals}
+    fig, axes = plt.subplots(len(chosen), 1, figsize=(8, 1.6 * len(chosen) + 0.4), squeeze=False)
+    for ax, i in zip(axes[:, 0], chosen, strict=True):
+        step = int(pictures[i].stem.split("_")[1])
+        ax.imshow(Image.open(pictures[i]))
+        r = reward.get(step)
+        ax.set_title(f"after {step} batches" + (f": held-out reward {r:.3f}" if r is not None else ""),
+                     fontsize=9)
+        ax.axis("off")
+    fig.suptitle("held-out prompts (ODE samples, fixed noise)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

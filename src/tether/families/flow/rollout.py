@@ -10,32 +10,26 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from tether.flow import scenes
-from tether.flow.model import FlowModel
-from tether.flow.policy import FlowSampling, sample
-from tether.modeling import bind_into, load_into
+from tether.data.rewards import score_all
+from tether.families.flow import scenes
+from tether.families.flow.model import FlowModel
+from tether.families.flow.policy import FlowSampling, sample
 from tether.procinfo import peak_rss_mb
-from tether.rollout.types import WorkItem
+from tether.rollout.model_engine import ModelEngine
+from tether.vocabulary import WorkItem, version_shares
 
 
-class FlowEngine:
+class FlowEngine(ModelEngine):
     """Samples trajectories with its own copy of the weights; stamps its version on every step."""
 
     def __init__(self, model: FlowModel, sampling: FlowSampling, *, version: int = 0) -> None:
-        self.model = model.eval().requires_grad_(False)
+        super().__init__(model.requires_grad_(False), version=version)
         self.sampling = sampling
-        self._version = version
-        self.device = next(model.parameters()).device
-
-    @property
-    def version(self) -> int:
-        return self._version
 
     def generate(self, words: torch.Tensor, *, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """One trajectory per row of ``words``: (latents (N, T + 1, C, H, W), step log-probs (N, T),
@@ -44,19 +38,6 @@ class FlowEngine:
         latents, logps, versions = sample(self.model, words.to(self.device), self.sampling,
                                           generator=generator, poll=lambda: self._version)
         return latents.cpu(), logps.cpu(), versions
-
-    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        load_into(self.model, weights)
-        self._version = version
-
-    def bind(self, weights: Mapping[str, torch.Tensor], version: int | None = None) -> None:
-        """Sample from ``weights`` in place (CPU); copied in on a GPU."""
-        if self.device.type != "cpu":
-            self.load_weights(weights, self._version if version is None else version)
-            return
-        bind_into(self.model, weights)
-        if version is not None:
-            self._version = version
 
 
 @dataclass
@@ -102,12 +83,7 @@ class FlowBatch:
             raise ValueError(f"flow batch trajectories do not have the {steps} steps of its times")
 
     def version_shares(self) -> dict[int, float]:
-        counts: dict[int, int] = {}
-        for versions in self.versions:
-            for v in versions:
-                counts[v] = counts.get(v, 0) + 1
-        total = sum(counts.values())
-        return {v: counts[v] / total for v in sorted(counts)}
+        return version_shares(self.versions)
 
     def images(self) -> torch.Tensor:
         """The final images, (N, C, H, W) in [−1, 1]."""
@@ -115,38 +91,24 @@ class FlowBatch:
 
 
 class FlowSampler:
-    """The flow model, its engine and the image reward of one worker (``WorkerSpec``)."""
+    """The flow model, its engine and the image reward of one worker."""
 
-    def __init__(self, spec, device: torch.device) -> None:
-        from tether.flow.task import flow_scorer
-
-        self.spec = spec
-        if spec.engine != "torch":
-            raise ValueError(f"rollout.engine={spec.engine} samples text; model.family=flow uses the "
-                             "built-in engine")
-        self.engine = FlowEngine(FlowModel.from_pretrained(spec.model_path).to(device), spec.flow)
-        self.score = flow_scorer(spec.reward, task=spec.task)
+    def __init__(self, cfg, model_path: str, *, device: torch.device) -> None:
+        self.cfg = cfg
+        self.sampling = sampling_of(cfg)
+        self.engine = FlowEngine(FlowModel.from_pretrained(model_path).to(device), self.sampling)
+        self.score = cfg.family().scorer(cfg)
 
     def generate(self, item: WorkItem) -> FlowBatch:
-        if item.dynamic is not None:
-            raise ValueError("dynamic sampling is not supported with model.family=flow")
         t0 = time.perf_counter()
         g = item.group_size
         words = torch.tensor([scenes.encode(ex.prompt) for _, ex in item.examples]).repeat_interleave(g, 0)
         latents, logps, versions = self.engine.generate(words, seed=item.seed)
         generate_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        errors = 0
-        rewards = []
-        for i, image in enumerate(latents[:, -1]):
-            example = item.examples[i // g][1]
-            try:
-                rewards.append(self.score(example, scenes.to_pixels(image)))
-            except Exception:
-                if self.spec.reward_on_error == "raise":
-                    raise
-                errors += 1
-                rewards.append(0.0)
+        images = latents[:, -1]
+        pairs = [(item.examples[i // g][1], scenes.to_pixels(image)) for i, image in enumerate(images)]
+        rewards, errors = score_all(self.score, pairs, on_error=self.cfg.reward.on_error)
         score_s = time.perf_counter() - t0
         n = len(rewards)
         mean = sum(rewards) / n
@@ -158,12 +120,17 @@ class FlowSampler:
             "time/generate": generate_s,
             "time/score": score_s,
             "throughput/gen_images_per_s": n / max(generate_s, 1e-9),
-            "throughput/gen_steps_per_s": n * self.spec.flow.steps / max(generate_s, 1e-9),
+            "throughput/gen_steps_per_s": n * self.sampling.steps / max(generate_s, 1e-9),
             "memory/rollout_peak_mb": peak_rss_mb(),
         }
         return FlowBatch(positions=[p for p, _ in item.examples],
                          prompts=[ex.prompt for _, ex in item.examples],
                          words=words.numpy(), latents=latents.numpy(), logprobs=logps.numpy(),
                          versions=[list(versions) for _ in range(n)], rewards=rewards,
-                         times=self.spec.flow.times().numpy(), noise_level=self.spec.flow.noise_level,
+                         times=self.sampling.times().numpy(), noise_level=self.sampling.noise_level,
                          group_size=g, metrics=metrics, seed=item.seed)
+
+
+def sampling_of(cfg) -> FlowSampling:
+    """How the recipe's trajectories are sampled (its ``flow`` section)."""
+    return FlowSampling(steps=cfg.flow.steps, noise_level=cfg.flow.noise_level)

@@ -1,7 +1,5 @@
-"""The recipe section of the flow family (``model.family=flow``): Flow-GRPO's sampler and the
-tiny model a run builds. Part of the schema (``tether.config.schema.SECTIONS``); refused unless
-the family is flow, and the language-model-only keys are refused with it
-(``Config._check_flow``)."""
+"""The flow family's own recipe section (``flow``; ``Family.section``): Flow-GRPO's sampler and the
+tiny model a run builds. Refused unless ``model.family=flow`` (``tether.config.features``)."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from tether.data.rewards import Scorer
-from tether.data.types import Example
 from tether.decoding.sampling import SamplingParams, sample, stepper_for, stop_ids_for
+from tether.vocabulary import Example
 
 
 class Evaluator:

@@ -23,12 +23,14 @@ import math
 
 import torch
 
+from tether.errors import ConfigError
+
 
 def timesteps(steps: int, *, shift: float = 1.0) -> torch.Tensor:
     """``steps`` + 1 times from 1 to 0 (uniform, or bent towards the noise end by ``shift`` as
     SD3 does: t ↦ shift·t / (1 + (shift − 1)·t))."""
     if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+        raise ConfigError(f"flow.steps must be >= 1, got {steps}")
     t = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
     return (shift * t / (1 + (shift - 1) * t)).float()
 

@@ -1,12 +1,12 @@
 """The flow family's side of the learner: a ``FlowBatch`` as training tensors, and the per-step
 log-probabilities, entropies and KL terms the shared loss code needs.
 
-The learner (``tether.train.learner.TorchLearner``) is written against a *policy family*: token
-columns for a language model, denoising steps here. Each step of a trajectory is one column of
+The learner (``tether.train.learner.TorchLearner``) is written against a family's *policy*: token
+columns for the text family, denoising steps here. Each step of a trajectory is one column of
 the (N, T) tensors, so the advantages (one per sample, shared by all its steps), the PPO clip per
 step, the anchors, the TIS/mask corrections, the aggregations and every ratio metric are the very
 code language models train with. The KL to the reference model is the closed form for two
-Gaussians of the same std (``tether.flow.policy.gaussian_kl``), not a sampled estimator.
+Gaussians of the same std (``tether.families.flow.policy.gaussian_kl``), not a sampled estimator.
 
 With ``flow.train_steps`` = K < T the learner trains K of each trajectory's T steps, drawn at
 random per trajectory (Flow-GRPO's ``timestep_fraction`` = K/T): the columns are then those K
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from tether.errors import ConfigError
-from tether.flow.model import FlowModel
-from tether.flow.policy import gaussian_entropy, gaussian_kl, step_logprobs
+from tether.errors import ConfigError, RolloutError
+from tether.families.flow.model import FlowModel
+from tether.families.flow.policy import gaussian_entropy, gaussian_kl, step_logprobs
 
 
 @dataclass(frozen=True)
@@ -72,14 +72,14 @@ def trained_steps(n: int, steps: int, k: int, seed: int) -> torch.Tensor:
 
 
 def to_flow_batch(payload, train_steps: int = 0) -> FlowTrainBatch:
-    """Tensors of a ``tether.flow.rollout.FlowBatch``, with ``train_steps`` of each trajectory's
+    """Tensors of a ``tether.families.flow.rollout.FlowBatch``, with ``train_steps`` of each trajectory's
     steps (0: all); refuses one without the engine's log-probs."""
     if payload.logprobs is None or not len(payload.logprobs):
         raise ConfigError("the rollout batch carries no engine log-probs, which the loss needs for its ratio "
                           "and corrections")
     logp = torch.tensor(payload.logprobs, dtype=torch.float32)  # a copy: Ray's arrays are read-only
     if not torch.isfinite(logp).all():
-        raise ValueError("the engine's step log-probs contain non-finite values")
+        raise RolloutError("the engine's step log-probs contain non-finite values")
     n, steps = logp.shape
     chosen = trained_steps(n, steps, train_steps, payload.seed)
     return FlowTrainBatch(
@@ -93,9 +93,7 @@ def to_flow_batch(payload, train_steps: int = 0) -> FlowTrainBatch:
 
 
 class FlowPolicy:
-    """What the learner asks of the flow family."""
-
-    name = "flow"
+    """What the learner asks of the flow family (``tether.vocabulary.Policy``)."""
 
     def __init__(self, train_steps: int = 0) -> None:
         self.train_steps = train_steps
@@ -104,6 +102,9 @@ class FlowPolicy:
     def load(self, path: str | Path):
         """(model, tokenizer): the flow model has a fixed word vocabulary, no tokenizer to save."""
         return FlowModel.from_pretrained(path), None
+
+    def save(self, model, tokenizer, folder: Path) -> None:
+        model.save_pretrained(folder)
 
     def batch(self, payload) -> FlowTrainBatch:
         return to_flow_batch(payload, self.train_steps)

@@ -1,0 +1,124 @@
+"""What a recipe asks of the family, engine and backend it chose, checked in one place.
+
+Each plug-in declares what is its own and what it can do; the rules here are the same for all of
+them, and every refusal is generated from the declarations:
+
+- a section or key owned by an engine, backend or family that is not chosen is refused unless it
+  is left at its default (the vllm section without ``rollout.engine=vllm``, ``rollout.decoder``
+  without the built-in engine, the flow section without ``model.family=flow``);
+- the chosen family's ``Capabilities`` bound the engine, the backend and the in-flight update
+  mode, and every optional feature a recipe asks for (``FEATURES``) must be among its features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from tether import registry
+from tether.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Feature:
+    """An optional capability a family may have, and the setting that asks for it."""
+
+    name: str
+    what: str
+    asked: Callable[[Any], str | None]
+    """The ``key=value`` of the recipe that asks for it, or None."""
+
+
+def _changed(cfg: Any, keys: Iterable[str]) -> str | None:
+    """``key=value`` of the first of ``keys`` (``section.key``) set away from its default."""
+    for key in keys:
+        section, name = key.split(".")
+        value = getattr(cfg.section(section), name)
+        default = getattr(type(cfg.section(section))(), name)
+        if value != default:
+            return f"{key}={value}"
+    return None
+
+
+def _when(cond: bool, text: str) -> str | None:
+    return text if cond else None
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature("token_sampling", "sampling tokens", lambda c: _changed(
+        c, ("rollout.max_new_tokens", "rollout.temperature", "rollout.top_k", "rollout.top_p"))),
+    Feature("decoder", "a choice of token decoder", lambda c: _changed(c, ("rollout.decoder",))),
+    Feature("dynamic_sampling", "DAPO's dynamic sampling",
+            lambda c: _when(c.rollout.dynamic_sampling, "rollout.dynamic_sampling=true")),
+    Feature("truncation", "completions cut off at a length", lambda c: _changed(
+        c, ("reward.overlong_buffer", "train.mask_truncated"))),
+    Feature("shared_prefix", "a prompt prefix shared by each group's samples",
+            lambda c: _changed(c, ("train.shared_prefix",))),
+    Feature("datasets", "text datasets (data.dataset)",
+            lambda c: _when(bool(c.data.dataset), f"data.dataset={c.data.dataset}")),
+    Feature("attribution", "the staleness/numerics split of each log-ratio",
+            lambda c: _when(c.metrics.attribution, "metrics.attribution=true")),
+    Feature("learner_ranks", "learner ranks (FSDP2 over several processes)",
+            lambda c: _when(c.train.world_size > 1, f"train.world_size={c.train.world_size}")),
+    Feature("learner_actor", "the learner in a Ray actor",
+            lambda c: _when(c.ray.learner == "actor", "ray.learner=actor")),
+)
+FEATURE_NAMES = frozenset(f.name for f in FEATURES)
+
+
+def _is_default(value: Any) -> bool:
+    return value == type(value)()
+
+
+def check_ownership(cfg: Any) -> None:
+    """Refuse a section or key set for an engine, backend or family that is not chosen."""
+    chosen = {"engines": cfg.rollout.engine, "backends": cfg.rollout.backend, "families": cfg.model.family}
+    for kind, name in chosen.items():
+        reg = getattr(registry, kind)
+        for other in reg.names():
+            if other == name:
+                continue
+            plugin = reg.get(other)
+            section = _section_name(plugin)
+            if section is not None and cfg.has_section(section) and not _is_default(cfg.section(section)):
+                raise ConfigError(f"the {section} section is set, but it is read only with {reg.key}={other} "
+                                  f"({reg.key} is {name!r}); set {reg.key}={other} to use it, or remove "
+                                  f"the {section} keys")
+            for key in getattr(plugin, "keys", ()):
+                asked = _changed(cfg, (key,))
+                if asked is not None:
+                    raise ConfigError(f"{asked} is read only with {reg.key}={other} ({reg.key} is "
+                                      f"{name!r}); remove {key}, or set {reg.key}={other}")
+
+
+def _section_name(plugin: Any) -> str | None:
+    section = getattr(plugin, "section", None)
+    return section[0] if isinstance(section, tuple) else section
+
+
+def check_capabilities(cfg: Any, family: Any) -> None:
+    """Refuse what the chosen family cannot run with, saying what it supports."""
+    caps = family.capabilities
+    unknown = set(caps.features) - FEATURE_NAMES
+    assert not unknown, f"family {family.name} declares unknown features {sorted(unknown)}"
+    axes = (("engines", "rollout.engine", cfg.rollout.engine),
+            ("backends", "rollout.backend", cfg.rollout.backend),
+            ("inflight_updates", "async.inflight_update", cfg.async_.inflight_update))
+    for axis, key, value in axes:
+        allowed = getattr(caps, axis)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value}: model.family={family.name} runs with {key} "
+                              f"{' or '.join(allowed)} only" + _why(caps, axis))
+    for feature in FEATURES:
+        asked = feature.asked(cfg)
+        if asked is not None and feature.name not in caps.features:
+            raise ConfigError(f"{asked} asks for {feature.what}, which model.family={family.name} does not "
+                              "have" + _why(caps, feature.name) + "; remove it (docs/architecture.md lists "
+                              "what each family supports)")
+
+
+def _why(caps: Any, name: str) -> str:
+    note = caps.notes.get(name)
+    return f" ({note})" if note else ""
+

@@ -1,0 +1,68 @@
+"""What most families share, as defaults a family class may keep or override.
+
+A family (``tether.vocabulary.Family``) is registered as an instance; subclassing ``FamilyBase``
+leaves a new family to say what a sample is (its sampler and payload), how the learner scores it
+(its policy), how a model is built and evaluated, and what it supports (``Capabilities``).
+Everything here imports lazily: config checks load a family without loading torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tether.vocabulary import Capabilities, DataBundle, Evaluate, Policy, Progress, Sampler
+
+
+class FamilyBase:
+    name: str = ""
+    description: str = ""
+    section: tuple[str, type] | None = None
+    keys: tuple[str, ...] = ()
+    """Keys of shared sections only this family reads (refused with another family)."""
+    capabilities: Capabilities = Capabilities()
+    warmstart_fields: tuple[str, ...] = ("loss",)
+
+    def check(self, cfg: Any) -> None:
+        """No rules of its own."""
+
+    def norm_constant(self, cfg: Any) -> int:
+        return cfg.rollout.max_new_tokens
+
+    def build_model(self, cfg: Any, out: Path, on_progress: Progress | None) -> str:
+        from tether.errors import ConfigError
+
+        raise ConfigError(f"model.family={self.name} cannot build a model: point model.path at an "
+                          "existing model directory and set model.create_if_missing=false")
+
+    def build_differences(self, cfg: Any, path: Path) -> list[str]:
+        return []
+
+    def scorer(self, cfg: Any) -> Any:
+        raise NotImplementedError
+
+    def data(self, cfg: Any, model_path: Path) -> DataBundle:
+        raise NotImplementedError
+
+    def sampler(self, cfg: Any, model_path: str, stop_text: str, *, device: Any, threads: int,
+                seed: int) -> Sampler:
+        raise NotImplementedError
+
+    def policy(self, cfg: Any) -> Policy:
+        raise NotImplementedError
+
+    def evaluator(self, cfg: Any, model: Any, tokenizer: Any, data: DataBundle, score: Any, *,
+                  num_samples: int | None = None, run_dir: Path | None = None) -> Evaluate:
+        raise NotImplementedError
+
+    def eval_summary(self, cfg: Any, metrics: Mapping[str, float], samples: int) -> list[str]:
+        """Every ``eval/*`` figure, one per line."""
+        return [f"  {key.removeprefix('eval/')}: {value:.4g}" for key, value in sorted(metrics.items())
+                if key.startswith("eval/")]
+
+    def report(self, run_dir: Path, evals: list[dict[str, Any]], out: Path) -> list[Path]:
+        return []
+
+    def __repr__(self) -> str:
+        return f"<family {self.name}>"

@@ -1,0 +1,131 @@
+"""The flow family (``model.family: flow``): flow-matching image generators trained with Flow-GRPO
+(docs/flow.md). A sample is an image's denoising trajectory; an action (a column of the training
+tensors) is one SDE step.
+
+- ``sde``: the sampling ODE as an SDE with the same marginals; each step a Gaussian policy;
+- ``policy``: trajectories and the per-step log-probabilities, means and closed-form KL;
+- ``model``: a tiny conditional DiT and its model directory;
+- ``scenes`` / ``task``: the built-in ``shapes`` task (prompts, drawn images, a pixel verifier)
+  and image rewards;
+- ``warmstart``: flow matching on drawn images until the model is sometimes right;
+- ``rollout``: the engine and the worker's sampler, and the ``FlowBatch`` payload;
+- ``learn``: the learner's side (``FlowPolicy``: a column is a denoising step);
+- ``evaluate``: held-out reward and pass rate, and the image grids ``tether report`` shows;
+- ``options``: its recipe section, ``flow``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tether.errors import ConfigError
+from tether.families.base import FamilyBase
+from tether.families.flow.options import FlowSection
+from tether.vocabulary import Capabilities, DataBundle, Progress
+
+NOT_YET = "not supported by the flow family yet"
+
+
+class FlowFamily(FamilyBase):
+    name = "flow"
+    description = "flow-matching image generators (Flow-GRPO): a sample is a trajectory, an action a step"
+    section = ("flow", FlowSection)
+    capabilities = Capabilities(
+        engines=("torch",), inflight_updates=("drain",), features=frozenset(),
+        notes={"engines": "vLLM serves language models", "inflight_updates": NOT_YET,
+               "token_sampling": "a flow model's sampling is the flow section",
+               "decoder": "a flow model's sampler has no native form",
+               "dynamic_sampling": NOT_YET, "learner_ranks": NOT_YET, "learner_actor": NOT_YET,
+               "attribution": NOT_YET, "datasets": "use data.task=shapes",
+               "truncation": "trajectories are never truncated",
+               "shared_prefix": "no prompt prefix is shared"})
+    warmstart_fields = ("loss", "pass_at_1", "reward")
+
+    def check(self, cfg: Any) -> None:
+        if cfg.flow.train_steps > cfg.flow.steps:
+            raise ConfigError(f"flow.train_steps={cfg.flow.train_steps} exceeds the flow.steps="
+                              f"{cfg.flow.steps} steps of a trajectory; lower it (0 trains all of them)")
+
+    def norm_constant(self, cfg: Any) -> int:
+        return cfg.flow.train_steps or cfg.flow.steps
+
+    def build_model(self, cfg: Any, out: Path, on_progress: Progress | None) -> str:
+        """A new tiny flow model (the flow section's size) warm-started by flow matching on drawn
+        images of the train split (``tether.families.flow.warmstart``)."""
+        import logging
+
+        from tether.families.flow import scenes
+        from tether.families.flow.model import FlowModelConfig
+        from tether.families.flow.rollout import sampling_of
+        from tether.families.flow.warmstart import flow_warmstart
+
+        data = self.data(cfg, out)
+        config = FlowModelConfig(vocab=scenes.WORDS, width=cfg.flow.init_width, depth=cfg.flow.init_depth,
+                                 patch=4)
+        logging.getLogger("tether.data").info("building a flow model (width %d, depth %d); warm-starting it",
+                                              config.width, config.depth)
+        warm = flow_warmstart(out, config, data.train, data.eval, self.scorer(cfg), settings=cfg.warmstart,
+                              seed=cfg.run.seed, eval_steps=cfg.flow.eval_steps, sampling=sampling_of(cfg),
+                              on_progress=on_progress)
+        return (f"warm start: held-out reward {warm.before['reward']:.3f} → {warm.after['reward']:.3f}, "
+                f"pass@1 {100 * warm.pass_at_1_before:.1f}% → {100 * warm.pass_at_1_after:.1f}% in "
+                f"{warm.steps} steps, {warm.seconds:.0f}s")
+
+    def build_differences(self, cfg: Any, path: Path) -> list[str]:
+        from tether.families.flow.model import read_config
+
+        config = read_config(path)
+        return [f"flow.{key}: built with {have}, the recipe says {getattr(cfg.flow, key)}"
+                for key, have in (("init_width", config.width), ("init_depth", config.depth))
+                if have != getattr(cfg.flow, key)]
+
+    def scorer(self, cfg: Any) -> Any:
+        from tether.families.flow.task import flow_scorer
+
+        return flow_scorer(cfg)
+
+    def data(self, cfg: Any, model_path: Path) -> DataBundle:
+        from tether.families.flow.task import flow_data
+
+        return flow_data(cfg)
+
+    def sampler(self, cfg: Any, model_path: str, stop_text: str, *, device: Any, threads: int, seed: int):
+        from tether.families.flow.rollout import FlowSampler
+
+        return FlowSampler(cfg, model_path, device=device)
+
+    def policy(self, cfg: Any):
+        from tether.families.flow.learn import FlowPolicy
+
+        return FlowPolicy(cfg.flow.train_steps)
+
+    def evaluator(self, cfg: Any, model: Any, tokenizer: Any, data: DataBundle, score: Any, *,
+                  num_samples: int | None = None, run_dir: Path | None = None):
+        """Held-out reward; with ``run_dir``, pictures of the fixed held-out prompts at every
+        evaluation (``samples/``, which ``tether report`` lays out)."""
+        from tether.families.flow.evaluate import FlowEvaluator
+        from tether.families.flow.rollout import sampling_of
+
+        k = cfg.eval.num_samples if num_samples is None else num_samples
+        return FlowEvaluator(model, data.eval, score, eval_steps=cfg.flow.eval_steps,
+                             sampling=sampling_of(cfg), seed=cfg.run.seed, num_samples=k,
+                             images_to=None if run_dir is None else run_dir / "samples")
+
+    def eval_summary(self, cfg: Any, metrics: Mapping[str, float], samples: int) -> list[str]:
+        return [f"  ODE ({cfg.flow.eval_steps} steps): pass@1 {metrics['eval/pass_at_1']:.1%}, mean reward "
+                f"{metrics['eval/reward_mean']:.3f}",
+                f"  SDE ({cfg.flow.steps} steps, noise {cfg.flow.noise_level:g}): pass@1 "
+                f"{metrics['eval/sampled_pass_at_1']:.1%}, mean reward "
+                f"{metrics['eval/sampled_reward_mean']:.3f}  ({samples} per prompt)"]
+
+    def report(self, run_dir: Path, evals: list[dict[str, Any]], out: Path) -> list[Path]:
+        """``samples.png``: the held-out prompts' images at evaluations across the run."""
+        from tether.families.flow.evaluate import report_samples
+
+        pictures = sorted((run_dir / "samples").glob("step_*.png"))
+        return [report_samples(pictures, evals, out / "samples.png")] if pictures else []
+
+
+FAMILY = FlowFamily()

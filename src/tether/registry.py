@@ -1,0 +1,251 @@
+"""Named things a recipe chooses, and the plug-ins that add more.
+
+Each registry maps names to objects of one kind. Built-ins are declared as ``module:attribute``
+strings and imported on first use, so validating a recipe's names loads no torch; a registration
+adds an object at once. A name registered twice is refused; an unknown name is a ``ConfigError``
+that lists the valid ones and the closest spelling.
+
+    families          model.family          a policy family (``tether.vocabulary.Family``)
+    engines           rollout.engine        what samples in a rollout worker (``tether.rollout.engines``)
+    backends          rollout.backend       where rollout workers run (``tether.rollout.backends``)
+    learner_layouts   (derived)             one process, ranks, or Ray actors (``tether.runtime.assemble``)
+    losses            train.loss            fn(LossInputs, LossSettings) -> (per-column loss, metrics)
+    advantages        train.advantage       fn(rewards (B, G), std_norm, scope, eps) -> (B, G)
+    kl_estimators     train.kl_estimator    fn(logp, ref_logp) -> per-column KL
+    tasks             data.task             a built-in task (``tether.data.tasks.Task``)
+    rewards           reward.function       fn(prompt, completion, answer, fields) -> float
+
+A recipe's ``run.plugins`` (files or modules) are imported before the rest of it is read, in
+every process of the run, so what they register is there wherever the run needs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from tether.errors import ConfigError, PluginError
+
+T = TypeVar("T")
+
+
+def _closest(name: str, options: Iterable[str]) -> str | None:
+    import difflib
+
+    matches = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+class Registry(Generic[T]):
+    """Names → objects of one kind. ``key`` is the recipe key that chooses among them, for
+    messages. Each entry may carry ``meta``: facts about it that can be read without importing
+    it (config checks use them)."""
+
+    def __init__(self, kind: str, key: str, builtins: Mapping[str, str] | None = None, *,
+                 meta: Mapping[str, Mapping[str, Any]] | None = None,
+                 aliases: Mapping[str, str] | None = None) -> None:
+        self.kind = kind
+        self.key = key
+        self._lazy: dict[str, str] = dict(builtins or {})
+        self.builtins: tuple[str, ...] = tuple(self._lazy)
+        """The names Tether ships with (what its reference documents)."""
+        self._loaded: dict[str, T] = {}
+        self._meta: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (meta or {}).items()}
+        self.aliases: dict[str, str] = dict(aliases or {})
+        """Former names that still resolve (a run directory written with one resumes)."""
+
+    def register(self, name: str, obj: T, **meta: Any) -> T:
+        """Add ``obj`` as ``name``; a name already taken (built-in or registered) is refused."""
+        if not isinstance(name, str) or not name.isidentifier():
+            raise PluginError(f"a {self.kind} name must be an identifier (letters, digits, _), got {name!r}")
+        if name in self or name in self.aliases:
+            raise PluginError(f"a {self.kind} named {name!r} is already registered; choose another name")
+        self._loaded[name] = obj
+        self._meta[name] = dict(meta)
+        return obj
+
+    def unregister(self, name: str) -> None:
+        """Remove a registered entry (tests that register their own)."""
+        self._loaded.pop(name, None)
+        self._lazy.pop(name, None)
+        self._meta.pop(name, None)
+
+    def canonical(self, name: str) -> str:
+        return self.aliases.get(name, name)
+
+    def get(self, name: str) -> T:
+        """The entry called ``name``; an unknown name raises ``ConfigError`` naming the valid ones."""
+        name = self.canonical(name)
+        if name in self._loaded:
+            return self._loaded[name]
+        if name not in self._lazy:
+            raise ConfigError(self.unknown(name))
+        module, _, attr = self._lazy[name].partition(":")
+        obj = getattr(importlib.import_module(module), attr)
+        self._loaded[name] = obj
+        return obj
+
+    def meta(self, name: str) -> Mapping[str, Any]:
+        """What the entry declared about itself (empty when nothing)."""
+        return self._meta.get(self.canonical(name), {})
+
+    def unknown(self, name: str) -> str:
+        hint = _closest(name, self.names())
+        extra = f" (did you mean {hint!r}?)" if hint else ""
+        return (f"unknown {self.kind} {name!r} for {self.key}{extra}; valid: {', '.join(self.names())} "
+                "(plug-ins add more: run.plugins, docs/architecture.md)")
+
+    def names(self) -> list[str]:
+        return list(dict.fromkeys([*self._lazy, *self._loaded]))
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (self.canonical(name) in self._lazy
+                                          or self.canonical(name) in self._loaded)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+
+families: Registry[Any] = Registry(
+    "family", "model.family",
+    {"text": "tether.families.text:FAMILY", "flow": "tether.families.flow:FAMILY"},
+    aliases={"lm": "text"})
+engines: Registry[Any] = Registry(
+    "engine", "rollout.engine",
+    {"torch": "tether.rollout.engines:TORCH", "vllm": "tether.rollout.engines:VLLM"})
+backends: Registry[Any] = Registry(
+    "rollout backend", "rollout.backend",
+    {"local": "tether.rollout.backends:LOCAL", "ray": "tether.rollout.backends:RAY"})
+learner_layouts: Registry[Callable[..., Any]] = Registry(
+    "learner layout", "train.world_size / ray.learner",
+    {"process": "tether.runtime.assemble:in_process", "ranks": "tether.runtime.assemble:local_ranks",
+     "actor": "tether.runtime.assemble:ray_actors"})
+losses: Registry[Callable[..., Any]] = Registry(
+    "loss", "train.loss",
+    {name: f"tether.train.losses:{name}" for name in ("ppo_clip", "gspo", "cispo")})
+advantages: Registry[Callable[..., Any]] = Registry(
+    "advantage estimator", "train.advantage",
+    {name: f"tether.train.advantages:{name}" for name in ("grpo", "rloo", "reinforce_pp")},
+    meta={"grpo": {"std_norm": True, "min_group_size": 2},
+          "rloo": {"std_norm": False, "min_group_size": 2},
+          "reinforce_pp": {"std_norm": False, "min_group_size": 1}})
+kl_estimators: Registry[Callable[..., Any]] = Registry(
+    "KL estimator", "train.kl_estimator",
+    {name: f"tether.train.losses:kl_{name}" for name in ("k1", "k2", "k3")})
+tasks: Registry[Any] = Registry(
+    "task", "data.task",
+    {**{name: f"tether.data.tasks.builtin:{name.upper()}"
+        for name in ("arithmetic", "countdown", "reverse", "sort", "repeat")},
+     "shapes": "tether.families.flow.task:SHAPES"})
+rewards: Registry[Callable[..., Any]] = Registry(
+    "reward function", "reward.function",
+    {"exact_match": "tether.data.rewards:exact_match", "numeric_match": "tether.data.rewards:numeric_match",
+     "math": "tether.data.rewards:math_verify"})
+
+
+# -- registration, as the public API offers it ---------------------------------------------------
+
+
+def register_family(family: Any) -> Any:
+    """Add a policy family (``tether.vocabulary.Family``) under its ``name``; ``model.family``
+    then accepts it. Returns it (usable as a class decorator on an instance's class)."""
+    from tether.vocabulary import Family
+
+    if not isinstance(family, Family):
+        missing = [m for m in ("name", "capabilities", "sampler", "policy", "evaluator", "data", "scorer")
+                   if not hasattr(family, m)]
+        raise PluginError(f"{family!r} is not a tether Family (missing: {', '.join(missing) or '?'}); "
+                          "see tether.vocabulary.Family and tether.families.base.FamilyBase")
+    return families.register(family.name, family)
+
+
+def _decorator(registry: Registry[Any], name: str, **meta: Any) -> Callable[[Any], Any]:
+    def deco(obj: Any) -> Any:
+        registry.register(name, obj, **meta)
+        return obj
+    return deco
+
+
+def register_loss(name: str) -> Callable[[Any], Any]:
+    """Decorator: ``fn(inputs: LossInputs, settings: LossSettings) -> (per-column loss (N, T),
+    metrics)`` becomes ``train.loss=name``."""
+    return _decorator(losses, name)
+
+
+def register_advantage(name: str, *, std_norm: bool = False, min_group_size: int = 2) -> Callable[[Any], Any]:
+    """Decorator: ``fn(rewards (B, G), *, std_norm, scope, eps) -> advantages (B, G)`` becomes
+    ``train.advantage=name``. ``std_norm``: whether ``train.adv_std_norm`` and ``train.adv_scope``
+    mean anything to it; ``min_group_size``: the smallest ``rollout.group_size`` it learns from."""
+    return _decorator(advantages, name, std_norm=std_norm, min_group_size=min_group_size)
+
+
+def register_kl(name: str) -> Callable[[Any], Any]:
+    """Decorator: ``fn(logp, ref_logp) -> per-column KL(π_θ ‖ π_ref)`` becomes
+    ``train.kl_estimator=name``."""
+    return _decorator(kl_estimators, name)
+
+
+def register_task(task: Any) -> Any:
+    """Add a task (``tether.data.tasks.Task``, or any object with its members) under its ``name``."""
+    return tasks.register(task.name, task)
+
+
+def register_reward(name: str) -> Callable[[Any], Any]:
+    """Decorator: ``fn(prompt, completion, answer, fields) -> float`` becomes ``reward.function=name``."""
+    return _decorator(rewards, name)
+
+
+# -- plug-ins -------------------------------------------------------------------------------------
+
+_loaded_plugins: dict[str, str] = {}  # the spec as given → the module it became
+
+
+def plugin_module_name(path: Path) -> str:
+    """A plug-in file's module name: the same in every process of a run (so objects it defines
+    pickle between them by reference), different for different files."""
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    return f"tether_plugin_{path.stem}_{digest}"
+
+
+def load_plugins(specs: Iterable[str]) -> None:
+    """Import each plug-in once per process: ``path/to/file.py`` (a file) or ``package.module``
+    (importable here). Its ``register_*`` calls run on import."""
+    for spec in specs:
+        if spec in _loaded_plugins:
+            continue
+        _loaded_plugins[spec] = _load_file(spec) if spec.endswith(".py") else _load_module(spec)
+
+
+def _load_file(spec: str) -> str:
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(f"run.plugins: {spec!r} does not exist (give a .py file or a module name)")
+    name = plugin_module_name(path)
+    if name in sys.modules:
+        return name
+    loader_spec = importlib.util.spec_from_file_location(name, path.resolve())
+    assert loader_spec is not None and loader_spec.loader is not None
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module  # before running it: its dataclasses look themselves up there
+    try:
+        loader_spec.loader.exec_module(module)
+    except BaseException as exc:
+        del sys.modules[name]
+        if isinstance(exc, ConfigError | PluginError):
+            raise
+        raise PluginError(f"run.plugins: {spec} failed to import: {type(exc).__name__}: {exc}") from exc
+    return name
+
+
+def _load_module(spec: str) -> str:
+    try:
+        importlib.import_module(spec)
+    except ImportError as exc:
+        raise ConfigError(f"run.plugins: cannot import module {spec!r} ({exc}); give an importable "
+                          "module or a path/to/file.py") from exc
+    return spec

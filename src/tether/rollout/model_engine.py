@@ -1,0 +1,64 @@
+"""What every engine around a torch module shares: its own version, and weights that change only
+when told — bound in place (shared-memory or object-store views, on the CPU) or copied in.
+
+``TorchEngine`` (token sequences) and the flow family's ``FlowEngine`` (image trajectories)
+subclass it and add how they sample; ``_weights_changed`` lets them drop what they derived from
+the old weights (the native decoder's packed matrices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from tether.errors import ConfigError
+from tether.modeling import bind_into, load_into
+
+
+class ModelEngine:
+    """A ``tether.vocabulary.Engine`` over ``model``, stamping ``version`` on what it samples."""
+
+    def __init__(self, model: torch.nn.Module, *, version: int = 0) -> None:
+        self.model = model.eval()
+        self._version = version
+        self.device = next(self.model.parameters()).device
+        self.poll: Callable[[], int | None] | None = None
+        self.inflight_update = "keep"  # read only once a poll is set (watch)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def _weights_changed(self) -> None:
+        """The model's parameters are other tensors now."""
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy ``weights`` into the model (from any device to the engine's), unless the model
+        already uses them (bound views)."""
+        load_into(self.model, weights)
+        self._weights_changed()
+        self._version = version
+
+    def bind(self, weights: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        """Use ``weights`` (e.g. shared-memory views) as the model's parameters, without copying;
+        with ``version``, they are that version from now on (a new object per version). An engine
+        on a GPU cannot sample from host memory, so there they are copied in instead."""
+        if self.device.type != "cpu":
+            self.load_weights(weights, self._version if version is None else version)
+            return
+        bind_into(self.model, weights)
+        self._weights_changed()
+        if version is not None:
+            self._version = version
+
+    def watch(self, poll: Callable[[], int | None], inflight_update: str) -> None:
+        """Switch weights mid-generation: before every step ``poll`` puts newer weights in place
+        (through ``bind``) and returns their version, or returns None; ``inflight_update`` (keep,
+        recompute, abort) says what happens to the sequences then."""
+        if inflight_update not in ("keep", "recompute", "abort"):
+            raise ConfigError(f"unknown in-flight update mode {inflight_update!r}")
+        self.poll, self.inflight_update = poll, inflight_update
+
+    def close(self) -> None:
+        """Nothing outside this process to release."""

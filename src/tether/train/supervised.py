@@ -1,0 +1,84 @@
+"""The supervised warm-start loop every family's warm start runs (``warmstart`` recipe section).
+
+A base model whose groups are all wrong gets zero group-relative advantage and never moves, so
+RL starts from a model with a non-trivial held-out pass rate. The loop takes AdamW steps on a
+family's supervised loss, checks held-out pass@1 every ``eval_every`` steps and stops as soon as
+it reaches ``target_pass_rate`` — or at ``max_steps``, or after ``max_seconds``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tether.vocabulary import Progress
+
+
+@dataclass
+class WarmstartResult:
+    data: str
+    steps: int
+    seconds: float
+    pass_at_1_before: float
+    pass_at_1_after: float
+    stopped_because: str
+    history: list[dict[str, float]] = field(default_factory=list)
+    before: dict[str, float] = field(default_factory=dict)
+    """Every held-out figure before the first step (``pass_at_1``, and what else the family measures)."""
+    after: dict[str, float] = field(default_factory=dict)
+    """The same figures at the end."""
+
+
+def warmstart_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   loss_at: Callable[[int], torch.Tensor], evaluate: Callable[[], Mapping[str, float]],
+                   settings: Any, *, data: str,
+                   on_progress: Progress | None = None) -> WarmstartResult:
+    """Train ``model`` on ``loss_at(step)`` (steps from 1) under the ``warmstart`` section's
+    ``settings``; ``evaluate()`` returns held-out figures with ``pass_at_1`` among them."""
+    s = settings
+    t0 = time.monotonic()
+    before = dict(evaluate())
+    result = WarmstartResult(data=data, steps=0, seconds=0.0, pass_at_1_before=before["pass_at_1"],
+                             pass_at_1_after=before["pass_at_1"], stopped_because="max_steps",
+                             before=before, after=before)
+    model.train()
+    for step in range(1, s.max_steps + 1):
+        loss = loss_at(step)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        result.steps = step
+        metrics = {"loss": float(loss.detach()), "seconds": time.monotonic() - t0}
+        if step % s.eval_every == 0 or step == s.max_steps:
+            result.after = dict(evaluate())
+            metrics.update(result.after)
+            result.history.append({"step": step, **metrics})
+        if on_progress is not None:
+            on_progress(step, metrics)
+        if "pass_at_1" in metrics and result.after["pass_at_1"] >= s.target_pass_rate:
+            result.stopped_because = "target_pass_rate"
+            break
+        if metrics["seconds"] > s.max_seconds:
+            result.stopped_because = "max_seconds"
+            result.after = dict(evaluate())
+            break
+    result.pass_at_1_after = result.after["pass_at_1"]
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def write_record(out: Path, result: WarmstartResult, settings: dict[str, Any]) -> None:
+    """``warmstart.json``: how the model at ``out`` was warm-started (the build keys a later
+    recipe is compared with, ``tether.data.prepare.built_otherwise``)."""
+    record = {k: v for k, v in asdict(result).items() if k not in ("before", "after")}
+    extra = {f"{k}_{when}": v for when, figures in (("before", result.before), ("after", result.after))
+             for k, v in figures.items() if k != "pass_at_1"}
+    record = {**record, **extra, "settings": settings}
+    (out / "warmstart.json").write_text(json.dumps(record, indent=2) + "\n")
