@@ -113,25 +113,43 @@ class RankServer:
         self._blocks.clear()
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """One rank's end of a call: its answer, the error it raised, or how it died."""
+
+    rank: int
+    answer: Any = None
+    error: BaseException | None = None
+    died: str | None = None
+    """How the rank (its process or actor) ended, in words."""
+
+
 class Transport(Protocol):
-    """How the driver reaches the ranks."""
+    """How the driver reaches the ranks: the mechanics; ``RankGroup`` keeps the policy."""
 
     world: int
     pids: list[int | None]
 
     def send(self, rank: int, method: str, args: tuple) -> None:
-        """Start ``method(*args)`` on ``rank`` (a failure to send is seen by ``answers``)."""
+        """Start ``method(*args)`` on ``rank`` (a rank that cannot take it is seen by ``next``)."""
 
-    def answers(self, ranks: list[int], doing: str, timeout: float | None) -> dict[int, Any]:
-        """One answer from each of ``ranks``; raises ``LearnerError`` / ``LearnerLostError``
-        naming the rank at fault (and stops every rank) when one fails or dies."""
+    def next(self, ranks: list[int], doing: str, timeout: float | None) -> Outcome | None:
+        """The next of ``ranks`` to answer, fail or die; None after ``timeout`` seconds."""
+        ...
+
+    def dead_among(self, ranks: list[int]) -> Outcome | None:
+        """A rank among ``ranks`` that died (given a moment to be seen), or None."""
+        ...
+
+    def death(self, outcome: Outcome, doing: str) -> str:
+        """What to tell the user of a rank that died."""
         ...
 
     def weights(self, group: RankGroup) -> RankWeights:
         """The ranks' current weights, in the form this transport publishes them."""
         ...
 
-    def close(self) -> None: ...
+    def close(self, *, grace_s: float = 10.0) -> None: ...
 
 
 class RankGroup:
@@ -149,11 +167,38 @@ class RankGroup:
 
     def call(self, method: str, *args: Any, doing: str, ranks: list[int] | None = None,
              timeout: float | None = None) -> Any:
-        """``method(*args)`` on every rank (or on ``ranks``); rank 0's answer (the first asked)."""
+        """``method(*args)`` on every rank (or on ``ranks``); rank 0's answer (the first asked).
+        A rank that dies or fails stops every rank, and the error names the rank at fault."""
         ranks = list(range(self.world)) if ranks is None else ranks
         for rank in ranks:
             self.transport.send(rank, method, args)
-        return self.transport.answers(ranks, doing, timeout)[ranks[0]]
+        return self.collect(ranks, doing, timeout)[ranks[0]]
+
+    def collect(self, ranks: list[int], doing: str, timeout: float | None = None) -> dict[int, Any]:
+        """Every one of ``ranks``'s answer to what it was sent."""
+        got: dict[int, Any] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(got) < len(ranks):
+            waiting = [r for r in ranks if r not in got]
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            outcome = self.transport.next(waiting, doing, left)
+            if outcome is None:
+                self.transport.close(grace_s=0.0)
+                raise LearnerLostError(f"learner rank(s) {waiting} did not answer within {timeout:.0f}s "
+                                       f"{doing}")
+            if outcome.died is not None:
+                self.transport.close(grace_s=0.0)  # the others wait in a collective for it
+                raise LearnerLostError(self.transport.death(outcome, doing))
+            if outcome.error is not None:
+                others = [r for r in waiting if r != outcome.rank]
+                # a rank whose peer died fails in its collective: name the one that died
+                dead = self.transport.dead_among(others) if self.world > 1 else None
+                self.transport.close(grace_s=1.0)
+                if dead is not None:
+                    raise LearnerLostError(self.transport.death(dead, doing)) from None
+                raise outcome.error
+            got[outcome.rank] = outcome.answer
+        return got
 
     def train(self, batch: RolloutBatch, *, train_version: int) -> TrainResult:
         self.epoch += 1
@@ -258,7 +303,7 @@ def rank_main(spec: RankSpec, conn: Connection, lifeline: Connection) -> None:
     except BaseException as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
-    conn.send(("ok", os.getpid()))
+    conn.send(("ok", None))
     try:
         while True:
             try:
@@ -306,8 +351,9 @@ class ProcessRanks:
                 self._procs.append(proc)
                 self._conns.append(ours)
             lifeline_r.close()
-            started = self.answers(list(range(self.world)), "while starting", START_TIMEOUT_S)
-            self.pids = [started[r] for r in range(self.world)]
+            self.pids = [proc.pid for proc in self._procs]
+            # each rank answers once it has joined the group and built its learner
+            RankGroup(self).collect(list(range(self.world)), "while starting", START_TIMEOUT_S)
         except BaseException:
             self.close()
             raise
@@ -315,62 +361,52 @@ class ProcessRanks:
     def send(self, rank: int, method: str, args: tuple) -> None:
         if not self._conns:
             raise LearnerLostError("the learner's ranks were stopped")
-        with contextlib.suppress(OSError, ValueError):  # a dead rank is seen by ``answers``
+        with contextlib.suppress(OSError, ValueError):  # a dead rank is seen by ``next``
             self._conns[rank].send((method, args))
 
-    def answers(self, ranks: list[int], doing: str, timeout: float | None) -> dict[int, Any]:
-        got: dict[int, Any] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while len(got) < len(ranks):
-            waiting = [r for r in ranks if r not in got]
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                self.close(grace_s=0.0)
-                raise LearnerLostError(f"learner rank(s) {waiting} did not answer within {timeout:.0f}s "
-                                       f"{doing}")
-            ready = wait([self._conns[r] for r in waiting] + [self._procs[r].sentinel for r in waiting], left)
-            for rank in waiting:
-                conn = self._conns[rank]
-                if conn in ready or (self._procs[rank].sentinel in ready and conn.poll()):
-                    try:
-                        answer = conn.recv()
-                    except (EOFError, OSError):
-                        self._lost(rank, doing)
-                    if answer[0] == "error":
-                        # a rank whose peer died fails in its collective: name the dead one
-                        dead = self._first_dead(exclude=rank)
-                        if dead is not None:
-                            self._lost(dead, doing)
-                        self.close(grace_s=1.0)  # the others may wait in a collective for it
-                        raise LearnerError(f"learner rank {rank} failed {doing}: {answer[1]}",
-                                           remote_traceback=answer[2])
-                    got[rank] = answer[1]
-                elif self._procs[rank].sentinel in ready:
-                    self._lost(rank, doing)
-        return got
+    def next(self, ranks: list[int], doing: str, timeout: float | None) -> Outcome | None:
+        ready = wait([self._conns[r] for r in ranks] + [self._procs[r].sentinel for r in ranks], timeout)
+        if not ready:
+            return None
+        for rank in ranks:
+            conn, proc = self._conns[rank], self._procs[rank]
+            if conn in ready or (proc.sentinel in ready and conn.poll()):
+                try:
+                    answer = conn.recv()
+                except (EOFError, OSError):
+                    return Outcome(rank, died=self._how(rank))
+                if answer[0] == "error":
+                    error = LearnerError(f"learner rank {rank} failed {doing}: {answer[1]}",
+                                         remote_traceback=answer[2])
+                    return Outcome(rank, error=error)
+                return Outcome(rank, answer=answer[1])
+            if proc.sentinel in ready:
+                return Outcome(rank, died=self._how(rank))
+        return None
 
-    def weights(self, group: RankGroup) -> RankWeights:
-        return ChannelRankWeights(group)
-
-    def _first_dead(self, *, exclude: int, wait_s: float = 2.0) -> int | None:
-        """A rank other than ``exclude`` whose process has died (given ``wait_s`` to be seen)."""
+    def dead_among(self, ranks: list[int], wait_s: float = 2.0) -> Outcome | None:
         deadline = time.monotonic() + wait_s
         while True:
-            for rank, proc in enumerate(self._procs):
-                if rank != exclude and proc.exitcode is not None:
-                    return rank
+            for rank in ranks:
+                if self._procs[rank].exitcode is not None:
+                    return Outcome(rank, died=self._how(rank))
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.05)
 
-    def _lost(self, rank: int, doing: str):
+    def _how(self, rank: int) -> str:
         proc = self._procs[rank]
         proc.join(1)
         code = proc.exitcode
-        how = (f"died from signal {signal.Signals(-code).name}" if code is not None and code < 0
-               else f"exited with status {code}" if code is not None else "stopped answering")
-        self.close(grace_s=0.0)  # the others wait in a collective for it
-        raise LearnerLostError(f"learner rank {rank} (pid {proc.pid}) {how} {doing}; {RESUME_HINT}")
+        return (f"died from signal {signal.Signals(-code).name}" if code is not None and code < 0
+                else f"exited with status {code}" if code is not None else "stopped answering")
+
+    def death(self, outcome: Outcome, doing: str) -> str:
+        return (f"learner rank {outcome.rank} (pid {self.pids[outcome.rank]}) {outcome.died} {doing}; "
+                f"{RESUME_HINT}")
+
+    def weights(self, group: RankGroup) -> RankWeights:
+        return ChannelRankWeights(group)
 
     def close(self, *, grace_s: float = 10.0) -> None:
         """Stop every rank (they exit on "stop", or when the lifeline closes), then reap them; any

@@ -18,7 +18,7 @@ from typing import Any
 
 from tether.config import Config
 from tether.errors import ConfigError, LearnerLostError
-from tether.train.ranks import RankGroup, RankServer, RankWeights
+from tether.train.ranks import Outcome, RankGroup, RankServer, RankWeights
 from tether.vocabulary import DataBundle, RolloutBatch
 
 
@@ -114,7 +114,7 @@ class ActorRanks:
         self.handles: list[Any] = []
         self.pids: list[int | None] = [None] * self.world
         self.nodes: list[str | None] = [None] * self.world
-        self._pending: dict[Any, int] = {}
+        self._pending: dict[int, Any] = {}  # rank → the reference of its call in progress
         gpus = learner_gpus(cfg)
         try:
             placement = self._place(cfg, gpus, startup_timeout_s)
@@ -132,7 +132,7 @@ class ActorRanks:
                 starting.call("join", address, timeout=startup_timeout_s, doing="while starting")
             for rank in range(self.world):
                 self.send(rank, "describe", ())
-            described = self.answers(list(range(self.world)), "while starting", startup_timeout_s)
+            described = starting.collect(list(range(self.world)), "while starting", startup_timeout_s)
         except BaseException:
             self.close()
             raise
@@ -184,66 +184,55 @@ class ActorRanks:
     def send(self, rank: int, method: str, args: tuple) -> None:
         if not self.handles:
             raise LearnerLostError("the learner's actors were stopped")
-        args = tuple(self.ray.put(a) if isinstance(a, RolloutBatch) else a for a in args)
-        self._pending[self.handles[rank].call.remote(method, *args)] = rank
+        args = tuple(self.ray.put(a) if isinstance(a, RolloutBatch) else a for a in args)  # sent once
+        self._pending[rank] = self.handles[rank].call.remote(method, *args)
 
-    def answers(self, ranks: list[int], doing: str, timeout: float | None) -> dict[int, Any]:
-        """Wait for every pending call. An error inside an actor is re-raised as itself (Ray's
-        error is also an instance of the original class, with the remote traceback); a dead actor
-        becomes ``LearnerLostError`` naming it, and the other ranks (waiting for it in a
-        collective) are stopped."""
+    def next(self, ranks: list[int], doing: str, timeout: float | None) -> Outcome | None:
+        """An error inside an actor is its own (Ray's error is also an instance of the original
+        class, with the remote traceback); a dead actor is a death."""
         ray = self.ray
-        pending, self._pending = self._pending, {}
-        got: dict[int, Any] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
-            if not ready:
-                self.close()
-                raise LearnerLostError(f"the learner actor did not answer within {timeout:.0f}s {doing}")
-            rank = pending.pop(ready[0])
-            try:
-                got[rank] = ray.get(ready[0])
-            except ray.exceptions.RayActorError as exc:
-                self.close()
-                raise LearnerLostError(self._lost(rank, exc, doing)) from None
-            except BaseException:
-                if self.world > 1:  # a rank whose peer died fails in its collective: name the dead one
-                    dead = self._first_dead(pending)
-                    self.close()
-                    if dead is not None:
-                        raise LearnerLostError(self._lost(*dead, doing)) from None
-                raise
-        return got
+        by_ref = {self._pending[r]: r for r in ranks}
+        ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout)
+        if not ready:
+            return None
+        return self._outcome(by_ref[ready[0]], ready[0])
+
+    def _outcome(self, rank: int, ref: Any) -> Outcome:
+        ray = self.ray
+        del self._pending[rank]
+        try:
+            return Outcome(rank, answer=ray.get(ref))
+        except ray.exceptions.RayActorError as exc:
+            text = str(exc).strip()
+            if "creation task" not in text:  # a death: its first line says enough
+                text = text.splitlines()[0] if text else ""
+            return Outcome(rank, died=f"{type(exc).__name__}" + (f": {text}" if text else ""))
+        except Exception as exc:
+            return Outcome(rank, error=exc)
+
+    def dead_among(self, ranks: list[int], wait_s: float = 10.0) -> Outcome | None:
+        by_ref = {self._pending[r]: r for r in ranks if r in self._pending}
+        ready, _ = self.ray.wait(list(by_ref), num_returns=len(by_ref), timeout=wait_s)
+        for ref in ready:
+            outcome = self._outcome(by_ref[ref], ref)
+            if outcome.died is not None:
+                return outcome
+        return None
+
+    def death(self, outcome: Outcome, doing: str) -> str:
+        rank = outcome.rank
+        pid, node = self.pids[rank], self.nodes[rank]
+        where = f"pid {pid}, node {node[:8]}" if pid and node else "not started"
+        who = "the learner's Ray actor" if self.world == 1 else f"the learner's Ray actor of rank {rank}"
+        return f"{who} ({where}) died {doing}: {outcome.died}"
 
     def weights(self, group: RankGroup) -> RankWeights:
         return ActorWeights(group)
 
-    def _first_dead(self, pending: dict, wait_s: float = 10.0):
-        """(rank, error) of a rank among ``pending`` whose actor died, waiting up to ``wait_s`` for
-        their answers; None if none did."""
-        ray = self.ray
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError as exc:
-                return pending[ref], exc
-            except BaseException:
-                continue
-        return None
-
-    def _lost(self, rank: int, exc: BaseException, doing: str) -> str:
-        pid, node = self.pids[rank], self.nodes[rank]
-        where = f"pid {pid}, node {node[:8]}" if pid and node else "not started"
-        text = str(exc).strip()
-        if "creation task" not in text:  # a death: its first line says enough
-            text = text.splitlines()[0] if text else ""
-        who = "the learner's Ray actor" if self.world == 1 else f"the learner's Ray actor of rank {rank}"
-        return f"{who} ({where}) died {doing}: {type(exc).__name__}" + (f": {text}" if text else "")
-
-    def close(self) -> None:
+    def close(self, *, grace_s: float = 0.0) -> None:
+        """Kill every actor (one blocked in a collective with a dead peer included) and release
+        their placement group."""
+        self._pending.clear()
         for handle in self.handles:
             with contextlib.suppress(Exception):
                 self.ray.kill(handle, no_restart=True)
