@@ -5,6 +5,8 @@ One pool (one vLLM engine) serves the module; the truncated-sampling test starts
 """
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +138,25 @@ def test_truncated_sampling_log_probs_are_of_the_renormalised_distribution(demo_
     full = deltas(model, tokenizer.pad_token_id, batch, temperature=1.0)
     assert full.max().item() > 1e-3  # against the full softmax they differ: truncation is in μ
     assert wait_gone(pool.pids) == []
+
+
+def test_the_vllm_engine_keeps_the_token_engine_contract(demo_model):
+    """The checks every token engine passes (tests/integration/test_contracts.py), on vLLM."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+    from test_contracts import check_token_engine
+
+    from tether import registry
+    from tether.config import load_config
+    from tether.decoding.sampling import stop_ids_for
+    from tether.modeling import load_tokenizer
+
+    cfg = load_config(None, [f"model.path={demo_model}", "rollout.engine=vllm", "rollout.max_new_tokens=6"])
+    tokenizer = load_tokenizer(demo_model)
+    engine = registry.engines.get("vllm").build(cfg, str(demo_model), tokenizer,
+                                                stop_ids_for(tokenizer, "\n"), device=torch.device("cpu"),
+                                                threads=1, seed=0)
+    try:
+        prompts = [tokenizer(p, add_special_tokens=False).input_ids for p in ("1+2=", "33+4=")]
+        check_token_engine(engine, prompts, cfg.sampling())
+    finally:
+        engine.close()

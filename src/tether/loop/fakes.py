@@ -106,8 +106,9 @@ class FakePool:
 
     def publish(self, weights: Any, version: int) -> Mapping[str, float]:
         with self._lock:
-            if self._generating:
-                raise ControlError("publish while a generation is running")
+            if self._inflight:
+                raise ControlError(f"publish of version {version} while {self._inflight} batch(es) are "
+                                   "in flight")
         if weights.get("version") != version:
             raise ControlError(f"weights carry version {weights.get('version')}, published as {version}")
         self.version = version
