@@ -59,8 +59,9 @@ def family_run(request, tiny_model_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp(name) / "model"
     if name == "flow":
         cfg = load_config(None, [f"model.path={path}", "model.family=flow", "data.task=shapes",
-                                 "flow.steps=3", "flow.eval_steps=3", "flow.init_width=16", "flow.init_depth=1",
-                                 "warmstart.max_steps=2", "warmstart.eval_every=2", *common])
+                                 "flow.steps=3", "flow.eval_steps=3", "flow.init_width=16",
+                                 "flow.init_depth=1", "warmstart.max_steps=2", "warmstart.eval_every=2",
+                                 *common])
     else:
         request.getfixturevalue("bandit_plugin")
         cfg = load_config(None, [f"run.plugins=[{PLUGIN}]", "model.family=bandit", "data.task=arms",
