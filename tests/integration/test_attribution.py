@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 from test_learner import sampled_batch  # noqa: E402
 
-from recipes import config  # noqa: E402
+from configs import config  # noqa: E402
 from tether.families.text.batch import to_train_batch, token_logprobs  # noqa: E402
 from tether.modeling import load_causal_lm  # noqa: E402
 from tether.train.learner import TorchLearner  # noqa: E402

@@ -184,7 +184,7 @@ def _fake(tiny_model_dir, tmp_path):
 
 
 def _process(tiny_model_dir, tmp_path):
-    from recipes import pool_settings
+    from configs import pool_settings
     from tether.modeling import load_causal_lm
     from tether.rollout.pool import ProcessPool
 
@@ -195,7 +195,7 @@ def _process(tiny_model_dir, tmp_path):
 
 def _ray(tiny_model_dir, tmp_path):
     pytest.importorskip("ray")
-    from recipes import pool_settings
+    from configs import pool_settings
     from tether.modeling import load_causal_lm
     from tether.rollout.ray_pool import RayOptions, RayPool
 

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from recipes import pool_settings
+from configs import pool_settings
 from tether.data.stream import PromptStream
 from tether.data.tasks import get_task
 from tether.rollout.dynamic import DynamicSampling, ShortBatchError, informative

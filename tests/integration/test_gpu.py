@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from recipes import config, pool_settings  # noqa: E402
+from configs import config, pool_settings  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
 from tether.decoding.sampling import SamplingParams, sample  # noqa: E402
 from tether.errors import ConfigError  # noqa: E402

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from test_pool import STREAM  # noqa: E402
 from test_train import recipe, rows  # noqa: E402
 
-from recipes import pool_settings  # noqa: E402
+from configs import pool_settings  # noqa: E402
 from tether.config import load_config  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
 from tether.rollout.pool import ProcessPool  # noqa: E402

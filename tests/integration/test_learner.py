@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from recipes import config  # noqa: E402
+from configs import config  # noqa: E402
 from tether.control import AsyncControl, BudgetSettings  # noqa: E402
 from tether.errors import ConfigError  # noqa: E402
 from tether.families.text.batch import to_train_batch, token_logprobs  # noqa: E402

@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from recipes import pool_settings  # noqa: E402
+from configs import pool_settings  # noqa: E402
 from tether.control import AsyncControl, BudgetSettings  # noqa: E402
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402

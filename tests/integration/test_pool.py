@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from configs import pool_settings  # noqa: E402
 from procs import children, running, wait_gone  # noqa: E402
-from recipes import pool_settings  # noqa: E402
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
 from tether.errors import RolloutError  # noqa: E402

@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("ray")
 
+from configs import pool_settings  # noqa: E402
 from procs import running, wait_gone  # noqa: E402
-from recipes import pool_settings  # noqa: E402
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
 from tether.errors import ConfigError, RolloutError  # noqa: E402

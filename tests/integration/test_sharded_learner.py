@@ -24,8 +24,8 @@ pytest.importorskip("transformers")
 
 from test_learner import sampled_batch  # noqa: E402
 
+from configs import config  # noqa: E402
 from procs import wait_gone  # noqa: E402
-from recipes import config  # noqa: E402
 from tether.errors import ConfigError, LearnerError, LearnerLostError  # noqa: E402
 from tether.rollout.channel import ChannelError, WeightChannel  # noqa: E402
 from tether.train.learner import TorchLearner  # noqa: E402

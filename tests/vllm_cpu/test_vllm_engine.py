@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
+from configs import pool_settings  # noqa: E402
 from procs import running, wait_gone  # noqa: E402
-from recipes import pool_settings  # noqa: E402
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
 from tether.errors import RolloutError  # noqa: E402

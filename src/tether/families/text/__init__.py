@@ -40,12 +40,15 @@ class TextFamily(FamilyBase):
         from tether.data.tiny_model import init_model
         from tether.families.text.warmstart import run_warmstart
 
-        init = out.parent / f"{out.name}.init"
-        info = init_model(init, arch=cfg.model.init_arch, size=cfg.model.init_size, seed=cfg.run.seed)
-        logging.getLogger("tether.data").info("built a %s %s model (%d parameters); warm-starting it",
-                                              cfg.model.init_size, cfg.model.init_arch, info.parameters)
-        warm = run_warmstart(cfg, init, out, on_progress)
-        shutil.copy2(init / "tether_model.json", out / "tether_model.json")
+        init = out.parent / f"{out.name}.init"  # the untrained model, removed once warm-started
+        try:
+            info = init_model(init, arch=cfg.model.init_arch, size=cfg.model.init_size, seed=cfg.run.seed)
+            logging.getLogger("tether.data").info("built a %s %s model (%d parameters); warm-starting it",
+                                                  cfg.model.init_size, cfg.model.init_arch, info.parameters)
+            warm = run_warmstart(cfg, init, out, on_progress)
+            shutil.copy2(init / "tether_model.json", out / "tether_model.json")
+        finally:
+            shutil.rmtree(init, ignore_errors=True)
         return (f"warm start: held-out pass@1 {100 * warm.pass_at_1_before:.1f}% → "
                 f"{100 * warm.pass_at_1_after:.1f}% in {warm.steps} steps, {warm.seconds:.0f}s")
 
