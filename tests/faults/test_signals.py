@@ -114,7 +114,9 @@ def test_wait_timeout_fires_on_time_naming_the_worker_and_the_setting(tiny_model
     assert run.proc.returncode == 2, err[-3000:]
     assert "no rollout batch completed within async.wait_timeout_s=3s" in err
     assert "worker rollout-0" in err and "batch 0" in err
-    assert waited < 20, waited  # a drain after the timeout used to add a fixed 60 s
+    # what this guards against: a drain after the timeout used to add a fixed 60 s. The bound is
+    # that, not a measure of speed, so a loaded machine (setting up, tearing down) cannot fail it
+    assert waited < 60, waited
     assert err.count("no rollout batch completed within") == 1, err[-3000:]
     assert run.left() == ""
     assert shm_left(run.shm) == []
