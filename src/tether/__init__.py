@@ -45,6 +45,7 @@ _EXPORTS = {
     "AdmissionStallError": "tether.errors",
     "QueueClosedError": "tether.errors",
     "QueueTimeoutError": "tether.errors",
+    "NothingLearnedError": "tether.errors",
     "RolloutError": "tether.errors",
     "LearnerLostError": "tether.errors",
     "LearnerError": "tether.errors",

@@ -8,6 +8,7 @@
     │   └── AdmissionStallError   nothing in flight or ready and no launch allowed (a bug, never a hang)
     ├── QueueClosedError          a rollout-batch queue was closed while someone used it
     ├── QueueTimeoutError         a blocking queue call ran past its timeout
+    ├── NothingLearnedError       a run trained its batches and committed no update; says why
     ├── RolloutError              generation or scoring failed; carries the worker, batch and cause
     ├── LearnerLostError          the learner's Ray actor, or one of its ranks, died or stopped answering
     ├── LearnerError              an exception inside a learner rank; carries the rank's traceback
@@ -57,6 +58,11 @@ class QueueClosedError(TetherError):
 
 class QueueTimeoutError(TetherError, TimeoutError):
     """A blocking get or put on the rollout-batch queue did not finish in time."""
+
+
+class NothingLearnedError(TetherError):
+    """Every batch of a run was trained and no update was committed: each had nothing to learn
+    from or a non-finite gradient. The run directory is complete; the weights are unchanged."""
 
 
 class RolloutError(TetherError):

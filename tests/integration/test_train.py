@@ -327,15 +327,20 @@ def test_the_own_data_example_recipe_runs_with_its_dataset_and_reward_file(tiny_
     assert module.reward("upper abc=", "ABX", "ABC", {"word": "abc"}) == pytest.approx(0.5 * 2 / 3)
 
 
-def test_a_run_where_nothing_is_ever_right_still_ends_with_its_report(tiny_model_dir, tmp_path):
+def test_a_run_where_nothing_is_ever_right_fails_saying_why_and_keeps_its_report(tiny_model_dir, tmp_path,
+                                                                                 capsys):
     """The untrained tiny model never answers right: every group has zero variance and is dropped,
-    so no batch has a mismatch figure. The run still ends with exit 0 and its plots (a log axis
-    over no positive value used to fail the report after the training had finished)."""
+    so no update commits and no batch has a mismatch figure. The run fails (exit 2) saying why,
+    its run directory complete and its plots written (a log axis over no positive value used to
+    fail the report)."""
     from tether.cli.main import main
 
     short = recipe(tiny_model_dir, "train.num_batches=3", "eval.interval=0", "checkpoint.interval=0")
     args = [a for a in short if not a.startswith("reward.function=")]
-    assert main(["train", *args, "--run-dir", str(tmp_path / "run")]) == 0
+    assert main(["train", *args, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "3 batches trained and no update committed: 3 had nothing to learn from" in err
     metrics = rows(tmp_path / "run" / "metrics.jsonl")
     assert all(m["reward/mean"] == 0.0 for m in metrics)
+    assert (tmp_path / "run" / "summary.json").is_file()
     assert (tmp_path / "run" / "plots" / "ratios.png").stat().st_size > 1000

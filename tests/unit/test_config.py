@@ -137,6 +137,9 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
         (["model.family=flow", "data.task=shapes", "rollout.engine=vllm"],
          "rollout.engine=vllm: model.family=flow runs with rollout.engine torch only (vLLM serves language "
          "models)"),
+        (["model.family=flow", "data.task=shapes", "flow.noise_level=0"], "flow.noise_level must be >= 0.01"),
+        (["model.family=flow", "data.task=shapes", "flow.noise_level=1e-6"],
+         "flow.noise_level must be >= 0.01"),
         (["model.family=bandit"],
          "model.family must be one of 'text', 'flow', got 'bandit'; plug-ins add more"),
         (["rollout.decoder=on"], "rollout.decoder must be one of 'auto', 'native', 'python'"),
@@ -151,6 +154,8 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
          "async.sync_when_idle has no effect with async.inflight_update=abort"),
         (["async.inflight_update=pause"], "async.inflight_update must be one of 'drain', 'keep'"),
         (["checkpoint.sharded=true"], "checkpoint.sharded=true has no effect with train.world_size=1"),
+        (["rollout.dynamic_sampling=true", "rollout.dynamic_sampling_max_draws=1000000"],
+         "rollout.dynamic_sampling_max_draws must be <= 64, got 1000000"),
         (["rollout.engine=vllm", "vllm.dtype=auto"],
          "vllm.dtype must be one of 'float32', 'bfloat16', 'float16'"),
         (["rollout.engine=vllm", "vllm.gpu_memory_utilization=0"],

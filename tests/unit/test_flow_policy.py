@@ -155,3 +155,12 @@ def test_the_learners_kl_term_is_the_closed_form_of_the_two_step_gaussians():
                                                   torch.distributions.Normal(ref_means[:, j], std))
         assert torch.allclose(kl[:, j], exact.flatten(1).mean(1), rtol=1e-4, atol=1e-6)
     assert (kl > 0).all() and policy.kl(own, own, "k3").abs().max() == 0
+
+
+@pytest.mark.parametrize(("n", "chosen"), [(1, [0]), (2, [0, 1]), (3, [0, 1, 2]), (4, [0, 1, 2, 3]),
+                                           (5, [0, 1, 2, 3, 4]), (9, [0, 2, 4, 6, 8]),
+                                           (19, [0, 4, 9, 14, 18])])
+def test_the_report_shows_the_first_and_the_last_evaluation_whatever_their_number(n, chosen):
+    from tether.families.flow.evaluate import evenly_spaced
+
+    assert evenly_spaced(n, 5) == chosen

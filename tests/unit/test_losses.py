@@ -178,3 +178,19 @@ def test_reinforce_pp_normalises_over_the_whole_batch_without_a_group_baseline()
     assert dropped.keep.tolist() == [True] * 4 + [False] * 4
     with pytest.raises(ConfigError, match="valid: grpo, rloo, reinforce_pp"):
         group_advantages(rewards, 4, estimator="ppo")
+
+
+def test_reinforce_pp_learns_from_groups_of_one():
+    """One sample per prompt: REINFORCE++'s baseline is the batch, so each sample keeps its
+    batch-relative advantage, and no group of one counts as having zero variance (the dapo
+    preset drops those)."""
+    from tether.config import load_config
+
+    cfg = load_config(None, ["train.advantage=reinforce_pp", "rollout.group_size=1"])
+    assert cfg.train.drop_zero_std  # the dapo preset's
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    a = group_advantages(rewards, 1, estimator="reinforce_pp", drop_zero_std=True)
+    assert a.values.tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
+    assert a.keep.all() and a.frac_zero_std == 0.0
+    with pytest.raises(ConfigError, match=r"rollout\.group_size=1 trains nothing with train\.advantage=rloo"):
+        load_config(None, ["train.advantage=rloo", "rollout.group_size=1"])

@@ -70,6 +70,27 @@ def test_non_finite_or_non_numeric_returns_are_errors(tmp_path, value):
         scorer(f"{tmp_path / 'r.py'}:reward")(EX, "42")
 
 
+@pytest.mark.parametrize(("value", "expected"), [
+    ("numpy.float32(1.0)", 1.0), ("numpy.int64(2)", 2.0), ("numpy.float64(-0.5)", -0.5),
+    ("numpy.bool_(True)", 1.0),
+    ("numpy.array(0.25)", 0.25), ("torch.tensor(0.75)", 0.75), ("numpy.float32('nan')", None),
+    ("numpy.array([1.0, 2.0])", None), ("torch.tensor([1.0])", None)])
+def test_numpy_and_torch_numbers_are_numbers(tmp_path, value, expected):
+    (tmp_path / "r.py").write_text(f"import numpy, torch\ndef reward(p, c, a, f):\n    return {value}\n")
+    score = scorer(f"{tmp_path / 'r.py'}:reward")
+    if expected is None:  # not one finite number
+        with pytest.raises(RewardError, match="must return a finite number"):
+            score(EX, "42")
+    else:
+        assert score(EX, "42") == expected and type(score(EX, "42")) is float
+
+
+def test_a_reward_too_large_to_train_on_names_the_function_and_the_value(tmp_path):
+    (tmp_path / "r.py").write_text("def reward(p, c, a, f):\n    return 1e300\n")
+    with pytest.raises(RewardError, match=r"reward function .*r\.py:reward returned 1e\+300 .*±1e\+06"):
+        scorer(f"{tmp_path / 'r.py'}:reward")(EX, "42")
+
+
 def test_bool_counts_as_zero_or_one(tmp_path):
     (tmp_path / "r.py").write_text("def reward(p, c, a, f):\n    return c == a\n")
     assert scorer(f"{tmp_path / 'r.py'}:reward")(EX, "42") == 1.0

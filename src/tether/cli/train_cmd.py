@@ -81,7 +81,7 @@ def run(ns: argparse.Namespace) -> int:
             argv += ["--run-dir", str(run_dir)]  # the child must not pick another timestamp
         return supervise.supervise(argv, run_dir)
     _logging()
-    from tether.errors import RunBusyError, StopRequested, TetherError
+    from tether.errors import NothingLearnedError, RunBusyError, StopRequested, TetherError
     from tether.runtime.run import train
 
     try:
@@ -91,15 +91,14 @@ def run(ns: argparse.Namespace) -> int:
         stopped = exc if isinstance(exc, StopRequested) else StopRequested("SIGINT")
         print(f"tether train: stopped by {stopped.signal_name}; {_where_to_resume(run_dir)}", file=sys.stderr)
         return stopped.exit_code
+    except NothingLearnedError:
+        _report(ns, run_dir)  # the run is complete: its plots show why
+        raise
     except TetherError as exc:
         if not isinstance(exc, ConfigError | RunBusyError):  # a run that failed while running
             exc.add_note(_where_to_resume(run_dir))
         raise
-    if not ns.no_report:
-        from tether.runtime.report import write_report
-
-        plots = write_report(run_dir)
-        print(f"plots: {', '.join(str(p) for p in plots)}")
+    _report(ns, run_dir)
     first, last = summary["eval_pass_at_1_first"], summary["eval_pass_at_1_last"]
     print(f"trained {summary['trained_batches']} batches in {summary['wall_s']:.0f}s "
           f"({summary['samples_per_s']:.0f} samples/s); max staleness "
@@ -117,6 +116,14 @@ def run(ns: argparse.Namespace) -> int:
                   f"{first_k['eval/pass_at_k']:.1%} → {last_k['eval/pass_at_k']:.1%}")
     print(f"run directory: {run_dir}")
     return 0
+
+
+def _report(ns: argparse.Namespace, run_dir: Path) -> None:
+    if not ns.no_report:
+        from tether.runtime.report import write_report
+
+        plots = write_report(run_dir)
+        print(f"plots: {', '.join(str(p) for p in plots)}")
 
 
 def cfg_backend_supervised(cfg) -> bool:

@@ -167,10 +167,13 @@ class Config:
             raise ConfigError(f"train.adv_scope={t.adv_scope} has no effect with "
                               f"train.advantage={t.advantage}; set train.adv_scope=group, or use "
                               "train.advantage=grpo (with adv_scope=batch it is REINFORCE++-baseline)")
-        if self.rollout.group_size < estimator.get("min_group_size", 2):
-            raise ConfigError("rollout.group_size=1 trains nothing: every advantage is a sample's reward "
-                              "relative to its prompt group's mean, so a group of one always has advantage "
-                              "0; set rollout.group_size to 2 or more (GRPO-family runs use 4 to 64)")
+        smallest = estimator.get("min_group_size", 2)
+        if self.rollout.group_size < smallest:
+            raise ConfigError(f"rollout.group_size={self.rollout.group_size} trains nothing with "
+                              f"train.advantage={t.advantage}: its baseline is the other samples of a "
+                              "sample's own prompt group, so a group of one always has advantage 0; set "
+                              f"rollout.group_size to {smallest} or more (GRPO-family runs use 4 to 64), or "
+                              "train.advantage=reinforce_pp, whose baseline is the whole batch")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", t.device):
             raise ConfigError(f"train.device must be 'cpu', 'cuda' or 'cuda:N' (a GPU index), "
                               f"got {t.device!r}")

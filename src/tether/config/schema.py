@@ -265,8 +265,10 @@ class RolloutSection:
     dynamic_sampling_max_draws: int = knob(
         3,
         "With dynamic_sampling: a batch generates at most this many times batch_size prompts in all "
-        "(DAPO's max_num_gen_batches).",
-        min=2,
+        "(DAPO's max_num_gen_batches). Each batch has its own slice of that many prompts of a second "
+        "pass over the data, so it is bounded: a batch still short after 64 draws has a reward that "
+        "rarely varies, which more draws would not change.",
+        min=2, max=64,
     )
     dynamic_sampling_on_short: Literal["error", "partial"] = knob(
         "error",

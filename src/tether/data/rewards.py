@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -114,19 +115,27 @@ def load_reward(spec: str, *, task: str | None = None) -> RewardFn:
 
 @dataclass(frozen=True)
 class Scorer:
-    """Calls a reward function and insists on a finite number."""
+    """Calls a reward function and insists on a finite number of sensible size: any real number
+    (a bool, an int, a float, a NumPy scalar, a one-number array or tensor), within ±``LIMIT``."""
 
     fn: RewardFn
     name: str
 
+    LIMIT = 1e6
+    """Rewards are turned into float32 advantages, whose statistics square them: beyond this a
+    reward is a mistake (a sentinel, an overflow), not a score."""
+
     def __call__(self, example: Example, completion: str) -> float:
-        value = self.fn(example.prompt, completion, example.answer, example.fields)
-        if isinstance(value, bool):
-            return float(value)
-        if not isinstance(value, int | float) or not math.isfinite(value):
+        value = _real(self.fn(example.prompt, completion, example.answer, example.fields))
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise RewardError(
                 f"reward function {self.name} returned {value!r} for prompt {example.prompt[:60]!r}; "
                 "it must return a finite number"
+            )
+        if abs(value) > self.LIMIT:
+            raise RewardError(
+                f"reward function {self.name} returned {float(value):g} for prompt {example.prompt[:60]!r}; "
+                f"rewards must lie within ±{self.LIMIT:g} (scale them: advantages are computed in float32)"
             )
         return float(value)
 
@@ -146,6 +155,13 @@ def score_all(score: Scorer, pairs: Iterable[tuple[Example, Any]], *,
             errors += 1
             rewards.append(0.0)
     return rewards, errors
+
+
+def _real(value: Any) -> Any:
+    """A NumPy scalar, or a 0-d array or tensor, as the Python number it holds; anything else as it is."""
+    if not isinstance(value, numbers.Real) and getattr(value, "shape", None) == () and hasattr(value, "item"):
+        return value.item()
+    return value
 
 
 def scorer(spec: str, *, task: str | None = None) -> Scorer:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tether.config import Config
 from tether.control import AsyncControl, admission_notes
-from tether.errors import ConfigError
+from tether.errors import ConfigError, NothingLearnedError
 from tether.loop import Driver, LoopState, Observers, TraceRecorder
 from tether.runtime.assemble import Prepared, assemble
 
@@ -139,7 +139,25 @@ def _train(cfg: Config, run_dir: Path, stop, *, resume: bool, force: bool, overr
                 stop.detach()
     summary = summarize_run(cfg, trace, final, time.time() - wall_start, run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _check_learned(trace, final, started=state or LoopState())
     return summary
+
+
+def _check_learned(trace: TraceRecorder, final: LoopState, *, started: LoopState) -> None:
+    """A run that trained batches and committed no update fails, saying why (its run directory is
+    complete: the summary says the same)."""
+    records = trace.records
+    if not records or final.train_version != started.train_version:
+        return
+    counts = {key: int(sum(r.metrics.get(key, 0.0) for r in records))
+              for key in ("train/skipped_no_signal", "train/skipped_nonfinite_grad")}
+    raise NothingLearnedError(
+        f"{len(records)} batches trained and no update committed: {counts['train/skipped_no_signal']} had "
+        "nothing to learn from (no token in the loss with a non-zero advantage: every group's rewards equal "
+        f"— see reward/std and reward/frac_zero_std — or every sample masked) and "
+        f"{counts['train/skipped_nonfinite_grad']} a non-finite gradient (see mismatch/* and ratio/max). "
+        "The weights are those the run started with; make the reward vary within groups, or look at what "
+        "sets the loss (the flow section's noise, the corrections, train.lr)")
 
 
 @contextlib.contextmanager

@@ -85,7 +85,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, estimator: str =
     assert rewards.ndim == 1 and rewards.numel() % group_size == 0, (
         f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.float().view(-1, group_size)  # (B, G)
-    zero = r.std(dim=1, unbiased=False) <= eps  # (B,)
+    # a group whose rewards are all equal (B,); a group of one (REINFORCE++'s batch baseline) is not
+    zero = r.std(dim=1, unbiased=False) <= eps if group_size > 1 else torch.zeros(len(r), dtype=torch.bool)
     centered = registry.advantages.get(estimator)(r, std_norm=std_norm, scope=scope, eps=eps)
     keep = (~zero if drop_zero_std else torch.ones_like(zero)).repeat_interleave(group_size)  # (N,)
     return Advantages(values=centered.reshape(-1), keep=keep, frac_zero_std=float(zero.float().mean()))

@@ -107,8 +107,7 @@ def report_samples(pictures: list[Path], evals: list[dict[str, Any]], path: Path
     import matplotlib.pyplot as plt
     from PIL import Image
 
-    last = len(pictures) - 1
-    chosen = sorted({round(i * last / max(rows - 1, 1)) for i in range(min(rows, len(pictures)))})
+    chosen = evenly_spaced(len(pictures), rows)
     reward = {int(e["step"]): e.get("eval/reward_mean") for e in evals}
     fig, axes = plt.subplots(len(chosen), 1, figsize=(8, 1.6 * len(chosen) + 0.4), squeeze=False)
     for ax, i in zip(axes[:, 0], chosen, strict=True):
@@ -123,3 +122,9 @@ def report_samples(pictures: list[Path], evals: list[dict[str, Any]], path: Path
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def evenly_spaced(n: int, most: int) -> list[int]:
+    """Up to ``most`` of the indices 0 … n − 1, evenly spaced, the first and the last among them."""
+    shown = min(most, n)
+    return sorted({round(i * (n - 1) / max(shown - 1, 1)) for i in range(shown)})

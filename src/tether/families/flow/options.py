@@ -30,9 +30,10 @@ class FlowSection:
     )
     noise_level: float = knob(
         0.7,
-        "a in the SDE's σ_t = a·√(t/(1 − t)): how much each step explores. 0 would be the ODE, whose "
-        "steps have no density; Flow-GRPO uses 0.7.",
-        min=0,
+        "a in the SDE's σ_t = a·√(t/(1 − t)): how much each step explores; Flow-GRPO uses 0.7. 0 would be "
+        "the ODE, whose steps have no density, and near it a step's log-probability is float32 rounding "
+        "divided by a vanishing σ (the ratios are noise), so at least 0.01.",
+        min=0.01,
     )
     init_width: int = knob(96, "Width of a flow model built by model.create_if_missing.", min=8)
     init_depth: int = knob(3, "Transformer blocks of a flow model built by model.create_if_missing.", min=1)
