@@ -5,6 +5,7 @@ Shared by the rollout engine, the learner and warm start, so none of them depend
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -13,18 +14,69 @@ import torch
 from tether.errors import ConfigError
 
 
-def load_tokenizer(path: str | Path):
-    """The tokenizer of a local model directory, offline, with a pad token (EOS if it has none);
-    a clear error when the directory is not a model."""
-    from transformers import AutoTokenizer
-
+def model_config(path: str | Path) -> dict:
+    """A model directory's ``config.json``; a clear error when there is none, or it is unreadable."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path} is not a model directory (no config.json)")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path / 'config.json'} cannot be read as JSON: {exc}") from exc
+
+
+def context_length(config: dict) -> int | None:
+    """The positions a model attends over, from its config (None when it does not say)."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
+def _check_language_model(path: Path) -> None:
+    """Refuse a directory that holds another family's model (its config.json names the family)."""
+    family = model_config(path).get("tether_family")
+    if family:
+        raise ConfigError(f"{path} holds a model.family={family} model (its config.json says tether_family: "
+                          f"{family}), not a language model; set model.family={family}, or point model.path "
+                          "(or --model) at a Hugging Face causal LM directory")
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a local model directory, offline, with a pad token (EOS if it has none);
+    a clear error when the directory is not a language model's."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    _check_language_model(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"cannot load a tokenizer from {path} ({type(exc).__name__}: {exc}); a language "
+                          "model directory holds its tokenizer's files beside config.json") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def dropout_settings(config: dict) -> dict[str, float]:
+    """The dropout probabilities a model's config turns on (``*dropout*``, ``*pdrop``), by key."""
+    return {k: float(v) for k, v in config.items()
+            if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, int | float)
+            and not isinstance(v, bool) and v > 0}
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Set every dropout module's probability to 0; returns how many had one above 0. A policy's
+    forward must be the distribution the engine sampled from: with dropout on, every training
+    forward is another random sub-network, and ratios, clipping and attribution measure that
+    noise (verl, OpenRLHF and TRL turn it off too)."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            module.p = 0.0
+            changed += 1
+    return changed
 
 
 SHARDED_MARKER = "TETHER_SHARDED_CHECKPOINT.txt"
@@ -43,15 +95,28 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32):
     tokenizer = load_tokenizer(path)
     if (path / SHARDED_MARKER).is_file():
         return _from_shards(path, dtype), tokenizer
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    config = _without_dropout(path)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
+    disable_dropout(model)
     return model, tokenizer
 
 
-def _from_shards(path: Path, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _without_dropout(path: Path):
+    """The model's config with every dropout probability 0 (attention implementations read theirs
+    from the config, not from a module)."""
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for key in dropout_settings(config.to_dict()):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    return config
+
+
+def _from_shards(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(_without_dropout(path), dtype=dtype)
     state = read_shards({"model": model.state_dict()}, path.parent / "sharded", single_process=True)
     model.load_state_dict(state["model"])
     return model

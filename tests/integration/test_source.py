@@ -73,3 +73,45 @@ def test_long_prompts_are_skipped_and_counted_or_fail_the_run(tok):
     with pytest.raises(DataError, match=r"longer than data\.max_prompt_tokens=10"):
         resolve_data(data_cfg("data.task=countdown", "data.max_prompt_tokens=10",
                               "data.on_long_prompt=error", "data.num_train=200"), tok)
+
+
+def long_dataset(tmp_path, long_at: int):
+    """20 short prompts, and one of 230 characters at row ``long_at`` (deep in the data)."""
+    rows = [{"q": f"{i}+1=", "a": str(i + 1)} for i in range(20)]
+    rows.insert(long_at, {"q": "9" * 225 + "+1=", "a": "x"})
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_prompts_are_checked_against_the_models_context_at_load(tiny_model_dir, tmp_path):
+    """The tiny model attends over 256 positions: with 40 new tokens a prompt may have 216, less
+    than data.max_prompt_tokens=300. A prompt past that is skipped and counted at load, or fails
+    the load naming the context — not a worker at the batch that reaches it."""
+    family = load_config(None, [f"model.path={tiny_model_dir}"]).family()
+    common = [f"model.path={tiny_model_dir}", "data.task=", f"data.dataset={long_dataset(tmp_path, 17)}",
+              "data.prompt_column=q", "data.answer_column=a", "data.num_eval=2",
+              "data.max_prompt_tokens=300", "reward.function=exact_match", "rollout.max_new_tokens=40"]
+    bundle = family.data(load_config(None, common), tiny_model_dir)
+    assert bundle.skipped_long_prompts == 1 and len(bundle.train) + len(bundle.eval) == 20
+    with pytest.raises(DataError, match=r"example \d+ has a 228-token prompt, longer than the 216 tokens "
+                                        r"the model's context of 256 positions leaves after "
+                                        r"rollout\.max_new_tokens=40"):
+        family.data(load_config(None, [*common, "data.on_long_prompt=error"]), tiny_model_dir)
+    with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens=256 leaves no room for a prompt in the "
+                                          r"model's context of 256 positions"):
+        family.data(load_config(None, [*common[:-1], "rollout.max_new_tokens=256"]), tiny_model_dir)
+
+
+def test_characters_a_tokenizer_does_not_know_are_counted_and_named(tok, tmp_path, caplog):
+    import logging
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"q": q, "a": "1"}) + "\n"
+                            for q in ["café=", "naïve=", "plain=", "x=", "y=", "z="]))
+    caplog.set_level(logging.WARNING, logger="tether")
+    resolve_data(data_cfg("data.task=", f"data.dataset={path}", "data.prompt_column=q",
+                          "data.answer_column=a", "data.num_eval=1", "reward.function=exact_match"), tok)
+    said = [r.getMessage() for r in caplog.records if "does not know" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("2 prompts of dataset")
+    assert "'é' in 'café='" in said[0] or "'ï' in 'naïve='" in said[0]  # the first met, after a shuffle

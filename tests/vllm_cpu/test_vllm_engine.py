@@ -160,3 +160,37 @@ def test_the_vllm_engine_keeps_the_token_engine_contract(demo_model):
         check_token_engine(engine, prompts, cfg.sampling())
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2"])
+def test_vllm_and_the_learner_agree_on_every_architecture_it_serves(tmp_path, arch):
+    """tests/integration/test_architectures.py's check on vLLM: at the same weights the learner's
+    log-probs of what vLLM sampled are vLLM's (float32)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+    from test_architectures import TEXTS, engine_batch
+
+    from architectures import build
+    from configs import config
+    from tether import registry
+    from tether.decoding.sampling import stop_ids_for
+    from tether.modeling import load_tokenizer
+    from tether.train.learner import TorchLearner
+
+    path = build(tmp_path / arch, arch, "char", TEXTS)
+    cfg = config(f"model.path={path}", "rollout.engine=vllm", "rollout.max_new_tokens=6", lr=1e-3,
+                 shared_prefix=False)
+    tokenizer = load_tokenizer(path)
+    try:
+        engine = registry.engines.get("vllm").build(cfg, str(path), tokenizer, stop_ids_for(tokenizer, ""),
+                                                    device=torch.device("cpu"), threads=1, seed=0)
+    except Exception as exc:  # an architecture vLLM's CPU build does not serve
+        pytest.skip(f"vLLM does not serve {arch} here: {type(exc).__name__}: {str(exc)[:200]}")
+    try:
+        batch = engine_batch(engine, tokenizer)
+    finally:
+        engine.close()
+    metrics = TorchLearner(path, cfg).train(batch, train_version=0).metrics
+    mean, worst = (metrics[f"mismatch/numeric_logprob_abs_diff_{k}"] for k in ("mean", "max"))
+    print(f"\n{arch} on vLLM: |log π − log μ| at the same weights: mean {mean:.1e}, max {worst:.1e}")
+    assert mean <= 1e-5, (arch, mean, worst)

@@ -14,6 +14,7 @@ import csv
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -183,22 +184,45 @@ def apply_chat_template(tokenizer, examples: Sequence[Example]) -> list[Example]
     ]
 
 
+@dataclass
+class Unknown:
+    """Prompts holding text the tokenizer does not know (it becomes the unknown token)."""
+
+    prompts: int = 0
+    example: str = ""
+    """One such character, and the prompt it is in."""
+
+
 def limit_prompt_length(tokenizer, examples: Sequence[Example], max_tokens: int,
-                        policy: Literal["skip", "error"], *,
-                        where: str = "dataset") -> tuple[list[Example], int]:
-    """Drop (and count) or reject prompts longer than ``max_tokens`` tokens."""
+                        policy: Literal["skip", "error"], *, where: str = "dataset",
+                        limit: str | None = None,
+                        unknown: Unknown | None = None) -> tuple[list[Example], int]:
+    """Drop (and count) or reject prompts longer than ``max_tokens`` tokens (``limit`` says what
+    sets it: by default data.max_prompt_tokens); count in ``unknown`` the prompts holding text the
+    tokenizer turns into its unknown token."""
+    limit = limit or f"data.max_prompt_tokens={max_tokens}"
+    unk = getattr(tokenizer, "unk_token_id", None)
     kept: list[Example] = []
     skipped = 0
     for i, ex in enumerate(examples):
-        n = len(tokenizer(ex.prompt, add_special_tokens=False).input_ids)
-        if n <= max_tokens:
+        ids = tokenizer(ex.prompt, add_special_tokens=False).input_ids
+        if unknown is not None and unk is not None and unk in ids:
+            unknown.prompts += 1
+            unknown.example = unknown.example or _unknown_character(tokenizer, ex.prompt, unk)
+        if len(ids) <= max_tokens:
             kept.append(ex)
         elif policy == "error":
-            raise DataError(f"{where}: example {i} has a {n}-token prompt, longer than "
-                            f"data.max_prompt_tokens={max_tokens}; raise the limit or set "
-                            "data.on_long_prompt=skip")
+            raise DataError(f"{where}: example {i} has a {len(ids)}-token prompt, longer than {limit}; "
+                            "raise the limit or set data.on_long_prompt=skip")
         else:
             skipped += 1
     if not kept:
-        raise DataError(f"{where}: every prompt is longer than data.max_prompt_tokens={max_tokens}")
+        raise DataError(f"{where}: every prompt is longer than {limit}")
     return kept, skipped
+
+
+def _unknown_character(tokenizer, prompt: str, unk: int) -> str:
+    for char in dict.fromkeys(prompt):
+        if unk in tokenizer(char, add_special_tokens=False).input_ids:
+            return f"{char!r} in {prompt[:60]!r}"
+    return repr(prompt[:60])

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 from tether.config.schema import DataSection
-from tether.data.datasets import apply_chat_template, limit_prompt_length, load_examples
+from tether.data.datasets import Unknown, apply_chat_template, limit_prompt_length, load_examples
 from tether.data.tasks import get_task
 from tether.errors import DataError
 from tether.vocabulary import DataBundle
 
+log = logging.getLogger("tether.data")
 
-def resolve_data(d: DataSection, tokenizer, *, seed: int = 0) -> DataBundle:
-    """Build examples from a built-in task or local datasets, then apply template and length limit."""
+
+def resolve_data(d: DataSection, tokenizer, *, seed: int = 0, room: int | None = None,
+                 room_why: str = "") -> DataBundle:
+    """Build examples from a built-in task or local datasets, then apply template and length limit:
+    ``data.max_prompt_tokens``, or ``room`` (the tokens the model's context leaves a prompt, said by
+    ``room_why``) when that is less."""
     if d.task:
         task = get_task(d.task)
         difficulty = d.difficulty or task.default_difficulty
@@ -39,9 +45,17 @@ def resolve_data(d: DataSection, tokenizer, *, seed: int = 0) -> DataBundle:
         description = f"dataset {d.dataset}"
     if d.chat_template:
         train, held_out = apply_chat_template(tokenizer, train), apply_chat_template(tokenizer, held_out)
-    train, skipped = limit_prompt_length(tokenizer, train, d.max_prompt_tokens, d.on_long_prompt,
-                                         where=description)
-    held_out, skipped_eval = limit_prompt_length(tokenizer, held_out, d.max_prompt_tokens,
-                                                 d.on_long_prompt, where=f"{description} (eval)")
+    limit, why = d.max_prompt_tokens, None
+    if room is not None and room < limit:
+        limit, why = room, room_why
+    unknown = Unknown()
+    train, skipped = limit_prompt_length(tokenizer, train, limit, d.on_long_prompt, where=description,
+                                         limit=why, unknown=unknown)
+    held_out, skipped_eval = limit_prompt_length(tokenizer, held_out, limit, d.on_long_prompt,
+                                                 where=f"{description} (eval)", limit=why, unknown=unknown)
+    if unknown.prompts:
+        log.warning("%d prompts of %s hold text the tokenizer does not know, which it turns into its unknown "
+                    "token: e.g. %s. The model cannot tell those characters apart; extend the tokenizer's "
+                    "alphabet, or clean the data", unknown.prompts, description, unknown.example)
     return DataBundle(train=train, eval=held_out[: d.num_eval], stop_text=stop_text,
                       skipped_long_prompts=skipped + skipped_eval, description=description)

@@ -28,7 +28,7 @@ import torch
 from tether import registry
 from tether.config import Config
 from tether.errors import ConfigError
-from tether.modeling import learner_device, unique_parameters
+from tether.modeling import disable_dropout, dropout_settings, learner_device, model_config, unique_parameters
 from tether.procinfo import peak_rss_mb
 from tether.train import fsdp
 from tether.train.advantages import Advantages, group_advantages, overlong_penalty
@@ -78,11 +78,13 @@ class TorchLearner:
         self.device = learner_device(s.device)
         self.policy = cfg.family().policy(cfg)
         self.model, self.tokenizer = self.policy.load(model_path)
+        self._without_dropout(model_path)
         self.model.to(self.device).train()
         self.names = list(unique_parameters(self.model))  # the published names, tied ones once
         self.ref_model = None
         if s.kl_coef > 0:  # frozen; with ranks sharded like the model, so no rank holds it whole
             self.ref_model, _ = self.policy.load(model_path)
+            disable_dropout(self.ref_model)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         if self.group.world > 1:
             fsdp.shard(self.model)
@@ -106,6 +108,17 @@ class TorchLearner:
             total_steps=s.num_batches * s.updates_per_batch, min_ratio=s.min_lr_ratio))
         self.committed = 0
         self.skipped = 0
+
+    def _without_dropout(self, model_path: str | Path) -> None:
+        """Train without the dropout a model's config may turn on (a family's loader turns the
+        config's off; every dropout module is turned off here), saying so once."""
+        settings = dropout_settings(model_config(model_path))
+        modules = disable_dropout(self.model)
+        if (settings or modules) and self.group.rank == 0:
+            shown = ", ".join(f"{k}={v:g}" for k, v in settings.items()) or f"{modules} dropout modules"
+            log.warning("the model's config turns dropout on (%s); every policy forward runs without it, so "
+                        "the learner's log-probs are those of the distribution the engine sampled "
+                        "(docs/training.md)", shown)
 
     # -- the Learner protocol -----------------------------------------------------------------
 

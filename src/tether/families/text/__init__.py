@@ -64,10 +64,23 @@ class TextFamily(FamilyBase):
         return scorer(cfg.reward.function, task=cfg.data.task or None)
 
     def data(self, cfg: Any, model_path: Path) -> DataBundle:
+        """The recipe's examples, each prompt checked against the model's context: what
+        ``rollout.max_new_tokens`` leaves of it bounds a prompt (``data.on_long_prompt``), so no
+        prompt fails in a worker mid-run."""
         from tether.data.source import resolve_data
-        from tether.modeling import load_tokenizer
+        from tether.errors import ConfigError
+        from tether.modeling import context_length, load_tokenizer, model_config
 
-        return resolve_data(cfg.data, load_tokenizer(model_path), seed=cfg.run.seed)
+        tokenizer = load_tokenizer(model_path)
+        context, new = context_length(model_config(model_path)), cfg.rollout.max_new_tokens
+        if context is None:
+            return resolve_data(cfg.data, tokenizer, seed=cfg.run.seed)
+        if new >= context:
+            raise ConfigError(f"rollout.max_new_tokens={new} leaves no room for a prompt in the model's "
+                              f"context of {context} positions ({model_path}); lower rollout.max_new_tokens")
+        why = (f"the {context - new} tokens the model's context of {context} positions leaves after "
+               f"rollout.max_new_tokens={new}")
+        return resolve_data(cfg.data, tokenizer, seed=cfg.run.seed, room=context - new, room_why=why)
 
     def sampler(self, cfg: Any, model_path: str, stop_text: str, *, device: Any, threads: int, seed: int):
         from tether.families.text.sampler import TextSampler
