@@ -175,7 +175,7 @@ def test_publish_to_a_dead_actor_and_missing_resources_are_clear_errors(tiny_mod
     with pytest.raises(ConfigError, match=r"ray.gpus_per_worker=1 GPUs do not fit .*GPUs per node: 0"):
         RayPool(settings, STREAM.batch, unique_parameters(model),
                 options=RayOptions(local_cpus=2, gpus_per_worker=1), run_dir=tmp_path / "g")
-    with pytest.raises(ConfigError, match="GPUs plus 1 for the learner actor do not fit"):
+    with pytest.raises(ConfigError, match="GPUs plus 1 for the learner's actors do not fit"):
         RayPool(settings, STREAM.batch, unique_parameters(model),
                 options=RayOptions(local_cpus=2, gpus_per_worker=0.5, reserved_gpus=1),
                 run_dir=tmp_path / "h")

@@ -269,6 +269,29 @@ def test_learner_ranks_that_cannot_be_placed_are_refused_before_any_starts(tiny_
     assert not checkpoints.exists() or not any(checkpoints.iterdir())
 
 
+def test_a_learner_actor_and_rollout_actors_that_cannot_fit_together_are_refused_before_either_starts(
+        tiny_model_dir, tmp_path, caplog):
+    """One learner actor (1 CPU) and two rollout actors (1 CPU each) on a 2-CPU instance: refused
+    at once, before the learner's actor starts (it used to start, and the refusal came 28 s later
+    from the rollout pool)."""
+    pytest.importorskip("ray")
+    import logging
+
+    from test_train import recipe
+
+    from tether.config import load_config
+    from tether.runtime.run import train
+
+    caplog.set_level(logging.INFO, logger="tether")
+    cfg = load_config(None, recipe(tiny_model_dir, "rollout.backend=ray", "ray.local_cpus=2",
+                                   "ray.learner=actor", "rollout.num_workers=2"))
+    with pytest.raises(ConfigError, match=r"2 rollout actor\(s\) × ray.cpus_per_worker=1 CPUs plus 1 for "
+                                          r"the learner's actors do not fit the Ray cluster's nodes "
+                                          r"\(CPUs per node: 2\)"):
+        train(cfg, tmp_path / "run", progress_plain=True)
+    assert not [r for r in caplog.records if "learner actor ready" in r.getMessage()]
+
+
 def test_a_non_finite_gradient_on_one_rank_skips_the_update_on_every_rank(tiny_model_dir):
     """One token of the last group — rank 1's share of the second mini-batch — gets an engine
     log-prob so low that its ratio π/μ overflows: only rank 1's loss is infinite, yet the

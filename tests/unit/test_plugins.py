@@ -153,3 +153,4 @@ def test_the_same_plugin_file_is_one_module_in_every_process(tmp_path):
     assert name == registry.plugin_module_name(tmp_path / "." / "p.py")  # the resolved path, not the spelling
     other = tmp_path / "q" / "p.py"
     assert registry.plugin_module_name(other) != name
+

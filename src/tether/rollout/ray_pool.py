@@ -120,6 +120,32 @@ def ray_temp_dir(run_dir: Path) -> tuple[str, Path | None]:
     return f"/tmp/tether-ray-{digest}", inside
 
 
+def check_fits(ray, num_workers: int, o: RayOptions) -> None:
+    """Refuse at once a request the cluster can never place (instead of waiting on it): the rollout
+    actors with what the learner's actors reserve. Checked before any actor of the run starts."""
+    alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    nodes = [r.get("CPU", 0.0) for r in alive]
+    need = num_workers * o.cpus_per_worker + o.reserved_cpus
+    if o.cpus_per_worker > max(nodes, default=0.0) or need > sum(nodes):
+        per_node = ", ".join(f"{c:g}" for c in nodes) or "none"
+        learner = f" plus {o.reserved_cpus:g} for the learner's actors" if o.reserved_cpus else ""
+        raise ConfigError(
+            f"{num_workers} rollout actor(s) × ray.cpus_per_worker={o.cpus_per_worker:g} "
+            f"CPUs{learner} do not fit the Ray cluster's nodes (CPUs per node: {per_node}); lower "
+            "rollout.num_workers or ray.cpus_per_worker, or add nodes (with a local instance: raise "
+            "ray.local_cpus)")
+    if o.gpus_per_worker > 0:
+        gpus = [r.get("GPU", 0.0) for r in alive]
+        need = num_workers * o.gpus_per_worker + o.reserved_gpus
+        if o.gpus_per_worker > max(gpus, default=0.0) or need > sum(gpus):
+            learner = f" plus {o.reserved_gpus:g} for the learner's actors" if o.reserved_gpus else ""
+            raise ConfigError(
+                f"{num_workers} rollout actor(s) × ray.gpus_per_worker={o.gpus_per_worker:g} GPUs"
+                f"{learner} do not fit the Ray cluster's nodes (GPUs per node: "
+                f"{', '.join(f'{g:g}' for g in gpus) or 'none'}); set ray.gpus_per_worker=0 to sample "
+                "on CPUs, lower rollout.num_workers, or start Ray on nodes with GPUs")
+
+
 class RaySession:
     """Connects to a cluster or starts a local instance; ``close`` undoes only what it did."""
 
@@ -323,29 +349,7 @@ class RayPool(DispatchingPool):
             _, w.pid, w.node = msg
 
     def _check_fits(self) -> None:
-        """Refuse at once a request the cluster can never place (instead of waiting on it)."""
-        s, o = self.settings, self.options
-        alive = [n["Resources"] for n in self.ray.nodes() if n.get("Alive")]
-        nodes = [r.get("CPU", 0.0) for r in alive]
-        need = s.num_workers * o.cpus_per_worker + o.reserved_cpus
-        if o.cpus_per_worker > max(nodes, default=0.0) or need > sum(nodes):
-            per_node = ", ".join(f"{c:g}" for c in nodes) or "none"
-            learner = f" plus {o.reserved_cpus:g} for the learner actor" if o.reserved_cpus else ""
-            raise ConfigError(
-                f"{s.num_workers} rollout actor(s) × ray.cpus_per_worker={o.cpus_per_worker:g} "
-                f"CPUs{learner} do not fit the Ray cluster's nodes (CPUs per node: {per_node}); lower "
-                "rollout.num_workers or ray.cpus_per_worker, or add nodes (with a local instance: raise "
-                "ray.local_cpus)")
-        if o.gpus_per_worker > 0:
-            gpus = [r.get("GPU", 0.0) for r in alive]
-            need = s.num_workers * o.gpus_per_worker + o.reserved_gpus
-            if o.gpus_per_worker > max(gpus, default=0.0) or need > sum(gpus):
-                learner = f" plus {o.reserved_gpus:g} for the learner actor" if o.reserved_gpus else ""
-                raise ConfigError(
-                    f"{s.num_workers} rollout actor(s) × ray.gpus_per_worker={o.gpus_per_worker:g} GPUs"
-                    f"{learner} do not fit the Ray cluster's nodes (GPUs per node: "
-                    f"{', '.join(f'{g:g}' for g in gpus) or 'none'}); set ray.gpus_per_worker=0 to sample "
-                    "on CPUs, lower rollout.num_workers, or start Ray on nodes with GPUs")
+        check_fits(self.ray, self.settings.num_workers, self.options)
 
     def close(self) -> None:
         """Kill every actor, release the weights and shut down what the session started;

@@ -14,12 +14,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tether import registry
 from tether.config import Config
+from tether.control import AdmissionNote
 from tether.vocabulary import DataBundle, Evaluate, Family
 
 log = logging.getLogger("tether.run")
@@ -77,6 +79,26 @@ class Parts:
             log.warning("skipped %d prompts longer than data.max_prompt_tokens=%d", data.skipped_long_prompts,
                         cfg.data.max_prompt_tokens)
         return Prepared(model_path=model_path, data=data, score=score)
+
+    def notes(self, cpus: int | None = None) -> list[AdmissionNote]:
+        """What the recipe's processes cost on this machine, where it costs (``cpus``: the CPUs this
+        process may use)."""
+        cfg = self.cfg
+        cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+        here = self.backend.local_workers or not cfg.ray.address  # a local Ray instance runs here too
+        learner = cfg.train.threads * cfg.train.world_size if (self.layout != "actor" or here) else 0
+        rollout = cfg.rollout.num_workers * cfg.rollout.threads_per_worker if here else 0
+        if learner + rollout <= cpus:
+            return []
+        ranks = (f"{cfg.train.world_size} learner ranks × train.threads={cfg.train.threads}"
+                 if cfg.train.world_size > 1 else f"the learner's train.threads={cfg.train.threads}")
+        return [AdmissionNote(
+            "oversubscribed",
+            f"{ranks} and {cfg.rollout.num_workers} rollout worker(s) × rollout.threads_per_worker="
+            f"{cfg.rollout.threads_per_worker} want {learner + rollout} threads on {cpus} CPUs: they take "
+            "turns on the cores, so every step is slower than the threads suggest (ranks also wait in each "
+            "collective for the slowest, and each takes seconds to start); lower train.world_size or the "
+            "thread counts to fit, unless the run is a check of the layout itself")]
 
     def session(self, run_dir: Path) -> contextlib.AbstractContextManager[Any]:
         """What the backend holds open for the run (a Ray session, or nothing)."""
@@ -145,9 +167,11 @@ def ray_actors(cfg: Config, prepared: Prepared, session: Any, stack: contextlib.
                run_dir: Path | None) -> tuple[Any, Evaluate]:
     """The learner as Ray actors, one per rank, in one placement group; rank 0 evaluates and puts
     the weights into the object store."""
+    from tether.rollout.ray_pool import RayOptions, check_fits
     from tether.train.ranks import RankGroup
     from tether.train.ray_ranks import ActorRanks
 
+    check_fits(session.ray, cfg.rollout.num_workers, RayOptions.of(cfg))  # before any actor starts
     transport = ActorRanks(session.ray, cfg, str(prepared.model_path), _held_out(prepared), run_dir=run_dir)
     group = RankGroup(transport)
     stack.callback(group.close)
