@@ -266,3 +266,31 @@ def test_the_advantage_estimator_owns_its_normalisation():
         load_config(None, ["train.advantage=reinforce_pp", "train.adv_scope=batch"])
     with pytest.raises(ConfigError, match=r"grpo.*rloo.*reinforce_pp"):
         load_config(None, ["train.advantage=ppo"])
+
+
+@pytest.mark.parametrize(("recorded", "overrides", "dropped"), [
+    (["train.world_size=2", "checkpoint.sharded=true"], ["train.world_size=1"],
+     ["checkpoint.sharded=True (it has no effect with train.world_size=1)"]),
+    (["rollout.backend=ray", "ray.learner=actor", "ray.local_cpus=3", "train.world_size=2",
+      "ray.learner_placement=STRICT_PACK"], ["rollout.backend=local", "train.world_size=1"],
+     ["ray.local_cpus=3 (read only with rollout.backend=ray, and the resume sets rollout.backend=local)",
+      "ray.learner=actor (read only with rollout.backend=ray, and the resume sets rollout.backend=local)",
+      "ray.learner_placement=STRICT_PACK (read only with rollout.backend=ray, and the resume sets "
+      "rollout.backend=local)"]),
+    (["rollout.engine=vllm", "vllm.dtype=bfloat16"], ["rollout.engine=torch", "rollout.decoder=python"],
+     ["vllm.dtype=bfloat16 (read only with rollout.engine=vllm, and the resume sets rollout.engine=torch)"]),
+])
+def test_a_resume_to_a_smaller_set_up_drops_the_recorded_keys_it_leaves_nothing_to_act_on(
+        tmp_path, recorded, overrides, dropped):
+    from tether.config import load_resumed
+
+    path = tmp_path / "config.yaml"
+    path.write_text(load_config(None, recorded).to_yaml())
+    with pytest.raises(ConfigError):  # what a plain load of the run's config with them says
+        load_config(path, overrides)
+    cfg, said = load_resumed(path, overrides)
+    assert said == dropped
+    assert cfg.checkpoint.sharded is False and cfg.ray == load_config(None, []).ray
+    # a key the resume sets itself is never dropped, and a wrong one is still refused
+    with pytest.raises(ConfigError, match=r"checkpoint\.sharded=true has no effect"):
+        load_resumed(path, [*overrides, "checkpoint.sharded=true"])

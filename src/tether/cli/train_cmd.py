@@ -46,7 +46,7 @@ def _logging() -> None:
 def resolve(ns: argparse.Namespace):
     """(config, run directory, overrides) from the command line."""
     from tether.cli.plan import split_recipe_args
-    from tether.config import load_config
+    from tether.config import load_config, load_resumed
 
     if ns.force and not ns.resume:
         raise ConfigError("--force only applies with --resume RUN")
@@ -60,7 +60,10 @@ def resolve(ns: argparse.Namespace):
                               f"key=value overrides, not {overrides[0]!r}")
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
-        return load_config(run_dir / "config.yaml", overrides), run_dir, overrides
+        cfg, dropped = load_resumed(run_dir / "config.yaml", overrides)
+        for key in dropped:
+            logging.getLogger("tether").info("resume drops %s", key)
+        return cfg, run_dir, overrides
     recipe, overrides = split_recipe_args(ns.args)
     cfg = load_config(recipe, overrides)
     stem = Path(recipe).stem if recipe else "train"

@@ -396,6 +396,47 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return Config.from_dict(apply_overrides(data, overrides))
 
 
+def load_resumed(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Config, list[str]]:
+    """A run's recorded config with a resume's ``overrides``, and the keys dropped from the record
+    because the overrides leave them nothing to act on (moving to a smaller set-up: from ranks to
+    one process drops ``checkpoint.sharded``; from Ray to local processes, the ray section; from
+    vLLM to the built-in engine, the vllm section). Keys the overrides set are never dropped."""
+    recorded = read_recipe(path)
+    data = apply_overrides(recorded, overrides)
+    given = {".".join(parse_override(text)[0]) for text in overrides}
+    dropped = []
+
+    def drop(section: str, key: str | None, why: str) -> None:
+        keys = [key] if key is not None else list(data.get(section) or {})
+        for k in keys:
+            if f"{section}.{k}" in given or k not in (data.get(section) or {}):
+                continue
+            value = data[section].pop(k)
+            if value != getattr(SECTIONS[section](), k, value):  # a default says nothing
+                dropped.append(f"{section}.{k}={value} ({why})")
+
+    chosen = {"engines": ("rollout", "engine", "torch"), "backends": ("rollout", "backend", "local")}
+    for kind, (section, key, default) in chosen.items():
+        reg = getattr(registry, kind)
+        name = reg.canonical(str((data.get(section) or {}).get(key, default)))
+        for other in reg.names():
+            if other == name or other not in reg:
+                continue
+            plugin = reg.get(other)
+            why = f"read only with {reg.key}={other}, and the resume sets {reg.key}={name}"
+            if getattr(plugin, "section", None):
+                drop(plugin.section, None, why)
+            for owned in getattr(plugin, "keys", ()):
+                drop(*owned.split("."), why)
+    train, ray = data.get("train") or {}, data.get("ray") or {}
+    if train.get("world_size", 1) == 1:
+        drop("checkpoint", "sharded", "it has no effect with train.world_size=1")
+        drop("ray", "learner_placement", "it places learner ranks, and train.world_size=1")
+    elif ray.get("learner", "driver") != "actor":
+        drop("ray", "learner_placement", "it places learner actors, and ray.learner is not actor")
+    return Config.from_dict(data), dropped
+
+
 __all__ = ["AsyncSection", "CheckpointSection", "Config", "CorrectionSection", "DataSection", "EvalSection",
            "ModelSection",
            "PlanSection", "RewardSection", "RolloutSection", "RunSection", "TrainSection",
