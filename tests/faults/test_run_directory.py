@@ -148,6 +148,24 @@ def test_a_checkpoint_with_an_empty_or_malformed_manifest_is_refused_as_damaged(
     assert "refusing damaged checkpoint" in caplog.text and "step-000004" in caplog.text
 
 
+def test_a_rank_lost_while_a_checkpoint_is_written_is_said_as_that_and_leaves_nothing(tmp_path):
+    """A learner rank killed mid-save is the run's failure as it is — a rank lost, not a write
+    that failed for want of space or permissions — and no part of the checkpoint is left."""
+    from tether.errors import LearnerLostError
+
+    class Learner:
+        def save(self, path):
+            path.mkdir(parents=True)
+            (path / "half.bin").write_bytes(b"w" * 100)
+            raise LearnerLostError("learner rank 1 (pid 123) died from signal SIGKILL while saving it")
+
+    with pytest.raises(LearnerLostError, match="died from signal SIGKILL") as info:
+        Checkpointer(tmp_path / "checkpoints").save(4, LoopState(trained_batches=4, rollout_version=4),
+                                                    Learner())
+    assert "Free space" not in str(info.value)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
 def test_group_size_one_is_refused_before_anything_starts(tiny_model_dir, tmp_path, capsys):
     assert train_cli("--run-dir", tmp_path / "run", *short(tiny_model_dir, "rollout.group_size=1")) == 2
     err = capsys.readouterr().err

@@ -24,7 +24,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from tether.errors import CheckpointError, ConfigError
+from tether.errors import CheckpointError, ConfigError, LearnerLostError
 from tether.vocabulary import LoopState
 
 log = logging.getLogger("tether.checkpoint")
@@ -103,6 +103,9 @@ class Checkpointer:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
+        except LearnerLostError:  # not a write that failed: a rank died meanwhile, and says so
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             good = self.list()

@@ -33,7 +33,6 @@ from tether.errors import LearnerError, LearnerLostError
 from tether.vocabulary import DataBundle, RolloutBatch, TrainResult
 
 START_TIMEOUT_S = 600.0
-RESUME_HINT = "the run's last checkpoint is intact: `tether train --resume` continues from it"
 
 
 class RankServer:
@@ -402,8 +401,7 @@ class ProcessRanks:
                 else f"exited with status {code}" if code is not None else "stopped answering")
 
     def death(self, outcome: Outcome, doing: str) -> str:
-        return (f"learner rank {outcome.rank} (pid {self.pids[outcome.rank]}) {outcome.died} {doing}; "
-                f"{RESUME_HINT}")
+        return f"learner rank {outcome.rank} (pid {self.pids[outcome.rank]}) {outcome.died} {doing}"
 
     def weights(self, group: RankGroup) -> RankWeights:
         return ChannelRankWeights(group)
