@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
@@ -179,7 +181,7 @@ def test_a_build_that_fails_leaves_no_partial_library(fresh_native, monkeypatch,
     monkeypatch.setenv("CC", str(broken))
     with pytest.raises(NativeDecoderError, match=r"failed to build decode_step\.c: nope"):
         native.library("native")
-    assert list((fresh_native / "native").iterdir()) == []
+    assert list((fresh_native / "native").glob("*.so*")) == []
 
 
 def test_a_bad_mode_is_refused():
@@ -200,7 +202,7 @@ def test_concurrent_first_uses_share_one_library(fresh_native):
     paths = {run.communicate(timeout=120)[0].strip() for run in runs}
     assert all(run.returncode == 0 for run in runs)
     assert len(paths) == 1
-    assert [p.name for p in (fresh_native / "native").iterdir()] == [os.path.basename(paths.pop())]
+    assert [p.name for p in (fresh_native / "native").glob("*.so*")] == [os.path.basename(paths.pop())]
 
 
 def test_a_run_that_requires_the_native_decoder_without_a_compiler_fails_before_it_starts(
@@ -293,3 +295,124 @@ def test_a_native_run_refuses_a_token_outside_the_table_and_keeps_the_steps_befo
     assert dec.length == prompt + 2  # the refused step did not count
     with pytest.raises(ValueError, match="room for 4 more columns"):
         dec.decode_run(4, toks, lps, 2, 1.0, None, stop, done, lengths)
+
+
+BUILDS = pytest.mark.skipif(native.library("auto") is None, reason="the native decoder does not build here")
+
+
+def counting_compiler(tmp_path, *, sleep: float = 0.0):
+    """A CC that logs each build it is asked for (not --version), then runs the real compiler
+    (after ``sleep`` seconds, in a child, as a slow compiler driver would)."""
+    import shutil
+
+    real = shutil.which("cc") or shutil.which("gcc")
+    log = tmp_path / "builds.log"
+    cc = tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\ncase "$1" in --version) exec {real} --version;; esac\n'
+                  f'echo build >> {log}\n' + (f"sleep {sleep} & echo $! > {tmp_path / 'child.pid'}; wait\n"
+                                               if sleep else "") + f'exec {real} "$@"\n')
+    cc.chmod(0o755)
+    return cc, log
+
+
+@BUILDS
+def test_concurrent_first_builds_compile_once(fresh_native, tmp_path, monkeypatch):
+    """Three processes start on an empty cache at once (a pool's workers): one compiles while the
+    others wait on the lock, then all load the one library."""
+    cc, log = counting_compiler(tmp_path)
+    env = dict(os.environ, CC=str(cc), TETHER_CACHE_DIR=str(fresh_native))
+    script = "from tether.decoding import native; native.library('native'); print(native.build())"
+    runs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+            for _ in range(3)]
+    paths = {run.communicate(timeout=180)[0].strip() for run in runs}
+    assert all(run.returncode == 0 for run in runs) and len(paths) == 1
+    assert log.read_text().count("build") == 1
+
+
+@BUILDS
+def test_a_bad_file_at_the_librarys_name_is_built_afresh_and_stale_builds_go(fresh_native):
+    """A valid ELF that is not the library (a copy of libm), or garbage, at the computed name: the
+    default decoder builds the library again instead of failing (or falling back for good).
+    Libraries of another version of the source are removed when one is built."""
+    target = native.build()
+    stale = target.parent / "decode_step-0badf00d-0123456789abcdef.so"
+    stale.write_bytes(b"old")
+    libm = next(p for p in ("/lib/x86_64-linux-gnu/libm.so.6", "/usr/lib/x86_64-linux-gnu/libm.so.6",
+                            "/lib64/libm.so.6", "/usr/lib64/libm.so.6") if os.path.exists(p))
+    for planted in (Path(libm).read_bytes(), b"not a library at all"):
+        fake = target.with_suffix(".fake")
+        fake.write_bytes(planted)
+        os.replace(fake, target)  # a new file (writing into the loaded one would change its mapping)
+        native._attempt.cache_clear()
+        assert native.library("auto") is not None
+        assert target.read_bytes() != planted
+    assert not stale.exists()
+
+
+@BUILDS
+def test_a_library_from_a_folder_others_can_write_is_refused(fresh_native, caplog):
+    """The library runs in every worker: one under a group- or world-writable folder, or owned by
+    someone else, could be anyone's. Refused, saying why; auto decodes in Python."""
+    folder = native.build().parent
+    folder.chmod(0o775)
+    native._attempt.cache_clear()
+    with pytest.raises(NativeDecoderError, match=r"cache folder .* can be written by others \(mode 0o775\)"):
+        native.library("native")
+    with caplog.at_level(logging.WARNING, logger="tether.decoding.native"):
+        assert native.library("auto") is None
+    assert "can be written by others" in caplog.text
+    folder.chmod(0o700)
+    target = native.build()
+    target.chmod(0o777)
+    native._attempt.cache_clear()
+    with pytest.raises(NativeDecoderError, match=r"library .* can be written by others \(mode 0o777\)"):
+        native.library("native")
+    if os.getuid() == 0:  # root can hand the folder to someone else
+        target.chmod(0o700)
+        os.chown(folder, 12345, 12345)
+        native._attempt.cache_clear()
+        with pytest.raises(NativeDecoderError, match=r"belongs to another user \(uid 12345\)"):
+            native.library("native")
+
+
+@BUILDS
+def test_a_new_cache_folder_is_private(fresh_native):
+    assert (native.build().parent.stat().st_mode & 0o777) == 0o700
+
+
+def test_a_compiler_past_the_time_limit_is_stopped_with_its_children_and_auto_falls_back(
+        fresh_native, tmp_path, monkeypatch, caplog):
+    cc, _log = counting_compiler(tmp_path, sleep=60)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 1.0)
+    with caplog.at_level(logging.WARNING, logger="tether.decoding.native"):
+        assert native.library("auto") is None
+    assert "took more than 1s to build decode_step.c, and was stopped" in caplog.text
+    child = int((tmp_path / "child.pid").read_text())
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{child}"), "the compiler's child outlived the build"
+    assert list((fresh_native / "native").glob("*.so*")) == []
+
+
+@BUILDS
+def test_a_library_of_another_interface_is_refused(fresh_native, monkeypatch):
+    monkeypatch.setattr(native, "INTERFACE", native.INTERFACE + 1)
+    native._attempt.cache_clear()
+    with pytest.raises(NativeDecoderError, match=r"speaks another interface \(version and table sizes "
+                                                  r"\(2, 15, 7, 10, 10\), this Tether's "
+                                                  r"\(3, 15, 7, 10, 10\)\)"):
+        native.library("native")
+
+
+@BUILDS
+def test_a_prefill_past_its_buffers_says_so_and_arguments_are_checked():
+    dec = FastDecoder(_model("qwen3"), decoder="native")
+    ids, mask = _batch()
+    dec.prefill(ids, mask, 3)
+    batch = dec._batch
+    too_many = batch._refusal(native.TOO_MANY_ROWS, ids)
+    assert isinstance(too_many, ValueError) and "rows this batch's buffers were made for" in str(too_many)
+    with pytest.raises(ValueError, match=r"a prefill takes \(U, P\) ids and positions"):
+        batch.prefill(ids, ids[:, :-1], 3)

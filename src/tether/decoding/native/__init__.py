@@ -9,8 +9,13 @@ compiler. ``NativeModel`` holds a model's packed weights, ``NativeBatch`` one ba
 The shared library is compiled once per source, flags, compiler and CPU into a cache folder
 (``$TETHER_CACHE_DIR``, else ``$XDG_CACHE_HOME/tether``, else ``~/.cache/tether``), with
 ``-march=native``: keyed by the CPU's feature flags, so a home folder shared between machines of
-different kinds builds one library per kind. Concurrent first uses (a pool's workers) each build
-into a private file and move it in place atomically.
+different kinds builds one library per kind. The library runs in this process, so its folder is
+made private (0700) and both are refused unless this user owns them and no one else can write
+them. Concurrent first uses (a pool's workers) wait on a lock while one of them builds, into a
+private file moved in place atomically; a compiler that takes longer than ``BUILD_TIMEOUT_S`` is
+stopped, its process group with it. Builds of another version of the source are removed. A file
+at the library's name that does not load, lacks the library's symbols or speaks another interface
+is built afresh once.
 
 ``rollout.decoder`` (``FastDecoder(decoder=...)``) chooses: ``auto`` (the default) uses it
 when it builds and loads and the model is float32 on the CPU, else the Python path, saying once
@@ -20,12 +25,14 @@ cannot run); ``python`` never uses it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 from functools import cache
@@ -51,6 +58,12 @@ if platform.machine() in ("x86_64", "AMD64"):
 PROFILE_ENV = "TETHER_NATIVE_PROFILE"
 SECTIONS = ("norms", "qkv GEMM", "q/k norm, rotary, KV write", "attention", "o GEMM", "gate/up GEMM",
             "activation", "down GEMM", "head GEMM", "sampling")
+
+BUILD_TIMEOUT_S = 120.0
+INTERFACE = 2
+"""decode_step.c's INTERFACE_VERSION: the library's calls and tables as this module uses them."""
+TOO_MANY_ROWS = -(2 ** 31)
+"""decode_step.c's ST_TOO_MANY_ROWS status."""
 
 # the order of decode_step.c's enums
 CONFIG = ("batch", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab", "layers", "capacity",
@@ -101,6 +114,46 @@ def _flags() -> tuple[str, ...]:
     return (*FLAGS, "-DTETHER_PROFILE") if os.environ.get(PROFILE_ENV) == "1" else FLAGS
 
 
+def _source_key() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]
+
+
+def _private_folder(folder: Path) -> Path:
+    """``folder``, made 0700 if new; refused unless this user owns it and no one else can write in
+    it (a library planted there would run in every rollout worker)."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise NativeUnavailable(f"cannot make the native decoder's cache folder {folder}: {e}") from e
+    _trusted(folder, "cache folder")
+    return folder
+
+
+def _trusted(path: Path, what: str) -> None:
+    st = path.stat()
+    fix = "set TETHER_CACHE_DIR to a folder of your own (rollout.decoder=python skips the library)"
+    if st.st_uid != os.getuid():
+        raise NativeUnavailable(f"the native decoder's {what} {path} belongs to another user (uid "
+                                f"{st.st_uid}), and a library from there would run in this process; {fix}")
+    if st.st_mode & 0o022:
+        raise NativeUnavailable(f"the native decoder's {what} {path} can be written by others (mode "
+                                f"{oct(st.st_mode & 0o777)}), so a library from there could be anyone's; "
+                                f"chmod go-w it, or {fix}")
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """Held by the one process building; the others wait, then find the library built."""
+    import fcntl
+
+    fd = os.open(folder / ".build.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def build() -> Path:
     """The compiled library's path, building it if this source, compiler and CPU have none yet."""
     cc, flags = _compiler(), _flags()
@@ -110,22 +163,46 @@ def build() -> Path:
         raise NativeUnavailable(f"the C compiler {cc} does not run: {e}") from e
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, version, platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
-    target = cache_dir() / "native" / f"decode_step-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    folder = _private_folder(cache_dir() / "native")
+    target = folder / f"decode_step-{_source_key()}-{key}.so"
+    with _build_lock(folder):
+        if not target.exists():
+            _compile(cc, flags, target)
+            _remove_stale(folder)
+    _trusted(target, "library")
+    return target
+
+
+def _compile(cc: str, flags: tuple[str, ...], target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                              timeout=120)
-        if done.returncode != 0:
-            raise NativeUnavailable(f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        # its own process group: a compiler stopped at the time limit takes its children with it
+        proc = subprocess.Popen([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            _out, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise NativeUnavailable(f"{cc} took more than {BUILD_TIMEOUT_S:.0f}s to build {SOURCE.name}, "
+                                    "and was stopped") from None
+        if proc.returncode != 0:
+            raise NativeUnavailable(f"{cc} failed to build {SOURCE.name}: {err.strip()[-2000:]}")
+        os.chmod(tmp, 0o700)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return target
+
+
+def _remove_stale(folder: Path) -> None:
+    """Libraries built from another version of the source, and partial builds of a process gone."""
+    for old in folder.glob("decode_step-*.so"):
+        if not old.name.startswith(f"decode_step-{_source_key()}-"):
+            with contextlib.suppress(OSError):
+                old.unlink()
 
 
 BLAS = ("cblas_sgemm_pack_get_size", "cblas_sgemm_pack", "cblas_sgemm_compute", "sgemm_")
@@ -143,10 +220,48 @@ def _blas_addresses() -> list[int]:
 
 
 def _open() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build()))
-    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.tether_set_blas.argtypes = [p, p, p, p]
+    """The library, built if need be; a file at its name that is no good (it does not load, lacks
+    the library's symbols, or speaks another interface: truncated, planted, or of another
+    Tether) is built afresh, once."""
+    path = build()
+    try:
+        return _load(path)
+    except NativeUnavailable as e:
+        log.warning("the native decoder at %s is no good (%s); building it again", path, e)
+        with contextlib.suppress(OSError):
+            path.unlink()
+        path = build()
+        # loaded under a name of its own: the dynamic loader would hand back what it loaded from
+        # the old file at this name
+        alias = path.with_name(f"{path.stem}-{os.getpid()}.so")
+        os.link(path, alias)
+        try:
+            return _load(alias)
+        finally:
+            alias.unlink()
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+    except (OSError, AttributeError) as e:
+        raise NativeUnavailable(f"{path} is not the native decoder: {e}") from e
+    expected = (INTERFACE, len(CONFIG), len(ROOT), len(PER_LAYER), len(SECTIONS))
+    found = tuple(lib.tether_interface(i) for i in range(len(expected)))
+    if found != expected:
+        raise NativeUnavailable(f"{path} speaks another interface (version and table sizes {found}, "
+                                f"this Tether's {expected})")
     lib.tether_set_blas(*_blas_addresses())
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """Every call's argument and return types (an AttributeError names a missing one)."""
+    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.tether_interface.argtypes = [ctypes.c_int]
+    lib.tether_interface.restype = i64
+    lib.tether_set_blas.argtypes = [p, p, p, p]
     lib.tether_packed_floats.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.tether_packed_floats.restype = i64
     lib.tether_pack.argtypes = [p, ctypes.c_int, ctypes.c_int, p]
@@ -163,7 +278,6 @@ def _open() -> ctypes.CDLL:
     lib.tether_decode_step.restype = ctypes.c_int
     lib.tether_decode_run.argtypes = [p, f32, f32, p, i64, i64, p, p, i64, i64, p, p, f32, p, p, i64, p, p, p]
     lib.tether_decode_run.restype = i64
-    return lib
 
 
 @cache
@@ -171,7 +285,7 @@ def _attempt() -> ctypes.CDLL | Exception:
     """The library, or why it cannot be had: tried once per process, a failed build included."""
     try:
         return _open()
-    except (NativeUnavailable, OSError) as e:
+    except (NativeUnavailable, OSError, subprocess.SubprocessError) as e:
         return e
 
 
@@ -340,11 +454,14 @@ class NativeBatch:
             table += [_pointer(parts[k]) for k in PER_LAYER]
         self.table = (ctypes.c_void_p * len(table))(*table)
 
-    def _refusal(self, status: int, ids: torch.Tensor) -> IndexError | None:
+    def _refusal(self, status: int, ids: torch.Tensor) -> Exception | None:
         """The error a call's negative ``status`` stands for (-1 - i: ``ids``' i-th token is
-        outside the embedding table), or None."""
+        outside the embedding table; ``TOO_MANY_ROWS``), or None."""
         if status >= 0:
             return None
+        if status == TOO_MANY_ROWS:
+            return ValueError(f"a prefill of {ids.numel()} positions is more than the {int(self.cfg[-1])} "
+                              "rows this batch's buffers were made for")
         i = -1 - status
         return IndexError(f"token {int(ids.reshape(-1)[i])} at {i} is outside the embedding table "
                           f"(0..{self.weights.embed.shape[0] - 1})")
@@ -356,6 +473,10 @@ class NativeBatch:
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, repeats: int) -> torch.Tensor:
         """Run the (U, P) prompts; the next-token logits after each, (U, V)."""
         u, p = ids.shape
+        if positions.shape != ids.shape or repeats < 1 or u * repeats > self.batch:
+            raise ValueError(f"a prefill takes (U, P) ids and positions with U·repeats <= {self.batch} "
+                             f"rows of cache; got ids {tuple(ids.shape)}, positions "
+                             f"{tuple(positions.shape)}, repeats {repeats}")
         ids = ids.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
         logits = torch.empty(u, self.weights.vocab, dtype=torch.float32)

@@ -328,6 +328,25 @@ enum {
     L_KV_CACHE, PER_LAYER
 };
 
+/* What the Python side must agree with, checked when the library is loaded: the interface's
+ * version, then the lengths of the configuration, the root pointers, the per-layer pointers and
+ * the profile's sections. */
+enum { INTERFACE_VERSION = 2 };
+int64_t tether_interface(int which) {
+    switch (which) {
+    case 0: return INTERFACE_VERSION;
+    case 1: return C_COUNT;
+    case 2: return P_ROOT;
+    case 3: return PER_LAYER;
+    case 4: return S_COUNT;
+    default: return -1;
+    }
+}
+
+/* A prefill asked for more rows than its buffers were made for (cfg[C_ROWS]): apart from the
+ * -1 - i of a token outside the embedding table. */
+enum { ST_TOO_MANY_ROWS = -2147483647 - 1 };
+
 /* The buffers a forward over up to cfg[C_ROWS] rows at once needs: floats, then int64s. */
 int64_t tether_scratch_floats(const int64_t *cfg) {
     int64_t n = cfg[C_ROWS], h = cfg[C_HIDDEN], d = cfg[C_HEAD_DIM];
@@ -467,11 +486,12 @@ static int embed(const int64_t *cfg, void **ptrs, const int64_t *ids, int64_t n,
 
 /* The prompts ids (u x p, left-padded; positions their rotary positions, padding's 0) run once
  * each; their K/V fill slots 0 .. p-1 of the `repeats` cache rows of each prompt's group.
- * logits (u x vocab): the next-token logits after each prompt. Returns as embed(). */
+ * logits (u x vocab): the next-token logits after each prompt. Returns as embed(), or
+ * ST_TOO_MANY_ROWS when u * p exceeds the rows the buffers were made for (nothing is written). */
 int tether_prefill(const int64_t *cfg, float eps, float scale, void **ptrs, const int64_t *ids,
                    const int64_t *positions, int64_t u, int64_t p, int64_t repeats, float *logits) {
     const int64_t rows = u * p;
-    if (rows > cfg[C_ROWS]) return -1 - (int)cfg[C_ROWS];
+    if (rows > cfg[C_ROWS]) return ST_TOO_MANY_ROWS;
     int status = embed(cfg, ptrs, ids, rows, 1);
     if (status != 0) return status;
     int64_t *cache_row = ptrs[P_INDEX], *slot = cache_row + rows, *ctx = slot + rows, *last = ctx + rows;
