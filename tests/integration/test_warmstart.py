@@ -56,3 +56,42 @@ def test_ensure_model_refuses_a_missing_path_unless_asked(tmp_path):
     cfg = load_config(None, [f"model.path={tmp_path / 'junk'}", "model.create_if_missing=true"])
     with pytest.raises(ConfigError, match=r"holds no config\.json"):
         ensure_model(cfg)
+
+
+def test_the_warm_start_is_decided_by_steps_so_one_core_builds_the_model_two_do(tiny_model_dir, tmp_path):
+    """The same recipe warm-starts the same model, byte for byte, on one core (taskset) as on
+    this machine's cores: steps and the target decide where it stops, and its thread count is
+    the recipe's (train.threads), not the machine's."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("taskset") is None:
+        pytest.skip("taskset is not installed")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("data:\n  task: reverse\n  difficulty: 3\n  num_train: 400\n  num_eval: 20\n"
+                      "warmstart:\n  max_steps: 30\n  eval_every: 10\n  batch_size: 16\n"
+                      "  target_pass_rate: 1.0\n")
+    outs = {}
+    for name, prefix in (("two", []), ("one", ["taskset", "-c", "0"])):
+        outs[name] = tmp_path / name
+        subprocess.run([*prefix, sys.executable, "-m", "tether.cli.main", "warmstart", str(recipe), "--model",
+                        str(tiny_model_dir), "--out", str(outs[name])], check=True, capture_output=True,
+                       timeout=240)
+    a, b = ((outs[n] / "model.safetensors").read_bytes() for n in ("two", "one"))
+    assert a == b
+    steps = [json.loads((outs[n] / "warmstart.json").read_text())["steps"] for n in ("two", "one")]
+    assert steps == [30, 30]
+
+
+def test_the_time_ceiling_says_when_it_fires(tiny_model_dir, tmp_path, caplog):
+    import logging
+
+    task = get_task("reverse")
+    caplog.set_level(logging.WARNING, logger="tether")
+    result = warmstart(tiny_model_dir, task.examples("train", 200, seed=0, difficulty=3),
+                       task.examples("eval", 10, seed=0, difficulty=3), scorer("task", task="reverse"),
+                       out_dir=tmp_path / "warm", settings=WarmstartSection(max_steps=50, max_seconds=1e-3))
+    assert result.stopped_because == "max_seconds" and result.steps == 1
+    said = [r.getMessage() for r in caplog.records if "safety ceiling" in r.getMessage()]
+    assert len(said) == 1 and "warmstart.max_seconds=0.001 after 1 of at most 50 steps" in said[0]

@@ -421,7 +421,13 @@ class WarmstartSection:
         0.3, "Stop once held-out greedy pass@1 reaches this (leaves room for RL to show).", min=0, max=1
     )
     max_steps: int = knob(1500, "Most supervised steps.", min=1)
-    max_seconds: float = knob(170.0, "Stop after this many seconds of training.", min=1)
+    max_seconds: float = knob(
+        3600.0,
+        "A safety ceiling on the warm start's seconds, far above what it takes: the warm start is "
+        "decided by warmstart.max_steps and target_pass_rate, so the same model comes out on any "
+        "machine; if this fires, the run says so (the model then depends on the machine's speed).",
+        min=1,
+    )
     batch_size: int = knob(64, "Demonstrations per step.", min=1)
     lr: float = knob(3e-3, "AdamW learning rate.", min=0)
     eval_every: int = knob(25, "Check held-out pass@1 every this many steps.", min=1)

@@ -3,12 +3,15 @@
 A base model whose groups are all wrong gets zero group-relative advantage and never moves, so
 RL starts from a model with a non-trivial held-out pass rate. The loop takes AdamW steps on a
 family's supervised loss, checks held-out pass@1 every ``eval_every`` steps and stops as soon as
-it reaches ``target_pass_rate`` — or at ``max_steps``, or after ``max_seconds``.
+it reaches ``target_pass_rate`` — or at ``max_steps``. Steps and the target decide it, never the
+clock, so the same model comes out on a fast machine and a slow one (at the same thread count,
+which the caller sets); ``max_seconds`` is only a safety ceiling, and says so when it fires.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -18,6 +21,8 @@ from typing import Any
 import torch
 
 from tether.vocabulary import Progress
+
+log = logging.getLogger("tether.warmstart")
 
 
 @dataclass
@@ -66,6 +71,10 @@ def warmstart_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             result.stopped_because = "target_pass_rate"
             break
         if metrics["seconds"] > s.max_seconds:
+            log.warning("the warm start reached its safety ceiling warmstart.max_seconds=%g after %d of at "
+                        "most %d steps, before held-out pass@1 reached warmstart.target_pass_rate=%g: where "
+                        "it stopped now depends on this machine's speed; raise the ceiling", s.max_seconds,
+                        step, s.max_steps, s.target_pass_rate)
             result.stopped_because = "max_seconds"
             result.after = dict(evaluate())
             break

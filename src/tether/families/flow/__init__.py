@@ -67,7 +67,8 @@ class FlowFamily(FamilyBase):
         logging.getLogger("tether.data").info("building a flow model (width %d, depth %d); warm-starting it",
                                               config.width, config.depth)
         warm = flow_warmstart(out, config, data.train, data.eval, self.scorer(cfg), settings=cfg.warmstart,
-                              seed=cfg.run.seed, eval_steps=cfg.flow.eval_steps, sampling=sampling_of(cfg),
+                              seed=cfg.run.seed, threads=cfg.train.threads, eval_steps=cfg.flow.eval_steps,
+                              sampling=sampling_of(cfg),
                               on_progress=on_progress)
         return (f"warm start: held-out reward {warm.before['reward']:.3f} → {warm.after['reward']:.3f}, "
                 f"pass@1 {100 * warm.pass_at_1_before:.1f}% → {100 * warm.pass_at_1_after:.1f}% in "

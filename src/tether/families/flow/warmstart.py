@@ -45,12 +45,14 @@ def flow_matching_loss(model: FlowModel, images: torch.Tensor, words: torch.Tens
 
 
 def flow_warmstart(out_dir: str | Path, config: FlowModelConfig, train: Sequence[Example],
-                   held_out: Sequence[Example], score, *, settings: Any, seed: int, eval_steps: int,
+                   held_out: Sequence[Example], score, *, settings: Any, seed: int, threads: int = 1,
+                   eval_steps: int,
                    sampling: FlowSampling, pool: int = 8192,
                    on_progress: Progress | None = None) -> WarmstartResult:
     """Train a new ``FlowModel`` under the ``warmstart`` section's ``settings`` and save it to
     ``out_dir`` with ``warmstart.json``."""
     s = settings
+    torch.set_num_threads(threads)  # the thread count decides the rounding, so the model
     torch.manual_seed(seed)
     model = FlowModel(config)
     rng = random.Random(f"flow-warmstart/{seed}")

@@ -76,13 +76,15 @@ def warmstart(
     *,
     settings: Any,
     seed: int = 0,
+    threads: int = 1,
     stop_text: str = "\n",
     description: str = "",
     out_dir: str | Path | None = None,
     on_progress: Progress | None = None,
 ) -> WarmstartResult:
     """Fine-tune the model in ``model_dir`` on demonstrations under the ``warmstart`` section's
-    ``settings``; save to ``out_dir`` (default: in place) with ``warmstart.json``."""
+    ``settings``, with ``threads`` torch threads (the same model comes out at the same count on
+    any machine); save to ``out_dir`` (default: in place) with ``warmstart.json``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = Path(model_dir)
@@ -91,6 +93,7 @@ def warmstart(
             f"{model_dir} is not a model directory (no config.json); run `tether init-model` first"
         )
     s = settings
+    torch.set_num_threads(threads)  # the thread count decides the rounding, so the model
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -125,4 +128,4 @@ def run_warmstart(cfg: Any, model_dir: Path, out_dir: Path, on_progress: Progres
     data = family.data(cfg, model_dir)
     return warmstart(model_dir, data.train, data.eval, family.scorer(cfg), stop_text=data.stop_text,
                      description=data.description, out_dir=out_dir, settings=cfg.warmstart,
-                     seed=cfg.run.seed, on_progress=on_progress)
+                     seed=cfg.run.seed, threads=cfg.train.threads, on_progress=on_progress)
