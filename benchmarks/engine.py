@@ -6,8 +6,12 @@ disabled so both produce exactly 64 × 32 tokens), temperature 1. transformers g
 which is what an RL engine needs. Tether's engine is timed as a rollout worker runs it: one
 decoder for the run, its weights re-read before every batch (as after each publication; the
 re-read is in the time), through its native decoder (``rollout.decoder=auto``) and, beside it,
-its Python path (``rollout.decoder=python``). Interleaved repeats; the median of each is
-reported, at 1 and 2 threads.
+its Python path (``rollout.decoder=python``). Interleaved rounds, at 1 and 2 threads: each
+round times the three, then measures the matmul peak again at the shape that reached it (see
+below), so a round's fraction of the peak is taken against what the machine did in that round.
+Reported: the median of each figure over the rounds kept, and its spread (min, max); the first
+round is dropped (warm-up), and so is any round whose peak measured below 80% of the run's best
+(the machine was busy then), each named.
 
 Target (issue 3): at least 1.5× transformers' tokens/s at 1 thread. Beside the ratio, the fraction of
 this machine's own limit (issue 20): the useful arithmetic of a run (2 FLOPs per matmul parameter
@@ -26,7 +30,7 @@ With ``--device cuda`` both run on the GPU instead (one measurement; thread coun
 apply; the native decoder is CPU-only, so Tether runs its Python path), for a machine that has
 one (scripts/device_check.sh).
 
-    python benchmarks/engine.py [--prompts 64] [--new-tokens 32] [--repeats 5] [--device cpu] [--json]
+    python benchmarks/engine.py [--prompts 64] [--new-tokens 32] [--repeats 7] [--device cpu] [--json]
     python benchmarks/engine.py --profile [--size small]
 """
 
@@ -34,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -174,7 +177,7 @@ def gemm_chain_seconds(model, prompts: list[list[int]], new_tokens: int, peak: d
 
 
 def measure(n_prompts: int, new_tokens: int, repeats: int, size: str = "small", device: str = "cpu") -> dict:
-    from limits import matmul_peak
+    from limits import Rounds, matmul_peak, shape_gflops
 
     model, tok = build(size)
     model.to(device).eval()
@@ -191,31 +194,38 @@ def measure(n_prompts: int, new_tokens: int, repeats: int, size: str = "small", 
     for threads in ((1,) if on_gpu else (1, 2)):
         torch.set_num_threads(threads)
         peak = None if on_gpu else matmul_peak(decode_shapes(model, n_prompts))
-        time_tether(model, tok, prompts, new_tokens, engine)  # warm up all three
-        time_tether(model, tok, prompts, new_tokens, python_path)
-        time_hf(model, tok, prompts, new_tokens)
+        rounds = Rounds(warmup=1)  # the first round warms all three up
+        for _ in range(repeats + 1):
+            t = time_tether(model, tok, prompts, new_tokens, engine)
+            py = time_tether(model, tok, prompts, new_tokens, python_path)
+            h = time_hf(model, tok, prompts, new_tokens)
+            # the peak again, in this round: the fraction is of what the machine did just now
+            limit = 1.0 if peak is None else shape_gflops(peak["shape"])
+            figures = {"tether_tokens_per_s": tokens / t, "hf_generate_tokens_per_s": tokens / h,
+                       "speedup": h / t, "python_path_tokens_per_s": tokens / py,
+                       "python_path_speedup": h / py, "native_over_python_path": py / t, "seconds": t}
+            if peak is not None:
+                figures.update({"matmul_peak_gflops": limit, "fraction_of_peak": flops / t / 1e9 / limit,
+                                "hf_generate_fraction_of_peak": flops / h / 1e9 / limit,
+                                "python_path_fraction_of_peak": flops / py / 1e9 / limit})
+            rounds.add(limit, **figures)
         result["decoder"] = getattr(engine, "path", "transformers")
-        ours, python, theirs = [], [], []
-        for _ in range(repeats):
-            ours.append(time_tether(model, tok, prompts, new_tokens, engine))
-            python.append(time_tether(model, tok, prompts, new_tokens, python_path))
-            theirs.append(time_hf(model, tok, prompts, new_tokens))
-        t, py, h = statistics.median(ours), statistics.median(python), statistics.median(theirs)
-        row = {"tether_tokens_per_s": tokens / t, "hf_generate_tokens_per_s": tokens / h, "speedup": h / t,
-               "tether_gflops": flops / t / 1e9, "hf_generate_gflops": flops / h / 1e9,
-               "python_path_tokens_per_s": tokens / py, "python_path_speedup": h / py,
-               "native_over_python_path": py / t}
+        names = [name for name in rounds.rows[0] if name != "limit"]
+        summary = rounds.summary(*names)
+        row = {name: summary[name]["median"] for name in names}
+        row["tether_gflops"] = flops / row["seconds"] / 1e9
+        row["hf_generate_gflops"] = row["tether_gflops"] / row["speedup"]
+        row.update(spread={name: summary[name] for name in names}, rounds=summary["rounds"],
+                   kept=summary["kept"], dropped=summary["dropped"])
         if peak is not None:
             floor = gemm_floor_seconds(model, prompts, new_tokens, peak)
             chain = gemm_chain_seconds(model, prompts, new_tokens, peak)
-            row.update({"matmul_peak_gflops": peak["gflops"], "matmul_peak_shape": peak["shape"],
-                        "fraction_of_peak": flops / t / 1e9 / peak["gflops"],
-                        "gemm_floor_fraction_of_peak": flops / floor / 1e9 / peak["gflops"],
-                        "time_over_gemm_floor": t / floor,
-                        "gemm_chain_fraction_of_peak": flops / chain / 1e9 / peak["gflops"],
-                        "time_over_gemm_chain": t / chain,
-                        "hf_generate_fraction_of_peak": flops / h / 1e9 / peak["gflops"],
-                        "python_path_fraction_of_peak": flops / py / 1e9 / peak["gflops"]})
+            limit = row["matmul_peak_gflops"]
+            row.update({"matmul_peak_shape": peak["shape"],
+                        "gemm_floor_fraction_of_peak": flops / floor / 1e9 / limit,
+                        "time_over_gemm_floor": row["seconds"] / floor,
+                        "gemm_chain_fraction_of_peak": flops / chain / 1e9 / limit,
+                        "time_over_gemm_chain": row["seconds"] / chain})
         result["threads"][str(threads)] = row
     result["speedup_vs_hf_generate"] = result["threads"]["1"]["speedup"]
     result["fraction_of_peak"] = result["threads"]["1"].get("fraction_of_peak")
@@ -331,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7, help="rounds kept at most (one more warms up)")
     p.add_argument("--size", default="small", choices=["tiny", "small", "base"])
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--json", action="store_true")
@@ -348,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(r))
         return 0
     print(f"{a.prompts} prompts × {a.new_tokens} new tokens, {r['parameters']:,}-parameter model, "
-          f"median of {a.repeats}, on {a.device}; Tether's decoder: {r['decoder']}")
+          f"on {a.device}; Tether's decoder: {r['decoder']}; medians over the rounds kept")
     print(f"{'threads':>8}{'tether tok/s':>14}{'python path':>13}{'hf generate':>13}{'speedup':>9}"
           f"{'GFLOP/s':>9}{'matmul peak':>13}{'of peak':>9}{'python path':>13}{'GEMM floor':>12}"
           f"{'GEMM chain':>12}")
@@ -359,6 +369,13 @@ def main(argv: list[str] | None = None) -> int:
                 if "matmul_peak_gflops" in row else f"{'-':>13}{'-':>9}{'-':>13}{'-':>12}{'-':>12}")
         print(f"{threads:>8}{row['tether_tokens_per_s']:>14.0f}{row['python_path_tokens_per_s']:>13.0f}"
               f"{row['hf_generate_tokens_per_s']:>13.0f}{row['speedup']:>8.2f}×{row['tether_gflops']:>9.1f}{peak}")
+    for threads, row in r["threads"].items():
+        shown = [name for name in ("speedup", "fraction_of_peak") if name in row["spread"]]
+        ranges = ", ".join(f"{name} {row['spread'][name]['min']:.2f}–{row['spread'][name]['max']:.2f}"
+                           for name in shown)
+        print(f"{threads} thread(s): {row['kept']} of {row['rounds']} rounds kept; spread: {ranges}")
+        for reason in row["dropped"]:
+            print(f"  dropped {reason}")
     print("GEMM floor: the fraction of the peak an engine would reach that spent no time outside the decode "
           "step's weight GEMMs, each at its shape's own measured rate; GEMM chain: the same with the "
           "GEMMs timed back to back in a step's order over the engine's weights (each streaming its "

@@ -51,6 +51,41 @@ def test_verification_catches_version_corruption_and_torn_writes(channel_and_par
         reader.verify(2)
 
 
+def _awkward_tensors() -> dict[str, torch.Tensor]:
+    """Sizes that end inside a word, dtypes of every width, a transposed view, negative words."""
+    g = torch.Generator().manual_seed(0)
+    return {"odd_half": torch.randn(7, generator=g).half(),
+            "bytes": torch.randint(-128, 127, (13,), dtype=torch.int8, generator=g),
+            "float": torch.randn(64, 33, generator=g),
+            "transposed": torch.randn(9, 5, generator=g).t(),
+            "empty": torch.empty(0),
+            "big_negative": torch.full((3,), -1, dtype=torch.int64) * (2 ** 62),
+            "double": torch.randn(5, dtype=torch.float64, generator=g)}
+
+
+def test_the_one_pass_copy_and_checksum_writes_and_sums_what_a_copy_then_a_sum_does(monkeypatch):
+    from tether.decoding import native
+
+    if native.helpers() is None:
+        pytest.skip("the native library cannot be built here")
+    tensors = _awkward_tensors()
+    blocks = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(native, "helpers", lambda: None)
+        channel = WeightChannel.for_tensors(tensors)
+        try:
+            channel.publish(tensors, 5)
+            channel.verify(5)  # the recorded checksum is the block's own sum
+            blocks[fused] = torch.frombuffer(channel._block.shm.buf, dtype=torch.uint8,
+                                             count=channel.layout.total_bytes).clone()
+            for name, t in tensors.items():
+                assert torch.equal(channel.views()[name], t), name
+        finally:
+            channel.close()
+    assert torch.equal(blocks[True], blocks[False])
+
+
 def test_publishing_the_wrong_tensors_is_refused(channel_and_params):
     channel, _reader, params, _ = channel_and_params
     partial = dict(list(params.items())[:-1])

@@ -54,9 +54,14 @@ def test_engine_and_channel_benchmarks_run_at_a_tiny_size():
     assert figures["speedup_vs_hf_generate"] > 0 and set(figures["threads"]) == {"1", "2"}
     for row in figures["threads"].values():  # each bound is a fraction of the peak, and a bound
         assert 0 < row["fraction_of_peak"] < row["gemm_chain_fraction_of_peak"] <= 1.5
+        spread = row["spread"]["fraction_of_peak"]
+        assert spread["min"] <= row["fraction_of_peak"] == spread["median"] <= spread["max"]
+        assert row["kept"] + len(row["dropped"]) == row["rounds"] == 2  # --repeats 1, and a warm-up
     out = subprocess.run([sys.executable, "benchmarks/weight_channel.py", "--size", "tiny", "--repeats", "2",
                           "--json"], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout)["fraction_of_memcpy"] > 0
+    channel = json.loads(out.stdout)
+    assert 0 < channel["fraction_of_memcpy"]["min"] <= channel["fraction_of_memcpy"]["median"]
+    assert channel["kept"] + len(channel["dropped"]) == channel["rounds"] == 3
 
 
 def test_engine_profile_splits_a_native_step_into_its_sections():

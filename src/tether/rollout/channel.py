@@ -11,8 +11,10 @@ Layout: a 64-byte header, then every tensor at a 64-byte-aligned offset.
 
 The checksum is the wrapping sum of the data region read as int64 words: one read pass at memory
 bandwidth, enough to catch a torn or partial write or a stray overwrite (it is an integrity check,
-not a cryptographic one). On CPU a worker *binds* its parameters to views of the shared snapshot,
-so loading costs only the verification and every worker shares one copy of the weights.
+not a cryptographic one). A publication with the native library sums each tensor's words while it
+copies them, so publishing reads the weights once, not twice. On CPU a worker *binds* its
+parameters to views of the shared snapshot, so loading costs only the verification and every
+worker shares one copy of the weights.
 """
 
 from __future__ import annotations
@@ -92,30 +94,57 @@ class _Block:
         return int(self.words.sum())
 
     def write(self, tensors: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
-        """Copy ``tensors`` in as ``version``; returns ``sync/publish_s``, ``sync/bytes``."""
+        """Copy ``tensors`` in as ``version``; returns ``sync/publish_s``, ``sync/bytes``.
+
+        With the native library (``tether.decoding.native.helpers``) each CPU tensor is copied
+        and checksummed in one pass over its bytes; otherwise, and for a tensor elsewhere (a
+        GPU's) or laid out otherwise, copied by torch and its words summed after. The checksum
+        is the same either way."""
         names = [s.name for s in self.layout.slots]
         if set(tensors) != set(names):
             extra, missing = set(tensors) - set(names), set(names) - set(tensors)
             raise ChannelError(f"published tensors do not match the channel layout "
                                f"(missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]})")
+        from tether.decoding.native import helpers
 
-        def copy_in() -> None:
+        lib = helpers()
+
+        def copy_in() -> int | None:
             with torch.no_grad():
-                for name in names:
-                    self.views[name].copy_(tensors[name])
+                if lib is None:
+                    for name in names:
+                        self.views[name].copy_(tensors[name])
+                    return None
+                total = 0
+                for slot in self.layout.slots:
+                    src, dst = tensors[slot.name], self.views[slot.name]
+                    if (src.device.type == "cpu" and src.dtype == dst.dtype and src.is_contiguous()
+                            and src.numel() * src.element_size() == slot.nbytes):
+                        total += lib.tether_copy_checksum(dst.data_ptr(), src.data_ptr(), slot.nbytes)
+                    else:
+                        dst.copy_(src)
+                        total += int(self.slot_words(slot).sum())
+                return _wrap(total)
 
         return self.write_with(copy_in, version)
 
-    def write_with(self, copy_in: Callable[[], None], version: int) -> dict[str, float]:
+    def slot_words(self, slot: Slot) -> torch.Tensor:
+        """The data region's int64 words that hold ``slot`` (its last partial word padded with
+        the block's zeros)."""
+        start = (slot.offset - HEADER_BYTES) // 8
+        return self.words[start:start + -(-slot.nbytes // 8)]
+
+    def write_with(self, copy_in: Callable[[], int | None], version: int) -> dict[str, float]:
         """Publish ``version`` with ``copy_in`` filling the tensors' views (whoever does it: this
         process, or learner ranks each writing its own rows): the block reads as being written
-        until it returns, and complete, with its checksum, after. If ``copy_in`` raises, the
+        until it returns, and complete, with its checksum, after: the one ``copy_in`` returns
+        when it summed the words as it wrote them, else summed here. If ``copy_in`` raises, the
         block stays marked incomplete and no reader takes it."""
         t0 = time.perf_counter()
         self.header[0] = _WRITING
-        copy_in()
+        summed = copy_in()
         self.header[1] = version
-        self.header[2] = self.checksum()
+        self.header[2] = self.checksum() if summed is None else summed
         self.header[3] = self.layout.data_bytes
         self.header[0] = _COMPLETE
         seconds = time.perf_counter() - t0
@@ -143,6 +172,11 @@ class _Block:
         self.views = {}
         if self.shm is not None:
             self.shm.close()
+
+
+def _wrap(total: int) -> int:
+    """``total`` as the wrapping int64 sum a tensor's ``sum`` gives."""
+    return (total + 2 ** 63) % 2 ** 64 - 2 ** 63
 
 
 def _map(shm: shared_memory.SharedMemory, layout: Layout) -> _Block:
@@ -178,7 +212,10 @@ class WeightChannel:
         """Write ``tensors`` in as ``version`` (copied by this process, or by a ``ChannelWriter``
         straight from where they live); returns ``sync/publish_s``, ``sync/bytes``."""
         if isinstance(tensors, ChannelWriter):
-            return self._block.write_with(lambda: tensors.write_into(self.name, self.layout), version)
+            def copy_in() -> None:
+                tensors.write_into(self.name, self.layout)
+
+            return self._block.write_with(copy_in, version)
         return self._block.write(tensors, version)
 
     def views(self) -> dict[str, torch.Tensor]:

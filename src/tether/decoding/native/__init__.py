@@ -17,6 +17,9 @@ stopped, its process group with it. Builds of another version of the source are 
 at the library's name that does not load, lacks the library's symbols or speaks another interface
 is built afresh once.
 
+The same library holds ``tether_copy_checksum``, the weight channel's copy of a tensor into the
+shared block that sums its words in the same pass (``helpers``; ``tether.rollout.channel``).
+
 ``rollout.decoder`` (``FastDecoder(decoder=...)``) chooses: ``auto`` (the default) uses it
 when it builds and loads and the model is float32 on the CPU, else the Python path, saying once
 in the log why the library could not be had; ``native`` requires it (an error says why it
@@ -60,7 +63,7 @@ SECTIONS = ("norms", "qkv GEMM", "q/k norm, rotary, KV write", "attention", "o G
             "activation", "down GEMM", "head GEMM", "sampling")
 
 BUILD_TIMEOUT_S = 120.0
-INTERFACE = 2
+INTERFACE = 3
 """decode_step.c's INTERFACE_VERSION: the library's calls and tables as this module uses them."""
 TOO_MANY_ROWS = -(2 ** 31)
 """decode_step.c's ST_TOO_MANY_ROWS status."""
@@ -278,6 +281,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tether_decode_step.restype = ctypes.c_int
     lib.tether_decode_run.argtypes = [p, f32, f32, p, i64, i64, p, p, i64, i64, p, p, f32, p, p, i64, p, p, p]
     lib.tether_decode_run.restype = i64
+    lib.tether_copy_checksum.argtypes = [p, p, i64]
+    lib.tether_copy_checksum.restype = i64
 
 
 @cache
@@ -309,6 +314,14 @@ def library(mode: str = "auto") -> ctypes.CDLL | None:
         log.warning("native decode step unavailable, decoding with the Python path: %s "
                     "(rollout.decoder=python skips trying)", got)
     return None
+
+
+def helpers() -> ctypes.CDLL | None:
+    """The library for what other modules call in it beside the decoder (the weight channel's
+    one-pass copy and checksum), or None when it cannot be had here. Nothing is said either way:
+    each caller has a plain path that gives the same bytes."""
+    got = _attempt()
+    return None if isinstance(got, Exception) else got
 
 
 def profile(reset: bool = False) -> dict[str, float] | None:

@@ -331,7 +331,7 @@ enum {
 /* What the Python side must agree with, checked when the library is loaded: the interface's
  * version, then the lengths of the configuration, the root pointers, the per-layer pointers and
  * the profile's sections. */
-enum { INTERFACE_VERSION = 2 };
+enum { INTERFACE_VERSION = 3 };
 int64_t tether_interface(int which) {
     switch (which) {
     case 0: return INTERFACE_VERSION;
@@ -341,6 +341,36 @@ int64_t tether_interface(int which) {
     case 4: return S_COUNT;
     default: return -1;
     }
+}
+
+/* The weight channel's publication of one tensor (src/tether/rollout/channel.py): copy n bytes
+ * from src into dst and return the wrapping sum of dst's int64 words over the copy, its last
+ * partial word read whole from dst (the block's padding after it is zero). One pass over the bytes
+ * where a copy followed by a checksum reads them twice. dst is 8-byte aligned; src need not be. */
+int64_t tether_copy_checksum(void *dst, const void *src, int64_t n) {
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    unsigned char *d = dst;
+    const unsigned char *s = src;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        uint64_t w[4];
+        memcpy(w, s + i, 32);
+        memcpy(d + i, w, 32);
+        s0 += w[0]; s1 += w[1]; s2 += w[2]; s3 += w[3];
+    }
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, s + i, 8);
+        memcpy(d + i, &w, 8);
+        s0 += w;
+    }
+    if (i < n) {
+        uint64_t w;
+        memcpy(d + i, s + i, (size_t)(n - i));
+        memcpy(&w, d + i, 8);
+        s0 += w;
+    }
+    return (int64_t)(s0 + s1 + s2 + s3);
 }
 
 /* A prefill asked for more rows than its buffers were made for (cfg[C_ROWS]): apart from the
