@@ -169,9 +169,11 @@ def ray_actors(cfg: Config, prepared: Prepared, session: Any, stack: contextlib.
     the weights into the object store."""
     from tether.rollout.ray_pool import RayOptions, check_fits
     from tether.train.ranks import RankGroup
-    from tether.train.ray_ranks import ActorRanks
+    from tether.train.ray_ranks import ActorRanks, check_placement
 
-    check_fits(session.ray, cfg.rollout.num_workers, RayOptions.of(cfg))  # before any actor starts
+    # before any actor starts: the ranks alone, then the ranks beside the rollout actors
+    check_placement(session.ray, cfg)
+    check_fits(session.ray, cfg.rollout.num_workers, RayOptions.of(cfg))
     transport = ActorRanks(session.ray, cfg, str(prepared.model_path), _held_out(prepared), run_dir=run_dir)
     group = RankGroup(transport)
     stack.callback(group.close)

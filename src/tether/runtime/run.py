@@ -197,9 +197,10 @@ def _restore(found, learner, run_dir: Path) -> tuple[LoopState | None, object, i
 def _engine_start(state: LoopState, ckpt: Path, published):
     """(weights, version) the engines start a resume with. When the checkpoint was written with
     the engines behind the learner (a stop between publications) they get those very weights
-    back, so the abandoned batches are generated again under the version they were launched
-    with. (None, None): the learner's weights, published before anything is launched (a
-    checkpoint written before the engines' version was recorded)."""
+    back, so the abandoned batches are generated again under the version the engines held: the
+    one they were launched with when publications drain, no older than it otherwise.
+    (None, None): the learner's weights, published before anything is launched (a checkpoint
+    written before the engines' version was recorded)."""
     if state.rollout_version is None:
         log.warning("checkpoint %s does not record the engines' version (written by an older Tether); "
                     "publishing the learner's weights first: batches generated after the resume may be "

@@ -103,6 +103,39 @@ def learner_gpus(cfg: Config) -> float:
     return 1.0 if cfg.train.device != "cpu" else 0.0
 
 
+def rank_bundle(cfg: Config) -> dict[str, float]:
+    """What each learner rank actor reserves: train.threads CPUs, and a GPU when it trains on CUDA."""
+    gpus = learner_gpus(cfg)
+    return {"CPU": float(cfg.train.threads), **({"GPU": gpus} if gpus else {})}
+
+
+def check_placement(ray: Any, cfg: Config) -> None:
+    """Refuse at once learner ranks the Ray cluster can never hold, saying what to change: GPUs
+    it does not have, or more ranks than ``ray.learner_placement`` can put on its nodes. Checked
+    before any actor of the run starts (``runtime.assemble``), and again when the ranks start."""
+    world, strategy, bundle = cfg.train.world_size, cfg.ray.learner_placement, rank_bundle(cfg)
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    if "GPU" in bundle:
+        have = sum(res.get("GPU", 0.0) for res in nodes)
+        if have < bundle["GPU"] * world:
+            asked = "a GPU" if world == 1 else f"{world} GPUs (one per rank)"
+            raise ConfigError(f"train.device={cfg.train.device} with ray.learner=actor asks the Ray "
+                              f"cluster for {asked}, and it has {have:g}; set train.device=cpu"
+                              + (", lower train.world_size" if world > 1 else "")
+                              + ", or start Ray on nodes with GPUs")
+    if world == 1:
+        return
+    fits = [min(int(res.get(k, 0.0) // v) for k, v in bundle.items()) for res in nodes]  # ranks per node
+    room = {"STRICT_PACK": max(fits, default=0), "STRICT_SPREAD": sum(f > 0 for f in fits)}.get(
+        strategy, sum(fits))
+    if room < world:
+        raise ConfigError(
+            f"train.world_size={world} learner ranks of {bundle} each cannot be placed "
+            f"({strategy}) on this Ray cluster: it has room for {room} ({len(nodes)} node(s)); "
+            "lower train.world_size or train.threads, raise ray.local_cpus, add nodes, or choose "
+            "another ray.learner_placement")
+
+
 class ActorRanks:
     """The ranks as Ray actors (``world`` ≥ 1)."""
 
@@ -117,7 +150,7 @@ class ActorRanks:
         self._pending: dict[int, Any] = {}  # rank → the reference of its call in progress
         gpus = learner_gpus(cfg)
         try:
-            placement = self._place(cfg, gpus, startup_timeout_s)
+            placement = self._place(cfg, startup_timeout_s)
             remote = ray.remote(_LearnerActor)
             self.handles = [
                 remote.options(num_cpus=cfg.train.threads, num_gpus=gpus, max_restarts=0,
@@ -141,36 +174,19 @@ class ActorRanks:
         self.layout = described[0][2]
         self.placement = [described[r][3] for r in range(self.world)]  # each rank's placement group
 
-    def _place(self, cfg: Config, gpus: float, timeout_s: float) -> list[dict]:
-        """Check the cluster can hold every rank (train.threads CPUs each, and a GPU when training
-        on CUDA); with several, reserve their bundles in a placement group, so every rank starts
-        together or none does, on as few nodes as ``ray.learner_placement`` allows. Returns the
-        actor options that put rank r in bundle r."""
-        ray, strategy = self.ray, cfg.ray.learner_placement
-        bundle = {"CPU": float(cfg.train.threads), **({"GPU": gpus} if gpus else {})}
-        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-        if gpus:
-            have = sum(res.get("GPU", 0.0) for res in nodes)
-            if have < gpus * self.world:
-                asked = "a GPU" if self.world == 1 else f"{self.world} GPUs (one per rank)"
-                raise ConfigError(f"train.device={cfg.train.device} with ray.learner=actor asks the Ray "
-                                  f"cluster for {asked}, and it has {have:g}; set train.device=cpu"
-                                  + (", lower train.world_size" if self.world > 1 else "")
-                                  + ", or start Ray on nodes with GPUs")
+    def _place(self, cfg: Config, timeout_s: float) -> list[dict]:
+        """Check the cluster can hold every rank (``check_placement``); with several, reserve
+        their bundles in a placement group, so every rank starts together or none does, on as few
+        nodes as ``ray.learner_placement`` allows. Returns the actor options that put rank r in
+        bundle r."""
+        check_placement(self.ray, cfg)
         if self.world == 1:
             return [{}]
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        fits = [min(int(res.get(k, 0.0) // v) for k, v in bundle.items()) for res in nodes]  # ranks per node
-        room = {"STRICT_PACK": max(fits, default=0), "STRICT_SPREAD": sum(f > 0 for f in fits)}.get(
-            strategy, sum(fits))
-        if room < self.world:
-            raise ConfigError(
-                f"train.world_size={self.world} learner ranks of {bundle} each cannot be placed "
-                f"({strategy}) on this Ray cluster: it has room for {room} ({len(nodes)} node(s)); "
-                "lower train.world_size or train.threads, raise ray.local_cpus, add nodes, or choose "
-                "another ray.learner_placement")
+        ray, strategy = self.ray, cfg.ray.learner_placement
+        bundle = rank_bundle(cfg)
         self.group = placement_group([dict(bundle) for _ in range(self.world)], strategy=strategy,
                                      name=f"tether-learner-{os.getpid()}-{id(self):x}")
         ready, _ = ray.wait([self.group.ready()], timeout=timeout_s)
