@@ -36,6 +36,14 @@ def config(model_dir, s, u, extra=()):
                                     f"train.updates_per_batch={u}", *extra))
 
 
+def stopped_after(k, cfg, run_dir, monkeypatch):
+    """Run ``cfg`` into ``run_dir`` and stop it (as Ctrl-C does) after its step ``k``."""
+    with monkeypatch.context() as m:
+        stop_after(m, k)
+        with pytest.raises(StopRequested):
+            train(cfg, run_dir, progress_plain=True)
+
+
 def trace(run_dir):
     metrics = [{k: m.get(k) for k in KEYS} for m in rows(run_dir / "metrics.jsonl")]
     syncs = [e["step"] for e in rows(run_dir / "events.jsonl") if e["kind"] == "sync" and e["published"]]
@@ -57,10 +65,7 @@ def test_a_run_stopped_after_any_step_resumes_exactly(tiny_model_dir, tmp_path, 
     lagging_stops = 0
     for k in range(1, TOTAL):
         run_dir = tmp_path / f"stop-{k}"
-        with monkeypatch.context() as m:
-            stop_after(m, k)
-            with pytest.raises(StopRequested):
-                train(config(tiny_model_dir, s, u, extra), run_dir, progress_plain=True)
+        stopped_after(k, config(tiny_model_dir, s, u, extra), run_dir, monkeypatch)
         state = json.loads((run_dir / "checkpoints" / f"step-{k:06d}" / "state.json").read_text())
         lagging_stops += state["rollout_version"] != state["train_version"]
         train(load_config(run_dir / "config.yaml"), run_dir, resume=True, progress_plain=True)
@@ -83,10 +88,7 @@ def test_without_draining_a_batch_abandoned_in_flight_is_generated_again_never_s
     regenerated = 0
     for k in range(1, TOTAL):
         run_dir = tmp_path / f"stop-{k}"
-        with monkeypatch.context() as m:
-            stop_after(m, k)
-            with pytest.raises(StopRequested):
-                train(config(tiny_model_dir, s, 1, extra), run_dir, progress_plain=True)
+        stopped_after(k, config(tiny_model_dir, s, 1, extra), run_dir, monkeypatch)
         events = rows(run_dir / "events.jsonl")
         first_launch = {}
         for e in events:
