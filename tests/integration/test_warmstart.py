@@ -95,3 +95,23 @@ def test_the_time_ceiling_says_when_it_fires(tiny_model_dir, tmp_path, caplog):
     assert result.stopped_because == "max_seconds" and result.steps == 1
     said = [r.getMessage() for r in caplog.records if "safety ceiling" in r.getMessage()]
     assert len(said) == 1 and "warmstart.max_seconds=0.001 after 1 of at most 50 steps" in said[0]
+
+
+def test_a_warm_start_that_ends_short_of_its_target_says_so(tiny_model_dir, tmp_path, caplog):
+    import logging
+
+    task = get_task("reverse")
+    caplog.set_level(logging.WARNING, logger="tether")
+    examples = (task.examples("train", 200, seed=0, difficulty=3),
+                task.examples("eval", 10, seed=0, difficulty=3))
+    for target, warned in ((0.9, True), (1.0, False)):  # 1: stop by steps, on purpose
+        caplog.clear()
+        result = warmstart(tiny_model_dir, *examples, scorer("task", task="reverse"),
+                           out_dir=tmp_path / f"warm-{target}",
+                           settings=WarmstartSection(max_steps=2, eval_every=1, target_pass_rate=target))
+        assert result.stopped_because == "max_steps" and result.pass_at_1_after < 0.9
+        said = [r.getMessage() for r in caplog.records
+                if "short of warmstart.target_pass_rate" in r.getMessage()]
+        assert len(said) == int(warned), target
+        if warned:
+            assert "all warmstart.max_steps=2 steps" in said[0] and "raise warmstart.max_steps" in said[0]
