@@ -352,7 +352,7 @@ class RayPool(DispatchingPool):
         check_fits(self.ray, self.settings.num_workers, self.options)
 
     def close(self) -> None:
-        """Kill every actor, release the weights and shut down what the session started;
+        """Kill every actor, release the weights and shut down the Ray instance this pool started, if it did;
         idempotent. A batch still generating is abandoned."""
         self._closing = True
         self._wake.set()
