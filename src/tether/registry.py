@@ -113,7 +113,8 @@ class Registry(Generic[T]):
 
 families: Registry[Any] = Registry(
     "family", "model.family",
-    {"text": "tether.families.text:FAMILY", "flow": "tether.families.flow:FAMILY"},
+    {"text": "tether.families.text:FAMILY", "flow": "tether.families.flow:FAMILY",
+     "agent": "tether.families.agent:FAMILY"},
     aliases={"lm": "text"})
 engines: Registry[Any] = Registry(
     "engine", "rollout.engine",
@@ -141,7 +142,9 @@ tasks: Registry[Any] = Registry(
     "task", "data.task",
     {**{name: f"tether.data.tasks.builtin:{name.upper()}"
         for name in ("arithmetic", "countdown", "reverse", "sort", "repeat")},
-     "shapes": "tether.families.flow.task:SHAPES"})
+     "shapes": "tether.families.flow.task:SHAPES",
+     "kv_lookup": "tether.families.agent.tasks:KV_LOOKUP",
+     "guess_number": "tether.families.agent.tasks:GUESS_NUMBER"})
 rewards: Registry[Callable[..., Any]] = Registry(
     "reward function", "reward.function",
     {"exact_match": "tether.data.rewards:exact_match", "numeric_match": "tether.data.rewards:numeric_match",

@@ -119,6 +119,9 @@ class Rollout:
         self.engine.bind(weights, version)
 
     def close(self) -> None:
+        close = getattr(self.sampler, "close", None)  # what a sampler holds besides its engine
+        if close is not None:
+            close()
         self.engine.close()
 
     def watch(self, poll) -> None:

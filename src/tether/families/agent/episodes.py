@@ -1,0 +1,293 @@
+"""Playing episodes: token in, token out, with environment calls off the generation path.
+
+An episode's training sequence is built once, in order, and never re-tokenized:
+
+    [first observation][model turn 1][observation 1][model turn 2] ...
+
+Model turns are the engine's sampled ids with its log-probs and per-token versions (``model`` 1);
+each observation is encoded once when it arrives and appended (``model`` 0, log-prob 0, version −1).
+Every turn is generated from the ids so far, so what the model conditioned on is exactly what the
+learner scores.
+
+Environment calls (construction and ``reset`` included) run on ``EnvThreads``: while some episodes
+wait for their environment, the engine generates the next turn of every episode that is ready, in
+one batched call. A call past its deadline is abandoned and its thread replaced; the threads are
+daemons, so a hung environment never holds the worker process open.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tether.families.agent.env import ActionError, as_step
+from tether.vocabulary import SamplingParams
+
+ENDINGS = ("done", "truncated", "max_turns", "token_budget", "error", "timeout")
+"""How an episode ends: the environment said done, or truncated it; it used ``env.max_turns`` or
+``env.max_episode_tokens``; an environment call raised or broke the protocol; a call ran past its
+timeout. The last two are failures: the episode gets ``env.failure_reward`` and stays in its group."""
+FAILURES = ("error", "timeout")
+
+
+@dataclass
+class Episode:
+    """One episode as it is played: its sequence and what happened."""
+
+    group: int
+    task: Mapping[str, Any]
+    seed: int
+    ids: list[int] = field(default_factory=list)
+    model: list[int] = field(default_factory=list)
+    """1 where the engine sampled the token, 0 on environment tokens."""
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    """Tokens of the first observation."""
+    step_rewards: list[float] = field(default_factory=list)
+    transcript: list[str] = field(default_factory=list)
+    """Observation, action, observation, ... as text (the final observation included)."""
+    turns: int = 0
+    status: str = "running"
+    error: str = ""
+    action_errors: int = 0
+    turn_truncations: int = 0
+    """Turns cut off at the per-turn token budget."""
+    env_s: float = 0.0
+    env: Any = None
+
+    @property
+    def failed(self) -> bool:
+        return self.status in FAILURES
+
+    def reward(self, failure_reward: float) -> float:
+        """The episode return (the sum of its step rewards), or ``failure_reward`` if it failed."""
+        return failure_reward if self.failed else float(sum(self.step_rewards))
+
+    @property
+    def model_tokens(self) -> int:
+        return sum(self.model)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The ``env`` section's budgets, resolved."""
+
+    max_turns: int
+    max_turn_tokens: int
+    max_episode_tokens: int
+    step_timeout_s: float
+    episode_timeout_s: float
+    """Environment time per episode, set-up included."""
+
+
+class EnvThreads:
+    """``workers`` daemon threads running environment calls; 0 runs each call inline, in the
+    caller (the baseline ``benchmarks/agent.py`` compares against; no timeout can apply)."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.abandoned = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(workers):
+            self._start()
+
+    def _start(self) -> None:
+        threading.Thread(target=self._work, name="tether-env", daemon=True).start()
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - every failure is the episode's data
+                    future.set_exception(exc)
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        if self.workers == 0:
+            future.set_running_or_notify_cancel()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001
+                future.set_exception(exc)
+        else:
+            self._queue.put((future, fn))
+        return future
+
+    def abandon(self) -> None:
+        """A call overran: leave its thread to finish or hang, and start another in its place."""
+        self.abandoned += 1
+        if self.workers:
+            self._start()
+
+    def close(self) -> None:
+        for _ in range(self.workers):
+            self._queue.put(None)
+
+
+class Player:
+    """Plays groups of episodes with one engine and one tokenizer."""
+
+    def __init__(self, engine: Any, tokenizer: Any, make_env: Callable[[], Any], limits: Limits,
+                 threads: EnvThreads) -> None:
+        self.engine, self.tokenizer, self.make_env = engine, tokenizer, make_env
+        self.limits, self.threads = limits, threads
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def play(self, tasks: Sequence[tuple[int, Mapping[str, Any], int]], params: SamplingParams,
+             seed: int) -> list[Episode]:
+        """Play one episode per (group, task row, environment seed), all at once; returns them in
+        the order given, each ended (``Episode.status``)."""
+        episodes = [Episode(group, task, env_seed) for group, task, env_seed in tasks]
+        pending: dict[Future, tuple[Episode, str, float]] = {}
+        for ep in episodes:
+            self._call(pending, ep, "reset", lambda ep=ep: self._reset(ep))
+        ready: list[Episode] = []
+        turn = 0
+        while pending or ready:
+            if ready:
+                self._generate(ready, params, seed + 7919 * turn, pending)
+                turn, ready = turn + 1, []
+                continue
+            deadline = min(self._deadline(ep, started) for ep, _, started in pending.values())
+            done, _ = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()),
+                           return_when=FIRST_COMPLETED)
+            now = time.monotonic()
+            for future in done:
+                ep, kind, started = pending.pop(future)
+                ep.env_s += now - started
+                if self._received(ep, kind, future):
+                    ready.append(ep)
+            for future, (ep, kind, started) in list(pending.items()):
+                if now >= self._deadline(ep, started):
+                    del pending[future]
+                    future.cancel()
+                    self.threads.abandon()
+                    ep.env_s += now - started
+                    ep.env = None  # in use by the abandoned call: never closed from here
+                    self._end(ep, "timeout", f"environment {kind} ran past its timeout")
+        self._close(episodes)
+        return episodes
+
+    # -- environment calls -------------------------------------------------------------------
+
+    def _call(self, pending: dict, ep: Episode, kind: str, fn: Callable[[], Any]) -> None:
+        pending[self.threads.submit(fn)] = (ep, kind, time.monotonic())
+
+    def _deadline(self, ep: Episode, started: float) -> float:
+        lim = self.limits
+        return started + min(lim.step_timeout_s, max(0.0, lim.episode_timeout_s - ep.env_s))
+
+    def _reset(self, ep: Episode) -> str:
+        ep.env = self.make_env()
+        obs = ep.env.reset(ep.task, ep.seed)
+        if not isinstance(obs, str):
+            from tether.families.agent.env import EnvContractError
+
+            raise EnvContractError(f"reset returned {type(obs).__name__}; expected the first observation (str)")
+        return obs
+
+    def _received(self, ep: Episode, kind: str, future: Future) -> bool:
+        """Take one finished environment call into ``ep``; True if the model's turn is next."""
+        try:
+            result = future.result()
+        except ActionError as exc:
+            if kind == "reset":
+                self._end(ep, "error", f"reset raised ActionError: {exc}")
+                return False
+            ep.action_errors += 1
+            return self._observe(ep, str(exc), done=False, truncated=False)
+        except Exception as exc:  # noqa: BLE001 - an environment failure ends only its episode
+            self._end(ep, "error", f"{kind} raised {type(exc).__name__}: {exc}")
+            return False
+        if kind == "reset":
+            ids = self.encode(result)
+            if not ids or len(ids) >= self.limits.max_episode_tokens:
+                self._end(ep, "error", f"the first observation is {len(ids)} tokens; it must be 1 to "
+                          f"env.max_episode_tokens={self.limits.max_episode_tokens} − 1")
+                return False
+            ep.transcript.append(result)
+            self._append(ep, ids)
+            ep.prompt_len = len(ids)
+            return True
+        try:
+            step = as_step(result)
+        except Exception as exc:  # noqa: BLE001
+            self._end(ep, "error", str(exc))
+            return False
+        ep.step_rewards.append(float(step.reward))
+        if step.info.get("action_error"):
+            ep.action_errors += 1
+        return self._observe(ep, step.observation, done=step.done, truncated=step.truncated)
+
+    def _observe(self, ep: Episode, text: str, *, done: bool, truncated: bool) -> bool:
+        ep.transcript.append(text)
+        if done or truncated:
+            self._end(ep, "done" if done else "truncated")
+            return False
+        if ep.turns >= self.limits.max_turns:
+            self._end(ep, "max_turns")
+            return False
+        ids = self.encode(text)
+        if len(ep.ids) + len(ids) >= self.limits.max_episode_tokens:
+            self._end(ep, "token_budget")  # the observation is in the transcript, not the sequence
+            return False
+        self._append(ep, ids)
+        return True
+
+    @staticmethod
+    def _append(ep: Episode, ids: list[int]) -> None:
+        ep.ids += ids
+        ep.model += [0] * len(ids)
+        ep.logprobs += [0.0] * len(ids)
+        ep.versions += [-1] * len(ids)
+
+    @staticmethod
+    def _end(ep: Episode, status: str, error: str = "") -> None:
+        ep.status, ep.error = status, error
+
+    # -- model turns -------------------------------------------------------------------------
+
+    def _generate(self, ready: list[Episode], params: SamplingParams, seed: int, pending: dict) -> None:
+        """The next turn of every ready episode: one engine call per distinct token room (the
+        room is the per-turn budget, or what the episode budget leaves when that is less)."""
+        lim = self.limits
+        by_room: dict[int, list[Episode]] = {}
+        for ep in ready:
+            by_room.setdefault(min(lim.max_turn_tokens, lim.max_episode_tokens - len(ep.ids)), []).append(ep)
+        for room, eps in sorted(by_room.items()):
+            sampled = self.engine.generate([ep.ids for ep in eps], samples_per_prompt=1,
+                                           params=replace(params, max_new_tokens=room), seed=seed + room)
+            for ep, (c,) in zip(eps, sampled, strict=True):
+                ep.ids += c.token_ids
+                ep.model += [1] * len(c.token_ids)
+                ep.logprobs += list(c.logprobs)
+                ep.versions += list(c.versions)
+                ep.turns += 1
+                if c.finish_reason == "length":
+                    ep.turn_truncations += 1
+                action = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                ep.transcript.append(action)
+                env = ep.env
+                self._call(pending, ep, "step", lambda env=env, action=action: env.step(action))
+
+    def _close(self, episodes: list[Episode]) -> None:
+        """Close every environment not held by an abandoned call, on the environment threads;
+        a close that fails or overruns is counted, never raised."""
+        closing = [self.threads.submit(ep.env.close) for ep in episodes
+                   if ep.env is not None and hasattr(ep.env, "close")]
+        if closing:
+            _, late = wait(closing, timeout=self.limits.step_timeout_s)
+            for _ in late:
+                self.threads.abandon()
+        for ep in episodes:
+            ep.env = None

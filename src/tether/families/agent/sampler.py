@@ -1,0 +1,143 @@
+"""The agent family's side of a rollout worker: episodes played with the token engine (built-in or
+vLLM) and the environment threads, gathered into one ``EpisodeBatch``.
+
+A group is G episodes of one task, each with the environment seed of the task's position (so a
+group's episodes face the same environment and differ only by what the model samples).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any
+
+from tether.errors import RolloutError
+from tether.families.agent.episodes import EnvThreads, Episode, Limits, Player
+from tether.families.agent.payload import EpisodeBatch
+from tether.procinfo import peak_rss_mb
+from tether.vocabulary import WorkItem
+
+
+def environment_factory(cfg: Any):
+    """What makes one environment of the recipe: ``env.env_class``, else the task's own."""
+    from tether import registry
+    from tether.data.pyload import load_python_object
+    from tether.errors import ConfigError
+    from tether.families.agent.env import factory
+
+    if cfg.env.env_class:
+        env_class = load_python_object(cfg.env.env_class, what="env.env_class")
+    else:
+        task = registry.tasks.get(cfg.data.task) if cfg.data.task else None
+        env_class = getattr(task, "environment", None)
+        if env_class is None:
+            raise ConfigError("model.family=agent needs an environment: set env.env_class to "
+                              "path/to/file.py:Class, or data.task to a built-in agent task "
+                              "(kv_lookup, guess_number)")
+    return factory(env_class, {})
+
+
+def limits_of(cfg: Any, context: int | None) -> Limits:
+    e = cfg.env
+    episode = e.max_episode_tokens or context or 2048
+    return Limits(max_turns=e.max_turns, max_turn_tokens=e.max_turn_tokens or cfg.rollout.max_new_tokens,
+                  max_episode_tokens=episode, step_timeout_s=e.step_timeout_s,
+                  episode_timeout_s=e.episode_timeout_s)
+
+
+def task_row(example) -> dict[str, Any]:
+    """What ``reset`` receives: the row's prompt and answer and its other columns."""
+    return {"prompt": example.prompt, "answer": example.answer, **example.fields}
+
+
+class AgentSampler:
+    """The tokenizer, the token engine, the environment threads and the episode player of one
+    worker."""
+
+    def __init__(self, cfg, model_path: str, stop_text: str, *, device, threads: int, seed: int) -> None:
+        from tether import registry
+        from tether.decoding.sampling import stop_ids_for
+        from tether.modeling import context_length, load_tokenizer, model_config
+
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(model_path)
+        self.engine = registry.engines.get(cfg.rollout.engine).build(
+            cfg, model_path, self.tokenizer, stop_ids_for(self.tokenizer, stop_text), device=device,
+            threads=threads, seed=seed)
+        self.threads = EnvThreads(cfg.env.workers)
+        limits = limits_of(cfg, context_length(model_config(model_path)))
+        self.player = Player(self.engine, self.tokenizer, environment_factory(cfg), limits, self.threads)
+
+    def generate(self, item: WorkItem) -> EpisodeBatch:
+        t0 = time.perf_counter()
+        g = item.group_size
+        tasks = [(b, task_row(example), position)
+                 for b, (position, example) in enumerate(item.examples) for _ in range(g)]
+        episodes = self.player.play(tasks, item.params, item.seed)
+        wall = time.perf_counter() - t0
+        failure = self.cfg.env.failure_reward
+        failed = [ep for ep in episodes if ep.failed]
+        if len(failed) > self.cfg.env.max_failed_frac * len(episodes):
+            first = failed[0]
+            raise RolloutError(f"{len(failed)} of {len(episodes)} episodes of rollout batch {item.batch_index} "
+                               f"failed (env.max_failed_frac={self.cfg.env.max_failed_frac:g}); the first: "
+                               f"{first.status}: {first.error or 'no message'}. Fix the environment, or raise "
+                               "env.max_failed_frac / env.step_timeout_s", batch_index=item.batch_index)
+        batch = EpisodeBatch(positions=[p for p, _ in item.examples], ids=[ep.ids for ep in episodes],
+                             model=[ep.model for ep in episodes], logprobs=[ep.logprobs for ep in episodes],
+                             versions=[ep.versions for ep in episodes],
+                             prompt_lens=[ep.prompt_len for ep in episodes],
+                             rewards=[ep.reward(failure) for ep in episodes],
+                             statuses=[ep.status for ep in episodes], turns=[ep.turns for ep in episodes],
+                             transcripts=[ep.transcript for ep in episodes], group_size=g)
+        batch.metrics.update(self._metrics(episodes, batch, wall))
+        return batch
+
+    def _metrics(self, episodes: list[Episode], batch: EpisodeBatch, wall: float) -> dict[str, float]:
+        n = len(episodes)
+        rewards = batch.rewards
+        mean = sum(rewards) / n
+        model_tokens = [ep.model_tokens for ep in episodes]
+        lengths = sorted(len(ep.ids) for ep in episodes)
+        turns = [ep.turns for ep in episodes]
+        env_s = [ep.env_s for ep in episodes]
+        out = {
+            "reward/mean": mean,
+            "reward/std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / n),
+            "reward/errors": float(sum(ep.failed for ep in episodes)),
+            "response/length_mean": sum(model_tokens) / n,
+            "response/truncated_frac": sum(ep.status in ("max_turns", "token_budget") for ep in episodes) / n,
+            "agent/turns_mean": sum(turns) / n,
+            "agent/turns_max": float(max(turns)),
+            "agent/success_frac": sum(ep.status == "done" and ep.reward(0.0) > 0 for ep in episodes) / n,
+            "agent/action_errors": float(sum(ep.action_errors for ep in episodes)),
+            "agent/env_errors": float(sum(ep.status == "error" for ep in episodes)),
+            "agent/timeouts": float(sum(ep.status == "timeout" for ep in episodes)),
+            "agent/abandoned_calls": float(self.threads.abandoned),
+            "agent/turn_truncated_frac": sum(ep.turn_truncations for ep in episodes) / max(sum(turns), 1),
+            "agent/env_s_mean": sum(env_s) / n,
+            "agent/env_s_max": max(env_s),
+            "agent/model_tokens_mean": sum(model_tokens) / n,
+            "agent/env_tokens_mean": sum(len(ep.ids) - m for ep, m in zip(episodes, model_tokens, strict=True)) / n,
+            "agent/episode_tokens_p50": float(statistics.median(lengths)),
+            "agent/episode_tokens_p90": float(lengths[min(n - 1, int(0.9 * n))]),
+            "agent/episode_tokens_max": float(lengths[-1]),
+            "time/generate": wall,
+            "time/score": 0.0,
+            "throughput/gen_tokens_per_s": sum(model_tokens) / max(wall, 1e-9),
+            "memory/rollout_peak_mb": peak_rss_mb(),
+        }
+        for status in ("done", "truncated", "max_turns", "token_budget"):
+            out[f"agent/ended_{status}_frac"] = sum(ep.status == status for ep in episodes) / n
+        versions = batch.model_versions()
+        out["staleness/multi_version_seq_frac"] = sum(len(set(v)) > 1 for v in versions) / n
+        if self.cfg.async_.inflight_update != "drain":
+            wasted, switches = self.engine.take_counts()
+            out["rollout/weight_switches"] = float(switches)
+            out["rollout/wasted_tokens"] = float(wasted)
+        out.update(self.engine.report())
+        return out
+
+    def close(self) -> None:
+        self.threads.close()
