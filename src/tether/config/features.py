@@ -72,10 +72,12 @@ def _is_default(value: Any) -> bool:
 
 
 def check_ownership(cfg: Any) -> None:
-    """Refuse a section or key set for an engine, backend or family that is not chosen."""
+    """Refuse a section or key set for an engine, backend or family that is not chosen (a key the
+    chosen one declares too is its own)."""
     chosen = {"engines": cfg.rollout.engine, "backends": cfg.rollout.backend, "families": cfg.model.family}
     for kind, name in chosen.items():
         reg = getattr(registry, kind)
+        own = set(getattr(reg.get(name), "keys", ()))  # keys it shares with another plug-in are its own too
         for other in reg.names():
             if other == name:
                 continue
@@ -86,6 +88,8 @@ def check_ownership(cfg: Any) -> None:
                                   f"({reg.key} is {name!r}); set {reg.key}={other} to use it, or remove "
                                   f"the {section} keys")
             for key in getattr(plugin, "keys", ()):
+                if key in own:
+                    continue
                 asked = _changed(cfg, (key,))
                 if asked is not None:
                     raise ConfigError(f"{asked} is read only with {reg.key}={other} ({reg.key} is "

@@ -9,9 +9,11 @@ each observation is encoded once when it arrives and appended (``model`` 0, log-
 Every turn is generated from the ids so far, so what the model conditioned on is exactly what the
 learner scores.
 
-Environment calls (construction and ``reset`` included) run on ``EnvThreads``: while some episodes
-wait for their environment, the engine generates the next turn of every episode that is ready, in
-one batched call. A call past its deadline is abandoned and its thread replaced; the threads are
+Environment calls (construction and ``reset`` included) run on ``EnvThreads``, side by side. Turns
+are generated in one batched engine call per wave (``env.schedule=waves``: once every call of the
+last turn has returned, so a run is reproducible and resumes exactly), or for whichever episodes are
+ready as soon as any are (``eager``: a slow environment holds back only its own episode; the rows
+of each engine call then follow timing, so sampling is not reproducible run to run). A call past its deadline is abandoned and its thread replaced; the threads are
 daemons, so a hung environment never holds the worker process open.
 """
 
@@ -39,6 +41,7 @@ FAILURES = ("error", "timeout")
 class Episode:
     """One episode as it is played: its sequence and what happened."""
 
+    index: int
     group: int
     task: Mapping[str, Any]
     seed: int
@@ -136,9 +139,13 @@ class Player:
     """Plays groups of episodes with one engine and one tokenizer."""
 
     def __init__(self, engine: Any, tokenizer: Any, make_env: Callable[[], Any], limits: Limits,
-                 threads: EnvThreads) -> None:
+                 threads: EnvThreads, *, schedule: str = "waves") -> None:
         self.engine, self.tokenizer, self.make_env = engine, tokenizer, make_env
         self.limits, self.threads = limits, threads
+        self.eager = schedule == "eager"
+        """Generate for whichever episodes are ready as soon as any are (``env.schedule``), rather
+        than in waves once every environment call of the last turn has returned."""
+        self.last_errors: list[str] = []
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
@@ -147,14 +154,15 @@ class Player:
              seed: int) -> list[Episode]:
         """Play one episode per (group, task row, environment seed), all at once; returns them in
         the order given, each ended (``Episode.status``)."""
-        episodes = [Episode(group, task, env_seed) for group, task, env_seed in tasks]
+        episodes = [Episode(i, group, task, env_seed) for i, (group, task, env_seed) in enumerate(tasks)]
         pending: dict[Future, tuple[Episode, str, float]] = {}
         for ep in episodes:
             self._call(pending, ep, "reset", lambda ep=ep: self._reset(ep))
         ready: list[Episode] = []
         turn = 0
         while pending or ready:
-            if ready:
+            if ready and (self.eager or not pending):
+                ready.sort(key=lambda ep: ep.index)  # the engine's rows in a fixed order
                 self._generate(ready, params, seed + 7919 * turn, pending)
                 turn, ready = turn + 1, []
                 continue
@@ -176,6 +184,7 @@ class Player:
                     ep.env = None  # in use by the abandoned call: never closed from here
                     self._end(ep, "timeout", f"environment {kind} ran past its timeout")
         self._close(episodes)
+        self.last_errors = [ep.error for ep in episodes if ep.error]
         return episodes
 
     # -- environment calls -------------------------------------------------------------------

@@ -29,7 +29,8 @@ def play_tasks(model, tokenizer, cfg: Any, examples: Sequence[Example], params: 
     threads = EnvThreads(cfg.env.workers)
     try:
         player = Player(engine, tokenizer, environment_factory(cfg),
-                        limits_of(cfg, context_length(model.config.to_dict())), threads)
+                        limits_of(cfg, context_length(model.config.to_dict())), threads,
+                        schedule=cfg.env.schedule)
         tasks = [(i, task_row(ex), -1 - i) for i, ex in enumerate(examples) for _ in range(repeats)]
         return player.play(tasks, params, seed)
     finally:

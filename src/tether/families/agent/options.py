@@ -4,6 +4,7 @@ budgets and timeouts, and how failures count. Refused unless ``model.family=agen
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from tether.config.fields import knob
 
@@ -32,6 +33,13 @@ class EnvSection:
     workers: int = knob(
         8, "Threads per rollout worker that run environment calls (construction and reset included), so a "
            "slow environment never stalls the engine; 0 runs them inline (no timeouts; a baseline).", min=0)
+    schedule: Literal["waves", "eager"] = knob(
+        "waves",
+        "When turns are generated: waves = one engine call per turn of all the worker's episodes, once "
+        "their environment calls have returned (reproducible: exact resume); eager = as soon as any episode "
+        "is ready, so a slow environment holds back only its own episode (faster under uneven environment "
+        "latency, but which episodes share an engine call follows timing, so sampling is not reproducible).",
+        choices=("waves", "eager"))
     step_timeout_s: float = knob(
         30.0, "Seconds one environment call (set-up, reset, step) may take; past it the episode ends as "
               "timeout and the call is abandoned.", min=0.001)

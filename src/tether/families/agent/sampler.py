@@ -67,7 +67,8 @@ class AgentSampler:
             threads=threads, seed=seed)
         self.threads = EnvThreads(cfg.env.workers)
         limits = limits_of(cfg, context_length(model_config(model_path)))
-        self.player = Player(self.engine, self.tokenizer, environment_factory(cfg), limits, self.threads)
+        self.player = Player(self.engine, self.tokenizer, environment_factory(cfg), limits, self.threads,
+                             schedule=cfg.env.schedule)
 
     def generate(self, item: WorkItem) -> EpisodeBatch:
         t0 = time.perf_counter()

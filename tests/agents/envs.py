@@ -1,0 +1,85 @@
+"""Environments the agent tests play against, each loaded by path (``env.env_class``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tether.families.agent.env import ActionError, Step
+
+BARRIER: threading.Barrier | None = None
+
+
+class Echo:
+    """Three steps; each observation names the step and the action's length, so every observation
+    differs and is encoded once where it arrives."""
+
+    def reset(self, task, seed):
+        self.n = 0
+        return f"go {task.get('answer', '')}\n"
+
+    def step(self, action):
+        self.n += 1
+        return Step(f"o{self.n}:{len(action)}\n", reward=0.25, done=self.n == 3)
+
+
+class Hangs:
+    """The second step never returns within any test's timeout."""
+
+    def reset(self, task, seed):
+        self.n = 0
+        return "go\n"
+
+    def step(self, action):
+        self.n += 1
+        if self.n == 2:
+            time.sleep(3600)
+        return Step("again\n")
+
+
+class ResetRaises:
+    def reset(self, task, seed):
+        raise RuntimeError("no sandbox today")
+
+    def step(self, action):
+        return Step("")
+
+
+class SlowSetUp:
+    def __init__(self):
+        time.sleep(3600)
+
+    def reset(self, task, seed):
+        return "go\n"
+
+    def step(self, action):
+        return Step("")
+
+
+class Malformed:
+    """Refuses every action as unparseable: the model sees ``bad`` and tries again."""
+
+    def reset(self, task, seed):
+        return "go\n"
+
+    def step(self, action):
+        raise ActionError("bad\n")
+
+
+class WrongTypes:
+    def reset(self, task, seed):
+        return "go\n"
+
+    def step(self, action):
+        return 42
+
+
+class Rendezvous:
+    """A step returns only once ``BARRIER.parties`` steps are running at the same time."""
+
+    def reset(self, task, seed):
+        return "go\n"
+
+    def step(self, action):
+        BARRIER.wait(timeout=30)
+        return Step("", reward=1.0, done=True)

@@ -1,0 +1,88 @@
+"""The agent family through ``tether train``: a tiny model built and warm-started on scripted
+transcripts, episodes under the staleness budget in every in-flight mode, the schedule ``tether
+plan`` predicts, an exact resume, and ``tether eval`` / ``tether report`` on the run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = ("step", "batch_index", "async/behavior_version", "staleness/updates", "reward/mean", "loss/policy",
+        "agent/turns_mean", "agent/model_tokens_mean")
+
+
+def tether(*args, check=True):
+    out = subprocess.run([sys.executable, "-m", "tether.cli.main", *map(str, args)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=400)
+    if check:
+        assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def rows(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("agent")
+    path = tmp / "agent.yaml"
+    path.write_text("\n".join([
+        "model:", "  family: agent", f"  path: {tmp / 'model'}", "  create_if_missing: true",
+        "  init_size: tiny",
+        "data:", "  task: kv_lookup", "  num_train: 300", "  num_eval: 16",
+        "env:", "  max_turns: 3", "  max_turn_tokens: 6", "  script_quality: 0.5",
+        "warmstart:", "  max_steps: 30", "  eval_every: 30", "  target_pass_rate: 1.0", "  batch_size: 16",
+        "rollout:", "  batch_size: 2", "  group_size: 4", "  max_new_tokens: 6",
+        "async:", "  max_staleness: 1", "  max_inflight: 2",
+        "train:", "  num_batches: 8", "  lr: 1.0e-3",
+        "eval:", "  interval: 4", "checkpoint:", "  interval: 4"]) + "\n")
+    return path
+
+
+def test_agent_episodes_train_follow_the_plan_resume_exactly_and_evaluate(recipe, tmp_path):
+    whole = tmp_path / "whole"
+    out = tether("train", recipe, "--run-dir", whole, "--plain")
+    assert "held-out episode success" in out.stderr
+    metrics = rows(whole / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    for m in metrics:
+        assert m["staleness/updates"] <= 1
+        assert m["agent/turns_mean"] >= 1 and m["agent/env_tokens_mean"] > 0
+        assert m["agent/timeouts"] == 0 and m["agent/env_errors"] == 0
+    evals = rows(whole / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 4, 8] and "eval/return_mean" in evals[-1]
+
+    commits = ",".join(str(int(m["async/optimizer_updates"])) for m in metrics)
+    plan = json.loads(tether("plan", recipe, f"plan.commits=[{commits}]", "--json").stdout)
+    assert [m["staleness/updates"] for m in metrics] == [b["staleness_updates"] for b in plan["batches"]]
+
+    parts = tmp_path / "parts"
+    tether("train", recipe, "train.num_batches=4", "--run-dir", parts, "--plain", "--no-report")
+    tether("train", "--resume", parts, "train.num_batches=8", "--plain", "--no-report")
+    assert [{k: m[k] for k in KEYS} for m in rows(parts / "metrics.jsonl")] == [
+        {k: m[k] for k in KEYS} for m in metrics]
+
+    scored = json.loads(tether("eval", whole, "--json").stdout)
+    assert scored["eval/pass_at_1"] == evals[-1]["eval/pass_at_1"]
+    assert any((whole / "plots").glob("*.png"))
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute", "abort"])
+def test_in_flight_updates_keep_every_episode_within_the_budget(recipe, tmp_path, mode):
+    run = tmp_path / mode
+    tether("train", recipe, f"async.inflight_update={mode}", "async.max_staleness=2", "async.max_inflight=3",
+           "train.num_batches=6", "eval.interval=0", "checkpoint.interval=0", "--run-dir", run, "--plain",
+           "--no-report")
+    metrics = rows(run / "metrics.jsonl")
+    assert len(metrics) == 6
+    assert all(m["staleness/updates"] <= 2 for m in metrics)
+    assert all("rollout/weight_switches" in m for m in metrics)
+    if mode == "keep":
+        assert "staleness/multi_version_seq_frac" in metrics[0]

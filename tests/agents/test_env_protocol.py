@@ -1,0 +1,92 @@
+"""The environment protocol: what ``step`` may return, and which adapter a class gets."""
+
+import asyncio
+
+import pytest
+
+from tether.errors import ConfigError
+from tether.families.agent.env import EnvContractError, Step, as_step, factory, kind_of
+
+
+def test_a_step_a_gymnasium_tuple_and_a_skyrl_output_are_the_same_step():
+    assert as_step(Step("o", 1.0, True)) == Step("o", 1.0, True)
+    assert as_step(("o", 0.5, False, True, {"k": 1})) == Step("o", 0.5, False, True, {"k": 1})
+    skyrl = {"observations": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}],
+             "reward": 1, "done": True, "metadata": {}}
+    assert as_step(skyrl) == Step("ab", 1, True, False, {})
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    (3, "step returned int"),
+    (("o", 1.0, False), "step returned tuple"),
+    (Step(b"bytes"), "observation of type bytes"),  # type: ignore[arg-type]
+    (Step("o", "1"), "reward of type str"),  # type: ignore[arg-type]
+    (Step("o", True), "reward of type bool"),
+    (Step("o", float("nan")), "non-finite reward"),
+])
+def test_a_step_of_the_wrong_shape_is_refused_saying_what_was_wrong(value, says):
+    with pytest.raises(EnvContractError, match=says):
+        as_step(value)
+
+
+class Native:
+    def reset(self, task, seed):
+        return f"hi {task['x']} {seed}\n"
+
+    def step(self, action):
+        return Step("ok\n", done=True)
+
+
+class AsyncNative:
+    async def reset(self, task, seed):
+        await asyncio.sleep(0)
+        return "async\n"
+
+    async def step(self, action):
+        return ("o", 2.0, True, False, {})
+
+    async def close(self):
+        self.closed = True
+
+
+class Gym:
+    def __init__(self):
+        self.options = None
+
+    def reset(self, *, seed=None, options=None):
+        self.options = options
+        return f"gym {options['x']}\n", {}
+
+    def step(self, action):
+        return "o", 0.0, False, False, {}
+
+
+class SkyRL:
+    def __init__(self, env_config, extras):
+        self.extras = extras
+
+    def init(self, prompt):
+        return [{"role": "user", "content": f"sky {self.extras['x']}\n"}], {}
+
+    def step(self, action):
+        return {"observations": [], "reward": 1.0, "done": True, "metadata": {}}
+
+
+@pytest.mark.parametrize(("cls", "kind", "first"), [
+    (Native, "native", "hi 7 3\n"), (AsyncNative, "native", "async\n"), (Gym, "gymnasium", "gym 7\n"),
+    (SkyRL, "skyrl", "sky 7\n")])
+def test_every_kind_of_environment_is_adapted_to_reset_and_step(cls, kind, first):
+    assert kind_of(cls) == kind
+    env = factory(cls, {})()
+    assert env.reset({"x": 7, "prompt": "p"}, 3) == first
+    assert isinstance(as_step(env.step("a")), Step)
+    env.close()
+
+
+def test_a_class_that_is_not_an_environment_is_refused_with_what_it_needs():
+    class NoStep:
+        def reset(self, task, seed):
+            return ""
+
+    with pytest.raises(ConfigError, match=r"needs reset\(task, seed\) and step\(action\)"):
+        factory(NoStep, {})

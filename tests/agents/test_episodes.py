@@ -1,0 +1,197 @@
+"""Playing episodes on a real tiny model: exact tokens in and out, log-probs the learner agrees
+with, no loss on environment tokens, environment calls off the generation path, and every kind
+of environment failure an outcome of its episode."""
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+import torch  # noqa: E402
+
+from tether.config.config import load_config  # noqa: E402
+from tether.errors import RolloutError  # noqa: E402
+from tether.vocabulary import Example, SamplingParams, WorkItem  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+ENVS = Path(__file__).with_name("envs.py")
+
+
+def config(model_dir, env: str, *extra: str):
+    return load_config(None, ["model.family=agent", "data.task=kv_lookup", f"model.path={model_dir}", f"env.env_class={ENVS}:{env}",
+                              "env.max_turns=4", "env.max_turn_tokens=5", "rollout.max_new_tokens=5",
+                              "env.step_timeout_s=2", "rollout.group_size=4", *extra])
+
+
+def sampler_for(cfg):
+    from tether.families.agent.sampler import AgentSampler
+
+    return AgentSampler(cfg, str(cfg.model.path), cfg.env.turn_stop, device=torch.device("cpu"), threads=1, seed=0)
+
+
+def item(n_tasks: int, group_size: int = 4) -> WorkItem:
+    examples = [(i, Example(prompt=f"task {i}", answer=str(i))) for i in range(n_tasks)]
+    return WorkItem(batch_index=0, version=0, examples=examples, group_size=group_size,
+                    params=SamplingParams(max_new_tokens=5, temperature=1.0), seed=11)
+
+
+@pytest.fixture(scope="module")
+def echo(tiny_model_dir):
+    sampler = sampler_for(config(tiny_model_dir, "Echo"))
+    calls = []
+    generate = sampler.engine.generate
+
+    def recording(prompts, **kw):  # what the engine was asked and what it sampled, turn by turn
+        out = generate(prompts, **kw)
+        calls.append(([list(p) for p in prompts], [c for (c,) in out]))
+        return out
+
+    sampler.engine.generate = recording
+    batch = sampler.generate(item(2))
+    yield sampler, batch, calls
+    sampler.close()
+
+
+def test_an_episode_is_the_engines_sampled_ids_and_each_observation_encoded_once(echo):
+    sampler, batch, calls = echo
+    batch.check()
+    encode = sampler.player.encode
+    sampled = {}  # prompt ids of a turn → the completions the engine returned for them
+    for prompts, completions in calls:
+        for p, c in zip(prompts, completions, strict=True):
+            sampled.setdefault(tuple(p), []).append(c.token_ids)
+    for ids, model, transcript in zip(batch.ids, batch.model, batch.transcripts, strict=True):
+        expected, flags = [], []
+        observations = transcript[0::2]
+        for k, obs in enumerate(observations[:-1]):  # the last observation ends the episode
+            expected += encode(obs)
+            flags += [0] * len(encode(obs))
+            # each turn is what the engine sampled when given exactly the ids so far
+            turn = [t for t in sampled[tuple(expected)] if ids[len(expected):len(expected) + len(t)] == t]
+            assert turn, f"no engine completion of this episode's turn {k + 1}"
+            expected += turn[0]
+            flags += [1] * len(turn[0])
+            assert sampler.tokenizer.decode(turn[0], skip_special_tokens=True) == transcript[2 * k + 1]
+        assert ids == expected
+        assert model == flags
+    assert batch.turns == [3] * 8 and batch.rewards == [0.75] * 8
+    assert set(batch.statuses) == {"done"}
+
+
+def test_the_learner_scores_model_tokens_as_the_engine_did_and_nothing_else(echo, tiny_model_dir):
+    from tether.families.agent.policy import AgentPolicy
+
+    _, batch, _ = echo
+    policy = AgentPolicy(1.0)
+    model, _ = policy.load(tiny_model_dir)
+    train = policy.batch(batch)
+    with torch.no_grad():
+        logp, _, _ = policy.forward(model.eval(), train)
+    on = train.mask.bool()
+    assert int(on.sum()) == sum(sum(m) for m in batch.model)
+    assert (logp[on] - train.behavior_logp[on]).abs().mean() <= 1e-5
+    assert (train.behavior_versions[~on] == -1).all() and (train.behavior_logp[~on] == 0).all()
+
+
+def loss_gradient_on_targets(model, train):
+    """d(−Σ mask·log π) / d(logits) per column, summed over the vocabulary's absolute values."""
+    logits = model(input_ids=train.input_ids, attention_mask=train.attention_mask).logits[:, :-1]
+    logits.retain_grad()
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, train.targets[..., None]).squeeze(-1)
+    (-(logp * train.mask).sum()).backward()
+    return logits.grad.abs().sum(-1)
+
+
+def assert_no_loss_on_environment_tokens(model, train, model_flags):
+    grad = loss_gradient_on_targets(model, train)
+    for i, flags in enumerate(model_flags):
+        for j in range(1, len(flags)):
+            if flags[j]:
+                assert grad[i, j - 1] > 0, f"episode {i}: model token {j} gets no loss"
+            else:
+                assert grad[i, j - 1] == 0, f"episode {i}: environment token {j} gets a loss"
+
+
+def test_environment_tokens_get_no_loss_and_the_check_catches_a_mask_that_covers_one(echo, tiny_model_dir):
+    from tether.families.agent.policy import AgentPolicy
+
+    _, batch, _ = echo
+    policy = AgentPolicy(1.0)
+    model, _ = policy.load(tiny_model_dir)
+    train = policy.batch(batch)
+    assert_no_loss_on_environment_tokens(model, train, batch.model)
+    # the mutation: one observation token of episode 0 put under the loss
+    j = next(j for j in range(batch.prompt_lens[0], len(batch.model[0])) if not batch.model[0][j])
+    mask = train.mask.clone()
+    mask[0, j - 1] = 1.0
+    mutated = type(train)(**{**train.__dict__, "mask": mask})
+    model.zero_grad()
+    with pytest.raises(AssertionError, match="environment token"):
+        assert_no_loss_on_environment_tokens(model, mutated, batch.model)
+
+
+def test_environment_steps_run_side_by_side(tiny_model_dir):
+    """Eight steps that each return only when eight run at once: they finish because the
+    environment threads run them together, not one after another."""
+    import sys
+
+    sampler = sampler_for(config(tiny_model_dir, "Rendezvous", "env.workers=8", "env.step_timeout_s=60"))
+    module = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(ENVS))
+    module.BARRIER = threading.Barrier(8)
+    try:
+        batch = sampler.generate(item(2))
+    finally:
+        sampler.close()
+    assert batch.statuses == ["done"] * 8 and batch.rewards == [1.0] * 8
+
+
+@pytest.mark.parametrize(("env", "status", "says"), [
+    ("Hangs", "timeout", "step ran past its timeout"),
+    ("SlowSetUp", "timeout", "reset ran past its timeout"),
+    ("ResetRaises", "error", "reset raised RuntimeError: no sandbox today"),
+    ("WrongTypes", "error", "step returned int 42"),
+])
+def test_a_failing_environment_ends_only_its_episode_with_a_counted_status(tiny_model_dir, env, status, says):
+    sampler = sampler_for(config(tiny_model_dir, env, "env.max_failed_frac=1", "env.failure_reward=-1"))
+    t0 = time.monotonic()
+    try:
+        batch = sampler.generate(item(1))
+    finally:
+        sampler.close()
+    assert time.monotonic() - t0 < 60  # the hung calls were abandoned, not waited for
+    assert batch.statuses == [status] * 4
+    assert batch.rewards == [-1.0] * 4  # env.failure_reward, and the group is kept whole
+    player_errors = {ep_error for ep_error in _errors(sampler)}
+    assert any(says in e for e in player_errors), player_errors
+    key = "agent/timeouts" if status == "timeout" else "agent/env_errors"
+    assert batch.metrics[key] == 4.0
+    if status == "timeout":
+        assert batch.metrics["agent/abandoned_calls"] == 4.0
+        hung = [t for t in threading.enumerate() if t.name == "tether-env" and t.is_alive()]
+        assert hung and all(t.daemon for t in hung)  # they cannot keep the worker process alive
+
+
+def _errors(sampler):
+    return sampler.player.last_errors
+
+
+def test_malformed_actions_are_shown_to_the_model_and_counted(tiny_model_dir):
+    sampler = sampler_for(config(tiny_model_dir, "Malformed"))
+    try:
+        batch = sampler.generate(item(1))
+    finally:
+        sampler.close()
+    assert batch.statuses == ["max_turns"] * 4 and batch.turns == [4] * 4
+    assert batch.metrics["agent/action_errors"] == 16.0
+    assert all(t[2::2][:3] == ["bad\n"] * 3 for t in batch.transcripts)
+
+
+def test_past_the_ceiling_of_failed_episodes_the_batch_stops_the_run_with_the_first_failure(tiny_model_dir):
+    sampler = sampler_for(config(tiny_model_dir, "ResetRaises", "env.max_failed_frac=0.5"))
+    try:
+        with pytest.raises(RolloutError, match=r"4 of 4 episodes .* failed .*no sandbox today.*env.max_failed_frac"):
+            sampler.generate(item(1))
+    finally:
+        sampler.close()
