@@ -2,6 +2,7 @@
 #   make demo   set up .venv and run the main job on recipes/demo.yaml
 #   make test   set up .venv and run the linter and the whole test suite
 #   make flow-demo  the second family: Flow-GRPO on recipes/flow-demo.yaml (an image model)
+#   make agent-demo the agent family: multi-turn tool use on recipes/agent-demo.yaml
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -11,7 +12,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.tether-installed
 
-.PHONY: demo flow-demo test lint unit bench docs clean vllm test-vllm
+.PHONY: demo flow-demo agent-demo test lint unit bench docs clean vllm test-vllm
 
 # torch first, pinned to the CPU build on local disk: a bare `torch` requirement would pull a
 # multi-GB CUDA build. pyproject's range (>=2.4,<3) is satisfied by it, so nothing else moves it.
@@ -42,6 +43,9 @@ demo: $(STAMP)
 
 flow-demo: $(STAMP)
 	$(VENV)/bin/tether train recipes/flow-demo.yaml
+
+agent-demo: $(STAMP)
+	$(VENV)/bin/tether train recipes/agent-demo.yaml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

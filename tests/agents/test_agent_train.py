@@ -13,13 +13,26 @@ pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
-KEYS = ("step", "batch_index", "async/behavior_version", "staleness/updates", "reward/mean", "loss/policy",
-        "agent/turns_mean", "agent/model_tokens_mean")
+KEYS = (
+    "step",
+    "batch_index",
+    "async/behavior_version",
+    "staleness/updates",
+    "reward/mean",
+    "loss/policy",
+    "agent/turns_mean",
+    "agent/model_tokens_mean",
+)
 
 
 def tether(*args, check=True):
-    out = subprocess.run([sys.executable, "-m", "tether.cli.main", *map(str, args)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=400)
+    out = subprocess.run(
+        [sys.executable, "-m", "tether.cli.main", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     if check:
         assert out.returncode == 0, out.stderr[-3000:]
     return out
@@ -33,16 +46,45 @@ def rows(path):
 def recipe(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent")
     path = tmp / "agent.yaml"
-    path.write_text("\n".join([
-        "model:", "  family: agent", f"  path: {tmp / 'model'}", "  create_if_missing: true",
-        "  init_size: tiny",
-        "data:", "  task: kv_lookup", "  num_train: 300", "  num_eval: 16",
-        "env:", "  max_turns: 3", "  max_turn_tokens: 6", "  script_quality: 0.5",
-        "warmstart:", "  max_steps: 30", "  eval_every: 30", "  target_pass_rate: 1.0", "  batch_size: 16",
-        "rollout:", "  batch_size: 2", "  group_size: 4", "  max_new_tokens: 6",
-        "async:", "  max_staleness: 1", "  max_inflight: 2",
-        "train:", "  num_batches: 8", "  lr: 1.0e-3",
-        "eval:", "  interval: 4", "checkpoint:", "  interval: 4"]) + "\n")
+    path.write_text(
+        "\n".join(
+            [
+                "model:",
+                "  family: agent",
+                f"  path: {tmp / 'model'}",
+                "  create_if_missing: true",
+                "  init_size: tiny",
+                "data:",
+                "  task: kv_lookup",
+                "  num_train: 300",
+                "  num_eval: 16",
+                "env:",
+                "  max_turns: 3",
+                "  max_turn_tokens: 6",
+                "  script_quality: 0.5",
+                "warmstart:",
+                "  max_steps: 30",
+                "  eval_every: 30",
+                "  target_pass_rate: 1.0",
+                "  batch_size: 16",
+                "rollout:",
+                "  batch_size: 2",
+                "  group_size: 4",
+                "  max_new_tokens: 6",
+                "async:",
+                "  max_staleness: 1",
+                "  max_inflight: 2",
+                "train:",
+                "  num_batches: 8",
+                "  lr: 1.0e-3",
+                "eval:",
+                "  interval: 4",
+                "checkpoint:",
+                "  interval: 4",
+            ]
+        )
+        + "\n"
+    )
     return path
 
 
@@ -67,7 +109,8 @@ def test_agent_episodes_train_follow_the_plan_resume_exactly_and_evaluate(recipe
     tether("train", recipe, "train.num_batches=4", "--run-dir", parts, "--plain", "--no-report")
     tether("train", "--resume", parts, "train.num_batches=8", "--plain", "--no-report")
     assert [{k: m[k] for k in KEYS} for m in rows(parts / "metrics.jsonl")] == [
-        {k: m[k] for k in KEYS} for m in metrics]
+        {k: m[k] for k in KEYS} for m in metrics
+    ]
 
     scored = json.loads(tether("eval", whole, "--json").stdout)
     assert scored["eval/pass_at_1"] == evals[-1]["eval/pass_at_1"]
@@ -77,9 +120,20 @@ def test_agent_episodes_train_follow_the_plan_resume_exactly_and_evaluate(recipe
 @pytest.mark.parametrize("mode", ["keep", "recompute", "abort"])
 def test_in_flight_updates_keep_every_episode_within_the_budget(recipe, tmp_path, mode):
     run = tmp_path / mode
-    tether("train", recipe, f"async.inflight_update={mode}", "async.max_staleness=2", "async.max_inflight=3",
-           "train.num_batches=6", "eval.interval=0", "checkpoint.interval=0", "--run-dir", run, "--plain",
-           "--no-report")
+    tether(
+        "train",
+        recipe,
+        f"async.inflight_update={mode}",
+        "async.max_staleness=2",
+        "async.max_inflight=3",
+        "train.num_batches=6",
+        "eval.interval=0",
+        "checkpoint.interval=0",
+        "--run-dir",
+        run,
+        "--plain",
+        "--no-report",
+    )
     metrics = rows(run / "metrics.jsonl")
     assert len(metrics) == 6
     assert all(m["staleness/updates"] <= 2 for m in metrics)

@@ -11,19 +11,26 @@ from tether.families.agent.env import EnvContractError, Step, as_step, factory, 
 def test_a_step_a_gymnasium_tuple_and_a_skyrl_output_are_the_same_step():
     assert as_step(Step("o", 1.0, True)) == Step("o", 1.0, True)
     assert as_step(("o", 0.5, False, True, {"k": 1})) == Step("o", 0.5, False, True, {"k": 1})
-    skyrl = {"observations": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}],
-             "reward": 1, "done": True, "metadata": {}}
+    skyrl = {
+        "observations": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}],
+        "reward": 1,
+        "done": True,
+        "metadata": {},
+    }
     assert as_step(skyrl) == Step("ab", 1, True, False, {})
 
 
-@pytest.mark.parametrize(("value", "says"), [
-    (3, "step returned int"),
-    (("o", 1.0, False), "step returned tuple"),
-    (Step(b"bytes"), "observation of type bytes"),  # type: ignore[arg-type]
-    (Step("o", "1"), "reward of type str"),  # type: ignore[arg-type]
-    (Step("o", True), "reward of type bool"),
-    (Step("o", float("nan")), "non-finite reward"),
-])
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (3, "step returned int"),
+        (("o", 1.0, False), "step returned tuple"),
+        (Step(b"bytes"), "observation of type bytes"),  # type: ignore[arg-type]
+        (Step("o", "1"), "reward of type str"),  # type: ignore[arg-type]
+        (Step("o", True), "reward of type bool"),
+        (Step("o", float("nan")), "non-finite reward"),
+    ],
+)
 def test_a_step_of_the_wrong_shape_is_refused_saying_what_was_wrong(value, says):
     with pytest.raises(EnvContractError, match=says):
         as_step(value)
@@ -72,9 +79,15 @@ class SkyRL:
         return {"observations": [], "reward": 1.0, "done": True, "metadata": {}}
 
 
-@pytest.mark.parametrize(("cls", "kind", "first"), [
-    (Native, "native", "hi 7 3\n"), (AsyncNative, "native", "async\n"), (Gym, "gymnasium", "gym 7\n"),
-    (SkyRL, "skyrl", "sky 7\n")])
+@pytest.mark.parametrize(
+    ("cls", "kind", "first"),
+    [
+        (Native, "native", "hi 7 3\n"),
+        (AsyncNative, "native", "async\n"),
+        (Gym, "gymnasium", "gym 7\n"),
+        (SkyRL, "skyrl", "sky 7\n"),
+    ],
+)
 def test_every_kind_of_environment_is_adapted_to_reset_and_step(cls, kind, first):
     assert kind_of(cls) == kind
     env = factory(cls, {})()

@@ -9,32 +9,52 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-import torch  # noqa: E402
+import torch
 
-from tether.config.config import load_config  # noqa: E402
-from tether.errors import RolloutError  # noqa: E402
-from tether.vocabulary import Example, SamplingParams, WorkItem  # noqa: E402
+from tether.config.config import load_config
+from tether.errors import RolloutError
+from tether.vocabulary import Example, SamplingParams, WorkItem
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 ENVS = Path(__file__).with_name("envs.py")
 
 
 def config(model_dir, env: str, *extra: str):
-    return load_config(None, ["model.family=agent", "data.task=kv_lookup", f"model.path={model_dir}", f"env.env_class={ENVS}:{env}",
-                              "env.max_turns=4", "env.max_turn_tokens=5", "rollout.max_new_tokens=5",
-                              "env.step_timeout_s=2", "rollout.group_size=4", *extra])
+    return load_config(
+        None,
+        [
+            "model.family=agent",
+            "data.task=kv_lookup",
+            f"model.path={model_dir}",
+            f"env.env_class={ENVS}:{env}",
+            "env.max_turns=4",
+            "env.max_turn_tokens=5",
+            "rollout.max_new_tokens=5",
+            "env.step_timeout_s=2",
+            "rollout.group_size=4",
+            *extra,
+        ],
+    )
 
 
 def sampler_for(cfg):
     from tether.families.agent.sampler import AgentSampler
 
-    return AgentSampler(cfg, str(cfg.model.path), cfg.env.turn_stop, device=torch.device("cpu"), threads=1, seed=0)
+    return AgentSampler(
+        cfg, str(cfg.model.path), cfg.env.turn_stop, device=torch.device("cpu"), threads=1, seed=0
+    )
 
 
 def item(n_tasks: int, group_size: int = 4) -> WorkItem:
     examples = [(i, Example(prompt=f"task {i}", answer=str(i))) for i in range(n_tasks)]
-    return WorkItem(batch_index=0, version=0, examples=examples, group_size=group_size,
-                    params=SamplingParams(max_new_tokens=5, temperature=1.0), seed=11)
+    return WorkItem(
+        batch_index=0,
+        version=0,
+        examples=examples,
+        group_size=group_size,
+        params=SamplingParams(max_new_tokens=5, temperature=1.0),
+        seed=11,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +89,7 @@ def test_an_episode_is_the_engines_sampled_ids_and_each_observation_encoded_once
             expected += encode(obs)
             flags += [0] * len(encode(obs))
             # each turn is what the engine sampled when given exactly the ids so far
-            turn = [t for t in sampled[tuple(expected)] if ids[len(expected):len(expected) + len(t)] == t]
+            turn = [t for t in sampled[tuple(expected)] if ids[len(expected) : len(expected) + len(t)] == t]
             assert turn, f"no engine completion of this episode's turn {k + 1}"
             expected += turn[0]
             flags += [1] * len(turn[0])
@@ -147,12 +167,15 @@ def test_environment_steps_run_side_by_side(tiny_model_dir):
     assert batch.statuses == ["done"] * 8 and batch.rewards == [1.0] * 8
 
 
-@pytest.mark.parametrize(("env", "status", "says"), [
-    ("Hangs", "timeout", "step ran past its timeout"),
-    ("SlowSetUp", "timeout", "reset ran past its timeout"),
-    ("ResetRaises", "error", "reset raised RuntimeError: no sandbox today"),
-    ("WrongTypes", "error", "step returned int 42"),
-])
+@pytest.mark.parametrize(
+    ("env", "status", "says"),
+    [
+        ("Hangs", "timeout", "step ran past its timeout"),
+        ("SlowSetUp", "timeout", "reset ran past its timeout"),
+        ("ResetRaises", "error", "reset raised RuntimeError: no sandbox today"),
+        ("WrongTypes", "error", "step returned int 42"),
+    ],
+)
 def test_a_failing_environment_ends_only_its_episode_with_a_counted_status(tiny_model_dir, env, status, says):
     sampler = sampler_for(config(tiny_model_dir, env, "env.max_failed_frac=1", "env.failure_reward=-1"))
     t0 = time.monotonic()
@@ -191,7 +214,9 @@ def test_malformed_actions_are_shown_to_the_model_and_counted(tiny_model_dir):
 def test_past_the_ceiling_of_failed_episodes_the_batch_stops_the_run_with_the_first_failure(tiny_model_dir):
     sampler = sampler_for(config(tiny_model_dir, "ResetRaises", "env.max_failed_frac=0.5"))
     try:
-        with pytest.raises(RolloutError, match=r"4 of 4 episodes .* failed .*no sandbox today.*env.max_failed_frac"):
+        with pytest.raises(
+            RolloutError, match=r"4 of 4 episodes .* failed .*no sandbox today.*env.max_failed_frac"
+        ):
             sampler.generate(item(1))
     finally:
         sampler.close()

@@ -30,30 +30,48 @@ NOT_YET = "not supported by the agent family yet"
 
 class AgentFamily(TextFamily):
     name = "agent"
-    description = "language models over multi-turn environment episodes: a sample is an episode, an action a token"
+    description = (
+        "language models over multi-turn environment episodes: a sample is an episode, an action a token"
+    )
     section = ("env", EnvSection)
     keys = ("model.init_arch", "model.init_size")
     capabilities = Capabilities(
-        engines=("torch", "vllm"), inflight_updates=("drain", "keep", "recompute", "abort"),
-        features=frozenset({"token_sampling", "decoder", "datasets", "truncation", "learner_ranks",
-                            "learner_actor"}),
-        notes={"dynamic_sampling": NOT_YET, "attribution": NOT_YET,
-               "shared_prefix": "a group's episodes share only their first observation"})
+        engines=("torch", "vllm"),
+        inflight_updates=("drain", "keep", "recompute", "abort"),
+        features=frozenset(
+            {
+                "token_sampling",
+                "decoder",
+                "datasets",
+                "truncation",
+                "shared_prefix",
+                "learner_ranks",
+                "learner_actor",
+            }
+        ),
+        notes={"dynamic_sampling": NOT_YET, "attribution": NOT_YET},
+    )
     warmstart_fields = ("loss", "pass_at_1")
 
     def check(self, cfg: Any) -> None:
         e = cfg.env
         if not e.env_class and not cfg.data.task:
-            raise ConfigError("model.family=agent needs an environment: set env.env_class to path/to/file.py:Class "
-                              "(with data.dataset for its task rows), or data.task to kv_lookup or guess_number")
+            raise ConfigError(
+                "model.family=agent needs an environment: set env.env_class to path/to/file.py:Class "
+                "(with data.dataset for its task rows), or data.task to kv_lookup or guess_number"
+            )
         if e.max_episode_tokens and e.max_turn_tokens and e.max_turn_tokens >= e.max_episode_tokens:
-            raise ConfigError(f"env.max_turn_tokens={e.max_turn_tokens} leaves no room for an observation in "
-                              f"env.max_episode_tokens={e.max_episode_tokens}; lower the first or raise the second")
+            raise ConfigError(
+                f"env.max_turn_tokens={e.max_turn_tokens} leaves no room for an observation in "
+                f"env.max_episode_tokens={e.max_episode_tokens}; lower the first or raise the second"
+            )
         if e.env_class:
             from tether.data.pyload import load_python_object
             from tether.families.agent.env import factory
 
-            factory(load_python_object(e.env_class, what="env.env_class"), {})  # refuses a non-environment now
+            factory(
+                load_python_object(e.env_class, what="env.env_class"), {}
+            )  # refuses a non-environment now
 
     def norm_constant(self, cfg: Any) -> int:
         """The most model tokens an episode can have."""
@@ -69,15 +87,20 @@ class AgentFamily(TextFamily):
         init = out.parent / f"{out.name}.init"
         try:
             info = init_model(init, arch=cfg.model.init_arch, size=cfg.model.init_size, seed=cfg.run.seed)
-            logging.getLogger("tether.data").info("built a %s %s model (%d parameters); warm-starting it on "
-                                                  "scripted transcripts", cfg.model.init_size, cfg.model.init_arch,
-                                                  info.parameters)
+            logging.getLogger("tether.data").info(
+                "built a %s %s model (%d parameters); warm-starting it on scripted transcripts",
+                cfg.model.init_size,
+                cfg.model.init_arch,
+                info.parameters,
+            )
             warm = run_agent_warmstart(cfg, init, out, on_progress)
             shutil.copy2(init / "tether_model.json", out / "tether_model.json")
         finally:
             shutil.rmtree(init, ignore_errors=True)
-        return (f"warm start: held-out episode success {100 * warm.pass_at_1_before:.1f}% → "
-                f"{100 * warm.pass_at_1_after:.1f}% in {warm.steps} steps, {warm.seconds:.0f}s")
+        return (
+            f"warm start: held-out episode success {100 * warm.pass_at_1_before:.1f}% → "
+            f"{100 * warm.pass_at_1_after:.1f}% in {warm.steps} steps, {warm.seconds:.0f}s"
+        )
 
     def warmstart(self, cfg: Any, model_dir: Path, out: Path, on_progress):
         from tether.families.agent.warmstart import run_agent_warmstart
@@ -104,20 +127,32 @@ class AgentFamily(TextFamily):
 
         return AgentPolicy(cfg.rollout.temperature)
 
-    def evaluator(self, cfg: Any, model: Any, tokenizer: Any, data: DataBundle, score: Any, *,
-                  num_samples: int | None = None, run_dir: Path | None = None):
+    def evaluator(
+        self,
+        cfg: Any,
+        model: Any,
+        tokenizer: Any,
+        data: DataBundle,
+        score: Any,
+        *,
+        num_samples: int | None = None,
+        run_dir: Path | None = None,
+    ):
         from tether.families.agent.evaluate import AgentEvaluator
 
         k = cfg.eval.num_samples if num_samples is None else num_samples
-        return AgentEvaluator(model, tokenizer, data.eval, cfg, seed=cfg.run.seed, num_samples=k,
-                              decoder=cfg.rollout.decoder)
+        return AgentEvaluator(
+            model, tokenizer, data.eval, cfg, seed=cfg.run.seed, num_samples=k, decoder=cfg.rollout.decoder
+        )
 
     def eval_summary(self, cfg: Any, metrics: Mapping[str, float], samples: int) -> list[str]:
-        return [f"  greedy:  success {metrics['eval/pass_at_1']:.1%}, mean return {metrics['eval/return_mean']:.3f}, "
-                f"{metrics['eval/turns_mean']:.2f} turns",
-                f"  sampled: success {metrics['eval/sampled_pass_at_1']:.1%}, mean return "
-                f"{metrics['eval/sampled_return_mean']:.3f}  ({samples} per task at temperature "
-                f"{cfg.rollout.temperature:g})"]
+        return [
+            f"  greedy:  success {metrics['eval/pass_at_1']:.1%}, mean return "
+            f"{metrics['eval/return_mean']:.3f}, {metrics['eval/turns_mean']:.2f} turns",
+            f"  sampled: success {metrics['eval/sampled_pass_at_1']:.1%}, mean return "
+            f"{metrics['eval/sampled_return_mean']:.3f}  ({samples} per task at temperature "
+            f"{cfg.rollout.temperature:g})",
+        ]
 
 
 FAMILY = AgentFamily()

@@ -75,17 +75,27 @@ def as_step(value: Any) -> Step:
         obs, reward, terminated, truncated, info = value
         step = Step(obs, reward, bool(terminated), bool(truncated), info if isinstance(info, Mapping) else {})
     elif isinstance(value, Mapping) and "observations" in value:  # skyrl-gym's step output
-        step = Step(_messages_text(value["observations"]), value.get("reward", 0.0) or 0.0,
-                    bool(value.get("done", False)), False, value.get("metadata") or {})
+        step = Step(
+            _messages_text(value["observations"]),
+            value.get("reward", 0.0) or 0.0,
+            bool(value.get("done", False)),
+            False,
+            value.get("metadata") or {},
+        )
     else:
-        raise EnvContractError(f"step returned {type(value).__name__} {value!r:.80}; expected a Step, "
-                                "a 5-tuple (observation, reward, terminated, truncated, info) or a "
-                                "skyrl-gym step output")
+        raise EnvContractError(
+            f"step returned {type(value).__name__} {value!r:.80}; expected a Step, "
+            "a 5-tuple (observation, reward, terminated, truncated, info) or a "
+            "skyrl-gym step output"
+        )
     if not isinstance(step.observation, str):
-        raise EnvContractError(f"step returned an observation of type {type(step.observation).__name__}; "
-                                "expected text (str)")
+        raise EnvContractError(
+            f"step returned an observation of type {type(step.observation).__name__}; expected text (str)"
+        )
     if isinstance(step.reward, bool) or not isinstance(step.reward, int | float):
-        raise EnvContractError(f"step returned a reward of type {type(step.reward).__name__}; expected a number")
+        raise EnvContractError(
+            f"step returned a reward of type {type(step.reward).__name__}; expected a number"
+        )
     if step.reward != step.reward or step.reward in (float("inf"), float("-inf")):
         raise EnvContractError(f"step returned a non-finite reward {step.reward}")
     return step
@@ -96,8 +106,9 @@ def _messages_text(messages: Any) -> str:
     if isinstance(messages, str):
         return messages
     if not isinstance(messages, list):
-        raise EnvContractError(f"observations of type {type(messages).__name__}; expected text or a list "
-                                "of chat messages")
+        raise EnvContractError(
+            f"observations of type {type(messages).__name__}; expected text or a list of chat messages"
+        )
     return "".join(m["content"] if isinstance(m, Mapping) else str(m) for m in messages)
 
 
@@ -110,8 +121,9 @@ class _SkyRL:
     def reset(self, task: Mapping[str, Any], seed: int) -> str:
         self.env = self.env_class(dict(self.options), dict(task))
         prompt = task.get("prompt", "")
-        messages, _ = _run(self.env.init([{"role": "user", "content": prompt}] if isinstance(prompt, str)
-                                         else prompt))
+        messages, _ = _run(
+            self.env.init([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
+        )
         return _messages_text(messages)
 
     def step(self, action: str) -> Any:
@@ -182,6 +194,8 @@ def factory(env_class: type, options: Mapping[str, Any]) -> Callable[[], Any]:
     if adapter is None:
         from tether.errors import ConfigError
 
-        raise ConfigError(f"{env_class!r} is not an environment: it needs reset(task, seed) and step(action) "
-                          "(or skyrl-gym's init(prompt) and step(action)); see docs/agents.md")
+        raise ConfigError(
+            f"{env_class!r} is not an environment: it needs reset(task, seed) and step(action) "
+            "(or skyrl-gym's init(prompt) and step(action)); see docs/agents.md"
+        )
     return lambda: adapter(env_class, options)

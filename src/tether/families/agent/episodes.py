@@ -13,8 +13,9 @@ Environment calls (construction and ``reset`` included) run on ``EnvThreads``, s
 are generated in one batched engine call per wave (``env.schedule=waves``: once every call of the
 last turn has returned, so a run is reproducible and resumes exactly), or for whichever episodes are
 ready as soon as any are (``eager``: a slow environment holds back only its own episode; the rows
-of each engine call then follow timing, so sampling is not reproducible run to run). A call past its deadline is abandoned and its thread replaced; the threads are
-daemons, so a hung environment never holds the worker process open.
+of each engine call then follow timing, so sampling is not reproducible run to run). A call past
+its deadline is abandoned and its thread replaced; the threads are daemons, so a hung environment
+never holds the worker process open.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class EnvThreads:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
-                except BaseException as exc:  # noqa: BLE001 - every failure is the episode's data
+                except BaseException as exc:
                     future.set_exception(exc)
 
     def submit(self, fn: Callable[[], Any]) -> Future:
@@ -118,7 +119,7 @@ class EnvThreads:
             future.set_running_or_notify_cancel()
             try:
                 future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 future.set_exception(exc)
         else:
             self._queue.put((future, fn))
@@ -138,8 +139,16 @@ class EnvThreads:
 class Player:
     """Plays groups of episodes with one engine and one tokenizer."""
 
-    def __init__(self, engine: Any, tokenizer: Any, make_env: Callable[[], Any], limits: Limits,
-                 threads: EnvThreads, *, schedule: str = "waves") -> None:
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        make_env: Callable[[], Any],
+        limits: Limits,
+        threads: EnvThreads,
+        *,
+        schedule: str = "waves",
+    ) -> None:
         self.engine, self.tokenizer, self.make_env = engine, tokenizer, make_env
         self.limits, self.threads = limits, threads
         self.eager = schedule == "eager"
@@ -150,8 +159,9 @@ class Player:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def play(self, tasks: Sequence[tuple[int, Mapping[str, Any], int]], params: SamplingParams,
-             seed: int) -> list[Episode]:
+    def play(
+        self, tasks: Sequence[tuple[int, Mapping[str, Any], int]], params: SamplingParams, seed: int
+    ) -> list[Episode]:
         """Play one episode per (group, task row, environment seed), all at once; returns them in
         the order given, each ended (``Episode.status``)."""
         episodes = [Episode(i, group, task, env_seed) for i, (group, task, env_seed) in enumerate(tasks)]
@@ -167,8 +177,9 @@ class Player:
                 turn, ready = turn + 1, []
                 continue
             deadline = min(self._deadline(ep, started) for ep, _, started in pending.values())
-            done, _ = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()),
-                           return_when=FIRST_COMPLETED)
+            done, _ = wait(
+                list(pending), timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED
+            )
             now = time.monotonic()
             for future in done:
                 ep, kind, started = pending.pop(future)
@@ -202,7 +213,9 @@ class Player:
         if not isinstance(obs, str):
             from tether.families.agent.env import EnvContractError
 
-            raise EnvContractError(f"reset returned {type(obs).__name__}; expected the first observation (str)")
+            raise EnvContractError(
+                f"reset returned {type(obs).__name__}; expected the first observation (str)"
+            )
         return obs
 
     def _received(self, ep: Episode, kind: str, future: Future) -> bool:
@@ -215,14 +228,18 @@ class Player:
                 return False
             ep.action_errors += 1
             return self._observe(ep, str(exc), done=False, truncated=False)
-        except Exception as exc:  # noqa: BLE001 - an environment failure ends only its episode
+        except Exception as exc:
             self._end(ep, "error", f"{kind} raised {type(exc).__name__}: {exc}")
             return False
         if kind == "reset":
             ids = self.encode(result)
             if not ids or len(ids) >= self.limits.max_episode_tokens:
-                self._end(ep, "error", f"the first observation is {len(ids)} tokens; it must be 1 to "
-                          f"env.max_episode_tokens={self.limits.max_episode_tokens} − 1")
+                self._end(
+                    ep,
+                    "error",
+                    f"the first observation is {len(ids)} tokens; it must be 1 to "
+                    f"env.max_episode_tokens={self.limits.max_episode_tokens} − 1",
+                )
                 return False
             ep.transcript.append(result)
             self._append(ep, ids)
@@ -230,7 +247,7 @@ class Player:
             return True
         try:
             step = as_step(result)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._end(ep, "error", str(exc))
             return False
         ep.step_rewards.append(float(step.reward))
@@ -274,8 +291,12 @@ class Player:
         for ep in ready:
             by_room.setdefault(min(lim.max_turn_tokens, lim.max_episode_tokens - len(ep.ids)), []).append(ep)
         for room, eps in sorted(by_room.items()):
-            sampled = self.engine.generate([ep.ids for ep in eps], samples_per_prompt=1,
-                                           params=replace(params, max_new_tokens=room), seed=seed + room)
+            sampled = self.engine.generate(
+                [ep.ids for ep in eps],
+                samples_per_prompt=1,
+                params=replace(params, max_new_tokens=room),
+                seed=seed + room,
+            )
             for ep, (c,) in zip(eps, sampled, strict=True):
                 ep.ids += c.token_ids
                 ep.model += [1] * len(c.token_ids)
@@ -292,8 +313,11 @@ class Player:
     def _close(self, episodes: list[Episode]) -> None:
         """Close every environment not held by an abandoned call, on the environment threads;
         a close that fails or overruns is counted, never raised."""
-        closing = [self.threads.submit(ep.env.close) for ep in episodes
-                   if ep.env is not None and hasattr(ep.env, "close")]
+        closing = [
+            self.threads.submit(ep.env.close)
+            for ep in episodes
+            if ep.env is not None and hasattr(ep.env, "close")
+        ]
         if closing:
             _, late = wait(closing, timeout=self.limits.step_timeout_s)
             for _ in late:

@@ -20,38 +20,61 @@ class EnvSection:
         "gymnasium text environments are adapted. Each task row (data.dataset or data.task) is passed to "
         "reset. Empty: the built-in environment of data.task (kv_lookup, guess_number).",
     )
-    max_turns: int = knob(4, "Model turns per episode; an episode still going after them ends as max_turns.",
-                          min=1)
+    max_turns: int = knob(
+        4, "Model turns per episode; an episode still going after them ends as max_turns.", min=1
+    )
     max_turn_tokens: int = knob(
-        0, "Tokens the model may sample in one turn (a turn also ends at env.turn_stop or EOS); 0 = "
-           "rollout.max_new_tokens. A turn cut off here still goes to the environment, and is counted.", min=0)
+        0,
+        "Tokens the model may sample in one turn (a turn also ends at env.turn_stop or EOS); 0 = "
+        "rollout.max_new_tokens. A turn cut off here still goes to the environment, and is counted.",
+        min=0,
+    )
     max_episode_tokens: int = knob(
-        0, "Tokens of a whole episode, observations included; an observation that would not fit ends the "
-           "episode as token_budget (it stays in the transcript, not in the sequence). 0 = the model's context.",
-        min=0)
+        0,
+        "Tokens of a whole episode, observations included; an observation that would not fit ends the "
+        "episode as token_budget (it stays in the transcript, not in the sequence). 0 = the model's context.",
+        min=0,
+    )
     turn_stop: str = knob("\n", "Text that ends a model turn, besides EOS ('' = none).")
     workers: int = knob(
-        8, "Threads per rollout worker that run environment calls (construction and reset included), so a "
-           "slow environment never stalls the engine; 0 runs them inline (no timeouts; a baseline).", min=0)
+        8,
+        "Threads per rollout worker that run environment calls (construction and reset included), so a "
+        "slow environment never stalls the engine; 0 runs them inline (no timeouts; a baseline).",
+        min=0,
+    )
     schedule: Literal["waves", "eager"] = knob(
         "waves",
         "When turns are generated: waves = one engine call per turn of all the worker's episodes, once "
         "their environment calls have returned (reproducible: exact resume); eager = as soon as any episode "
         "is ready, so a slow environment holds back only its own episode (faster under uneven environment "
         "latency, but which episodes share an engine call follows timing, so sampling is not reproducible).",
-        choices=("waves", "eager"))
+        choices=("waves", "eager"),
+    )
     step_timeout_s: float = knob(
-        30.0, "Seconds one environment call (set-up, reset, step) may take; past it the episode ends as "
-              "timeout and the call is abandoned.", min=0.001)
+        30.0,
+        "Seconds one environment call (set-up, reset, step) may take; past it the episode ends as "
+        "timeout and the call is abandoned.",
+        min=0.001,
+    )
     episode_timeout_s: float = knob(
-        300.0, "Seconds of environment time one episode may use, set-up included.", min=0.001)
+        300.0, "Seconds of environment time one episode may use, set-up included.", min=0.001
+    )
     failure_reward: float = knob(
-        0.0, "The return of an episode that failed (an environment exception, a broken step, a timeout); "
-             "it stays in its group.")
+        0.0,
+        "The return of an episode that failed (an environment exception, a broken step, a timeout); "
+        "it stays in its group.",
+    )
     max_failed_frac: float = knob(
-        0.25, "Most failed episodes a rollout batch may hold, as a share; past it the run stops with the "
-              "first failure's message.", min=0.0, max=1.0)
+        0.25,
+        "Most failed episodes a rollout batch may hold, as a share; past it the run stops with the "
+        "first failure's message.",
+        min=0.0,
+        max=1.0,
+    )
     script_quality: float = knob(
-        1.0, "How good a player the warm start's scripted transcripts show (kv_lookup: the share that "
-             "calls the tool; guess_number: the share of bisection guesses); below 1 leaves room for RL.",
-        min=0.0, max=1.0)
+        1.0,
+        "How good a player the warm start's scripted transcripts show (kv_lookup: the share that "
+        "calls the tool; guess_number: the share of bisection guesses); below 1 leaves room for RL.",
+        min=0.0,
+        max=1.0,
+    )

@@ -38,25 +38,43 @@ class EpisodeBatch:
     def check(self) -> None:
         """Refuse a batch whose groups are not intact or whose per-token lists disagree."""
         n = self.num_groups * self.group_size
-        lengths = {name: len(getattr(self, name)) for name in
-                   ("ids", "model", "logprobs", "versions", "prompt_lens", "rewards", "statuses", "turns",
-                    "transcripts")}
+        lengths = {
+            name: len(getattr(self, name))
+            for name in (
+                "ids",
+                "model",
+                "logprobs",
+                "versions",
+                "prompt_lens",
+                "rewards",
+                "statuses",
+                "turns",
+                "transcripts",
+            )
+        }
         wrong = {k: v for k, v in lengths.items() if v != n}
         if wrong:
-            raise ValueError(f"episode batch is not whole: {wrong} (expected {self.num_groups} groups of "
-                             f"{self.group_size})")
-        for i, (ids, model, lps, vs) in enumerate(zip(self.ids, self.model, self.logprobs, self.versions,
-                                                      strict=True)):
+            raise ValueError(
+                f"episode batch is not whole: {wrong} (expected {self.num_groups} groups of "
+                f"{self.group_size})"
+            )
+        for i, (ids, model, lps, vs) in enumerate(
+            zip(self.ids, self.model, self.logprobs, self.versions, strict=True)
+        ):
             if not len(ids) == len(model) == len(lps) == len(vs):
-                raise ValueError(f"episode {i}: {len(ids)} tokens, {len(model)} flags, {len(lps)} log-probs, "
-                                 f"{len(vs)} versions")
+                raise ValueError(
+                    f"episode {i}: {len(ids)} tokens, {len(model)} flags, {len(lps)} log-probs, "
+                    f"{len(vs)} versions"
+                )
             if any(v < 0 for v, m in zip(vs, model, strict=True) if m):
                 raise ValueError(f"episode {i}: a model token carries no policy version")
 
     def model_versions(self) -> list[list[int]]:
         """Each episode's per-token versions, model tokens only."""
-        return [[v for v, m in zip(vs, model, strict=True) if m]
-                for vs, model in zip(self.versions, self.model, strict=True)]
+        return [
+            [v for v, m in zip(vs, model, strict=True) if m]
+            for vs, model in zip(self.versions, self.model, strict=True)
+        ]
 
     def version_shares(self) -> dict[int, float]:
         """version → the share of the batch's model tokens sampled under it: an episode is as old

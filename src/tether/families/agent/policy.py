@@ -7,6 +7,8 @@ corrections and attribution are the same code; environment tokens are context, n
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tether.errors import RolloutError
@@ -14,6 +16,7 @@ from tether.families.agent.payload import EpisodeBatch
 from tether.families.text.batch import TrainBatch
 from tether.families.text.policy import TextPolicy
 
+log = logging.getLogger("tether.train")
 BUDGET_ENDINGS = ("max_turns", "token_budget")
 """Endings that count as truncated (``train.mask_truncated``)."""
 
@@ -29,10 +32,11 @@ def to_train_batch(batch: EpisodeBatch, pad_id: int) -> TrainBatch:
     mask = torch.zeros((n, width - 1))
     behavior = torch.zeros((n, width - 1))
     versions = torch.full((n, width - 1), -1, dtype=torch.long)
-    for i, (seq, model, lps, vs) in enumerate(zip(seqs, batch.model, batch.logprobs, batch.versions,
-                                                  strict=True)):
-        ids[i, :len(seq)] = torch.as_tensor(seq)
-        attn[i, :len(seq)] = 1
+    for i, (seq, model, lps, vs) in enumerate(
+        zip(seqs, batch.model, batch.logprobs, batch.versions, strict=True)
+    ):
+        ids[i, : len(seq)] = torch.as_tensor(seq)
+        attn[i, : len(seq)] = 1
         if not model:
             continue
         if model[0]:
@@ -45,8 +49,17 @@ def to_train_batch(batch: EpisodeBatch, pad_id: int) -> TrainBatch:
     if not torch.isfinite(behavior).all():
         raise RolloutError("the engine's log-probs contain non-finite values")
     truncated = torch.as_tensor([s in BUDGET_ENDINGS for s in batch.statuses], dtype=torch.bool)
-    return TrainBatch(ids, attn, ids[:, 1:], mask, behavior, torch.as_tensor(batch.rewards, dtype=torch.float32),
-                      batch.group_size, versions, truncated)
+    return TrainBatch(
+        ids,
+        attn,
+        ids[:, 1:],
+        mask,
+        behavior,
+        torch.as_tensor(batch.rewards, dtype=torch.float32),
+        batch.group_size,
+        versions,
+        truncated,
+    )
 
 
 class AgentPolicy(TextPolicy):
@@ -57,4 +70,9 @@ class AgentPolicy(TextPolicy):
         return to_train_batch(payload, self.pad_id)
 
     def fast_forward(self, model, enabled: bool):
+        if enabled:
+            log.info(
+                "train.shared_prefix: a group's episodes share only their first observation; "
+                "using the model's own forward"
+            )
         return None

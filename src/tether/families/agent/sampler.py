@@ -32,18 +32,24 @@ def environment_factory(cfg: Any):
         task = registry.tasks.get(cfg.data.task) if cfg.data.task else None
         env_class = getattr(task, "environment", None)
         if env_class is None:
-            raise ConfigError("model.family=agent needs an environment: set env.env_class to "
-                              "path/to/file.py:Class, or data.task to a built-in agent task "
-                              "(kv_lookup, guess_number)")
+            raise ConfigError(
+                "model.family=agent needs an environment: set env.env_class to "
+                "path/to/file.py:Class, or data.task to a built-in agent task "
+                "(kv_lookup, guess_number)"
+            )
     return factory(env_class, {})
 
 
 def limits_of(cfg: Any, context: int | None) -> Limits:
     e = cfg.env
     episode = e.max_episode_tokens or context or 2048
-    return Limits(max_turns=e.max_turns, max_turn_tokens=e.max_turn_tokens or cfg.rollout.max_new_tokens,
-                  max_episode_tokens=episode, step_timeout_s=e.step_timeout_s,
-                  episode_timeout_s=e.episode_timeout_s)
+    return Limits(
+        max_turns=e.max_turns,
+        max_turn_tokens=e.max_turn_tokens or cfg.rollout.max_new_tokens,
+        max_episode_tokens=episode,
+        step_timeout_s=e.step_timeout_s,
+        episode_timeout_s=e.episode_timeout_s,
+    )
 
 
 def task_row(example) -> dict[str, Any]:
@@ -63,35 +69,59 @@ class AgentSampler:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(model_path)
         self.engine = registry.engines.get(cfg.rollout.engine).build(
-            cfg, model_path, self.tokenizer, stop_ids_for(self.tokenizer, stop_text), device=device,
-            threads=threads, seed=seed)
+            cfg,
+            model_path,
+            self.tokenizer,
+            stop_ids_for(self.tokenizer, stop_text),
+            device=device,
+            threads=threads,
+            seed=seed,
+        )
         self.threads = EnvThreads(cfg.env.workers)
         limits = limits_of(cfg, context_length(model_config(model_path)))
-        self.player = Player(self.engine, self.tokenizer, environment_factory(cfg), limits, self.threads,
-                             schedule=cfg.env.schedule)
+        self.player = Player(
+            self.engine,
+            self.tokenizer,
+            environment_factory(cfg),
+            limits,
+            self.threads,
+            schedule=cfg.env.schedule,
+        )
 
     def generate(self, item: WorkItem) -> EpisodeBatch:
         t0 = time.perf_counter()
         g = item.group_size
-        tasks = [(b, task_row(example), position)
-                 for b, (position, example) in enumerate(item.examples) for _ in range(g)]
+        tasks = [
+            (b, task_row(example), position)
+            for b, (position, example) in enumerate(item.examples)
+            for _ in range(g)
+        ]
         episodes = self.player.play(tasks, item.params, item.seed)
         wall = time.perf_counter() - t0
         failure = self.cfg.env.failure_reward
         failed = [ep for ep in episodes if ep.failed]
         if len(failed) > self.cfg.env.max_failed_frac * len(episodes):
             first = failed[0]
-            raise RolloutError(f"{len(failed)} of {len(episodes)} episodes of rollout batch {item.batch_index} "
-                               f"failed (env.max_failed_frac={self.cfg.env.max_failed_frac:g}); the first: "
-                               f"{first.status}: {first.error or 'no message'}. Fix the environment, or raise "
-                               "env.max_failed_frac / env.step_timeout_s", batch_index=item.batch_index)
-        batch = EpisodeBatch(positions=[p for p, _ in item.examples], ids=[ep.ids for ep in episodes],
-                             model=[ep.model for ep in episodes], logprobs=[ep.logprobs for ep in episodes],
-                             versions=[ep.versions for ep in episodes],
-                             prompt_lens=[ep.prompt_len for ep in episodes],
-                             rewards=[ep.reward(failure) for ep in episodes],
-                             statuses=[ep.status for ep in episodes], turns=[ep.turns for ep in episodes],
-                             transcripts=[ep.transcript for ep in episodes], group_size=g)
+            raise RolloutError(
+                f"{len(failed)} of {len(episodes)} episodes of rollout batch {item.batch_index} "
+                f"failed (env.max_failed_frac={self.cfg.env.max_failed_frac:g}); the first: "
+                f"{first.status}: {first.error or 'no message'}. Fix the environment, or raise "
+                "env.max_failed_frac / env.step_timeout_s",
+                batch_index=item.batch_index,
+            )
+        batch = EpisodeBatch(
+            positions=[p for p, _ in item.examples],
+            ids=[ep.ids for ep in episodes],
+            model=[ep.model for ep in episodes],
+            logprobs=[ep.logprobs for ep in episodes],
+            versions=[ep.versions for ep in episodes],
+            prompt_lens=[ep.prompt_len for ep in episodes],
+            rewards=[ep.reward(failure) for ep in episodes],
+            statuses=[ep.status for ep in episodes],
+            turns=[ep.turns for ep in episodes],
+            transcripts=[ep.transcript for ep in episodes],
+            group_size=g,
+        )
         batch.metrics.update(self._metrics(episodes, batch, wall))
         return batch
 
@@ -120,7 +150,10 @@ class AgentSampler:
             "agent/env_s_mean": sum(env_s) / n,
             "agent/env_s_max": max(env_s),
             "agent/model_tokens_mean": sum(model_tokens) / n,
-            "agent/env_tokens_mean": sum(len(ep.ids) - m for ep, m in zip(episodes, model_tokens, strict=True)) / n,
+            "agent/env_tokens_mean": sum(
+                len(ep.ids) - m for ep, m in zip(episodes, model_tokens, strict=True)
+            )
+            / n,
             "agent/episode_tokens_p50": float(statistics.median(lengths)),
             "agent/episode_tokens_p90": float(lengths[min(n - 1, int(0.9 * n))]),
             "agent/episode_tokens_max": float(lengths[-1]),

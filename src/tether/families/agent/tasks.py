@@ -45,6 +45,7 @@ def _no_verifier(completion: str, ex: Example) -> float:
 
 # -- key-value lookup ----------------------------------------------------------------------------
 
+
 class KeyValueLookup:
     """One episode of ``kv_lookup``."""
 
@@ -66,8 +67,11 @@ def _draw_kv(rng: random.Random, d: int) -> Example:
     keys = rng.sample(string.ascii_lowercase[:12], d + 2)
     table = " ".join(f"{k}={rng.randrange(10)}" for k in keys)
     key = rng.choice(keys)
-    return Example(prompt=f"kv {table} ?{key}", answer=dict(p.split("=") for p in table.split())[key],
-                   fields={"table": table, "key": key})
+    return Example(
+        prompt=f"kv {table} ?{key}",
+        answer=dict(p.split("=") for p in table.split())[key],
+        fields={"table": table, "key": key},
+    )
 
 
 def _script_kv(ex: Example, rng: random.Random, quality: float) -> list[Segment]:
@@ -75,16 +79,29 @@ def _script_kv(ex: Example, rng: random.Random, quality: float) -> list[Segment]
     key = ex.fields["key"]
     opening = (f"key {key}\n", False)
     if rng.random() < quality:
-        return [opening, (f"get {key}\n", True), (f"{key}={ex.answer}\n", False), (f"ans {ex.answer}\n", True)]
+        return [
+            opening,
+            (f"get {key}\n", True),
+            (f"{key}={ex.answer}\n", False),
+            (f"ans {ex.answer}\n", True),
+        ]
     return [opening, (f"ans {rng.randrange(10)}\n", True)]
 
 
-KV_LOOKUP = AgentTask(name="kv_lookup", description="call a lookup tool, then answer (chance without it: 1 in 10)",
-                      difficulties=(1, 2, 3, 4), default_difficulty=2, draw=_draw_kv, verify=_no_verifier,
-                      environment=KeyValueLookup, script=_script_kv)
+KV_LOOKUP = AgentTask(
+    name="kv_lookup",
+    description="call a lookup tool, then answer (chance without it: 1 in 10)",
+    difficulties=(1, 2, 3, 4),
+    default_difficulty=2,
+    draw=_draw_kv,
+    verify=_no_verifier,
+    environment=KeyValueLookup,
+    script=_script_kv,
+)
 
 
 # -- guess the number ----------------------------------------------------------------------------
+
 
 class GuessNumber:
     """One episode of ``guess_number``."""
@@ -105,9 +122,9 @@ class GuessNumber:
 
 
 def _draw_guess(rng: random.Random, d: int) -> Example:
-    top = 10 ** d
+    top = 10**d
     secret = rng.randrange(top)
-    return Example(prompt=f"guess {secret} #{rng.randrange(10 ** 9)}", answer=str(secret), fields={"top": top})
+    return Example(prompt=f"guess {secret} #{rng.randrange(10**9)}", answer=str(secret), fields={"top": top})
 
 
 def _script_guess(ex: Example, rng: random.Random, quality: float) -> list[Segment]:
@@ -128,6 +145,13 @@ def _script_guess(ex: Example, rng: random.Random, quality: float) -> list[Segme
     return out
 
 
-GUESS_NUMBER = AgentTask(name="guess_number", description="find a hidden number from higher/lower replies",
-                         difficulties=(1, 2), default_difficulty=1, draw=_draw_guess, verify=_no_verifier,
-                         environment=GuessNumber, script=_script_guess)
+GUESS_NUMBER = AgentTask(
+    name="guess_number",
+    description="find a hidden number from higher/lower replies",
+    difficulties=(1, 2),
+    default_difficulty=1,
+    draw=_draw_guess,
+    verify=_no_verifier,
+    environment=GuessNumber,
+    script=_script_guess,
+)

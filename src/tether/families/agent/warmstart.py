@@ -35,13 +35,15 @@ def transcript_batch(encoded, pad_id: int):
     mask = torch.zeros_like(ids)
     labels = torch.full_like(ids, -100)
     for i, (seq, lab) in enumerate(encoded):
-        ids[i, :len(seq)] = torch.as_tensor(seq)
-        mask[i, :len(seq)] = 1
-        labels[i, :len(lab)] = torch.as_tensor(lab)
+        ids[i, : len(seq)] = torch.as_tensor(seq)
+        mask[i, : len(seq)] = 1
+        labels[i, : len(lab)] = torch.as_tensor(lab)
     return ids, mask, labels
 
 
-def run_agent_warmstart(cfg: Any, model_dir: Path, out: Path, on_progress: Progress | None = None) -> WarmstartResult:
+def run_agent_warmstart(
+    cfg: Any, model_dir: Path, out: Path, on_progress: Progress | None = None
+) -> WarmstartResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tether import registry
@@ -49,9 +51,11 @@ def run_agent_warmstart(cfg: Any, model_dir: Path, out: Path, on_progress: Progr
 
     task = registry.tasks.get(cfg.data.task) if cfg.data.task else None
     if getattr(task, "script", None) is None:
-        raise ConfigError("the agent family's warm start needs scripted transcripts: data.task must be a "
-                          "built-in agent task (kv_lookup, guess_number); with your own environment, point "
-                          "model.path at a model you trained and set model.create_if_missing=false")
+        raise ConfigError(
+            "the agent family's warm start needs scripted transcripts: data.task must be a "
+            "built-in agent task (kv_lookup, guess_number); with your own environment, point "
+            "model.path at a model you trained and set model.create_if_missing=false"
+        )
     s = cfg.warmstart
     torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.run.seed)
@@ -68,7 +72,9 @@ def run_agent_warmstart(cfg: Any, model_dir: Path, out: Path, on_progress: Progr
         ids, mask, labels = transcript_batch(encoded, tokenizer.pad_token_id)
         return model(input_ids=ids, attention_mask=mask, labels=labels).loss
 
-    greedy = SamplingParams(max_new_tokens=cfg.env.max_turn_tokens or cfg.rollout.max_new_tokens, temperature=0.0)
+    greedy = SamplingParams(
+        max_new_tokens=cfg.env.max_turn_tokens or cfg.rollout.max_new_tokens, temperature=0.0
+    )
 
     def evaluate() -> dict[str, float]:
         was = model.training
@@ -77,7 +83,9 @@ def run_agent_warmstart(cfg: Any, model_dir: Path, out: Path, on_progress: Progr
         model.train(was)
         return {"pass_at_1": sum(ep.reward(cfg.env.failure_reward) >= 1.0 for ep in episodes) / len(episodes)}
 
-    result = warmstart_loop(model, optimizer, loss_at, evaluate, s, data=data.description, on_progress=on_progress)
+    result = warmstart_loop(
+        model, optimizer, loss_at, evaluate, s, data=data.description, on_progress=on_progress
+    )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
