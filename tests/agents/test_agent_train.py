@@ -88,10 +88,15 @@ def recipe(tmp_path_factory):
     return path
 
 
-def test_agent_episodes_train_follow_the_plan_resume_exactly_and_evaluate(recipe, tmp_path):
-    whole = tmp_path / "whole"
-    out = tether("train", recipe, "--run-dir", whole, "--plain")
+@pytest.fixture(scope="module")
+def whole(recipe, tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "whole"
+    out = tether("train", recipe, "--run-dir", run, "--plain")
     assert "held-out episode success" in out.stderr
+    return run
+
+
+def test_agent_episodes_train_follow_the_plan_resume_exactly_and_evaluate(recipe, whole, tmp_path):
     metrics = rows(whole / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 9))
     for m in metrics:
@@ -114,7 +119,7 @@ def test_agent_episodes_train_follow_the_plan_resume_exactly_and_evaluate(recipe
 
     scored = json.loads(tether("eval", whole, "--json").stdout)
     assert scored["eval/pass_at_1"] == evals[-1]["eval/pass_at_1"]
-    assert any((whole / "plots").glob("*.png"))
+    assert (whole / "plots" / "episodes.png").is_file() and (whole / "plots" / "reward.png").is_file()
 
 
 @pytest.mark.parametrize("mode", ["keep", "recompute", "abort"])
@@ -140,3 +145,51 @@ def test_in_flight_updates_keep_every_episode_within_the_budget(recipe, tmp_path
     assert all("rollout/weight_switches" in m for m in metrics)
     if mode == "keep":
         assert "staleness/multi_version_seq_frac" in metrics[0]
+
+
+def test_on_ray_with_the_learner_in_an_actor_the_same_episodes_train_the_same(recipe, whole, tmp_path):
+    run = tmp_path / "ray"
+    tether(
+        "train",
+        recipe,
+        "rollout.backend=ray",
+        "ray.local_cpus=2",
+        "ray.learner=actor",
+        "train.num_batches=4",
+        "eval.interval=0",
+        "checkpoint.interval=0",
+        "--run-dir",
+        run,
+        "--plain",
+        "--no-report",
+    )
+    assert [{k: m[k] for k in KEYS} for m in rows(run / "metrics.jsonl")] == [
+        {k: m[k] for k in KEYS} for m in rows(whole / "metrics.jsonl")[:4]
+    ]
+
+
+def test_two_learner_ranks_train_episodes_as_one_does(recipe, whole, tmp_path):
+    run = tmp_path / "ranks"
+    tether(
+        "train",
+        recipe,
+        "train.world_size=2",
+        "train.num_batches=4",
+        "eval.interval=0",
+        "checkpoint.interval=0",
+        "--run-dir",
+        run,
+        "--plain",
+        "--no-report",
+    )
+    one, two = rows(whole / "metrics.jsonl")[:4], rows(run / "metrics.jsonl")
+    trained = [(a, b) for a, b in zip(one, two, strict=True) if a["loss/policy"] is not None]
+    assert trained  # some batch had something to learn from
+    for a, b in zip(one, two, strict=True):
+        assert (a["reward/mean"], a["agent/model_tokens_mean"]) == (
+            b["reward/mean"],
+            b["agent/model_tokens_mean"],
+        )
+    for a, b in trained:
+        assert b["loss/policy"] == pytest.approx(a["loss/policy"], rel=1e-5, abs=1e-7)
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)

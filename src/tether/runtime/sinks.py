@@ -110,9 +110,10 @@ def require_wandb() -> None:
 
 
 class ProgressSink(LoopObserver):
-    """Feeds the progress display: batch, reward, eval accuracy, staleness, lag, samples/s."""
+    """Feeds the progress display: batch, reward, eval accuracy, staleness, lag, samples/s (and
+    turns per episode for agent runs)."""
 
-    FIELDS = ("reward", "eval_acc", "staleness", "lag", "samples/s")
+    FIELDS = ("reward", "eval_acc", "turns", "staleness", "lag", "samples/s")
 
     def __init__(self, progress: Progress) -> None:
         self.progress = progress
@@ -130,4 +131,5 @@ class ProgressSink(LoopObserver):
             "staleness": record.staleness_batches,
             "lag": m.get("async/publish_lag", 0.0),
             "samples/s": m.get("throughput/samples_per_s", 0.0),
+            **({"turns": m["agent/turns_mean"]} if "agent/turns_mean" in m else {}),
         })

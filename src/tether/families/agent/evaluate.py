@@ -110,3 +110,35 @@ class AgentEvaluator:
             "eval/sampled_return_mean": sum(sampled_returns) / (n * k),
             "eval/examples": float(n),
         }
+
+
+PANELS = (
+    ("episodes", (("agent/success_frac", "success"), ("agent/turns_mean", "turns (mean)"))),
+    ("episode length (tokens)", (("agent/episode_tokens_p50", "p50"), ("agent/episode_tokens_p90", "p90"),
+                                 ("agent/episode_tokens_max", "max"), ("agent/model_tokens_mean", "model (mean)"),
+                                 ("agent/env_tokens_mean", "environment (mean)"))),
+    ("environment seconds per episode", (("agent/env_s_mean", "mean"), ("agent/env_s_max", "max"))),
+    ("per batch", (("agent/action_errors", "action errors"), ("agent/env_errors", "environment errors"),
+                   ("agent/timeouts", "timeouts"))),
+)
+
+
+def report_episodes(metrics: list[dict[str, Any]], out) -> Any:
+    """``episodes.png``: success and turns, the episode-length tail, environment time and failures
+    against trained batches."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in metrics]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    for ax, (title, series) in zip(axes.flat, PANELS, strict=True):
+        for key, label in series:
+            ax.plot(steps, [m.get(key, float("nan")) for m in metrics], label=label, lw=1)
+        ax.set_title(title)
+        ax.set_xlabel("trained batches")
+        ax.legend(fontsize=8)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
