@@ -220,3 +220,38 @@ def test_past_the_ceiling_of_failed_episodes_the_batch_stops_the_run_with_the_fi
             sampler.generate(item(1))
     finally:
         sampler.close()
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute", "abort"])
+def test_weights_published_mid_episode_are_stamped_per_token_and_the_episode_is_as_old_as_its_oldest(
+    tiny_model_dir, mode
+):
+    """A publication lands after the second decode step of the first turn: the episode's later
+    tokens carry version 1, earlier ones 0 (abort samples the turn again: all of it on 1), and the
+    batch is as old as its oldest model token."""
+    sampler = sampler_for(config(tiny_model_dir, "Echo", f"async.inflight_update={mode}"))
+    engine = sampler.engine
+    weights = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
+    calls = {"n": 0}
+
+    def poll():
+        calls["n"] += 1
+        if calls["n"] == 2 and engine.version == 0:
+            engine.bind(weights, 1)
+            return 1
+        return None
+
+    engine.watch(poll, mode)
+    try:
+        batch = sampler.generate(item(1))
+    finally:
+        sampler.close()
+    versions = batch.model_versions()
+    assert all(v[-1] == 1 for v in versions)  # every later turn samples on the new weights
+    assert min(batch.version_shares()) == (1 if mode == "abort" else 0)
+    if mode != "abort":
+        assert batch.metrics["staleness/multi_version_seq_frac"] > 0
+        assert any(v[0] == 0 and v[-1] == 1 for v in versions)
+    else:
+        assert batch.metrics["rollout/wasted_tokens"] > 0
+    assert batch.metrics["rollout/weight_switches"] >= 1

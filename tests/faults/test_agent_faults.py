@@ -21,7 +21,7 @@ def test_a_hung_environment_fails_the_run_clearly_and_leaves_nothing_running(tin
                "rollout.group_size=2", "train.num_batches=20", "eval.interval=0", "checkpoint.interval=5",
                "--run-dir", run_dir], run_dir=run_dir)
     run.look()
-    out, err = run.finish(timeout=180)
+    _, err = run.finish(timeout=180)
     assert run.proc.returncode != 0
     assert "4 of 4 episodes of rollout batch" in err and "step ran past its timeout" in err, err[-2000:]
     assert "env.max_failed_frac" in err

@@ -141,7 +141,7 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
         (["model.family=flow", "data.task=shapes", "flow.noise_level=1e-6"],
          "flow.noise_level must be >= 0.01"),
         (["model.family=bandit"],
-         "model.family must be one of 'text', 'flow', got 'bandit'; plug-ins add more"),
+         "model.family must be one of 'text', 'flow', 'agent', got 'bandit'; plug-ins add more"),
         (["rollout.decoder=on"], "rollout.decoder must be one of 'auto', 'native', 'python'"),
         (["train.world_size=3", "rollout.batch_size=4", "train.updates_per_batch=2"],
          "leaves some with 2; raise rollout.batch_size"),

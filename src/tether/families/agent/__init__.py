@@ -156,13 +156,10 @@ class AgentFamily(TextFamily):
 
     def report(self, run_dir: Path, evals: list[dict[str, Any]], out: Path) -> list[Path]:
         """``episodes.png``: success, turns, the episode-length tail, environment time and failures."""
-        import json
-
         from tether.families.agent.evaluate import report_episodes
+        from tether.runtime.report import _read_jsonl
 
-        path = run_dir / "metrics.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-        rows = [r for r in rows if "agent/turns_mean" in r]
+        rows = [r for r in _read_jsonl(run_dir / "metrics.jsonl") if "agent/turns_mean" in r]
         return [report_episodes(rows, out / "episodes.png")] if rows else []
 
 

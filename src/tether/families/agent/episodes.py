@@ -155,6 +155,8 @@ class Player:
         """Generate for whichever episodes are ready as soon as any are (``env.schedule``), rather
         than in waves once every environment call of the last turn has returned."""
         self.last_errors: list[str] = []
+        self.turn_switches = 0
+        """Newer weights taken up between turns (without draining), since the last ``play``."""
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
@@ -165,6 +167,7 @@ class Player:
         """Play one episode per (group, task row, environment seed), all at once; returns them in
         the order given, each ended (``Episode.status``)."""
         episodes = [Episode(i, group, task, env_seed) for i, (group, task, env_seed) in enumerate(tasks)]
+        self.turn_switches = 0
         pending: dict[Future, tuple[Episode, str, float]] = {}
         for ep in episodes:
             self._call(pending, ep, "reset", lambda ep=ep: self._reset(ep))
@@ -287,6 +290,9 @@ class Player:
         """The next turn of every ready episode: one engine call per distinct token room (the
         room is the per-turn budget, or what the episode budget leaves when that is less)."""
         lim = self.limits
+        poll = getattr(self.engine, "poll", None)  # set without draining: a turn boundary is a safe point
+        if poll is not None and poll() is not None:
+            self.turn_switches += 1  # the new turn starts on the newest weights the worker holds
         by_room: dict[int, list[Episode]] = {}
         for ep in ready:
             by_room.setdefault(min(lim.max_turn_tokens, lim.max_episode_tokens - len(ep.ids)), []).append(ep)

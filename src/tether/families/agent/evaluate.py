@@ -114,12 +114,25 @@ class AgentEvaluator:
 
 PANELS = (
     ("episodes", (("agent/success_frac", "success"), ("agent/turns_mean", "turns (mean)"))),
-    ("episode length (tokens)", (("agent/episode_tokens_p50", "p50"), ("agent/episode_tokens_p90", "p90"),
-                                 ("agent/episode_tokens_max", "max"), ("agent/model_tokens_mean", "model (mean)"),
-                                 ("agent/env_tokens_mean", "environment (mean)"))),
+    (
+        "episode length (tokens)",
+        (
+            ("agent/episode_tokens_p50", "p50"),
+            ("agent/episode_tokens_p90", "p90"),
+            ("agent/episode_tokens_max", "max"),
+            ("agent/model_tokens_mean", "model (mean)"),
+            ("agent/env_tokens_mean", "environment (mean)"),
+        ),
+    ),
     ("environment seconds per episode", (("agent/env_s_mean", "mean"), ("agent/env_s_max", "max"))),
-    ("per batch", (("agent/action_errors", "action errors"), ("agent/env_errors", "environment errors"),
-                   ("agent/timeouts", "timeouts"))),
+    (
+        "per batch",
+        (
+            ("agent/action_errors", "action errors"),
+            ("agent/env_errors", "environment errors"),
+            ("agent/timeouts", "timeouts"),
+        ),
+    ),
 )
 
 

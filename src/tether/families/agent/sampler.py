@@ -168,7 +168,8 @@ class AgentSampler:
         out["staleness/multi_version_seq_frac"] = sum(len(set(v)) > 1 for v in versions) / n
         if self.cfg.async_.inflight_update != "drain":
             wasted, switches = self.engine.take_counts()
-            out["rollout/weight_switches"] = float(switches)
+            out["rollout/weight_switches"] = float(switches + self.player.turn_switches)
+            out["rollout/turn_boundary_switches"] = float(self.player.turn_switches)
             out["rollout/wasted_tokens"] = float(wasted)
         out.update(self.engine.report())
         return out
