@@ -5,7 +5,7 @@
   generates under what it last published;
 - every learner layout (one process, local ranks, Ray actors), as assembled for a run: trains,
   exports the model's weights, saves and loads them exactly, evaluates;
-- every policy family (text, flow, and a plug-in's): its declarations are well formed, its
+- every policy family (text, flow, agent, and a plug-in's): its declarations are well formed, its
   sampler's payload is whole, and its learner scores the sampled actions as its engine did;
 - every token engine (here the built-in one; vLLM's in tests/vllm_cpu): the same seed gives the
   same tokens, per-token log-probs and versions, and the figures a batch logs.
@@ -47,7 +47,7 @@ def bandit_plugin():
     registry._loaded_plugins.pop(str(PLUGIN), None)
 
 
-@pytest.fixture(scope="module", params=["text", "flow", "bandit"])
+@pytest.fixture(scope="module", params=["text", "flow", "agent", "bandit"])
 def family_run(request, tiny_model_dir, tmp_path_factory):
     """(config, model directory) of a tiny run of each family."""
     name = request.param
@@ -55,6 +55,10 @@ def family_run(request, tiny_model_dir, tmp_path_factory):
     if name == "text":
         cfg = load_config(None, [f"model.path={tiny_model_dir}", "data.task=arithmetic",
                                  "rollout.max_new_tokens=5", *common])
+        return cfg, Path(tiny_model_dir)
+    if name == "agent":
+        cfg = load_config(None, [f"model.path={tiny_model_dir}", "model.family=agent", "data.task=kv_lookup",
+                                 "env.max_turns=3", "rollout.max_new_tokens=6", *common])
         return cfg, Path(tiny_model_dir)
     path = tmp_path_factory.mktemp(name) / "model"
     if name == "flow":

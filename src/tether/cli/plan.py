@@ -29,6 +29,8 @@ FLAG_KEYS = {
     "seed": "plan.seed",
     "mean_length": "plan.mean_length",
     "prefill_cost": "plan.prefill_cost",
+    "turns": "plan.turns",
+    "env_time": "plan.env_time",
 }
 
 
@@ -58,6 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--commits", type=str,
                    help="committed updates per consumed batch, cycled, e.g. 2,1,2 (plan.commits)")
     p.add_argument("--gen-time", type=float, help="seconds per rollout batch (plan.gen_time)")
+    p.add_argument("--turns", type=float, help="agent family: turns per rollout batch (plan.turns)")
+    p.add_argument("--env-time", type=float, help="agent family: environment seconds per turn (plan.env_time)")
     p.add_argument("--gen-jitter", type=float,
                    help="coefficient of variation of generation time (plan.gen_jitter)")
     p.add_argument("--train-time", type=float, help="seconds per optimizer update (plan.train_time)")
@@ -100,7 +104,8 @@ def timings_of(cfg: Config) -> Timings:
     if p.mean_length > 0 and p.gen_jitter > 0:
         raise ConfigError("plan.mean_length models each sequence's length, which makes batches vary by "
                           "itself; set plan.gen_jitter=0 (or plan.mean_length=0 for jittered batches)")
-    return Timings(gen_time=p.gen_time, gen_jitter=p.gen_jitter, train_time=p.train_time,
+    # episodes (agent family): each turn waits on the environment once, beside the engine's time
+    return Timings(gen_time=p.gen_time + p.turns * p.env_time, gen_jitter=p.gen_jitter, train_time=p.train_time,
                    sync_time=p.sync_time, eval_time=p.eval_time, save_time=p.save_time,
                    workers=cfg.rollout.num_workers, commits=tuple(p.commits), seed=p.seed,
                    mean_length=p.mean_length, max_length=cfg.rollout.max_new_tokens,

@@ -34,7 +34,7 @@ class AgentFamily(TextFamily):
         "language models over multi-turn environment episodes: a sample is an episode, an action a token"
     )
     section = ("env", EnvSection)
-    keys = ("model.init_arch", "model.init_size")
+    keys = ("model.init_arch", "model.init_size", "plan.turns", "plan.env_time")
     capabilities = Capabilities(
         engines=("torch", "vllm"),
         inflight_updates=("drain", "keep", "recompute", "abort"),
