@@ -61,7 +61,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="committed updates per consumed batch, cycled, e.g. 2,1,2 (plan.commits)")
     p.add_argument("--gen-time", type=float, help="seconds per rollout batch (plan.gen_time)")
     p.add_argument("--turns", type=float, help="agent family: turns per rollout batch (plan.turns)")
-    p.add_argument("--env-time", type=float, help="agent family: environment seconds per turn (plan.env_time)")
+    p.add_argument("--env-time", type=float,
+                   help="agent family: environment seconds per turn (plan.env_time)")
     p.add_argument("--gen-jitter", type=float,
                    help="coefficient of variation of generation time (plan.gen_jitter)")
     p.add_argument("--train-time", type=float, help="seconds per optimizer update (plan.train_time)")
@@ -105,8 +106,8 @@ def timings_of(cfg: Config) -> Timings:
         raise ConfigError("plan.mean_length models each sequence's length, which makes batches vary by "
                           "itself; set plan.gen_jitter=0 (or plan.mean_length=0 for jittered batches)")
     # episodes (agent family): each turn waits on the environment once, beside the engine's time
-    return Timings(gen_time=p.gen_time + p.turns * p.env_time, gen_jitter=p.gen_jitter, train_time=p.train_time,
-                   sync_time=p.sync_time, eval_time=p.eval_time, save_time=p.save_time,
+    return Timings(gen_time=p.gen_time + p.turns * p.env_time, gen_jitter=p.gen_jitter,
+                   train_time=p.train_time, sync_time=p.sync_time, eval_time=p.eval_time, save_time=p.save_time,
                    workers=cfg.rollout.num_workers, commits=tuple(p.commits), seed=p.seed,
                    mean_length=p.mean_length, max_length=cfg.rollout.max_new_tokens,
                    prefill_cost=p.prefill_cost)
