@@ -107,7 +107,8 @@ def timings_of(cfg: Config) -> Timings:
                           "itself; set plan.gen_jitter=0 (or plan.mean_length=0 for jittered batches)")
     # episodes (agent family): each turn waits on the environment once, beside the engine's time
     return Timings(gen_time=p.gen_time + p.turns * p.env_time, gen_jitter=p.gen_jitter,
-                   train_time=p.train_time, sync_time=p.sync_time, eval_time=p.eval_time, save_time=p.save_time,
+                   train_time=p.train_time, sync_time=p.sync_time, eval_time=p.eval_time,
+                   save_time=p.save_time,
                    workers=cfg.rollout.num_workers, commits=tuple(p.commits), seed=p.seed,
                    mean_length=p.mean_length, max_length=cfg.rollout.max_new_tokens,
                    prefill_cost=p.prefill_cost)
