@@ -2,7 +2,8 @@
 inline (one after another, in the generating thread: what a loop that steps environments itself
 does) against the environment threads, in waves and eager.
 
-    python benchmarks/agent.py [--episodes 64] [--delay 0.05] [--turns 3] [--workers 16] [--json]
+    python benchmarks/agent.py [--episodes 64] [--delay 0.05] [--turns 3] [--workers 16]
+                               [--repeats 3] [--json]
 
 Each step sleeps a random 0..2×``--delay`` seconds (a tool call, a sandbox, a remote API); the
 model is the tiny built-in Qwen3 on one thread, so generation is cheap next to the environment and
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -84,6 +86,7 @@ def main(argv=None) -> int:
     parser.add_argument("--delay", type=float, default=0.05)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the three arms, interleaved")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     SlowEnv.delay, SlowEnv.turns = args.delay, args.turns
@@ -95,21 +98,27 @@ def main(argv=None) -> int:
         init_model(Path(tmp) / "m", arch="qwen3", size="tiny", seed=0)
         model, tokenizer = load_causal_lm(Path(tmp) / "m")
     engine = TorchEngine(model, pad_id=tokenizer.pad_token_id, stop_ids=stop_ids_for(tokenizer, "\n"))
-    rows = [run(arm, engine, tokenizer, args.episodes, args.workers) for arm in ("inline", "waves", "eager")]
-    base = rows[0]["episodes_per_s"]
-    for row in rows:
-        row["speedup_vs_inline"] = row["episodes_per_s"] / base
+    arms = ("inline", "waves", "eager")
+    rounds = [[run(arm, engine, tokenizer, args.episodes, args.workers) for arm in arms]
+              for _ in range(args.repeats)]  # the arms interleaved, round by round
+    rows = []
+    for i, arm in enumerate(arms):
+        ratios = sorted(r[i]["episodes_per_s"] / r[0]["episodes_per_s"] for r in rounds)
+        rates = sorted(r[i]["episodes_per_s"] for r in rounds)
+        rows.append({"arm": arm, "episodes_per_s": statistics.median(rates),
+                     "seconds": statistics.median(r[i]["seconds"] for r in rounds),
+                     "speedup_vs_inline": statistics.median(ratios), "spread": [ratios[0], ratios[-1]]})
     if args.json:
         print(json.dumps({"args": vars(args), "rows": rows}, indent=2))
         return 0
     print(
         f"{args.episodes} episodes of {args.turns} steps, each step 0..{2 * args.delay:g}s; "
-        f"{args.workers} environment threads"
+        f"{args.workers} environment threads; medians of {args.repeats} rounds"
     )
     for row in rows:
         print(
             f"  {row['arm']:>6}: {row['seconds']:7.2f}s  {row['episodes_per_s']:7.1f} episodes/s  "
-            f"{row['speedup_vs_inline']:6.2f}× inline"
+            f"{row['speedup_vs_inline']:6.2f}× inline ({row['spread'][0]:.2f}–{row['spread'][1]:.2f})"
         )
     return 0
 
