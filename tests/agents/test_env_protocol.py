@@ -103,3 +103,35 @@ def test_a_class_that_is_not_an_environment_is_refused_with_what_it_needs():
 
     with pytest.raises(ConfigError, match=r"needs reset\(task, seed\) and step\(action\)"):
         factory(NoStep, {})
+
+
+def test_a_real_skyrl_gym_environment_plays_through_the_adapter(tiny_model_dir):
+    """skyrl-gym 0.4's own multi-turn GSM8K environment, as SkyRL builds it, played by a real tiny
+    model: its rewards and its end, with the row's answer as its ground truth."""
+    pytest.importorskip("skyrl_gym")
+    pytest.importorskip("torch")
+    from skyrl_gym.envs.gsm8k.multi_turn_env import GSM8kMultiTurnEnv
+
+    from tether.decoding.sampling import stop_ids_for
+    from tether.families.agent.episodes import EnvThreads, Limits, Player
+    from tether.modeling import load_causal_lm
+    from tether.rollout.torch_engine import TorchEngine
+    from tether.vocabulary import SamplingParams
+
+    assert kind_of(GSM8kMultiTurnEnv) == "skyrl"
+    model, tokenizer = load_causal_lm(tiny_model_dir)
+    engine = TorchEngine(model, pad_id=tokenizer.pad_token_id, stop_ids=stop_ids_for(tokenizer, "\n"))
+    threads = EnvThreads(2)
+    player = Player(engine, tokenizer, factory(GSM8kMultiTurnEnv, {}),
+                    Limits(max_turns=5, max_turn_tokens=4, max_episode_tokens=256, step_timeout_s=10,
+                           episode_timeout_s=60), threads)
+    try:
+        episodes = player.play([(0, {"prompt": "2+2=?\n", "answer": "4", "max_turns": 2}, 0)] * 2,
+                               SamplingParams(max_new_tokens=4, temperature=1.0), seed=0)
+    finally:
+        threads.close()
+    for ep in episodes:
+        assert ep.status == "done" and ep.turns == 2, (ep.status, ep.error)
+        assert ep.transcript[0] == "2+2=?\n"
+        assert ep.transcript[2].startswith("Now provide only the final numeric answer")  # SkyRL's own text
+        assert len(ep.step_rewards) == 2

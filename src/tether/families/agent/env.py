@@ -15,7 +15,8 @@ Adapters (duck-typed, so neither package is needed):
 
 - ``skyrl-gym``'s ``BaseTextEnv`` (``init(prompt) -> (messages, metadata)``, ``step(action) ->
   {"observations": [...], "reward", "done", "metadata"}``): built as ``Class(env_config, extras)``
-  with the task row as ``extras``;
+  with the task row as ``extras`` (plus SkyRL's ``reward_spec.ground_truth`` from the row's answer
+  and an empty ``extra_info`` when the row has none); observation messages' contents are joined;
 - a gymnasium text environment (``reset(seed=..., options=...) -> (observation, info)``): built with
   no arguments, the task row given as ``options``.
 """
@@ -119,7 +120,10 @@ class _SkyRL:
         self.env_class, self.options, self.env = env_class, options, None
 
     def reset(self, task: Mapping[str, Any], seed: int) -> str:
-        self.env = self.env_class(dict(self.options), dict(task))
+        # SkyRL's rows carry the answer as reward_spec.ground_truth, and extra_info
+        extras = {"reward_spec": {"method": "rule", "ground_truth": task.get("answer", "")}, "extra_info": {},
+                  **task}
+        self.env = self.env_class(dict(self.options), extras)
         prompt = task.get("prompt", "")
         messages, _ = _run(
             self.env.init([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
