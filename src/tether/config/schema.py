@@ -378,7 +378,9 @@ class DataSection:
     prompt_column: str = knob("prompt", "Dataset column holding the prompt text.")
     answer_column: str = knob("answer", "Dataset column holding the reference answer.")
     chat_template: bool = knob(
-        False, "Wrap each prompt as a user turn with the tokenizer's chat template (it must have one)."
+        False, "Wrap each prompt as a user turn with the tokenizer's chat template (it must have one). With "
+               "model.family=agent: render each observation as a user turn, appending only the new turn's "
+               "text (a template that rewrites earlier turns is refused; docs/agents.md)."
     )
     max_prompt_tokens: int = knob(128, "Longest prompt, in tokens.", min=1)
     on_long_prompt: Literal["skip", "error"] = knob(

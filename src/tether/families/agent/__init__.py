@@ -114,7 +114,9 @@ class AgentFamily(TextFamily):
         """The task rows: a built-in agent task's, or a dataset's (each row passed to ``reset``)."""
         from dataclasses import replace
 
-        bundle = super().data(cfg, model_path)
+        # data.chat_template renders observations here (the player), not the rows' prompts
+        plain = replace(cfg, data=replace(cfg.data, chat_template=False))
+        bundle = super().data(plain, model_path)
         return replace(bundle, stop_text=cfg.env.turn_stop)
 
     def sampler(self, cfg: Any, model_path: str, stop_text: str, *, device: Any, threads: int, seed: int):

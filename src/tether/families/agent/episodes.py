@@ -64,6 +64,8 @@ class Episode:
     """Turns cut off at the per-turn token budget."""
     env_s: float = 0.0
     env: Any = None
+    chat: Any = None
+    """Its ``ChatTurns`` with data.chat_template, else None."""
 
     @property
     def failed(self) -> bool:
@@ -148,8 +150,11 @@ class Player:
         threads: EnvThreads,
         *,
         schedule: str = "waves",
+        chat: bool = False,
     ) -> None:
         self.engine, self.tokenizer, self.make_env = engine, tokenizer, make_env
+        self.chat = chat
+        """Observations as chat turns of the tokenizer's template (``tether.families.agent.chat``)."""
         self.limits, self.threads = limits, threads
         self.eager = schedule == "eager"
         """Generate for whichever episodes are ready as soon as any are (``env.schedule``), rather
@@ -167,10 +172,24 @@ class Player:
         """Play one episode per (group, task row, environment seed), all at once; returns them in
         the order given, each ended (``Episode.status``)."""
         episodes = [Episode(i, group, task, env_seed) for i, (group, task, env_seed) in enumerate(tasks)]
+        if self.chat:
+            from tether.families.agent.chat import ChatTurns
+
+            for ep in episodes:
+                ep.chat = ChatTurns(self.tokenizer)
         self.turn_switches = 0
         pending: dict[Future, tuple[Episode, str, float]] = {}
         for ep in episodes:
             self._call(pending, ep, "reset", lambda ep=ep: self._reset(ep))
+        try:
+            self._run(episodes, pending, params, seed)
+        finally:
+            self._close(episodes)
+        self.last_errors = [ep.error for ep in episodes if ep.error]
+        return episodes
+
+    def _run(self, episodes: list[Episode], pending: dict, params: SamplingParams, seed: int) -> None:
+        """Turns and environment calls until every episode has ended."""
         ready: list[Episode] = []
         turn = 0
         while pending or ready:
@@ -197,9 +216,6 @@ class Player:
                     ep.env_s += now - started
                     ep.env = None  # in use by the abandoned call: never closed from here
                     self._end(ep, "timeout", f"environment {kind} ran past its timeout")
-        self._close(episodes)
-        self.last_errors = [ep.error for ep in episodes if ep.error]
-        return episodes
 
     # -- environment calls -------------------------------------------------------------------
 
@@ -235,7 +251,8 @@ class Player:
             self._end(ep, "error", f"{kind} raised {type(exc).__name__}: {exc}")
             return False
         if kind == "reset":
-            ids = self.encode(result)
+            ep.transcript.append(result)
+            ids = self.encode(result if ep.chat is None else ep.chat.first(result))
             if not ids or len(ids) >= self.limits.max_episode_tokens:
                 self._end(
                     ep,
@@ -244,7 +261,6 @@ class Player:
                     f"env.max_episode_tokens={self.limits.max_episode_tokens} − 1",
                 )
                 return False
-            ep.transcript.append(result)
             self._append(ep, ids)
             ep.prompt_len = len(ids)
             return True
@@ -266,7 +282,7 @@ class Player:
         if ep.turns >= self.limits.max_turns:
             self._end(ep, "max_turns")
             return False
-        ids = self.encode(text)
+        ids = self.encode(text if ep.chat is None else ep.chat.next(text))
         if len(ep.ids) + len(ids) >= self.limits.max_episode_tokens:
             self._end(ep, "token_budget")  # the observation is in the transcript, not the sequence
             return False
@@ -311,6 +327,8 @@ class Player:
                 ep.turns += 1
                 if c.finish_reason == "length":
                     ep.turn_truncations += 1
+                if ep.chat is not None:
+                    ep.chat.sampled(c.token_ids)
                 action = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
                 ep.transcript.append(action)
                 env = ep.env

@@ -47,7 +47,7 @@ def play_tasks(
             environment_factory(cfg),
             limits_of(cfg, context_length(model.config.to_dict())),
             threads,
-            schedule=cfg.env.schedule,
+            schedule=cfg.env.schedule, chat=cfg.data.chat_template,
         )
         tasks = [(i, task_row(ex), -1 - i) for i, ex in enumerate(examples) for _ in range(repeats)]
         return player.play(tasks, params, seed)

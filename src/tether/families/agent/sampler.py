@@ -85,7 +85,7 @@ class AgentSampler:
             environment_factory(cfg),
             limits,
             self.threads,
-            schedule=cfg.env.schedule,
+            schedule=cfg.env.schedule, chat=cfg.data.chat_template,
         )
 
     def generate(self, item: WorkItem) -> EpisodeBatch:

@@ -17,13 +17,21 @@ from tether.train.supervised import WarmstartResult, warmstart_loop, write_recor
 from tether.vocabulary import Progress, SamplingParams
 
 
-def encode_transcript(tokenizer, segments) -> tuple[list[int], list[int]]:
-    """(ids, labels): each segment encoded on its own, as the player encodes observations; labels
-    are the ids on the model's segments and −100 elsewhere."""
+def encode_transcript(tokenizer, segments, *, chat: bool = False) -> tuple[list[int], list[int]]:
+    """(ids, labels): each segment encoded on its own, as the player encodes observations (with
+    ``chat``, each observation as the chat turn the player would append); labels are the ids on
+    the model's segments and −100 elsewhere."""
+    from tether.families.agent.chat import ChatTurns
+
+    turns = ChatTurns(tokenizer) if chat else None
     ids: list[int] = []
     labels: list[int] = []
     for text, by_model in segments:
+        if turns is not None and not by_model:
+            text = turns.first(text) if not ids else turns.next(text)
         piece = list(tokenizer(text, add_special_tokens=False).input_ids)
+        if turns is not None and by_model:
+            turns.sampled(piece)
         ids += piece
         labels += piece if by_model else [-100] * len(piece)
     return ids, labels
@@ -68,7 +76,8 @@ def run_agent_warmstart(
 
     def loss_at(step: int) -> torch.Tensor:
         chosen = rng.sample(data.train, min(s.batch_size, len(data.train)))
-        encoded = [encode_transcript(tokenizer, task.script(ex, rng, quality)) for ex in chosen]
+        encoded = [encode_transcript(tokenizer, task.script(ex, rng, quality), chat=cfg.data.chat_template)
+                   for ex in chosen]
         ids, mask, labels = transcript_batch(encoded, tokenizer.pad_token_id)
         return model(input_ids=ids, attention_mask=mask, labels=labels).loss
 

@@ -1,0 +1,75 @@
+"""Observations as chat turns (``data.chat_template: true`` with the agent family), appended only.
+
+The conversation is rendered with the tokenizer's template to find the text of each new turn, and
+only that text is encoded and appended; the model's sampled ids are never re-encoded. Rendering
+the conversation so far must reproduce, character for character, the text the episode already
+holds: the previous prompt, then exactly what the model sampled (special tokens included), then
+whatever the template closes an assistant turn with (e.g. ChatML's newline after ``<|im_end|>``),
+which is appended before the next observation. A template that rewrites earlier turns (strips
+reasoning, moves a system prompt, trims whitespace) is not append-only; it is refused with what
+differed, never silently re-tokenized.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tether.errors import RolloutError
+
+
+class NotAppendOnly(RolloutError):
+    """The chat template renders earlier turns differently once a new turn is added."""
+
+
+def _first_difference(a: str, b: str) -> str:
+    i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return f"at character {i}: the episode holds {a[i:i + 40]!r}, the template renders {b[i:i + 40]!r}"
+
+
+class ChatTurns:
+    """One episode's conversation: ``first`` and ``next`` return the text to encode and append for
+    an observation; ``sampled`` records a model turn as it was sampled."""
+
+    def __init__(self, tokenizer: Any, role: str = "user") -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            from tether.errors import ConfigError
+
+            raise ConfigError("data.chat_template is true but the tokenizer has no chat template; set "
+                              "data.chat_template=false (observations are then appended as plain text)")
+        self.tokenizer, self.role = tokenizer, role
+        self.messages: list[dict[str, str]] = []
+        self.text = ""  # the episode as text: every prompt and model turn so far
+
+    def _render(self, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(self.messages, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def first(self, observation: str) -> str:
+        self.messages.append({"role": self.role, "content": observation})
+        self.text = self._render(True)
+        return self.text
+
+    def sampled(self, token_ids: list[int]) -> None:
+        """The model's turn as sampled; its content is everything but a final EOS, special tokens
+        included, so the template renders back exactly what the model wrote."""
+        self.text += self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        ends = bool(token_ids) and token_ids[-1] == self.tokenizer.eos_token_id
+        content = self.tokenizer.decode(token_ids[:-1] if ends else token_ids, skip_special_tokens=False)
+        self.messages.append({"role": "assistant", "content": content})
+
+    def next(self, observation: str) -> str:
+        closed = self._render(False)
+        if not closed.startswith(self.text):
+            raise NotAppendOnly("the chat template does not render the episode so far as it was sampled "
+                                f"({_first_difference(self.text, closed)}); it is not append-only, so "
+                                "set data.chat_template=false and format turns in the environment")
+        tail = closed[len(self.text):]
+        self.messages.append({"role": self.role, "content": observation})
+        opened = self._render(True)
+        if not opened.startswith(closed):
+            raise NotAppendOnly("adding a turn changes how the chat template renders the earlier ones "
+                                f"({_first_difference(closed, opened)}); it is not append-only, so set "
+                                "data.chat_template=false and format turns in the environment")
+        appended = tail + opened[len(closed):]
+        self.text += appended
+        return appended
