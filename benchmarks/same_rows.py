@@ -17,7 +17,8 @@ import math
 import sys
 from pathlib import Path
 
-CLOCK = ("time/", "throughput/", "memory/", "sync/", "staleness/at_launch", "staleness/generating",
+CLOCK = ("time/", "throughput/", "memory/", "sync/", "agent/env_s", "staleness/at_launch",
+         "staleness/generating",
          "staleness/queued")
 CLOCK_KEYS = ("wall_s",)
 
