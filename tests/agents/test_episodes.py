@@ -231,7 +231,9 @@ def test_weights_published_mid_episode_are_stamped_per_token_and_the_episode_is_
     batch is as old as its oldest model token."""
     sampler = sampler_for(config(tiny_model_dir, "Echo", f"async.inflight_update={mode}"))
     engine = sampler.engine
-    weights = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    weights = {name: p.detach() + 0.05 * torch.randn(p.shape, generator=gen)
+               for name, p in engine.model.named_parameters()}  # version 1: other weights
     calls = {"n": 0}
 
     def poll():
@@ -255,3 +257,23 @@ def test_weights_published_mid_episode_are_stamped_per_token_and_the_episode_is_
     else:
         assert batch.metrics["rollout/wasted_tokens"] > 0
     assert batch.metrics["rollout/weight_switches"] >= 1
+    # turns 2 and 3 start after the switch: prefilled and sampled on version 1 alone, so the
+    # learner at version 1 scores them as the engine did
+    from tether.families.agent.policy import AgentPolicy
+
+    policy = AgentPolicy(1.0)
+    model, _ = policy.load(tiny_model_dir)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights[name])
+    train = policy.batch(batch)
+    with torch.no_grad():
+        logp, _, _ = policy.forward(model.eval(), train)
+    later = torch.zeros_like(train.mask, dtype=torch.bool)
+    for i, flags in enumerate(batch.model):
+        turn_starts = [j for j in range(1, len(flags)) if flags[j] and not flags[j - 1]]
+        assert len(turn_starts) == 3
+        later[i, turn_starts[1] - 1:len(flags) - 1] = True
+    later &= train.mask.bool()
+    assert (train.behavior_versions[later] == 1).all()
+    assert (logp[later] - train.behavior_logp[later]).abs().mean() <= 1e-5

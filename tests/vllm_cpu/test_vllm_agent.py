@@ -1,6 +1,8 @@
 """The agent family's episodes on vLLM: each turn a token-id prompt of the episode so far, the
 engine's log-probs equal to the learner's on model tokens, and nothing on observation tokens."""
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -12,6 +14,7 @@ from tether.families.agent.sampler import AgentSampler  # noqa: E402
 from tether.vocabulary import SamplingParams, WorkItem  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+ECHO = f"{Path(__file__).resolve().parents[1] / 'agents' / 'envs.py'}:Echo"
 
 
 def test_vllm_plays_multi_turn_episodes_the_learner_scores_alike(demo_model):
@@ -56,3 +59,61 @@ def test_vllm_plays_multi_turn_episodes_the_learner_scores_alike(demo_model):
     on = train.mask.bool()
     assert int(on.sum()) == sum(sum(m) for m in batch.model)
     assert (logp[on] - train.behavior_logp[on]).abs().mean() <= 1e-5
+
+
+def test_on_vllm_a_publication_mid_episode_is_stamped_and_later_turns_start_on_it(demo_model):
+    """keep on vLLM: weights published between the first turn and the second; the first turn stays
+    on version 0, the turns after it are prefilled and sampled on version 1 alone (a turn boundary
+    is a safe point), and the learner at that version scores them as vLLM did."""
+    from tether.data.tasks import get_task
+    from tether.modeling import unique_parameters
+
+    cfg = load_config(None, ["model.family=agent", "data.task=kv_lookup", f"model.path={demo_model}",
+                             "rollout.engine=vllm", "async.inflight_update=keep", "env.max_turns=3",
+                             "env.max_turn_tokens=6", "rollout.max_new_tokens=6", "rollout.group_size=4",
+                             f"env.env_class={ECHO}"])
+    sampler = AgentSampler(cfg, str(demo_model), "\n", device=torch.device("cpu"), threads=1, seed=0)
+    engine = sampler.engine
+    policy = AgentPolicy(1.0)
+    model, _ = policy.load(demo_model)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    weights = {name: t.detach().clone() for name, t in unique_parameters(model).items()}
+    turns = {"n": 0}
+    generate = engine.generate
+
+    def counting(*args, **kw):
+        out = generate(*args, **kw)
+        turns["n"] += 1  # turns done
+        return out
+
+    def poll():  # the publication lands once the first turn is done, before the second starts
+        if turns["n"] == 1 and engine.version == 0:
+            engine.bind(weights, 1)
+            return 1
+        return None
+
+    engine.generate = counting
+    engine.watch(poll, "keep")
+    examples = list(enumerate(get_task("kv_lookup").examples("train", 1, seed=0)))
+    try:
+        batch = sampler.generate(WorkItem(batch_index=0, version=0, examples=examples, group_size=4,
+                                          params=SamplingParams(max_new_tokens=6, temperature=1.0), seed=3))
+    finally:
+        sampler.close()
+        engine.close()
+    assert batch.metrics["rollout/turn_boundary_switches"] == 1
+    assert sorted(batch.version_shares()) == [0, 1]
+    train = policy.batch(batch)
+    with torch.no_grad():
+        logp, _, _ = policy.forward(model.eval(), train)
+    later = torch.zeros_like(train.mask, dtype=torch.bool)
+    for i, flags in enumerate(batch.model):
+        starts = [j for j in range(1, len(flags)) if flags[j] and not flags[j - 1]]
+        assert len(starts) == 3
+        later[i, starts[1] - 1:len(flags) - 1] = True
+    later &= train.mask.bool()
+    assert (train.behavior_versions[later] == 1).all()
+    assert (logp[later] - train.behavior_logp[later]).abs().mean() <= 1e-5
