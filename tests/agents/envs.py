@@ -37,12 +37,19 @@ class Hangs:
         return Step("again\n")
 
 
+CLOSED: list[str] = []
+"""Names of the environments closed so far."""
+
+
 class ResetRaises:
     def reset(self, task, seed):
         raise RuntimeError("no sandbox today")
 
     def step(self, action):
         return Step("")
+
+    def close(self):
+        CLOSED.append("ResetRaises")
 
 
 class SlowSetUp:

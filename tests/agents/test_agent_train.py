@@ -147,49 +147,26 @@ def test_in_flight_updates_keep_every_episode_within_the_budget(recipe, tmp_path
         assert "staleness/multi_version_seq_frac" in metrics[0]
 
 
+def short_run(recipe, run, *overrides):
+    """Four batches of the recipe with ``overrides``, no evaluation, checkpoint or report."""
+    tether("train", recipe, *overrides, "train.num_batches=4", "eval.interval=0", "checkpoint.interval=0",
+           "--run-dir", run, "--plain", "--no-report")
+    return rows(run / "metrics.jsonl")
+
+
 def test_on_ray_with_the_learner_in_an_actor_the_same_episodes_train_the_same(recipe, whole, tmp_path):
-    run = tmp_path / "ray"
-    tether(
-        "train",
-        recipe,
-        "rollout.backend=ray",
-        "ray.local_cpus=2",
-        "ray.learner=actor",
-        "train.num_batches=4",
-        "eval.interval=0",
-        "checkpoint.interval=0",
-        "--run-dir",
-        run,
-        "--plain",
-        "--no-report",
-    )
-    assert [{k: m[k] for k in KEYS} for m in rows(run / "metrics.jsonl")] == [
-        {k: m[k] for k in KEYS} for m in rows(whole / "metrics.jsonl")[:4]
-    ]
+    ray = short_run(recipe, tmp_path / "ray", "rollout.backend=ray", "ray.local_cpus=2", "ray.learner=actor")
+    local = rows(whole / "metrics.jsonl")[:4]
+    assert [{k: m[k] for k in KEYS} for m in ray] == [{k: m[k] for k in KEYS} for m in local]
 
 
 def test_two_learner_ranks_train_episodes_as_one_does(recipe, whole, tmp_path):
-    run = tmp_path / "ranks"
-    tether(
-        "train",
-        recipe,
-        "train.world_size=2",
-        "train.num_batches=4",
-        "eval.interval=0",
-        "checkpoint.interval=0",
-        "--run-dir",
-        run,
-        "--plain",
-        "--no-report",
-    )
-    one, two = rows(whole / "metrics.jsonl")[:4], rows(run / "metrics.jsonl")
+    one, two = rows(whole / "metrics.jsonl")[:4], short_run(recipe, tmp_path / "ranks", "train.world_size=2")
     trained = [(a, b) for a, b in zip(one, two, strict=True) if a["loss/policy"] is not None]
     assert trained  # some batch had something to learn from
     for a, b in zip(one, two, strict=True):
-        assert (a["reward/mean"], a["agent/model_tokens_mean"]) == (
-            b["reward/mean"],
-            b["agent/model_tokens_mean"],
-        )
+        for key in ("reward/mean", "agent/model_tokens_mean"):
+            assert a[key] == b[key]
     for a, b in trained:
         assert b["loss/policy"] == pytest.approx(a["loss/policy"], rel=1e-5, abs=1e-7)
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)

@@ -2,6 +2,7 @@
 with, no loss on environment tokens, environment calls off the generation path, and every kind
 of environment failure an outcome of its episode."""
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 pytest.importorskip("torch")
 import torch
 
+from episodes import later_turns
 from tether.config.config import load_config
 from tether.errors import RolloutError
 from tether.vocabulary import Example, SamplingParams, WorkItem
@@ -155,7 +157,6 @@ def test_environment_tokens_get_no_loss_and_the_check_catches_a_mask_that_covers
 def test_environment_steps_run_side_by_side(tiny_model_dir):
     """Eight steps that each return only when eight run at once: they finish because the
     environment threads run them together, not one after another."""
-    import sys
 
     sampler = sampler_for(config(tiny_model_dir, "Rendezvous", "env.workers=8", "env.step_timeout_s=60"))
     module = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(ENVS))
@@ -188,6 +189,9 @@ def test_a_failing_environment_ends_only_its_episode_with_a_counted_status(tiny_
     assert batch.rewards == [-1.0] * 4  # env.failure_reward, and the group is kept whole
     player_errors = {ep_error for ep_error in _errors(sampler)}
     assert any(says in e for e in player_errors), player_errors
+    if env == "ResetRaises":  # an environment whose reset failed is closed all the same
+        module = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(ENVS))
+        assert module.CLOSED.count("ResetRaises") >= 4
     key = "agent/timeouts" if status == "timeout" else "agent/env_errors"
     assert batch.metrics[key] == 4.0
     if status == "timeout":
@@ -266,14 +270,6 @@ def test_weights_published_mid_episode_are_stamped_per_token_and_the_episode_is_
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(weights[name])
-    train = policy.batch(batch)
-    with torch.no_grad():
-        logp, _, _ = policy.forward(model.eval(), train)
-    later = torch.zeros_like(train.mask, dtype=torch.bool)
-    for i, flags in enumerate(batch.model):
-        turn_starts = [j for j in range(1, len(flags)) if flags[j] and not flags[j - 1]]
-        assert len(turn_starts) == 3
-        later[i, turn_starts[1] - 1:len(flags) - 1] = True
-    later &= train.mask.bool()
-    assert (train.behavior_versions[later] == 1).all()
-    assert (logp[later] - train.behavior_logp[later]).abs().mean() <= 1e-5
+    learner, engine_logp, versions = later_turns(policy, model, batch)
+    assert (versions == 1).all()
+    assert (learner - engine_logp).abs().mean() <= 1e-5

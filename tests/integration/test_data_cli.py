@@ -20,11 +20,12 @@ def test_tasks_lists_every_task_with_a_sample():
     rows = json.loads(run("tasks", "--json").stdout)
     assert [(r["name"], r["family"]) for r in rows] == [
         ("arithmetic", "text"), ("countdown", "text"), ("reverse", "text"), ("sort", "text"),
-        ("repeat", "text"), ("shapes", "flow")]
+        ("repeat", "text"), ("shapes", "flow"), ("kv_lookup", "agent"), ("guess_number", "agent")]
     for r in rows:
         assert r["sample_prompt"] and r["sample_answer"]
     text = run("tasks").stdout
     assert "countdown  (model.family=text" in text and "shapes  (model.family=flow" in text and "e.g." in text
+    assert "kv_lookup  (model.family=agent" in text
 
 
 def test_init_model_then_warmstart_from_a_recipe(tmp_path):

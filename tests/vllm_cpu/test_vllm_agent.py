@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
+from episodes import later_turns  # noqa: E402
 from tether.config import load_config  # noqa: E402
 from tether.families.agent.policy import AgentPolicy  # noqa: E402
 from tether.families.agent.sampler import AgentSampler  # noqa: E402
@@ -106,14 +107,6 @@ def test_on_vllm_a_publication_mid_episode_is_stamped_and_later_turns_start_on_i
         engine.close()
     assert batch.metrics["rollout/turn_boundary_switches"] == 1
     assert sorted(batch.version_shares()) == [0, 1]
-    train = policy.batch(batch)
-    with torch.no_grad():
-        logp, _, _ = policy.forward(model.eval(), train)
-    later = torch.zeros_like(train.mask, dtype=torch.bool)
-    for i, flags in enumerate(batch.model):
-        starts = [j for j in range(1, len(flags)) if flags[j] and not flags[j - 1]]
-        assert len(starts) == 3
-        later[i, starts[1] - 1:len(flags) - 1] = True
-    later &= train.mask.bool()
-    assert (train.behavior_versions[later] == 1).all()
-    assert (logp[later] - train.behavior_logp[later]).abs().mean() <= 1e-5
+    learner, engine_logp, versions = later_turns(policy, model, batch)
+    assert (versions == 1).all()
+    assert (learner - engine_logp).abs().mean() <= 1e-5

@@ -20,6 +20,7 @@ never holds the worker process open.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -226,16 +227,23 @@ class Player:
         lim = self.limits
         return started + min(lim.step_timeout_s, max(0.0, lim.episode_timeout_s - ep.env_s))
 
-    def _reset(self, ep: Episode) -> str:
-        ep.env = self.make_env()
-        obs = ep.env.reset(ep.task, ep.seed)
-        if not isinstance(obs, str):
-            from tether.families.agent.env import EnvContractError
+    def _reset(self, ep: Episode) -> tuple[Any, str]:
+        """(the environment, its first observation); the episode takes the environment only when
+        the call is received in time, so an abandoned set-up is never closed under its thread. An
+        environment whose reset fails is closed here (a failing close is not reported over it)."""
+        env = self.make_env()
+        try:
+            obs = env.reset(ep.task, ep.seed)
+            if not isinstance(obs, str):
+                from tether.families.agent.env import EnvContractError
 
-            raise EnvContractError(
-                f"reset returned {type(obs).__name__}; expected the first observation (str)"
-            )
-        return obs
+                raise EnvContractError(f"reset returned {type(obs).__name__}; expected the first "
+                                       "observation (str)")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                env.close()
+            raise
+        return env, obs
 
     def _received(self, ep: Episode, kind: str, future: Future) -> bool:
         """Take one finished environment call into ``ep``; True if the model's turn is next."""
@@ -251,6 +259,7 @@ class Player:
             self._end(ep, "error", f"{kind} raised {type(exc).__name__}: {exc}")
             return False
         if kind == "reset":
+            ep.env, result = result
             ep.transcript.append(result)
             ids = self.encode(result if ep.chat is None else ep.chat.first(result))
             if not ids or len(ids) >= self.limits.max_episode_tokens:

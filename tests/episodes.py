@@ -1,0 +1,20 @@
+"""What the agent tests on either engine (built-in, vLLM) share: the learner's view of the turns
+after each episode's first."""
+
+import torch
+
+
+def later_turns(policy, model, batch):
+    """(learner log-probs, engine log-probs, versions) of the model tokens of every turn but each
+    episode's first (each episode here has exactly three turns), with ``model`` as the learner's
+    weights."""
+    train = policy.batch(batch)
+    with torch.no_grad():
+        logp, _, _ = policy.forward(model.eval(), train)
+    later = torch.zeros_like(train.mask, dtype=torch.bool)
+    for i, flags in enumerate(batch.model):
+        starts = [j for j in range(1, len(flags)) if flags[j] and not flags[j - 1]]
+        assert len(starts) == 3, f"episode {i} has {len(starts)} turns"
+        later[i, starts[1] - 1:len(flags) - 1] = True
+    later &= train.mask.bool()
+    return logp[later], train.behavior_logp[later], train.behavior_versions[later]
