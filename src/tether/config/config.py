@@ -145,7 +145,9 @@ class Config:
         if d.eval_dataset and not d.dataset:
             raise ConfigError("data.eval_dataset is set but data.dataset is not; built-in tasks have "
                               "their own held-out split")
-        if self.reward.function == "task" and not d.task:
+        # a family that does not declare reward.function scores samples its own way (agent: the env)
+        scored = "reward.function" in getattr(self.family(), "keys", ())
+        if scored and self.reward.function == "task" and not d.task:
             raise ConfigError("reward.function=task scores with a built-in task's verifier, but "
                               "data.task is empty; choose "
                               f"{', '.join(registry.rewards.names())} or path/to/file.py:function")

@@ -32,6 +32,7 @@ class FlowFamily(FamilyBase):
     name = "flow"
     description = "flow-matching image generators (Flow-GRPO): a sample is a trajectory, an action a step"
     section = ("flow", FlowSection)
+    keys = ("reward.function", "reward.on_error")
     capabilities = Capabilities(
         engines=("torch",), inflight_updates=("drain",), features=frozenset(),
         notes={"engines": "vLLM serves language models", "inflight_updates": NOT_YET,

@@ -27,7 +27,7 @@ ALL_FEATURES = frozenset({"token_sampling", "decoder", "dynamic_sampling", "trun
 class TextFamily(FamilyBase):
     name = "text"
     description = "causal language models: a sample is a completion, an action a token"
-    keys = ("model.init_arch", "model.init_size")
+    keys = ("model.init_arch", "model.init_size", "reward.function", "reward.on_error")
     capabilities = Capabilities(engines=("torch", "vllm"),
                                 inflight_updates=("drain", "keep", "recompute", "abort"),
                                 features=ALL_FEATURES)
