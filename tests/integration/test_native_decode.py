@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from tether.decoding import native  # noqa: E402
 from tether.decoding.fast_decoder import FastDecoder  # noqa: E402
+from tether.decoding.native import builder  # noqa: E402
 from tether.errors import ConfigError, NativeDecoderError  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -384,7 +385,7 @@ def test_a_compiler_past_the_time_limit_is_stopped_with_its_children_and_auto_fa
         fresh_native, tmp_path, monkeypatch, caplog):
     cc, _log = counting_compiler(tmp_path, sleep=60)
     monkeypatch.setenv("CC", str(cc))
-    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(builder, "BUILD_TIMEOUT_S", 1.0)
     with caplog.at_level(logging.WARNING, logger="tether.decoding.native"):
         assert native.library("auto") is None
     assert "took more than 1s to build decode_step.c, and was stopped" in caplog.text
