@@ -273,3 +273,57 @@ def test_weights_published_mid_episode_are_stamped_per_token_and_the_episode_is_
     learner, engine_logp, versions = later_turns(policy, model, batch)
     assert (versions == 1).all()
     assert (learner - engine_logp).abs().mean() <= 1e-5
+
+
+def test_with_switch_at_turn_weights_change_only_between_turns(tiny_model_dir):
+    """env.switch_at=turn: the publication the engine would take inside the first turn waits for
+    the turn to end; every turn is sampled on one version, the later ones on the new weights."""
+    sampler = sampler_for(config(tiny_model_dir, "Echo", "async.inflight_update=keep", "env.switch_at=turn"))
+    engine = sampler.engine
+    gen = torch.Generator().manual_seed(1)
+    weights = {name: p.detach() + 0.05 * torch.randn(p.shape, generator=gen)
+               for name, p in engine.model.named_parameters()}
+    calls = {"n": 0}
+
+    def poll():
+        calls["n"] += 1
+        if calls["n"] == 2 and engine.version == 0:
+            engine.bind(weights, 1)
+            return 1
+        return None
+
+    engine.watch(poll, "keep")
+    try:
+        batch = sampler.generate(item(1))
+    finally:
+        sampler.close()
+    assert calls["n"] == 3  # one poll per turn boundary, none inside a turn
+    assert batch.metrics["rollout/turn_boundary_switches"] == 1
+    for flags, versions in zip(batch.model, batch.versions, strict=True):
+        turns, current = [], None
+        for m, v in zip(flags, versions, strict=True):
+            if m and current is None:
+                current = []
+            if m:
+                current.append(v)
+            elif current is not None:
+                turns.append(current)
+                current = None
+        turns += [current] if current else []
+        assert [set(t) for t in turns] == [{0}, {1}, {1}]
+    from tether.families.agent.policy import AgentPolicy
+
+    policy = AgentPolicy(1.0)
+    model, _ = policy.load(tiny_model_dir)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights[name])
+    learner, engine_logp, versions = later_turns(policy, model, batch)
+    assert (versions == 1).all() and (learner - engine_logp).abs().mean() <= 1e-5
+
+
+def test_switch_at_turn_needs_keep(tiny_model_dir):
+    from tether.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"env\.switch_at=turn .* needs async\.inflight_update=keep"):
+        config(tiny_model_dir, "Echo", "async.inflight_update=abort", "env.switch_at=turn")

@@ -60,6 +60,10 @@ class AgentFamily(TextFamily):
                 "model.family=agent needs an environment: set env.env_class to path/to/file.py:Class "
                 "(with data.dataset for its task rows), or data.task to kv_lookup or guess_number"
             )
+        if e.switch_at == "turn" and cfg.async_.inflight_update != "keep":
+            raise ConfigError(f"env.switch_at=turn takes up published weights between turns, which needs "
+                              f"async.inflight_update=keep (it is {cfg.async_.inflight_update}); set it, or "
+                              "env.switch_at=token")
         if e.max_episode_tokens and e.max_turn_tokens and e.max_turn_tokens >= e.max_episode_tokens:
             raise ConfigError(
                 f"env.max_turn_tokens={e.max_turn_tokens} leaves no room for an observation in "

@@ -152,9 +152,12 @@ class Player:
         *,
         schedule: str = "waves",
         chat: bool = False,
+        whole_turns: bool = False,
     ) -> None:
         self.engine, self.tokenizer, self.make_env = engine, tokenizer, make_env
         self.chat = chat
+        self.whole_turns = whole_turns
+        """Without draining, take up new weights only between turns (``env.switch_at=turn``)."""
         """Observations as chat turns of the tokenizer's template (``tether.families.agent.chat``)."""
         self.limits, self.threads = limits, threads
         self.eager = schedule == "eager"
@@ -322,12 +325,18 @@ class Player:
         for ep in ready:
             by_room.setdefault(min(lim.max_turn_tokens, lim.max_episode_tokens - len(ep.ids)), []).append(ep)
         for room, eps in sorted(by_room.items()):
-            sampled = self.engine.generate(
-                [ep.ids for ep in eps],
-                samples_per_prompt=1,
-                params=replace(params, max_new_tokens=room),
-                seed=seed + room,
-            )
+            if self.whole_turns:  # no switch inside a turn: the engine does not poll while it samples
+                self.engine.poll = None
+            try:
+                sampled = self.engine.generate(
+                    [ep.ids for ep in eps],
+                    samples_per_prompt=1,
+                    params=replace(params, max_new_tokens=room),
+                    seed=seed + room,
+                )
+            finally:
+                if self.whole_turns:
+                    self.engine.poll = poll
             for ep, (c,) in zip(eps, sampled, strict=True):
                 ep.ids += c.token_ids
                 ep.model += [1] * len(c.token_ids)

@@ -48,6 +48,7 @@ def play_tasks(
             limits_of(cfg, context_length(model.config.to_dict())),
             threads,
             schedule=cfg.env.schedule, chat=cfg.data.chat_template,
+            whole_turns=cfg.env.switch_at == "turn",
         )
         tasks = [(i, task_row(ex), -1 - i) for i, ex in enumerate(examples) for _ in range(repeats)]
         return player.play(tasks, params, seed)

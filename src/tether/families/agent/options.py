@@ -50,6 +50,13 @@ class EnvSection:
         "latency, but which episodes share an engine call follows timing, so sampling is not reproducible).",
         choices=("waves", "eager"),
     )
+    switch_at: Literal["token", "turn"] = knob(
+        "token",
+        "Without draining, where an episode takes up newly published weights: token = before any decode "
+        "step (async.inflight_update says what happens to the turn in flight); turn = only between turns, "
+        "so each turn is sampled on one version and a publication waits for no episode to end (needs "
+        "async.inflight_update=keep).",
+        choices=("token", "turn"))
     step_timeout_s: float = knob(
         30.0,
         "Seconds one environment call (set-up, reset, step) may take; past it the episode ends as "

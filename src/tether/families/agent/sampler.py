@@ -86,6 +86,7 @@ class AgentSampler:
             limits,
             self.threads,
             schedule=cfg.env.schedule, chat=cfg.data.chat_template,
+            whole_turns=cfg.env.switch_at == "turn",
         )
 
     def generate(self, item: WorkItem) -> EpisodeBatch:
