@@ -110,3 +110,30 @@ def test_on_vllm_a_publication_mid_episode_is_stamped_and_later_turns_start_on_i
     learner, engine_logp, versions = later_turns(policy, model, batch)
     assert (versions == 1).all()
     assert (learner - engine_logp).abs().mean() <= 1e-5
+
+
+def test_agent_episodes_train_on_vllm_in_worker_processes_within_the_budget(demo_model, tmp_path):
+    """`tether train` with rollout.engine=vllm and in-flight keep: episodes from vLLM in a rollout
+    worker process, trained under the budget."""
+    import json
+    import subprocess
+    import sys
+
+    def tether(*args):
+        out = subprocess.run([sys.executable, "-m", "tether.cli.main", *map(str, args)], capture_output=True,
+                             text=True, timeout=240, cwd=Path(__file__).resolve().parents[2])
+        assert out.returncode == 0, out.stderr[-3000:]
+
+    common = ["model.family=agent", "data.task=kv_lookup", "data.num_train=300", "data.num_eval=16",
+              "env.max_turns=3", "env.max_turn_tokens=6"]
+    model = tmp_path / "model"  # one that sometimes answers right, so the groups' rewards vary
+    tether("warmstart", *common, "env.script_quality=0.5", "warmstart.max_steps=40",
+           "warmstart.eval_every=40", "warmstart.batch_size=16", "warmstart.target_pass_rate=1", "--model", demo_model, "--out", model)
+    run = tmp_path / "run"
+    tether("train", *common, f"model.path={model}", "rollout.engine=vllm", "async.inflight_update=keep",
+           "rollout.batch_size=2", "rollout.group_size=4", "rollout.max_new_tokens=6", "train.num_batches=4",
+           "eval.interval=0", "checkpoint.interval=0", "--run-dir", run, "--plain", "--no-report")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    assert all(r["staleness/updates"] <= 1 and r["agent/env_tokens_mean"] > 0 for r in rows)
+    assert any(r["loss/policy"] is not None for r in rows)
