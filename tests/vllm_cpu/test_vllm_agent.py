@@ -128,7 +128,8 @@ def test_agent_episodes_train_on_vllm_in_worker_processes_within_the_budget(demo
               "env.max_turns=3", "env.max_turn_tokens=6"]
     model = tmp_path / "model"  # one that sometimes answers right, so the groups' rewards vary
     tether("warmstart", *common, "env.script_quality=0.5", "warmstart.max_steps=40",
-           "warmstart.eval_every=40", "warmstart.batch_size=16", "warmstart.target_pass_rate=1", "--model", demo_model, "--out", model)
+           "warmstart.eval_every=40", "warmstart.batch_size=16", "warmstart.target_pass_rate=1",
+           "--model", demo_model, "--out", model)
     run = tmp_path / "run"
     tether("train", *common, f"model.path={model}", "rollout.engine=vllm", "async.inflight_update=keep",
            "rollout.batch_size=2", "rollout.group_size=4", "rollout.max_new_tokens=6", "train.num_batches=4",
