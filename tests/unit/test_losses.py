@@ -61,6 +61,8 @@ def test_ppo_clip_hand_computed():
     # A=−1: r=1.1 → max(1.1, 1.1) = 1.1;                 r=0.7 → max(0.7, 0.8) = 0.8 (clipped low)
     assert flat(loss) == pytest.approx([-1.2, -0.5, 1.1, 0.8])
     assert float(m["ratio/clip_frac_high"]) == 0.25 and float(m["ratio/clip_frac_low"]) == 0.25
+    # outside the range whatever the advantage (the reference's count): r = 0.5 too, which does not bind
+    assert float(m["ratio/outside_clip_frac"]) == 0.75
     aggregate(loss, x.mask, "token_mean").backward()
     # clipped tokens get no gradient; the others −A·r / 4 tokens
     assert flat(x.logp.grad) == pytest.approx([0.0, -0.5 / 4, 1.1 / 4, 0.0])

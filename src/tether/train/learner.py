@@ -346,7 +346,8 @@ class TorchLearner:
         return 0
 
     ALWAYS = ("loss/policy", "loss/total", "train/grad_norm", "train/entropy", "ratio/mean", "ratio/std",
-              "ratio/min", "ratio/max", "ratio/clip_frac_low", "ratio/clip_frac_high", "ratio/is_weight_mean",
+              "ratio/min", "ratio/max", "ratio/clip_frac_low", "ratio/clip_frac_high",
+              "ratio/outside_clip_frac", "ratio/is_weight_mean",
               "ratio/is_weight_std", "ratio/is_weight_min", "ratio/is_weight_max", "ratio/masked_frac",
               "ratio/ess", "mismatch/logprob_abs_diff_mean", "mismatch/logprob_abs_diff_max", "mismatch/k3",
               "mismatch/numeric_token_frac", "mismatch/numeric_logprob_abs_diff_mean",

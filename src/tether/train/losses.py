@@ -58,6 +58,13 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
+def _outside(ratio: torch.Tensor, s: LossSettings) -> torch.Tensor:
+    """1.0 where the ratio is outside [1 − ε_low, 1 + ε_high], whatever the advantage's sign: the
+    clip fraction Flow-GRPO's reference and TRL report (Tether's clip_frac_low/high count only the
+    clips that bind, i.e. that cut a gradient)."""
+    return ((ratio < 1 - s.clip_low) | (ratio > 1 + s.clip_high)).float()
+
+
 def ppo_clip(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     ratio = torch.exp(x.logp - x.anchor_logp)  # (N, T)
     adv = x.advantages[:, None]  # (N, 1)
@@ -68,7 +75,8 @@ def ppo_clip(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, to
         low = ((adv < 0) & (ratio < 1 - s.clip_low)).float()
         high = ((adv > 0) & (ratio > 1 + s.clip_high)).float()
         metrics = {"ratio/clip_frac_low": _masked_mean(low, x.mask),
-                   "ratio/clip_frac_high": _masked_mean(high, x.mask)}
+                   "ratio/clip_frac_high": _masked_mean(high, x.mask),
+                   "ratio/outside_clip_frac": _masked_mean(_outside(ratio, s), x.mask)}
     if s.dual_clip > 1.0:
         bound = -adv * s.dual_clip  # (N, 1), positive where A < 0
         dual = (adv < 0) & (loss > bound)
@@ -92,6 +100,7 @@ def gspo(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.
         n = has_tokens.sum().clamp(min=1)
         metrics = {"ratio/clip_frac_low": (low * has_tokens).sum() / n,
                    "ratio/clip_frac_high": (high * has_tokens).sum() / n,
+                   "ratio/outside_clip_frac": (_outside(seq_ratio, s) * has_tokens).sum() / n,
                    "ratio/seq_mean": (seq_ratio * has_tokens).sum() / n}
     return loss, metrics
 
@@ -102,7 +111,8 @@ def cispo(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch
     loss = -weight * x.advantages[:, None] * x.logp
     with torch.no_grad():
         metrics = {"ratio/clip_frac_low": _masked_mean((ratio < 1 - s.clip_low).float(), x.mask),
-                   "ratio/clip_frac_high": _masked_mean((ratio > 1 + s.clip_high).float(), x.mask)}
+                   "ratio/clip_frac_high": _masked_mean((ratio > 1 + s.clip_high).float(), x.mask),
+                   "ratio/outside_clip_frac": _masked_mean(_outside(ratio, s), x.mask)}
     return loss, metrics
 
 
