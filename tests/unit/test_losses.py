@@ -155,6 +155,16 @@ def test_group_advantages():
         group_advantages(rewards, 3)
 
 
+def test_advantages_clamped_as_flow_grpo_does():
+    # one success in a group of 8: (1 − 1/8) / sqrt(7/64) = 2.6458; the seven others −0.3780
+    rewards = torch.tensor([1.0] + [0.0] * 7)
+    free = group_advantages(rewards, 8)
+    assert free.values[0] == pytest.approx(2.6458, abs=1e-4) and free.clipped_frac == 0.0
+    clamped = group_advantages(rewards, 8, clip=2.0)
+    assert clamped.values[0] == pytest.approx(2.0) and clamped.clipped_frac == pytest.approx(1 / 8)
+    assert clamped.values[1:].tolist() == pytest.approx(free.values[1:].tolist())
+
+
 def test_rloo_baseline_is_the_mean_of_the_other_samples():
     # Ahmadian et al. 2024: A_i = r_i − (1/(G−1)) Σ_{j≠i} r_j
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.5, 1.0, 1.0, 1.0, 1.0])

@@ -141,6 +141,10 @@ class TrainSection:
         "group", "With train.advantage=grpo: whose std normalises advantages, each prompt group's or "
         "the whole batch's ('batch' is REINFORCE++-baseline)."
     )
+    adv_clip: float = knob(
+        0.0, "Clamp every advantage to [−c, c] after the estimator (Flow-GRPO's reference: 5); the share "
+             "clamped is train/adv_clipped_frac. 0 = off.", min=0
+    )
     drop_zero_std: bool | None = knob(
         None, f"Drop groups whose rewards are all equal from the loss ({FROM_PRESET})."
     )

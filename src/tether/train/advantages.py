@@ -43,6 +43,8 @@ class Advantages:
     keep: torch.Tensor
     """(N,) False for samples of dropped zero-std groups."""
     frac_zero_std: float
+    clipped_frac: float = 0.0
+    """The share of advantages clamped by ``clip``."""
 
 
 def overlong_penalty(lengths: torch.Tensor, *, max_len: int, buffer: int, factor: float) -> torch.Tensor:
@@ -80,8 +82,9 @@ def reinforce_pp(r: torch.Tensor, *, std_norm: bool, scope: str, eps: float) -> 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, estimator: str = "grpo",
                      std_norm: bool = True, scope: Literal["group", "batch"] = "group",
-                     drop_zero_std: bool = False, eps: float = 1e-6) -> Advantages:
-    """Advantages for group-major ``rewards`` (N,); ``std_norm`` and ``scope`` apply to grpo."""
+                     drop_zero_std: bool = False, eps: float = 1e-6, clip: float = 0.0) -> Advantages:
+    """Advantages for group-major ``rewards`` (N,); ``std_norm`` and ``scope`` apply to grpo;
+    ``clip`` > 0 clamps each to [−clip, clip] (Flow-GRPO's reference clamps at 5)."""
     assert rewards.ndim == 1 and rewards.numel() % group_size == 0, (
         f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.float().view(-1, group_size)  # (B, G)
@@ -89,4 +92,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, estimator: str =
     zero = r.std(dim=1, unbiased=False) <= eps if group_size > 1 else torch.zeros(len(r), dtype=torch.bool)
     centered = registry.advantages.get(estimator)(r, std_norm=std_norm, scope=scope, eps=eps)
     keep = (~zero if drop_zero_std else torch.ones_like(zero)).repeat_interleave(group_size)  # (N,)
-    return Advantages(values=centered.reshape(-1), keep=keep, frac_zero_std=float(zero.float().mean()))
+    values = centered.reshape(-1)
+    clipped = 0.0
+    if clip > 0:
+        clipped = float((values.abs() > clip).float().mean())
+        values = values.clamp(-clip, clip)
+    return Advantages(values=values, keep=keep, frac_zero_std=float(zero.float().mean()),
+                      clipped_frac=clipped)

@@ -185,7 +185,9 @@ class TorchLearner:
             stats.add("reward/overlong_penalty_mean", penalty.mean())
             stats.add("reward/overlong_frac", (penalty < 0).float().mean())
         adv = group_advantages(rewards, tb.group_size, estimator=s.advantage, std_norm=s.adv_std_norm,
-                               scope=s.adv_scope, drop_zero_std=s.drop_zero_std)
+                               scope=s.adv_scope, drop_zero_std=s.drop_zero_std, clip=s.adv_clip)
+        if s.adv_clip:
+            stats.add("train/adv_clipped_frac", adv.clipped_frac)
         keep = adv.keep & ~tb.truncated if s.mask_truncated else adv.keep  # (N,)
         return adv, tb.mask * keep.float()[:, None]
 
