@@ -164,3 +164,12 @@ def test_the_report_shows_the_first_and_the_last_evaluation_whatever_their_numbe
     from tether.families.flow.evaluate import evenly_spaced
 
     assert evenly_spaced(n, 5) == chosen
+
+
+def test_first_k_trains_the_same_leading_steps_of_every_trajectory_as_the_reference():
+    from tether.families.flow.learn import trained_steps
+
+    # Flow-GRPO's timestep_fraction 0.99 at T = 8: int(7.92) = 7 steps, 0 … 6, in order
+    first = trained_steps(5, 8, int(8 * 0.99), seed=3, choice="first")
+    assert torch.equal(first, torch.arange(7).expand(5, -1))
+    assert torch.equal(trained_steps(5, 8, 0, seed=3, choice="first"), torch.arange(8).expand(5, -1))

@@ -8,10 +8,12 @@ step, the anchors, the TIS/mask corrections, the aggregations and every ratio me
 code language models train with. The KL to the reference model is the closed form for two
 Gaussians of the same std (``tether.families.flow.policy.gaussian_kl``), not a sampled estimator.
 
-With ``flow.train_steps`` = K < T the learner trains K of each trajectory's T steps, drawn at
-random per trajectory (Flow-GRPO's ``timestep_fraction`` = K/T): the columns are then those K
-steps, and an update costs K/T of the full one. The draw is seeded by the rollout batch's own
-seed, so every rank and every resumed run trains the same steps of the same batch.
+With ``flow.train_steps`` = K < T the learner trains K of each trajectory's T steps: the columns
+are then those K steps, and an update costs K/T of the full one. ``flow.train_step_choice`` says
+which: ``random`` draws them per trajectory (DDPO's way), seeded by the rollout batch's own seed so
+every rank and every resumed run trains the same steps of the same batch; ``first`` trains steps
+0 … K − 1 of every trajectory, as Flow-GRPO's reference does with ``timestep_fraction`` = K/T (at
+its configs' 0.99 that leaves out the last, low-noise step).
 """
 
 from __future__ import annotations
@@ -62,18 +64,22 @@ class FlowTrainBatch:
             behavior_versions=self.behavior_versions[index], truncated=self.truncated[index])
 
 
-def trained_steps(n: int, steps: int, k: int, seed: int) -> torch.Tensor:
-    """(n, k) step indices, sorted, drawn without replacement per trajectory from ``steps``
-    (all of them, in order, when ``k`` is 0 or ``steps``); the same for the same ``seed``."""
+def trained_steps(n: int, steps: int, k: int, seed: int, choice: str = "random") -> torch.Tensor:
+    """(n, k) step indices, sorted: with ``choice`` random, drawn without replacement per
+    trajectory from ``steps`` (the same for the same ``seed``); with ``first``, steps 0 … k − 1 of
+    every trajectory (the reference's ``timestep_fraction``). All of them, in order, when ``k`` is
+    0 or ``steps``."""
     if k <= 0 or k >= steps:
         return torch.arange(steps).expand(n, -1).clone()
+    if choice == "first":
+        return torch.arange(k).expand(n, -1).clone()
     generator = torch.Generator().manual_seed(seed)
     return torch.rand(n, steps, generator=generator).argsort(1)[:, :k].sort(1).values
 
 
-def to_flow_batch(payload, train_steps: int = 0) -> FlowTrainBatch:
+def to_flow_batch(payload, train_steps: int = 0, choice: str = "random") -> FlowTrainBatch:
     """Tensors of a ``tether.families.flow.rollout.FlowBatch``, with ``train_steps`` of each trajectory's
-    steps (0: all); refuses one without the engine's log-probs."""
+    steps (0: all; which ones: ``choice``); refuses one without the engine's log-probs."""
     if payload.logprobs is None or not len(payload.logprobs):
         raise ConfigError("the rollout batch carries no engine log-probs, which the loss needs for its ratio "
                           "and corrections")
@@ -81,7 +87,7 @@ def to_flow_batch(payload, train_steps: int = 0) -> FlowTrainBatch:
     if not torch.isfinite(logp).all():
         raise RolloutError("the engine's step log-probs contain non-finite values")
     n, steps = logp.shape
-    chosen = trained_steps(n, steps, train_steps, payload.seed)
+    chosen = trained_steps(n, steps, train_steps, payload.seed, choice)
     return FlowTrainBatch(
         latents=torch.tensor(payload.latents, dtype=torch.float32),
         words=torch.tensor(payload.words, dtype=torch.long),
@@ -95,9 +101,11 @@ def to_flow_batch(payload, train_steps: int = 0) -> FlowTrainBatch:
 class FlowPolicy:
     """What the learner asks of the flow family (``tether.vocabulary.Policy``)."""
 
-    def __init__(self, train_steps: int = 0) -> None:
+    def __init__(self, train_steps: int = 0, choice: str = "random") -> None:
         self.train_steps = train_steps
         """K: steps of each trajectory trained (0: all T)."""
+        self.choice = choice
+        """Which K: ``random`` per trajectory, or the ``first`` K (``flow.train_step_choice``)."""
 
     def load(self, path: str | Path):
         """(model, tokenizer): the flow model has a fixed word vocabulary, no tokenizer to save."""
@@ -107,7 +115,7 @@ class FlowPolicy:
         model.save_pretrained(folder)
 
     def batch(self, payload) -> FlowTrainBatch:
-        return to_flow_batch(payload, self.train_steps)
+        return to_flow_batch(payload, self.train_steps, self.choice)
 
     def forward(self, model, batch: FlowTrainBatch, *, with_entropy: bool = False, forward=None):
         """(log-probs (n, K), entropies (n, K) or None, the KL's basis: each step's mean in units

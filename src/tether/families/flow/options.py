@@ -4,6 +4,7 @@ tiny model a run builds. Refused unless ``model.family=flow`` (``tether.config.f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from tether.config.fields import knob
 
@@ -20,10 +21,16 @@ class FlowSection:
     )
     train_steps: int = knob(
         0,
-        "K: steps of each trajectory the learner trains on, drawn at random per trajectory (Flow-GRPO's "
-        "timestep_fraction = K/T); an update then costs about K/T of one over all T steps. 0 = all T. "
-        "At most flow.steps.",
+        "K: steps of each trajectory the learner trains on (which ones: flow.train_step_choice); an "
+        "update then costs about K/T of one over all T steps. 0 = all T. At most flow.steps.",
         min=0,
+    )
+    train_step_choice: Literal["random", "first"] = knob(
+        "random",
+        "Which flow.train_steps of each trajectory: random = drawn per trajectory (DDPO's way); first = "
+        "steps 0 … K − 1 of every trajectory, Flow-GRPO's reference (timestep_fraction = K/T in order; at "
+        "its 0.99 the last, low-noise step is left out).",
+        choices=("random", "first"),
     )
     eval_steps: int = knob(
         16, "Steps of the deterministic ODE sampler that held-out evaluation and the warm start use.", min=1

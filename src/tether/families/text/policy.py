@@ -58,10 +58,3 @@ class TextPolicy:
             return None
         return SharedPrefixForward(model)
 
-
-def policy_for(family: str, temperature: float, *, flow_train_steps: int = 0):
-    if family == "flow":
-        from tether.families.flow.learn import FlowPolicy
-
-        return FlowPolicy(flow_train_steps)
-    return TextPolicy(temperature)
