@@ -173,3 +173,38 @@ def test_first_k_trains_the_same_leading_steps_of_every_trajectory_as_the_refere
     first = trained_steps(5, 8, int(8 * 0.99), seed=3, choice="first")
     assert torch.equal(first, torch.arange(7).expand(5, -1))
     assert torch.equal(trained_steps(5, 8, 0, seed=3, choice="first"), torch.arange(8).expand(5, -1))
+
+
+def test_kl_in_the_references_units_is_the_exact_one_times_each_steps_dt():
+    """flow.kl_units: reference = ‖Δμ‖²/(2σ_t²), Flow-GRPO's code (its issue #78: Δt dropped);
+    exact = ‖Δμ‖²/(2σ_t²|dt|). On a shifted schedule |dt| differs per step, and so does the ratio."""
+    torch.set_num_threads(1)
+    model, ref = small_model(0), small_model(1)
+    sampling = FlowSampling(steps=4, noise_level=0.7)
+    engine = FlowEngine(FlowModel(model.config), sampling)
+    engine.load_weights(dict(model.named_parameters()), version=0)
+    words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:2]]).repeat_interleave(2, 0)
+    latents, logps, versions = engine.generate(words, seed=3)
+    times = torch.tensor([1.0, 0.9, 0.6, 0.25, 0.0])  # uneven steps
+    batch = FlowBatch(positions=[0, 1], prompts=["p"] * 2, words=words.numpy(), latents=latents.numpy(),
+                      logprobs=logps.numpy(), versions=[versions] * 4, rewards=[0.0] * 4, times=times.numpy(),
+                      noise_level=0.7, group_size=2)
+    tb = to_flow_batch(batch)
+    kl = {}
+    for units in ("exact", "reference"):
+        policy = FlowPolicy(kl_units=units)
+        with torch.no_grad():
+            _, _, basis = policy.forward(model, tb)
+            _, _, ref_basis = policy.forward(ref, tb)
+        kl[units] = policy.kl(basis, ref_basis, "k1")
+    dt = (times[:-1] - times[1:]).abs()
+    assert torch.allclose(kl["reference"], kl["exact"] * dt, rtol=1e-4)
+    # the reference's own expression, step by step: mean over coordinates of Δμ², over 2σ_t²
+    from tether.families.flow.policy import step_means
+
+    with torch.no_grad():
+        means, stds = step_means(model, tb.latents, tb.words, tb.times, 0.7)
+        ref_means, _ = step_means(ref, tb.latents, tb.words, tb.times, 0.7)
+    sigma_t = stds / dt.sqrt()
+    by_hand = (means - ref_means).flatten(2).pow(2).mean(-1) / (2 * sigma_t ** 2)
+    assert torch.allclose(kl["reference"], by_hand, rtol=1e-4)

@@ -101,7 +101,7 @@ class FlowFamily(FamilyBase):
     def policy(self, cfg: Any):
         from tether.families.flow.learn import FlowPolicy
 
-        return FlowPolicy(cfg.flow.train_steps, cfg.flow.train_step_choice)
+        return FlowPolicy(cfg.flow.train_steps, cfg.flow.train_step_choice, cfg.flow.kl_units)
 
     def evaluator(self, cfg: Any, model: Any, tokenizer: Any, data: DataBundle, score: Any, *,
                   num_samples: int | None = None, run_dir: Path | None = None):

@@ -101,11 +101,14 @@ def to_flow_batch(payload, train_steps: int = 0, choice: str = "random") -> Flow
 class FlowPolicy:
     """What the learner asks of the flow family (``tether.vocabulary.Policy``)."""
 
-    def __init__(self, train_steps: int = 0, choice: str = "random") -> None:
+    def __init__(self, train_steps: int = 0, choice: str = "random", kl_units: str = "exact") -> None:
         self.train_steps = train_steps
         """K: steps of each trajectory trained (0: all T)."""
         self.choice = choice
         """Which K: ``random`` per trajectory, or the ``first`` K (``flow.train_step_choice``)."""
+        self.kl_units = kl_units
+        """``exact``: each step's KL over its own variance σ_t²·|dt|; ``reference``: over σ_t², as
+        Flow-GRPO's reference code computes it (``flow.kl_units``): |dt| times the exact one."""
 
     def load(self, path: str | Path):
         """(model, tokenizer): the flow model has a fixed word vocabulary, no tokenizer to save."""
@@ -119,11 +122,16 @@ class FlowPolicy:
 
     def forward(self, model, batch: FlowTrainBatch, *, with_entropy: bool = False, forward=None):
         """(log-probs (n, K), entropies (n, K) or None, the KL's basis: each step's mean in units
-        of its std, μ/σ (n, K, C, H, W))."""
+        of its std, μ/σ (n, K, C, H, W); with ``kl_units`` reference, of σ_t = std/√|dt|)."""
         logp, means, stds = step_logprobs(model, batch.latents, batch.words, batch.times, batch.noise_level,
                                           batch.steps)
         entropy = gaussian_entropy(stds) if with_entropy else None
-        return logp, entropy, means / stds.view(*stds.shape, *[1] * (means.dim() - 2))
+        scale = stds
+        if self.kl_units == "reference":  # σ_t = std / √|dt|: the KL the reference's code computes
+            times = batch.times.to(stds.device, torch.float64)
+            dt = (times[batch.steps] - times[batch.steps + 1]).abs()
+            scale = (stds.double() / dt.sqrt()).to(stds.dtype)
+        return logp, entropy, means / scale.view(*scale.shape, *[1] * (means.dim() - 2))
 
     def kl(self, basis: torch.Tensor, ref_basis: torch.Tensor, estimator: str) -> torch.Tensor:
         """Closed-form KL per step, (n, T): with both means in units of the shared σ,

@@ -32,6 +32,14 @@ class FlowSection:
         "its 0.99 the last, low-noise step is left out).",
         choices=("random", "first"),
     )
+    kl_units: Literal["reference", "exact"] = knob(
+        "reference",
+        "Units of the closed-form KL that train.kl_coef weighs. reference = ‖μ_θ − μ_ref‖²/(2σ_t²), as "
+        "Flow-GRPO's reference code computes it, so its β carries over; exact = over each step's own "
+        "variance σ_t²·|dt|, the KL of the two step Gaussians, 1/|dt| times larger (T times at uniform "
+        "steps: β_exact = β_reference·|dt|).",
+        choices=("reference", "exact"),
+    )
     eval_steps: int = knob(
         16, "Steps of the deterministic ODE sampler that held-out evaluation and the warm start use.", min=1
     )
