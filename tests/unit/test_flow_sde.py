@@ -62,3 +62,31 @@ def test_a_steps_log_probability_is_its_gaussians_density():
     assert torch.allclose(logp, expected, atol=1e-3)
     assert torch.allclose(step_log_prob(out, mean, std), logp)
     assert std == pytest.approx(0.7 * math.sqrt(0.6 / 0.4) * math.sqrt(0.1))
+
+
+def reference_step(x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, j: int, noise_level: float):
+    """One step of Flow-GRPO's reference sampler as its paper and code state it, written out:
+    std_dev_t = a·√(σ / (1 − σ)), with σ = 1 replaced by the schedule's second sigma (sigma_max);
+    mean = x·(1 + std_dev_t²/(2σ)·dt) + v·(1 + std_dev_t²·(1 − σ)/(2σ))·dt; std = std_dev_t·√(−dt)."""
+    sigma, nxt = float(sigmas[j]), float(sigmas[j + 1])
+    dt = nxt - sigma
+    sigma_max = float(sigmas[1])
+    std_dev_t = math.sqrt(sigma / (1 - (sigma_max if sigma == 1 else sigma))) * noise_level
+    c = std_dev_t ** 2 / (2 * sigma)
+    mean = x * (1 + c * dt) + v * (1 + c * (1 - sigma)) * dt
+    return mean, std_dev_t * math.sqrt(-dt)
+
+
+@pytest.mark.parametrize("shift", [1.0, 3.0])
+def test_every_steps_mean_and_std_equal_the_references_at_any_shift(shift):
+    torch.manual_seed(0)
+    sigmas = timesteps(8, shift=shift).double()
+    x, v = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    for j in range(7):  # the last step, to t = 0, is the same Euler step in both
+        mean, std = step_mean_std(x, v, float(sigmas[j]), float(sigmas[j + 1]), 0.7)
+        ref_mean, ref_std = reference_step(x, v, sigmas, j, 0.7)
+        assert std == pytest.approx(ref_std, abs=1e-6), j
+        assert torch.allclose(mean, ref_mean, atol=1e-6), j
+    if shift == 3.0:  # the step the old guard max(1 − t, |dt|) got wrong: 0.684 against 0.749
+        std = step_mean_std(x, v, float(sigmas[1]), float(sigmas[2]), 0.7)[1]
+        assert std == pytest.approx(0.749, abs=1e-3)

@@ -42,7 +42,8 @@ class FlowEvaluator:
     def images(self, words: torch.Tensor, seed: int) -> torch.Tensor:
         """ODE images of ``words``, in chunks, from noise fixed by ``seed``."""
         generator = torch.Generator().manual_seed(seed)
-        out = [generate_images(self.model, words[i:i + self.batch_size], self.eval_steps, generator=generator)
+        out = [generate_images(self.model, words[i:i + self.batch_size], self.eval_steps, generator=generator,
+                               shift=self.sampling.shift)
                for i in range(0, len(words), self.batch_size)]
         return torch.cat(out)
 

@@ -50,5 +50,12 @@ class FlowSection:
         "divided by a vanishing σ (the ratios are noise), so at least 0.01.",
         min=0.01,
     )
+    shift: float = knob(
+        1.0,
+        "Timestep shift of the sampling schedule towards the noise end, as SD3's scheduler does (t ↦ "
+        "s·t/(1 + (s − 1)·t)); training trajectories and the evaluation ODE both use it. 1 = uniform; "
+        "SD3 uses 3.",
+        min=0.01,
+    )
     init_width: int = knob(96, "Width of a flow model built by model.create_if_missing.", min=8)
     init_depth: int = knob(3, "Transformer blocks of a flow model built by model.create_if_missing.", min=1)

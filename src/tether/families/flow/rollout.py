@@ -133,4 +133,4 @@ class FlowSampler:
 
 def sampling_of(cfg) -> FlowSampling:
     """How the recipe's trajectories are sampled (its ``flow`` section)."""
-    return FlowSampling(steps=cfg.flow.steps, noise_level=cfg.flow.noise_level)
+    return FlowSampling(steps=cfg.flow.steps, noise_level=cfg.flow.noise_level, shift=cfg.flow.shift)

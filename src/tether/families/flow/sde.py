@@ -38,11 +38,12 @@ def timesteps(steps: int, *, shift: float = 1.0) -> torch.Tensor:
 def step_coefficients(t, s, noise_level: float) -> tuple[torch.Tensor, ...]:
     """The numbers of the steps from ``t`` to ``s`` < ``t`` (floats, or tensors of any one shape),
     in float64: (σ_t²/(2t), 1 − t, dt = s − t, the std σ_t·√|dt|). σ_t = a·√(t / (1 − t)); at
-    t = 1, where it is infinite, 1 − t is replaced by the step's size (Flow-GRPO's reference uses
-    the next timestep there: the same for a uniform schedule). A step from t = 0 has no SDE term."""
+    t = 1, where it is infinite, 1 − t is replaced by 1 − s, the next timestep's, as Flow-GRPO's
+    reference does (its ``sigma_max``), at any shift of the schedule. A step from t = 0 has no
+    SDE term."""
     t = torch.as_tensor(t, dtype=torch.float64)
     dt = torch.as_tensor(s, dtype=torch.float64) - t
-    sig = noise_level * torch.sqrt(t / torch.maximum(1 - t, dt.abs()))
+    sig = noise_level * torch.sqrt(t / torch.where(t >= 1, dt.abs(), 1 - t))
     coef = torch.where(t > 0, sig * sig / (2 * t), torch.zeros_like(t))
     return coef, 1 - t, dt, sig * torch.sqrt(-dt)
 
