@@ -46,3 +46,37 @@ def test_a_run_with_a_deep_budget_is_its_own_staleness_sweep():
     r = study["reward_trend"]
     assert math.isclose(r["slope"], 0.001, rel_tol=1e-9) and r["se"] < 1e-12 and r["n"] == 48
     assert any("t =" in line for line in summary_lines(study))
+
+
+def test_the_two_sided_p_value_is_students():
+    from tether.runtime.study import two_sided_p
+
+    assert math.isclose(two_sided_p(1.0, 1), 0.5, abs_tol=1e-12)  # Cauchy: P(|T| ≥ 1) = 1/2
+    assert math.isclose(two_sided_p(0.0, 5), 1.0, abs_tol=1e-12)
+    assert math.isclose(two_sided_p(2.228, 10), 0.05, abs_tol=2e-4)  # the tables' 5% point at df 10
+    assert math.isclose(two_sided_p(2.0, 10), 0.07339, abs_tol=1e-4)
+    assert math.isclose(two_sided_p(1.959964, 1e7), 0.05, abs_tol=1e-5)  # the normal limit
+    assert two_sided_p(math.inf, 3) == 0.0
+
+
+def test_the_seeds_grouping_leaves_the_middle_out_with_welchs_df():
+    # S = 9: staleness 0 … 9 in turn; the seed compared ≤ 2 with ≥ 7
+    metrics = rows(100, 9, clip_of=lambda step, stale: 0.01 * stale + 0.001 * (step % 3),
+                   reward_of=lambda s: 0.5)
+    study = staleness_study(metrics, low=2, high=7)
+    g = study["grouped"]
+    assert g["low_staleness"] == 2 and g["high_staleness"] == 7 and "median_staleness" not in g
+    low = [r["ratio/clip_frac_high"] for r in metrics if r["staleness/batches"] <= 2]
+    high = [r["ratio/clip_frac_high"] for r in metrics if r["staleness/batches"] >= 7]
+    clip = g["clip_frac"]
+    assert clip["low"]["n"] == len(low) == 30 and clip["high"]["n"] == len(high) == 30
+    vl = sum((v - sum(low) / 30) ** 2 for v in low) / 29 / 30
+    vh = sum((v - sum(high) / 30) ** 2 for v in high) / 29 / 30
+    assert math.isclose(clip["df"], (vl + vh) ** 2 / (vl * vl / 29 + vh * vh / 29), rel_tol=1e-9)
+    assert clip["p"] < 1e-10 and any("df =" in line and "≥ 7 vs ≤ 2" in line for line in summary_lines(study))
+    import pytest
+
+    from tether.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="high above low"):
+        staleness_study(metrics, low=7, high=2)

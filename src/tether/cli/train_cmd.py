@@ -152,13 +152,18 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="write PNG plots of a run (reward, eval, staleness, ratios, timeline, "
                        "the in-run staleness study, image grids of flow runs)")
     p.add_argument("run", help="a run directory")
+    p.add_argument("--study-low", type=float, metavar="S",
+                   help="with --study-high: compare batches at most S batches stale against those at "
+                        "least --study-high stale, the middle left out (the seed compared 2 with 7); "
+                        "default: the median")
+    p.add_argument("--study-high", type=float, metavar="S")
     p.set_defaults(func=report)
 
 
 def report(ns: argparse.Namespace) -> int:
     from tether.runtime.report import write_report
 
-    for path in write_report(Path(ns.run)):
+    for path in write_report(Path(ns.run), study_low=ns.study_low, study_high=ns.study_high):
         print(path)
     import json
 

@@ -46,8 +46,10 @@ def _moving_mean(values: list[float], window: int) -> list[float]:
     return out
 
 
-def write_report(run_dir: Path) -> list[Path]:
-    """Write the plots into ``RUN/plots/``; returns their paths."""
+def write_report(run_dir: Path, *, study_low: float | None = None,
+                 study_high: float | None = None) -> list[Path]:
+    """Write the plots into ``RUN/plots/``; returns their paths. ``study_low``/``study_high``
+    group the staleness study as the seed did (≤ low against ≥ high) instead of at the median."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,7 +145,7 @@ def write_report(run_dir: Path) -> list[Path]:
     paths.append(_save(fig, out / "ratios.png"))
 
     paths.append(_timeline(plt, events, out / "timeline.png"))
-    paths += _study(plt, metrics, out)
+    paths += _study(plt, metrics, out, low=study_low, high=study_high)
     paths += _family(run_dir).report(run_dir, evals, out)
     return paths
 
@@ -155,10 +157,11 @@ def _family(run_dir: Path):
     return load_config(run_dir / "config.yaml").family()
 
 
-def _study(plt, metrics: list[dict[str, Any]], out: Path) -> list[Path]:
+def _study(plt, metrics: list[dict[str, Any]], out: Path, *, low: float | None,
+           high: float | None) -> list[Path]:
     from tether.runtime.study import staleness_study
 
-    study = staleness_study(metrics)
+    study = staleness_study(metrics, low=low, high=high)
     (out / "study.json").write_text(json.dumps(study, indent=2) + "\n")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     levels = list(study["by_staleness"])

@@ -7,8 +7,10 @@ the run's own metrics (``tether report`` writes it as ``plots/study.json`` and `
 - per staleness value: batches, and the mean and standard deviation of the clip fraction (low +
   high), the ratio spread (``ratio/std``) and the importance-weight spread (``ratio/is_weight_std``,
   π_old/μ: where staleness shows with ``train.anchor: proximal`` and one update per batch);
-- the grouped comparison: batches at or below the median staleness against those above it,
-  each figure's difference with its standard error (Welch) and t;
+- the grouped comparison: batches at or below the median staleness against those above it (or,
+  with ``low``/``high``, batches at most ``low`` against those at least ``high``, the middle left
+  out, as the seed compared ≤ 2 with ≥ 7), each figure's difference with its standard error, t,
+  degrees of freedom (Welch–Satterthwaite) and two-sided p-value;
 - the reward trend: the least-squares slope of ``reward/mean`` per trained batch, its standard
   error and t-statistic (t = slope / se; |t| > 2 is a trend the noise is unlikely to make).
 """
@@ -60,19 +62,68 @@ def trend(xs: Sequence[float], ys: Sequence[float]) -> dict[str, float]:
             "t": slope / se if se > 0 else math.inf}
 
 
+def _incomplete_beta(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b), by its continued fraction (Lentz's
+    method; the symmetry I_x(a, b) = 1 − I_{1−x}(b, a) keeps x where it converges fast)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - _incomplete_beta(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x)
+                     + b * math.log(1 - x)) / a
+    tiny = 1e-300
+    f, c, d = 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            num = 1.0
+        elif i % 2 == 0:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1.0 + num * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + num / c
+        c = c if abs(c) > tiny else tiny
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-14:
+            break
+    return front * (f - 1.0)
+
+
+def two_sided_p(t: float, df: float) -> float:
+    """P(|T| ≥ |t|) for Student's t with ``df`` degrees of freedom."""
+    if math.isinf(t):
+        return 0.0
+    return _incomplete_beta(df / 2, 0.5, df / (df + t * t))
+
+
 def _compare(low: list[float], high: list[float]) -> dict[str, float]:
     out = {"low": _describe(low), "high": _describe(high)}
     if len(low) > 1 and len(high) > 1:
         (ml, sl), (mh, sh) = _mean_std(low), _mean_std(high)
-        se = math.sqrt(sl * sl / len(low) + sh * sh / len(high))
+        vl, vh = sl * sl / len(low), sh * sh / len(high)
+        se = math.sqrt(vl + vh)
         out["difference"] = mh - ml
         out["se"] = se
         out["t"] = (mh - ml) / se if se > 0 else (0.0 if mh == ml else math.inf)
+        if se > 0:  # Welch–Satterthwaite
+            out["df"] = (vl + vh) ** 2 / (vl * vl / (len(low) - 1) + vh * vh / (len(high) - 1))
+            out["p"] = two_sided_p(out["t"], out["df"])
     return out
 
 
-def staleness_study(metrics: list[dict[str, Any]]) -> dict[str, Any]:
-    """The study of a run's metrics rows (see the module's docstring)."""
+def staleness_study(metrics: list[dict[str, Any]], *, low: float | None = None,
+                    high: float | None = None) -> dict[str, Any]:
+    """The study of a run's metrics rows (see the module's docstring); ``low`` and ``high`` (both
+    or neither) group staleness ≤ low against ≥ high instead of the median split."""
+    if (low is None) != (high is None) or (low is not None and high is not None and high <= low):
+        from tether.errors import ConfigError
+
+        raise ConfigError(f"the study's groups need both a low and a high staleness, high above low; got "
+                          f"low={low}, high={high}")
     rows = [m for m in metrics if m.get("staleness/batches") is not None]
     levels = sorted({float(m["staleness/batches"]) for m in rows})
     by_staleness = {}
@@ -83,11 +134,16 @@ def staleness_study(metrics: list[dict[str, Any]]) -> dict[str, Any]:
             for name, keys in FIGURES.items()}}
     ordered = sorted(float(m["staleness/batches"]) for m in rows)
     median = ordered[(len(ordered) - 1) // 2] if ordered else 0.0
-    grouped = {"median_staleness": median}
+    if low is None:
+        grouped: dict[str, Any] = {"median_staleness": median}
+        is_low, is_high = (lambda st: st <= median), (lambda st: st > median)
+    else:
+        grouped = {"low_staleness": low, "high_staleness": high}
+        is_low, is_high = (lambda st: st <= low), (lambda st: st >= high)
     for name, keys in FIGURES.items():
         pairs = [(float(m["staleness/batches"]), _value(m, keys)) for m in rows]
-        grouped[name] = _compare([v for st, v in pairs if st <= median and v is not None],
-                                 [v for st, v in pairs if st > median and v is not None])
+        grouped[name] = _compare([v for st, v in pairs if is_low(st) and v is not None],
+                                 [v for st, v in pairs if is_high(st) and v is not None])
     rewarded = [m for m in metrics if m.get("reward/mean") is not None and m.get("step") is not None]
     steps, rewards = [float(m["step"]) for m in rewarded], [float(m["reward/mean"]) for m in rewarded]
     return {"by_staleness": by_staleness, "grouped": grouped, "reward_trend": trend(steps, rewards)}
@@ -102,11 +158,16 @@ def summary_lines(study: dict[str, Any]) -> list[str]:
             spread = row["ratio_std"].get("mean", float("nan"))
             lines.append(f"staleness {level}: {row['batches']} batches, clip fraction {clip['mean']:.4f} ± "
                          f"{clip['std']:.4f}, ratio std {spread:.2e}")
-    g = study["grouped"]["clip_frac"]
+    grouped = study["grouped"]
+    g = grouped["clip_frac"]
     if "t" in g:
-        median = study["grouped"]["median_staleness"]
-        lines.append(f"clip fraction above vs at-or-below median staleness {median:g}: "
-                     f"{g['difference']:+.4f} ± {g['se']:.4f} (t = {g['t']:.2f})")
+        if "median_staleness" in grouped:
+            which = f"above vs at-or-below median staleness {grouped['median_staleness']:g}"
+        else:
+            which = f"staleness ≥ {grouped['high_staleness']:g} vs ≤ {grouped['low_staleness']:g}"
+        tail = f", df = {g['df']:.1f}, p = {g['p']:.2g}" if "p" in g else ""
+        lines.append(f"clip fraction {which}: {g['difference']:+.4f} ± {g['se']:.4f} "
+                     f"(t = {g['t']:.2f}{tail})")
     r = study["reward_trend"]
     if "t" in r:
         lines.append(f"reward trend: {r['slope']:+.2e} per batch ± {r['se']:.1e} "
