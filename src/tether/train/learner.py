@@ -282,9 +282,10 @@ class TorchLearner:
                 total = total * 0.0  # a stand-in row: its backward only takes part in the collectives
             total.backward()
             if self.group.world > 1:  # the figures of the whole micro-batch, from every rank's rows
+                kl_cols = None if ref is None else self.policy.kl(own.detach(), ref[part], s.kl_estimator)
                 policy, kl, loss_metrics, logp, entropy, anchor, keep = self._whole(
-                    part, logp.detach(), entropy, anchor, adv, keep, weights, ref, total_tokens, total_seqs,
-                    settings)
+                    part, logp.detach(), entropy, anchor, adv, keep, weights, kl_cols, total_tokens,
+                    total_seqs, settings)
                 total = policy if kl is None else policy + s.kl_coef * kl
             if kl is not None:
                 stats.add("loss/kl", kl.detach())
@@ -308,26 +309,26 @@ class TorchLearner:
         self.committed += 1
         return 1
 
-    def _whole(self, part, logp, entropy, anchor, adv, keep, weights, ref, total_tokens, total_seqs,
+    def _whole(self, part, logp, entropy, anchor, adv, keep, weights, kl_cols, total_tokens, total_seqs,
                settings):
         """The loss figures of one micro-batch over every rank's rows (this rank's ``part`` and the
         others'), computed as one process would: (policy, kl, loss metrics, logp, entropy, anchor,
-        keep) of those rows."""
+        keep) of those rows. ``kl_cols``: this rank's per-column KL terms (n, T), or None; each
+        family's KL basis may have any shape (a step's mean image for flow), its terms are columns."""
         s = self.s
         fields = torch.stack([logp, entropy, anchor, keep, weights,
-                              ref[part] if ref is not None else torch.zeros_like(logp)], dim=1)
+                              kl_cols if kl_cols is not None else torch.zeros_like(logp)], dim=1)
         rows, full = self.group.collect(fields, part)
-        logp, entropy, anchor, keep, weights, ref_rows = full.unbind(1)
+        logp, entropy, anchor, keep, weights, kl_rows = full.unbind(1)
         inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[rows], mask=keep)
         with torch.no_grad():
             per_token, loss_metrics = self.loss_fn(inputs, settings)
             policy = aggregate(per_token * weights, keep, s.aggregation, norm_constant=self.norm_constant,
                                total_tokens=total_tokens, total_seqs=total_seqs)
             kl = None
-            if ref is not None:
-                kl = aggregate(self.policy.kl(logp, ref_rows, s.kl_estimator), keep, s.aggregation,
-                               norm_constant=self.norm_constant, total_tokens=total_tokens,
-                               total_seqs=total_seqs)
+            if kl_cols is not None:
+                kl = aggregate(kl_rows, keep, s.aggregation, norm_constant=self.norm_constant,
+                               total_tokens=total_tokens, total_seqs=total_seqs)
         return policy, kl, loss_metrics, logp, entropy, anchor, keep
 
     @staticmethod

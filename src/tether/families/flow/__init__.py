@@ -34,11 +34,12 @@ class FlowFamily(FamilyBase):
     section = ("flow", FlowSection)
     keys = ("reward.function", "reward.on_error")
     capabilities = Capabilities(
-        engines=("torch",), inflight_updates=("drain",), features=frozenset(),
+        engines=("torch",), inflight_updates=("drain",),
+        features=frozenset({"learner_ranks", "learner_actor"}),
         notes={"engines": "vLLM serves language models", "inflight_updates": NOT_YET,
                "token_sampling": "a flow model's sampling is the flow section",
                "decoder": "a flow model's sampler has no native form",
-               "dynamic_sampling": NOT_YET, "learner_ranks": NOT_YET, "learner_actor": NOT_YET,
+               "dynamic_sampling": NOT_YET,
                "attribution": NOT_YET, "datasets": "use data.task=shapes",
                "truncation": "trajectories are never truncated",
                "shared_prefix": "no prompt prefix is shared"})
