@@ -94,3 +94,29 @@ def test_a_reward_too_large_to_train_on_names_the_function_and_the_value(tmp_pat
 def test_bool_counts_as_zero_or_one(tmp_path):
     (tmp_path / "r.py").write_text("def reward(p, c, a, f):\n    return c == a\n")
     assert scorer(f"{tmp_path / 'r.py'}:reward")(EX, "42") == 1.0
+
+
+def test_several_rewards_are_summed_with_their_weights_and_each_part_is_reported():
+    from tether.config import load_config
+    from tether.families.text import FAMILY
+
+    cfg = load_config(None, ["data.task=arithmetic", "reward.functions=[task, exact_match]",
+                             "reward.weights=[1.0, 0.5]"])
+    score = FAMILY.scorer(cfg)
+    right, wrong = Example("1+2=", "3"), Example("1+2=", "3")
+    assert score(right, "3\n") == pytest.approx(1.0 + 0.5 * 1.0)
+    assert score(wrong, "4\n") == pytest.approx(0.1 + 0.5 * 0.0)  # the task's format credit, no match
+    assert score.take_parts() == pytest.approx({"reward/part_0_mean": 0.55, "reward/part_1_mean": 0.5})
+    assert score.take_parts() == {}  # taken
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["reward.function=exact_match", "reward.functions=[exact_match]"], "are both set"),
+    (["reward.functions=[exact_match, task]", "reward.weights=[1.0]"], "1 weights for 2"),
+    (["data.task=", "data.dataset=x.jsonl", "reward.functions=[task]"], "needs|scores with a built-in task"),
+])
+def test_weighted_rewards_refuse_what_cannot_be_meant(overrides, message):
+    from tether.config import load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

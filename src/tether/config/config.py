@@ -147,7 +147,15 @@ class Config:
                               "their own held-out split")
         # a family that does not declare reward.function scores samples its own way (agent: the env)
         scored = "reward.function" in getattr(self.family(), "keys", ())
-        if scored and self.reward.function == "task" and not d.task:
+        rw = self.reward
+        if rw.functions and rw.function != "task":
+            raise ConfigError(f"reward.function={rw.function} and reward.functions={rw.functions} are both "
+                              "set; put every reward in reward.functions (with reward.weights)")
+        if rw.weights and len(rw.weights) != len(rw.functions):
+            raise ConfigError(f"reward.weights has {len(rw.weights)} weights for {len(rw.functions)} "
+                              "reward.functions; give one weight per function (or none: 1 each)")
+        named = rw.functions or [rw.function]
+        if scored and "task" in named and not d.task:
             raise ConfigError("reward.function=task scores with a built-in task's verifier, but "
                               "data.task is empty; choose "
                               f"{', '.join(registry.rewards.names())} or path/to/file.py:function")

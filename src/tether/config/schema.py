@@ -403,6 +403,14 @@ class RewardSection:
         "'task' (the built-in task's verifier), exact_match, numeric_match, math (needs the math "
         "extra), or path/to/file.py:function with signature (prompt, completion, answer, fields) -> float.",
     )
+    functions: list[str] = knob(
+        [],
+        "Several rewards summed with reward.weights, instead of reward.function (TRL's reward_funcs): "
+        "each a name reward.function accepts. Each one's batch mean is logged as reward/part_<i>_mean.",
+    )
+    weights: list[float] = knob(
+        [], "The weight of each of reward.functions (default: 1 each); the reward is Σ wᵢ·rᵢ."
+    )
     on_error: Literal["raise", "zero"] = knob(
         "raise",
         "A reward function that raises or returns a non-finite value: fail the batch and the run "

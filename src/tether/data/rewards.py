@@ -166,3 +166,35 @@ def _real(value: Any) -> Any:
 
 def scorer(spec: str, *, task: str | None = None) -> Scorer:
     return Scorer(load_reward(spec, task=task), spec)
+
+
+class WeightedScorer:
+    """Σ wᵢ·rᵢ over several scorers (``reward.functions`` and ``reward.weights``); the parts of
+    every call are kept for ``take_parts``, each checked as its own scorer checks it."""
+
+    def __init__(self, parts: list[Scorer], weights: list[float]) -> None:
+        self.parts, self.weights = parts, weights
+        self.name = " + ".join(f"{w:g}·{p.name}" for p, w in zip(parts, weights, strict=True))
+        self._seen: list[list[float]] = []
+
+    def __call__(self, example: Example, completion: Any) -> float:
+        values = [part(example, completion) for part in self.parts]
+        self._seen.append(values)
+        return float(sum(w * v for w, v in zip(self.weights, values, strict=True)))
+
+    def take_parts(self) -> dict[str, float]:
+        """Each part's mean over the calls since the last ``take_parts`` (``reward/part_<i>_mean``)."""
+        seen, self._seen = self._seen, []
+        if not seen:
+            return {}
+        return {f"reward/part_{i}_mean": sum(row[i] for row in seen) / len(seen)
+                for i in range(len(self.parts))}
+
+
+def scorer_of(cfg: Any, one: Any) -> Any:
+    """The recipe's reward: ``one(spec)`` (a family's scorer for one name) for ``reward.function``,
+    or the weighted sum over ``reward.functions``."""
+    r = cfg.reward
+    if not r.functions:
+        return one(r.function)
+    return WeightedScorer([one(spec) for spec in r.functions], list(r.weights) or [1.0] * len(r.functions))

@@ -32,7 +32,7 @@ class FlowFamily(FamilyBase):
     name = "flow"
     description = "flow-matching image generators (Flow-GRPO): a sample is a trajectory, an action a step"
     section = ("flow", FlowSection)
-    keys = ("reward.function", "reward.on_error")
+    keys = ("reward.function", "reward.functions", "reward.weights", "reward.on_error")
     capabilities = Capabilities(
         engines=("torch",), inflight_updates=("drain",),
         features=frozenset({"learner_ranks", "learner_actor"}),

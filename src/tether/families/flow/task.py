@@ -73,9 +73,14 @@ def flow_data(cfg) -> DataBundle:
 
 
 def flow_scorer(cfg) -> Scorer:
-    """The image reward named by ``reward.function``: ``task`` (the task's verifier), or
-    path/to/file.py:function taking (prompt, image, answer, fields)."""
-    spec = cfg.reward.function
+    """The image reward named by ``reward.function`` (or the weighted sum of ``reward.functions``):
+    ``task`` (the task's verifier), or path/to/file.py:function taking (prompt, image, answer, fields)."""
+    from tether.data.rewards import scorer_of
+
+    return scorer_of(cfg, lambda spec: _image_reward(cfg, spec))
+
+
+def _image_reward(cfg, spec: str) -> Scorer:
     if spec == "task":
         task = registry.tasks.get(cfg.data.task)
         return Scorer(task.verify, task.name)

@@ -27,7 +27,8 @@ ALL_FEATURES = frozenset({"token_sampling", "decoder", "dynamic_sampling", "trun
 class TextFamily(FamilyBase):
     name = "text"
     description = "causal language models: a sample is a completion, an action a token"
-    keys = ("model.init_arch", "model.init_size", "reward.function", "reward.on_error")
+    keys = ("model.init_arch", "model.init_size", "reward.function", "reward.functions", "reward.weights",
+            "reward.on_error")
     capabilities = Capabilities(engines=("torch", "vllm"),
                                 inflight_updates=("drain", "keep", "recompute", "abort"),
                                 features=ALL_FEATURES)
@@ -59,9 +60,9 @@ class TextFamily(FamilyBase):
         return run_warmstart(cfg, model_dir, out, on_progress)
 
     def scorer(self, cfg: Any) -> Any:
-        from tether.data.rewards import scorer
+        from tether.data.rewards import scorer, scorer_of
 
-        return scorer(cfg.reward.function, task=cfg.data.task or None)
+        return scorer_of(cfg, lambda spec: scorer(spec, task=cfg.data.task or None))
 
     def data(self, cfg: Any, model_path: Path) -> DataBundle:
         """The recipe's examples, each prompt checked against the model's context: what
