@@ -18,3 +18,30 @@ def later_turns(policy, model, batch):
         later[i, starts[1] - 1:len(flags) - 1] = True
     later &= train.mask.bool()
     return logp[later], train.behavior_logp[later], train.behavior_versions[later]
+
+
+def scored(policy, model, batch):
+    """(training tensors, the learner's log-probs (n, L − 1)) of an episode batch under ``model``."""
+    train = policy.batch(batch)
+    with torch.no_grad():
+        logp, _, _ = policy.forward(model.eval(), train)
+    return train, logp
+
+
+def publish_at_poll(engine, mode, n, seed):
+    """Have ``engine`` (watching in ``mode``) take other weights as version 1 at its ``n``-th poll;
+    returns those weights and the poll counter."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {name: p.detach() + 0.05 * torch.randn(p.shape, generator=gen)
+               for name, p in engine.model.named_parameters()}
+    calls = {"n": 0}
+
+    def poll():
+        calls["n"] += 1
+        if calls["n"] == n and engine.version == 0:
+            engine.bind(weights, 1)
+            return 1
+        return None
+
+    engine.watch(poll, mode)
+    return weights, calls

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("torch")
 import torch
 
-from episodes import later_turns
+from episodes import later_turns, publish_at_poll, scored
 from tether.config.config import load_config
 from tether.errors import RolloutError
 from tether.vocabulary import Example, SamplingParams, WorkItem
@@ -107,10 +107,7 @@ def test_the_learner_scores_model_tokens_as_the_engine_did_and_nothing_else(echo
 
     _, batch, _ = echo
     policy = AgentPolicy(1.0)
-    model, _ = policy.load(tiny_model_dir)
-    train = policy.batch(batch)
-    with torch.no_grad():
-        logp, _, _ = policy.forward(model.eval(), train)
+    train, logp = scored(policy, policy.load(tiny_model_dir)[0], batch)
     on = train.mask.bool()
     assert int(on.sum()) == sum(sum(m) for m in batch.model)
     assert (logp[on] - train.behavior_logp[on]).abs().mean() <= 1e-5
@@ -234,20 +231,7 @@ def test_weights_published_mid_episode_are_stamped_per_token_and_the_episode_is_
     tokens carry version 1, earlier ones 0 (abort samples the turn again: all of it on 1), and the
     batch is as old as its oldest model token."""
     sampler = sampler_for(config(tiny_model_dir, "Echo", f"async.inflight_update={mode}"))
-    engine = sampler.engine
-    gen = torch.Generator().manual_seed(0)
-    weights = {name: p.detach() + 0.05 * torch.randn(p.shape, generator=gen)
-               for name, p in engine.model.named_parameters()}  # version 1: other weights
-    calls = {"n": 0}
-
-    def poll():
-        calls["n"] += 1
-        if calls["n"] == 2 and engine.version == 0:
-            engine.bind(weights, 1)
-            return 1
-        return None
-
-    engine.watch(poll, mode)
+    weights, _ = publish_at_poll(sampler.engine, mode, 2, seed=0)
     try:
         batch = sampler.generate(item(1))
     finally:
@@ -279,20 +263,7 @@ def test_with_switch_at_turn_weights_change_only_between_turns(tiny_model_dir):
     """env.switch_at=turn: the publication the engine would take inside the first turn waits for
     the turn to end; every turn is sampled on one version, the later ones on the new weights."""
     sampler = sampler_for(config(tiny_model_dir, "Echo", "async.inflight_update=keep", "env.switch_at=turn"))
-    engine = sampler.engine
-    gen = torch.Generator().manual_seed(1)
-    weights = {name: p.detach() + 0.05 * torch.randn(p.shape, generator=gen)
-               for name, p in engine.model.named_parameters()}
-    calls = {"n": 0}
-
-    def poll():
-        calls["n"] += 1
-        if calls["n"] == 2 and engine.version == 0:
-            engine.bind(weights, 1)
-            return 1
-        return None
-
-    engine.watch(poll, "keep")
+    weights, calls = publish_at_poll(sampler.engine, "keep", 2, seed=1)
     try:
         batch = sampler.generate(item(1))
     finally:

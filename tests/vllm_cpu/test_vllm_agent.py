@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from episodes import later_turns  # noqa: E402
+from episodes import later_turns, scored  # noqa: E402
 from tether.config import load_config  # noqa: E402
 from tether.families.agent.policy import AgentPolicy  # noqa: E402
 from tether.families.agent.sampler import AgentSampler  # noqa: E402
@@ -53,10 +53,7 @@ def test_vllm_plays_multi_turn_episodes_the_learner_scores_alike(demo_model):
     batch.check()
     assert max(batch.turns) >= 1 and batch.metrics["agent/env_tokens_mean"] > 0
     policy = AgentPolicy(1.0)
-    model, _ = policy.load(demo_model)
-    train = policy.batch(batch)
-    with torch.no_grad():
-        logp, _, _ = policy.forward(model.eval(), train)
+    train, logp = scored(policy, policy.load(demo_model)[0], batch)
     on = train.mask.bool()
     assert int(on.sum()) == sum(sum(m) for m in batch.model)
     assert (logp[on] - train.behavior_logp[on]).abs().mean() <= 1e-5
