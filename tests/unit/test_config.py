@@ -294,3 +294,19 @@ def test_a_resume_to_a_smaller_set_up_drops_the_recorded_keys_it_leaves_nothing_
     # a key the resume sets itself is never dropped, and a wrong one is still refused
     with pytest.raises(ConfigError, match=r"checkpoint\.sharded=true has no effect"):
         load_resumed(path, [*overrides, "checkpoint.sharded=true"])
+
+
+def test_a_familys_own_section_is_at_its_defaults_when_the_recipe_leaves_it_out():
+    # the family's own checks read it while the recipe is being checked
+    assert load_config(None, ["model.family=agent", "data.task=kv_lookup"]).env.max_turns == 4
+    assert load_config(None, ["model.family=flow", "data.task=shapes"]).flow.steps == 8
+
+
+def test_the_flow_grpo_preset_is_the_references_setting():
+    t = load_config(None, ["model.family=flow", "data.task=shapes", "train.algorithm=flow_grpo"]).train
+    assert (t.loss, t.aggregation, t.clip_low, t.clip_high) == ("ppo_clip", "token_mean", 1e-4, 1e-4)
+    assert (t.adv_scope, t.adv_clip, t.kl_coef) == ("batch", 5.0, 0.04)
+    other = load_config(None, ["train.algorithm=grpo"]).train
+    assert (other.adv_scope, other.adv_clip) == ("group", 0.0)  # every other preset: per group, no clamp
+    mine = load_config(None, ["train.algorithm=flow_grpo", "train.adv_clip=2"]).train
+    assert mine.adv_clip == 2.0  # a key set in the recipe wins over the preset

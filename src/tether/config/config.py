@@ -93,10 +93,15 @@ class Config:
         return (_rebuild, (self.to_dict(),))
 
     def __getattr__(self, name: str) -> Any:
-        """A plug-in section as an attribute (``cfg.flow``)."""
+        """A plug-in section as an attribute (``cfg.flow``), at its defaults when the recipe does not
+        set it (a family's own checks read it before the recipe keeps only the chosen family's)."""
         sections = self.__dict__.get("plugin_sections", {})
         if name in sections:
             return sections[name]
+        if not name.startswith("_") and "plugin_sections" in self.__dict__:
+            classes = plugin_section_classes()
+            if name in classes:
+                return classes[name]()
         raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
 
     def section(self, name: str) -> Any:
@@ -339,6 +344,8 @@ def _resolve_preset(train: TrainSection) -> TrainSection:
     filled = {key: getattr(p, key) for key in p.__dataclass_fields__ if getattr(train, key) is None}
     if train.advantage != "grpo":
         filled["adv_std_norm"] = False  # the estimator defines its own scale, not the preset
+        if train.adv_scope is None:
+            filled["adv_scope"] = "group"
     return dataclasses.replace(train, **filled)
 
 

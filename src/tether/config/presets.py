@@ -10,8 +10,12 @@ are what the run's config records.
 | dr_grpo (Liu et al. 2025) | ppo_clip | seq_mean_token_sum_norm | 0.2 / 0.2 | no | no | none |
 | gspo (Zheng et al. 2025) | gspo | seq_mean_token_mean | 3e-4 / 4e-4 | yes | no | none |
 | cispo (MiniMax-M1, 2025) | cispo | token_mean | 1.0 / 0.28 (no lower bound) | yes | no | none |
+| flow_grpo (Liu et al. 2025, Flow-GRPO's reference configs) | ppo_clip | token_mean | 1e-4 / 1e-4 | yes, over the whole batch | no | closed form, β = 0.04; advantages clamped at ±5 |
 
-Every preset uses the grpo advantage; ``train.advantage`` (rloo, reinforce_pp) combines with any
+flow_grpo is the flow family's reference setting (``train.adv_scope: batch`` is its
+``global_std``, ``train.adv_clip: 5`` its ``adv_clip_max``); its β is in the reference's KL units
+(``flow.kl_units: reference``, the default). Every other preset normalises per group and clamps
+nothing. Every preset uses the grpo advantage; ``train.advantage`` (rloo, reinforce_pp) combines with any
 of them, its own normalisation replacing the preset's std norm.
 
 DAPO's dynamic sampling over-samples until every group has reward variance; the dapo preset drops
@@ -38,6 +42,8 @@ class Preset:
     drop_zero_std: bool
     kl_coef: float
     kl_estimator: str
+    adv_scope: str = "group"
+    adv_clip: float = 0.0
 
 
 PRESETS: dict[str, Preset] = {
@@ -46,6 +52,7 @@ PRESETS: dict[str, Preset] = {
     "dr_grpo": Preset("ppo_clip", "seq_mean_token_sum_norm", 0.2, 0.2, 0.0, False, False, 0.0, "k3"),
     "gspo": Preset("gspo", "seq_mean_token_mean", 3e-4, 4e-4, 0.0, True, False, 0.0, "k3"),
     "cispo": Preset("cispo", "token_mean", 1.0, 0.28, 0.0, True, False, 0.0, "k3"),
+    "flow_grpo": Preset("ppo_clip", "token_mean", 1e-4, 1e-4, 0.0, True, False, 0.04, "k3", "batch", 5.0),
 }
 
 

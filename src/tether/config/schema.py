@@ -104,7 +104,7 @@ class TrainSection:
         "U: optimizer updates made from one rollout batch (it is split into U mini-batches).",
         min=1,
     )
-    algorithm: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"] = knob(
+    algorithm: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo", "flow_grpo"] = knob(
         "dapo",
         "Preset of loss, aggregation, clip range and advantage settings from its paper (see "
         "docs/training.md); any of those keys set explicitly wins over the preset.",
@@ -137,13 +137,13 @@ class TrainSection:
         "Leave completions cut off at rollout.max_new_tokens out of the loss (DAPO's overlong "
         "filtering, TRL's mask_truncated_completions); they still count in their group's baseline.",
     )
-    adv_scope: Literal["group", "batch"] = knob(
-        "group", "With train.advantage=grpo: whose std normalises advantages, each prompt group's or "
-        "the whole batch's ('batch' is REINFORCE++-baseline)."
+    adv_scope: Literal["group", "batch"] | None = knob(
+        None, "With train.advantage=grpo: whose std normalises advantages, each prompt group's or "
+        f"the whole batch's ('batch' is REINFORCE++-baseline; {FROM_PRESET})."
     )
-    adv_clip: float = knob(
-        0.0, "Clamp every advantage to [−c, c] after the estimator (Flow-GRPO's reference: 5); the share "
-             "clamped is train/adv_clipped_frac. 0 = off.", min=0
+    adv_clip: float | None = knob(
+        None, "Clamp every advantage to [−c, c] after the estimator (Flow-GRPO's reference: 5); the share "
+              f"clamped is train/adv_clipped_frac. 0 = off ({FROM_PRESET}).", min=0
     )
     drop_zero_std: bool | None = knob(
         None, f"Drop groups whose rewards are all equal from the loss ({FROM_PRESET})."
