@@ -5,7 +5,7 @@ The public API — everything else is internal and may move:
     train, load_config, Config                 run a recipe (as ``tether train`` does)
     register_family, register_task,            plug-ins: what a recipe can name
     register_reward, register_loss,            (``run.plugins`` imports them in every process)
-    register_advantage, register_kl
+    register_advantage, register_kl, batched   (``batched``: a reward function that scores a whole batch)
     Family, FamilyBase, Capabilities, ...      the vocabulary a plug-in is written in
     TetherError, ConfigError, ...              the errors (``tether.errors``)
 
@@ -29,6 +29,7 @@ _EXPORTS = {
     "register_loss": "tether.registry",
     "register_advantage": "tether.registry",
     "register_kl": "tether.registry",
+    "batched": "tether.data.rewards",
     "FamilyBase": "tether.families.base",
     "Capabilities": "tether.vocabulary",
     "DataBundle": "tether.vocabulary",

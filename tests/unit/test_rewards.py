@@ -120,3 +120,36 @@ def test_weighted_rewards_refuse_what_cannot_be_meant(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_a_batched_reward_scores_the_whole_batch_in_one_call_and_is_checked_per_sample():
+    from tether.data.rewards import Scorer, WeightedScorer, batched, score_all
+
+    calls = []
+
+    @batched
+    def lengths(prompts, completions, answers, fields):
+        calls.append(len(completions))
+        return [float(len(c)) for c in completions]
+
+    score = Scorer(lengths, "lengths")
+    pairs = [(Example("p", "a"), "x" * k) for k in range(1, 5)]
+    assert score_all(score, pairs) == ([1.0, 2.0, 3.0, 4.0], 0) and calls == [4]  # one call
+    assert score(Example("p", "a"), "xyz") == 3.0  # a batch of one where scoring goes sample by sample
+    both = WeightedScorer([score, Scorer(lambda p, c, a, f: 1.0, "one")], [0.5, 2.0])
+    assert both.many([e for e, _ in pairs], [c for _, c in pairs]) == [2.5, 3.0, 3.5, 4.0]
+
+    @batched
+    def short(prompts, completions, answers, fields):
+        return [1.0]
+
+    with pytest.raises(RewardError, match="returned 1 rewards for 4 samples"):
+        score_all(Scorer(short, "short"), pairs)
+    assert score_all(Scorer(short, "short"), pairs, on_error="zero") == ([0.0] * 4, 4)
+
+    @batched
+    def nan(prompts, completions, answers, fields):
+        return [1.0, float("nan"), 1.0, 1.0]
+
+    with pytest.raises(RewardError, match="finite"):
+        score_all(Scorer(nan, "nan"), pairs)

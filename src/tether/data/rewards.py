@@ -74,6 +74,19 @@ def task_reward(task_name: str) -> RewardFn:
     return reward
 
 
+def batched(fn: Callable) -> Callable:
+    """Mark a reward function as batched: it takes lists — ``(prompts, completions, answers,
+    fields)``, one entry per sample of the batch — and returns one reward per sample. A reward
+    model (PickScore-, ImageReward- or OCR-class, loaded once from a local path) scores a whole
+    batch in one forward this way (docs/data.md)."""
+    fn.tether_batched = True
+    return fn
+
+
+def is_batched(fn: Callable) -> bool:
+    return bool(getattr(fn, "tether_batched", False))
+
+
 def check_signature(fn: Callable, spec: str) -> None:
     """Refuse a function that cannot be called with the four reward arguments."""
     try:
@@ -125,8 +138,29 @@ class Scorer:
     """Rewards are turned into float32 advantages, whose statistics square them: beyond this a
     reward is a mistake (a sentinel, an overflow), not a score."""
 
+    @property
+    def batched(self) -> bool:
+        return is_batched(self.fn)
+
     def __call__(self, example: Example, completion: str) -> float:
-        value = _real(self.fn(example.prompt, completion, example.answer, example.fields))
+        if self.batched:  # a batch of one (held-out evaluation scores sample by sample)
+            return self.many([example], [completion])[0]
+        return self._checked(self.fn(example.prompt, completion, example.answer, example.fields), example)
+
+    def many(self, examples: list[Example], completions: list[Any]) -> list[float]:
+        """The rewards of a whole batch: one call of a batched function, else one call a sample."""
+        if not self.batched:
+            return [self(e, c) for e, c in zip(examples, completions, strict=True)]
+        values = self.fn([e.prompt for e in examples], list(completions), [e.answer for e in examples],
+                         [e.fields for e in examples])
+        values = list(values) if not isinstance(values, list) else values
+        if len(values) != len(examples):
+            raise RewardError(f"batched reward function {self.name} returned {len(values)} rewards for "
+                              f"{len(examples)} samples; it must return one per sample")
+        return [self._checked(v, e) for v, e in zip(values, examples, strict=True)]
+
+    def _checked(self, value: Any, example: Example) -> float:
+        value = _real(value)
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise RewardError(
                 f"reward function {self.name} returned {value!r} for prompt {example.prompt[:60]!r}; "
@@ -145,6 +179,14 @@ def score_all(score: Scorer, pairs: Iterable[tuple[Example, Any]], *,
     """The reward of each (example, completion) pair, and how many failed: with
     ``reward.on_error=zero`` a reward function that raises (or returns junk) scores that sample 0
     and is counted; with ``raise`` the first failure propagates."""
+    if getattr(score, "batched", False):  # one call for the batch: a failure fails all of it
+        pairs = list(pairs)
+        try:
+            return score.many([e for e, _ in pairs], [c for _, c in pairs]), 0
+        except Exception:
+            if on_error == "raise":
+                raise
+            return [0.0] * len(pairs), len(pairs)
     rewards, errors = [], 0
     for example, completion in pairs:
         try:
@@ -177,10 +219,20 @@ class WeightedScorer:
         self.name = " + ".join(f"{w:g}·{p.name}" for p, w in zip(parts, weights, strict=True))
         self._seen: list[list[float]] = []
 
+    @property
+    def batched(self) -> bool:
+        return any(part.batched for part in self.parts)
+
     def __call__(self, example: Example, completion: Any) -> float:
         values = [part(example, completion) for part in self.parts]
         self._seen.append(values)
         return float(sum(w * v for w, v in zip(self.weights, values, strict=True)))
+
+    def many(self, examples: list[Example], completions: list[Any]) -> list[float]:
+        columns = [part.many(examples, completions) for part in self.parts]
+        rows = [list(r) for r in zip(*columns, strict=True)]
+        self._seen += rows
+        return [float(sum(w * v for w, v in zip(self.weights, r, strict=True))) for r in rows]
 
     def take_parts(self) -> dict[str, float]:
         """Each part's mean over the calls since the last ``take_parts`` (``reward/part_<i>_mean``)."""
