@@ -87,7 +87,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps({"model": str(model), "data": data, **metrics}, indent=2))
         return 0
-    print(f"{model} on {int(metrics['eval/examples'])} held-out prompts of {data}")
+    print(f"{model} on {int(metrics['eval/examples'])} held-out examples of {data}")
     for line in cfg.family().eval_summary(cfg, metrics, samples):
         print(line)
     return 0
