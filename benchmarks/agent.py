@@ -66,7 +66,7 @@ def run(arm: str, engine, tokenizer, episodes: int, workers: int) -> dict:
         threads,
         schedule="eager" if arm == "eager" else "waves",
     )
-    tasks = [(i, {}, i) for i in range(episodes)]
+    tasks = [({}, i) for i in range(episodes)]
     t0 = time.perf_counter()
     played = player.play(tasks, SamplingParams(max_new_tokens=4, temperature=1.0), seed=0)
     wall = time.perf_counter() - t0

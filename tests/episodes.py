@@ -45,3 +45,12 @@ def publish_at_poll(engine, mode, n, seed):
 
     engine.watch(poll, mode)
     return weights, calls
+
+
+def learner_with(policy, model_dir, weights):
+    """The learner's model from ``model_dir`` with ``weights`` (name → tensor) copied in."""
+    model, _ = policy.load(model_dir)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights[name])
+    return model

@@ -4,6 +4,7 @@ are never re-encoded, and a template that rewrites earlier turns is refused."""
 from pathlib import Path
 
 import pytest
+from envs import Echo
 
 pytest.importorskip("torch")
 
@@ -42,18 +43,6 @@ def chat_model(tiny_model_dir, tmp_path_factory):
     return path
 
 
-class Echo:
-    def reset(self, task, seed):
-        self.n = 0
-        return "go"
-
-    def step(self, action):
-        self.n += 1
-        from tether.families.agent.env import Step
-
-        return Step(f"obs {self.n}", done=self.n == 3)
-
-
 def play(path, template=None, episodes=4):
     model, tokenizer = load_causal_lm(path)
     if template is not None:
@@ -62,7 +51,7 @@ def play(path, template=None, episodes=4):
     threads = EnvThreads(2)
     player = Player(engine, tokenizer, factory(Echo, {}), Limits(4, 6, 256, 10, 60), threads, chat=True)
     try:
-        return tokenizer, player.play([(0, {}, 0)] * episodes, SamplingParams(max_new_tokens=6), seed=1)
+        return tokenizer, player.play([({}, 0)] * episodes, SamplingParams(max_new_tokens=6), seed=1)
     finally:
         threads.close()
 
@@ -86,13 +75,13 @@ def test_each_observation_appends_only_its_own_turn_and_the_model_ids_stay_as_sa
         assert before_last == tokenizer.apply_chat_template(
             ep.chat.messages[:-1], tokenize=False, add_generation_prompt=True
         )
-        assert text.startswith("<|im_start|>user\ngo<|im_end|>\n<|im_start|>assistant\n")
+        assert text.startswith("<|im_start|>user\ngo \n<|im_end|>\n<|im_start|>assistant\n")
         for (_, b), (next_a, _) in zip(runs, [*runs[1:], (len(ep.ids), None)], strict=True):
             after = tokenizer.decode(ep.ids[b:next_a], skip_special_tokens=False)
             ended = tokenizer.decode(ep.ids[b - 1 : b], skip_special_tokens=False) == "<|im_end|>"
             if next_a < len(ep.ids):
                 assert after.startswith(
-                    "\n<|im_start|>user\nobs" if ended else "<|im_end|>\n<|im_start|>user\nobs"
+                    "\n<|im_start|>user\no" if ended else "<|im_end|>\n<|im_start|>user\no"
                 )
 
 

@@ -126,7 +126,7 @@ def test_a_real_skyrl_gym_environment_plays_through_the_adapter(tiny_model_dir):
                     Limits(max_turns=5, max_turn_tokens=4, max_episode_tokens=256, step_timeout_s=10,
                            episode_timeout_s=60), threads)
     try:
-        episodes = player.play([(0, {"prompt": "2+2=?\n", "answer": "4", "max_turns": 2}, 0)] * 2,
+        episodes = player.play([({"prompt": "2+2=?\n", "answer": "4", "max_turns": 2}, 0)] * 2,
                                SamplingParams(max_new_tokens=4, temperature=1.0), seed=0)
     finally:
         threads.close()

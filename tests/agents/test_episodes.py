@@ -12,13 +12,20 @@ import pytest
 pytest.importorskip("torch")
 import torch
 
-from episodes import later_turns, publish_at_poll, scored
+from episodes import later_turns, learner_with, publish_at_poll, scored
 from tether.config.config import load_config
 from tether.errors import RolloutError
 from tether.vocabulary import Example, SamplingParams, WorkItem
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 ENVS = Path(__file__).with_name("envs.py")
+
+
+def loaded_envs():
+    """envs.py as ``env.env_class`` loads it (its module state is what the environments see)."""
+    from tether.data.pyload import load_python_object
+
+    return sys.modules[load_python_object(f"{ENVS}:Echo", what="env.env_class").__module__]
 
 
 def config(model_dir, env: str, *extra: str):
@@ -142,7 +149,8 @@ def test_environment_tokens_get_no_loss_and_the_check_catches_a_mask_that_covers
     train = policy.batch(batch)
     assert_no_loss_on_environment_tokens(model, train, batch.model)
     # the mutation: one observation token of episode 0 put under the loss
-    j = next(j for j in range(batch.prompt_lens[0], len(batch.model[0])) if not batch.model[0][j])
+    first_turn = batch.model[0].index(1)
+    j = next(j for j in range(first_turn, len(batch.model[0])) if not batch.model[0][j])
     mask = train.mask.clone()
     mask[0, j - 1] = 1.0
     mutated = type(train)(**{**train.__dict__, "mask": mask})
@@ -156,7 +164,7 @@ def test_environment_steps_run_side_by_side(tiny_model_dir):
     environment threads run them together, not one after another."""
 
     sampler = sampler_for(config(tiny_model_dir, "Rendezvous", "env.workers=8", "env.step_timeout_s=60"))
-    module = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(ENVS))
+    module = loaded_envs()
     module.BARRIER = threading.Barrier(8)
     try:
         batch = sampler.generate(item(2))
@@ -187,7 +195,7 @@ def test_a_failing_environment_ends_only_its_episode_with_a_counted_status(tiny_
     player_errors = {ep_error for ep_error in _errors(sampler)}
     assert any(says in e for e in player_errors), player_errors
     if env == "ResetRaises":  # an environment whose reset failed is closed all the same
-        module = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(ENVS))
+        module = loaded_envs()
         assert module.CLOSED.count("ResetRaises") >= 4
     key = "agent/timeouts" if status == "timeout" else "agent/env_errors"
     assert batch.metrics[key] == 4.0
@@ -250,11 +258,7 @@ def test_weights_published_mid_episode_are_stamped_per_token_and_the_episode_is_
     from tether.families.agent.policy import AgentPolicy
 
     policy = AgentPolicy(1.0)
-    model, _ = policy.load(tiny_model_dir)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(weights[name])
-    learner, engine_logp, versions = later_turns(policy, model, batch)
+    learner, engine_logp, versions = later_turns(policy, learner_with(policy, tiny_model_dir, weights), batch)
     assert (versions == 1).all()
     assert (learner - engine_logp).abs().mean() <= 1e-5
 
@@ -285,11 +289,7 @@ def test_with_switch_at_turn_weights_change_only_between_turns(tiny_model_dir):
     from tether.families.agent.policy import AgentPolicy
 
     policy = AgentPolicy(1.0)
-    model, _ = policy.load(tiny_model_dir)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(weights[name])
-    learner, engine_logp, versions = later_turns(policy, model, batch)
+    learner, engine_logp, versions = later_turns(policy, learner_with(policy, tiny_model_dir, weights), batch)
     assert (versions == 1).all() and (learner - engine_logp).abs().mean() <= 1e-5
 
 

@@ -272,20 +272,19 @@ class TorchLearner:
             policy = aggregate(per_token * weights, keep, s.aggregation, norm_constant=self.norm_constant,
                                total_tokens=total_tokens, total_seqs=total_seqs)
             total = policy
-            kl = None
+            kl = kl_cols = None
             if ref is not None:
-                kl = aggregate(self.policy.kl(own, ref[part], s.kl_estimator), keep, s.aggregation,
-                               norm_constant=self.norm_constant, total_tokens=total_tokens,
-                               total_seqs=total_seqs)
+                kl_cols = self.policy.kl(own, ref[part], s.kl_estimator)  # (n, T): each column's term
+                kl = aggregate(kl_cols, keep, s.aggregation, norm_constant=self.norm_constant,
+                               total_tokens=total_tokens, total_seqs=total_seqs)
                 total = policy + s.kl_coef * kl
             if not len(part):
                 total = total * 0.0  # a stand-in row: its backward only takes part in the collectives
             total.backward()
             if self.group.world > 1:  # the figures of the whole micro-batch, from every rank's rows
-                kl_cols = None if ref is None else self.policy.kl(own.detach(), ref[part], s.kl_estimator)
                 policy, kl, loss_metrics, logp, entropy, anchor, keep = self._whole(
-                    part, logp.detach(), entropy, anchor, adv, keep, weights, kl_cols, total_tokens,
-                    total_seqs, settings)
+                    part, logp.detach(), entropy, anchor, adv, keep, weights,
+                    None if kl_cols is None else kl_cols.detach(), total_tokens, total_seqs, settings)
                 total = policy if kl is None else policy + s.kl_coef * kl
             if kl is not None:
                 stats.add("loss/kl", kl.detach())

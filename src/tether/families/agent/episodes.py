@@ -29,13 +29,15 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tether.families.agent.env import ActionError, as_step
+from tether.families.agent.env import ActionError, EnvContractError, as_step
 from tether.vocabulary import SamplingParams
 
 ENDINGS = ("done", "truncated", "max_turns", "token_budget", "error", "timeout")
 """How an episode ends: the environment said done, or truncated it; it used ``env.max_turns`` or
 ``env.max_episode_tokens``; an environment call raised or broke the protocol; a call ran past its
 timeout. The last two are failures: the episode gets ``env.failure_reward`` and stays in its group."""
+BUDGET_ENDINGS = ("max_turns", "token_budget")
+"""Endings that count as truncated (``train.mask_truncated``, ``response/truncated_frac``)."""
 FAILURES = ("error", "timeout")
 
 
@@ -44,7 +46,6 @@ class Episode:
     """One episode as it is played: its sequence and what happened."""
 
     index: int
-    group: int
     task: Mapping[str, Any]
     seed: int
     ids: list[int] = field(default_factory=list)
@@ -52,8 +53,6 @@ class Episode:
     """1 where the engine sampled the token, 0 on environment tokens."""
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    prompt_len: int = 0
-    """Tokens of the first observation."""
     step_rewards: list[float] = field(default_factory=list)
     transcript: list[str] = field(default_factory=list)
     """Observation, action, observation, ... as text (the final observation included)."""
@@ -75,6 +74,11 @@ class Episode:
     def reward(self, failure_reward: float) -> float:
         """The episode return (the sum of its step rewards), or ``failure_reward`` if it failed."""
         return failure_reward if self.failed else float(sum(self.step_rewards))
+
+    @property
+    def succeeded(self) -> bool:
+        """Not failed, and a return of 1 or more (what a text sample's pass is)."""
+        return not self.failed and self.reward(0.0) >= 1.0
 
     @property
     def model_tokens(self) -> int:
@@ -156,9 +160,9 @@ class Player:
     ) -> None:
         self.engine, self.tokenizer, self.make_env = engine, tokenizer, make_env
         self.chat = chat
+        """Observations as chat turns of the tokenizer's template (``tether.families.agent.chat``)."""
         self.whole_turns = whole_turns
         """Without draining, take up new weights only between turns (``env.switch_at=turn``)."""
-        """Observations as chat turns of the tokenizer's template (``tether.families.agent.chat``)."""
         self.limits, self.threads = limits, threads
         self.eager = schedule == "eager"
         """Generate for whichever episodes are ready as soon as any are (``env.schedule``), rather
@@ -170,12 +174,11 @@ class Player:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def play(
-        self, tasks: Sequence[tuple[int, Mapping[str, Any], int]], params: SamplingParams, seed: int
-    ) -> list[Episode]:
-        """Play one episode per (group, task row, environment seed), all at once; returns them in
-        the order given, each ended (``Episode.status``)."""
-        episodes = [Episode(i, group, task, env_seed) for i, (group, task, env_seed) in enumerate(tasks)]
+    def play(self, tasks: Sequence[tuple[Mapping[str, Any], int]], params: SamplingParams, seed: int
+             ) -> list[Episode]:
+        """Play one episode per (task row, environment seed), all at once; returns them in the
+        order given, each ended (``Episode.status``)."""
+        episodes = [Episode(i, task, env_seed) for i, (task, env_seed) in enumerate(tasks)]
         if self.chat:
             from tether.families.agent.chat import ChatTurns
 
@@ -238,8 +241,6 @@ class Player:
         try:
             obs = env.reset(ep.task, ep.seed)
             if not isinstance(obs, str):
-                from tether.families.agent.env import EnvContractError
-
                 raise EnvContractError(f"reset returned {type(obs).__name__}; expected the first "
                                        "observation (str)")
         except BaseException:
@@ -274,7 +275,6 @@ class Player:
                 )
                 return False
             self._append(ep, ids)
-            ep.prompt_len = len(ids)
             return True
         try:
             step = as_step(result)
@@ -353,8 +353,8 @@ class Player:
                 self._call(pending, ep, "step", lambda env=env, action=action: env.step(action))
 
     def _close(self, episodes: list[Episode]) -> None:
-        """Close every environment not held by an abandoned call, on the environment threads;
-        a close that fails or overruns is counted, never raised."""
+        """Close every environment not held by an abandoned call, on the environment threads; a
+        close that fails is ignored and one that overruns is abandoned (counted), never raised."""
         closing = [
             self.threads.submit(ep.env.close)
             for ep in episodes

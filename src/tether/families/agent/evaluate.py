@@ -12,62 +12,38 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tether.families.agent.episodes import EnvThreads, Episode, Player
+from tether.families.agent.episodes import EnvThreads, Episode
 from tether.vocabulary import Example, SamplingParams
 
 
-def play_tasks(
-    model,
-    tokenizer,
-    cfg: Any,
-    examples: Sequence[Example],
-    params: SamplingParams,
-    *,
-    seed: int,
-    repeats: int = 1,
-    decoder: str = "auto",
-) -> list[Episode]:
-    """``repeats`` episodes of each example, task-major, on ``model``."""
+def eval_engine(model, tokenizer, cfg: Any, decoder: str = "auto"):
+    """The built-in engine over ``model`` as it is now (held-out episodes, the warm start's
+    checks); build one per set of weights: it packs them once."""
     from tether.decoding.sampling import stop_ids_for
-    from tether.families.agent.sampler import environment_factory, limits_of, task_row
-    from tether.modeling import context_length
     from tether.rollout.torch_engine import TorchEngine
 
-    engine = TorchEngine(
-        model,
-        pad_id=tokenizer.pad_token_id,
-        stop_ids=stop_ids_for(tokenizer, cfg.env.turn_stop),
-        decoder=decoder,
-    )
+    return TorchEngine(model, pad_id=tokenizer.pad_token_id,
+                       stop_ids=stop_ids_for(tokenizer, cfg.env.turn_stop), decoder=decoder)
+
+
+def play_tasks(engine, tokenizer, cfg: Any, examples: Sequence[Example], params: SamplingParams, *,
+               seed: int, repeats: int = 1) -> list[Episode]:
+    """``repeats`` episodes of each example, task-major, with ``engine``."""
+    from tether.families.agent.sampler import player_for, task_row
+    from tether.modeling import context_length
+
     threads = EnvThreads(cfg.env.workers)
     try:
-        player = Player(
-            engine,
-            tokenizer,
-            environment_factory(cfg),
-            limits_of(cfg, context_length(model.config.to_dict())),
-            threads,
-            schedule=cfg.env.schedule, chat=cfg.data.chat_template,
-            whole_turns=cfg.env.switch_at == "turn",
-        )
-        tasks = [(i, task_row(ex), -1 - i) for i, ex in enumerate(examples) for _ in range(repeats)]
+        player = player_for(cfg, engine, tokenizer, context_length(engine.model.config.to_dict()), threads)
+        tasks = [(task_row(ex), -1 - i) for i, ex in enumerate(examples) for _ in range(repeats)]
         return player.play(tasks, params, seed)
     finally:
         threads.close()
 
 
 class AgentEvaluator:
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        examples: Sequence[Example],
-        cfg: Any,
-        *,
-        seed: int,
-        num_samples: int,
-        decoder: str,
-    ) -> None:
+    def __init__(self, model, tokenizer, examples: Sequence[Example], cfg: Any, *, seed: int,
+                 num_samples: int, decoder: str) -> None:
         self.model, self.tokenizer, self.examples, self.cfg = model, tokenizer, list(examples), cfg
         self.seed, self.num_samples, self.decoder = seed, num_samples, decoder
 
@@ -77,37 +53,24 @@ class AgentEvaluator:
         params = self.cfg.sampling()
         failure = self.cfg.env.failure_reward
         try:
-            greedy = play_tasks(
-                self.model,
-                self.tokenizer,
-                self.cfg,
-                self.examples,
-                SamplingParams(max_new_tokens=params.max_new_tokens, temperature=0.0),
-                seed=self.seed,
-                decoder=self.decoder,
-            )
-            sampled = play_tasks(
-                self.model,
-                self.tokenizer,
-                self.cfg,
-                self.examples,
-                params,
-                seed=self.seed * 7919 + step,
-                repeats=self.num_samples,
-                decoder=self.decoder,
-            )
+            engine = eval_engine(self.model, self.tokenizer, self.cfg, self.decoder)  # the weights read once
+            greedy = play_tasks(engine, self.tokenizer, self.cfg, self.examples,
+                                SamplingParams(max_new_tokens=params.max_new_tokens, temperature=0.0),
+                                seed=self.seed)
+            sampled = play_tasks(engine, self.tokenizer, self.cfg, self.examples, params,
+                                 seed=self.seed * 7919 + step, repeats=self.num_samples)
         finally:
             self.model.train(was_training)
         n, k = len(greedy), self.num_samples
         returns = [ep.reward(failure) for ep in greedy]
         sampled_returns = [ep.reward(failure) for ep in sampled]
         return {
-            "eval/pass_at_1": sum(r >= 1.0 for r in returns) / n,
+            "eval/pass_at_1": sum(ep.succeeded for ep in greedy) / n,
             "eval/return_mean": sum(returns) / n,
             "eval/turns_mean": sum(ep.turns for ep in greedy) / n,
             "eval/action_errors_mean": sum(ep.action_errors for ep in greedy) / n,
             "eval/failed_frac": sum(ep.failed for ep in greedy) / n,
-            "eval/sampled_pass_at_1": sum(r >= 1.0 for r in sampled_returns) / (n * k),
+            "eval/sampled_pass_at_1": sum(ep.succeeded for ep in sampled) / (n * k),
             "eval/sampled_return_mean": sum(sampled_returns) / (n * k),
             "eval/examples": float(n),
         }

@@ -22,7 +22,6 @@ class EpisodeBatch:
     model: list[list[int]]
     logprobs: list[list[float]]
     versions: list[list[int]]
-    prompt_lens: list[int]
     rewards: list[float]
     """Each episode's return (``env.failure_reward`` for a failed one)."""
     statuses: list[str]
@@ -38,20 +37,8 @@ class EpisodeBatch:
     def check(self) -> None:
         """Refuse a batch whose groups are not intact or whose per-token lists disagree."""
         n = self.num_groups * self.group_size
-        lengths = {
-            name: len(getattr(self, name))
-            for name in (
-                "ids",
-                "model",
-                "logprobs",
-                "versions",
-                "prompt_lens",
-                "rewards",
-                "statuses",
-                "turns",
-                "transcripts",
-            )
-        }
+        lengths = {name: len(getattr(self, name)) for name in
+                   ("ids", "model", "logprobs", "versions", "rewards", "statuses", "turns", "transcripts")}
         wrong = {k: v for k, v in lengths.items() if v != n}
         if wrong:
             raise ValueError(

@@ -12,13 +12,12 @@ import logging
 import torch
 
 from tether.errors import RolloutError
+from tether.families.agent.episodes import BUDGET_ENDINGS
 from tether.families.agent.payload import EpisodeBatch
 from tether.families.text.batch import TrainBatch
 from tether.families.text.policy import TextPolicy
 
 log = logging.getLogger("tether.train")
-BUDGET_ENDINGS = ("max_turns", "token_budget")
-"""Endings that count as truncated (``train.mask_truncated``)."""
 
 
 def to_train_batch(batch: EpisodeBatch, pad_id: int) -> TrainBatch:

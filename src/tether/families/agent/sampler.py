@@ -13,7 +13,15 @@ import time
 from typing import Any
 
 from tether.errors import RolloutError
-from tether.families.agent.episodes import EnvThreads, Episode, Limits, Player
+from tether.families.agent.episodes import (
+    BUDGET_ENDINGS,
+    ENDINGS,
+    FAILURES,
+    EnvThreads,
+    Episode,
+    Limits,
+    Player,
+)
 from tether.families.agent.payload import EpisodeBatch
 from tether.procinfo import peak_rss_mb
 from tether.vocabulary import WorkItem
@@ -52,6 +60,13 @@ def limits_of(cfg: Any, context: int | None) -> Limits:
     )
 
 
+def player_for(cfg: Any, engine: Any, tokenizer: Any, context: int | None, threads: EnvThreads) -> Player:
+    """The recipe's episode player over ``engine`` (``context``: the model's positions, or None)."""
+    return Player(engine, tokenizer, environment_factory(cfg), limits_of(cfg, context), threads,
+                  schedule=cfg.env.schedule, chat=cfg.data.chat_template,
+                  whole_turns=cfg.env.switch_at == "turn")
+
+
 def task_row(example) -> dict[str, Any]:
     """What ``reset`` receives: the row's prompt and answer and its other columns."""
     return {"prompt": example.prompt, "answer": example.answer, **example.fields}
@@ -78,25 +93,13 @@ class AgentSampler:
             seed=seed,
         )
         self.threads = EnvThreads(cfg.env.workers)
-        limits = limits_of(cfg, context_length(model_config(model_path)))
-        self.player = Player(
-            self.engine,
-            self.tokenizer,
-            environment_factory(cfg),
-            limits,
-            self.threads,
-            schedule=cfg.env.schedule, chat=cfg.data.chat_template,
-            whole_turns=cfg.env.switch_at == "turn",
-        )
+        self.player = player_for(cfg, self.engine, self.tokenizer, context_length(model_config(model_path)),
+                                 self.threads)
 
     def generate(self, item: WorkItem) -> EpisodeBatch:
         t0 = time.perf_counter()
         g = item.group_size
-        tasks = [
-            (b, task_row(example), position)
-            for b, (position, example) in enumerate(item.examples)
-            for _ in range(g)
-        ]
+        tasks = [(task_row(example), position) for position, example in item.examples for _ in range(g)]
         episodes = self.player.play(tasks, item.params, item.seed)
         wall = time.perf_counter() - t0
         failure = self.cfg.env.failure_reward
@@ -116,7 +119,6 @@ class AgentSampler:
             model=[ep.model for ep in episodes],
             logprobs=[ep.logprobs for ep in episodes],
             versions=[ep.versions for ep in episodes],
-            prompt_lens=[ep.prompt_len for ep in episodes],
             rewards=[ep.reward(failure) for ep in episodes],
             statuses=[ep.status for ep in episodes],
             turns=[ep.turns for ep in episodes],
@@ -139,10 +141,10 @@ class AgentSampler:
             "reward/std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / n),
             "reward/errors": float(sum(ep.failed for ep in episodes)),
             "response/length_mean": sum(model_tokens) / n,
-            "response/truncated_frac": sum(ep.status in ("max_turns", "token_budget") for ep in episodes) / n,
+            "response/truncated_frac": sum(ep.status in BUDGET_ENDINGS for ep in episodes) / n,
             "agent/turns_mean": sum(turns) / n,
             "agent/turns_max": float(max(turns)),
-            "agent/success_frac": sum(ep.status == "done" and ep.reward(0.0) > 0 for ep in episodes) / n,
+            "agent/success_frac": sum(ep.succeeded for ep in episodes) / n,
             "agent/action_errors": float(sum(ep.action_errors for ep in episodes)),
             "agent/env_errors": float(sum(ep.status == "error" for ep in episodes)),
             "agent/timeouts": float(sum(ep.status == "timeout" for ep in episodes)),
@@ -163,7 +165,7 @@ class AgentSampler:
             "throughput/gen_tokens_per_s": sum(model_tokens) / max(wall, 1e-9),
             "memory/rollout_peak_mb": peak_rss_mb(),
         }
-        for status in ("done", "truncated", "max_turns", "token_budget"):
+        for status in (s for s in ENDINGS if s not in FAILURES):  # failures: env_errors, timeouts
             out[f"agent/ended_{status}_frac"] = sum(ep.status == status for ep in episodes) / n
         versions = batch.model_versions()
         out["staleness/multi_version_seq_frac"] = sum(len(set(v)) > 1 for v in versions) / n

@@ -55,7 +55,7 @@ def run_agent_warmstart(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tether import registry
-    from tether.families.agent.evaluate import play_tasks
+    from tether.families.agent.evaluate import eval_engine, play_tasks
 
     task = registry.tasks.get(cfg.data.task) if cfg.data.task else None
     if getattr(task, "script", None) is None:
@@ -88,9 +88,10 @@ def run_agent_warmstart(
     def evaluate() -> dict[str, float]:
         was = model.training
         model.eval()
-        episodes = play_tasks(model, tokenizer, cfg, data.eval, greedy, seed=cfg.run.seed)
+        episodes = play_tasks(eval_engine(model, tokenizer, cfg), tokenizer, cfg, data.eval, greedy,
+                              seed=cfg.run.seed)
         model.train(was)
-        return {"pass_at_1": sum(ep.reward(cfg.env.failure_reward) >= 1.0 for ep in episodes) / len(episodes)}
+        return {"pass_at_1": sum(ep.succeeded for ep in episodes) / len(episodes)}
 
     result = warmstart_loop(
         model, optimizer, loss_at, evaluate, s, data=data.description, on_progress=on_progress
