@@ -55,10 +55,11 @@ def main(argv=None) -> int:
     behavior = FlowModel.from_pretrained(args.model).eval()
     words = torch.tensor([scenes.encode(e.prompt) for e in SHAPES.examples("train", args.prompts, seed=3)])
     words = words.repeat_interleave(8, 0)
-    latents, _, _ = sample(behavior, words, sampling, generator=torch.Generator().manual_seed(0))
+    cond = {"words": words}
+    latents, _, _ = sample(behavior, cond, sampling, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        mu, _, stds = step_logprobs(behavior, latents, words, sampling.times(), sampling.noise_level)
-        pi, _, _ = step_logprobs(trained, latents, words, sampling.times(), sampling.noise_level)
+        mu, _, stds = step_logprobs(behavior, latents, cond, sampling.times(), sampling.noise_level)
+        pi, _, _ = step_logprobs(trained, latents, cond, sampling.times(), sampling.noise_level)
     log_ratio = pi - mu  # (N, T)
     ratio = log_ratio.exp()
     rows = [{"step": k, "std": float(stds[0, k]), "mean_log_ratio": float(log_ratio[:, k].mean()),

@@ -14,9 +14,19 @@ import torch
 from tether.errors import ConfigError
 
 
-def model_config(path: str | Path) -> dict:
-    """A model directory's ``config.json``; a clear error when there is none, or it is unreadable."""
+def is_model_dir(path: str | Path) -> bool:
+    """A model directory: ``config.json`` (a language model, a flow model or a checkpoint), or a
+    diffusers pipeline's ``model_index.json``."""
     path = Path(path)
+    return (path / "config.json").is_file() or (path / "model_index.json").is_file()
+
+
+def model_config(path: str | Path) -> dict:
+    """A model directory's ``config.json`` (a diffusers pipeline's: its transformer's, marked as
+    the flow family's); a clear error when there is none, or it is unreadable."""
+    path = Path(path)
+    if not (path / "config.json").is_file() and (path / "model_index.json").is_file():
+        return {**model_config(path / "transformer"), "tether_family": "flow"}
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path} is not a model directory (no config.json)")
     try:

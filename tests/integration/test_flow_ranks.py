@@ -42,9 +42,9 @@ def rollout_batches(model):
     out = []
     for index in range(2):
         prompts = [s.prompt for s in scenes.all_scenes()[4 * index:4 * index + 4]]
-        words = torch.tensor([scenes.encode(p) for p in prompts]).repeat_interleave(4, 0)
-        latents, logps, versions = engine.generate(words, seed=index)
-        payload = FlowBatch(positions=list(range(4)), prompts=prompts, words=words.numpy(),
+        words = torch.tensor([scenes.encode(p) for p in prompts])
+        latents, logps, versions = engine.generate({"words": words.repeat_interleave(4, 0)}, seed=index)
+        payload = FlowBatch(positions=list(range(4)), prompts=prompts, cond={"words": words.numpy()},
                             latents=latents.numpy(), logprobs=logps.numpy(), versions=[versions] * 16,
                             rewards=[rng.random() for _ in range(16)], times=sampling.times().numpy(),
                             noise_level=0.7, group_size=4, seed=index)

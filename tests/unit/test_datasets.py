@@ -109,9 +109,13 @@ def test_unreadable_rows_and_empty_files(tmp_path):
         load_examples(str(nulls))
     with pytest.raises(DataError, match="does not exist"):
         load_examples(str(tmp_path / "missing.jsonl"))
-    (tmp_path / "d.txt").write_text("x")
-    with pytest.raises(DataError, match=r"unknown format '\.txt'"):
+    (tmp_path / "d.xml").write_text("x")
+    with pytest.raises(DataError, match=r"unknown format '\.xml'"):
+        load_examples(str(tmp_path / "d.xml"))
+    (tmp_path / "d.txt").write_text("a prompt\n")  # prompts a line: no answers, which text needs
+    with pytest.raises(DataError, match="line 1 has no column 'answer'"):
         load_examples(str(tmp_path / "d.txt"))
+    assert load_examples(str(tmp_path / "d.txt"), answers=False)[0].prompt == "a prompt"
 
 
 class CharTokenizer:

@@ -65,12 +65,12 @@ def test_engine_and_learner_step_logprobs_agree_at_the_same_weights():
     sampling = FlowSampling(steps=6, noise_level=0.7)
     engine = FlowEngine(FlowModel(model.config), sampling)
     engine.load_weights(dict(model.named_parameters()), version=3)
-    words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:8]]).repeat_interleave(4, 0)
-    latents, logps, versions = engine.generate(words, seed=11)
+    words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:8]])
+    latents, logps, versions = engine.generate({"words": words.repeat_interleave(4, 0)}, seed=11)
     assert versions == [3] * 6 and latents.shape == (32, 7, 3, 16, 16)
-    again = engine.generate(words, seed=11)
+    again = engine.generate({"words": words.repeat_interleave(4, 0)}, seed=11)
     assert torch.equal(again[0], latents) and torch.equal(again[1], logps)  # seeded
-    batch = FlowBatch(positions=list(range(8)), prompts=["p"] * 8, words=words.numpy(),
+    batch = FlowBatch(positions=list(range(8)), prompts=["p"] * 8, cond={"words": words.numpy()},
                       latents=latents.numpy(), logprobs=logps.numpy(), versions=[versions] * 32,
                       rewards=[0.0] * 32, times=sampling.times().numpy(), noise_level=0.7, group_size=4)
     batch.check()
@@ -137,8 +137,8 @@ def test_the_learners_kl_term_is_the_closed_form_of_the_two_step_gaussians():
     words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:3]])
     engine = FlowEngine(FlowModel(model.config), sampling)
     engine.load_weights(dict(model.named_parameters()), version=0)
-    latents, logps, versions = engine.generate(words, seed=2)
-    tb = to_flow_batch(FlowBatch(positions=[0, 1, 2], prompts=["p"] * 3, words=words.numpy(),
+    latents, logps, versions = engine.generate({"words": words}, seed=2)
+    tb = to_flow_batch(FlowBatch(positions=[0, 1, 2], prompts=["p"] * 3, cond={"words": words.numpy()},
                                  latents=latents.numpy(), logprobs=logps.numpy(), versions=[versions] * 3,
                                  rewards=[0.0] * 3, times=sampling.times().numpy(), noise_level=0.7,
                                  group_size=1))
@@ -147,8 +147,8 @@ def test_the_learners_kl_term_is_the_closed_form_of_the_two_step_gaussians():
     kl = policy.kl(own, theirs, "k3")
     from tether.families.flow.policy import step_means
 
-    means, stds = step_means(model, tb.latents, tb.words, tb.times, 0.7)
-    ref_means, _ = step_means(ref, tb.latents, tb.words, tb.times, 0.7)
+    means, stds = step_means(model, tb.latents, tb.sample_cond(), tb.times, 0.7)
+    ref_means, _ = step_means(ref, tb.latents, tb.sample_cond(), tb.times, 0.7)
     for j in range(4):
         std = stds[:, j].view(-1, 1, 1, 1)
         exact = torch.distributions.kl_divergence(torch.distributions.Normal(means[:, j], std),
@@ -183,11 +183,12 @@ def test_kl_in_the_references_units_is_the_exact_one_times_each_steps_dt():
     sampling = FlowSampling(steps=4, noise_level=0.7)
     engine = FlowEngine(FlowModel(model.config), sampling)
     engine.load_weights(dict(model.named_parameters()), version=0)
-    words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:2]]).repeat_interleave(2, 0)
-    latents, logps, versions = engine.generate(words, seed=3)
+    words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:2]])
+    latents, logps, versions = engine.generate({"words": words.repeat_interleave(2, 0)}, seed=3)
     times = torch.tensor([1.0, 0.9, 0.6, 0.25, 0.0])  # uneven steps
-    batch = FlowBatch(positions=[0, 1], prompts=["p"] * 2, words=words.numpy(), latents=latents.numpy(),
-                      logprobs=logps.numpy(), versions=[versions] * 4, rewards=[0.0] * 4, times=times.numpy(),
+    batch = FlowBatch(positions=[0, 1], prompts=["p"] * 2, cond={"words": words.numpy()},
+                      latents=latents.numpy(), logprobs=logps.numpy(), versions=[versions] * 4,
+                      rewards=[0.0] * 4, times=times.numpy(),
                       noise_level=0.7, group_size=2)
     tb = to_flow_batch(batch)
     kl = {}
@@ -203,8 +204,8 @@ def test_kl_in_the_references_units_is_the_exact_one_times_each_steps_dt():
     from tether.families.flow.policy import step_means
 
     with torch.no_grad():
-        means, stds = step_means(model, tb.latents, tb.words, tb.times, 0.7)
-        ref_means, _ = step_means(ref, tb.latents, tb.words, tb.times, 0.7)
+        means, stds = step_means(model, tb.latents, tb.sample_cond(), tb.times, 0.7)
+        ref_means, _ = step_means(ref, tb.latents, tb.sample_cond(), tb.times, 0.7)
     sigma_t = stds / dt.sqrt()
     by_hand = (means - ref_means).flatten(2).pow(2).mean(-1) / (2 * sigma_t ** 2)
     assert torch.allclose(kl["reference"], by_hand, rtol=1e-4)

@@ -44,6 +44,7 @@ def resolve(ns: argparse.Namespace):
     """(config, model directory, samples per prompt) from the command line."""
     from tether.cli.plan import split_recipe_args
     from tether.config import load_config
+    from tether.modeling import is_model_dir
 
     if ns.args and Path(ns.args[0]).is_dir():
         run_dir, overrides = Path(ns.args[0]), ns.args[1:]
@@ -55,8 +56,8 @@ def resolve(ns: argparse.Namespace):
         recipe, overrides = split_recipe_args(ns.args)
         cfg = load_config(recipe, overrides)
         model = Path(ns.model or cfg.model.path)
-    if not (model / "config.json").is_file():
-        raise ConfigError(f"{model} is not a model directory (no config.json)")
+    if not is_model_dir(model):
+        raise ConfigError(f"{model} is not a model directory (no config.json or model_index.json)")
     samples = cfg.eval.num_samples if ns.samples is None else ns.samples
     if samples < 1:
         raise ConfigError(f"--samples must be at least 1, got {samples}")

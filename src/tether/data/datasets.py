@@ -22,7 +22,8 @@ from tether.data.pyload import load_python_object
 from tether.errors import ConfigError, DataError
 from tether.vocabulary import Example
 
-FORMATS = ("jsonl", "json", "parquet", "csv", "save_to_disk folder", "file.py:function")
+FORMATS = ("jsonl", "json", "parquet", "csv", "txt (one prompt a line)", "save_to_disk folder",
+           "file.py:function")
 
 
 def is_python_spec(source: str) -> bool:
@@ -56,6 +57,8 @@ def read_rows(source: str) -> tuple[str, Iterable[tuple[str, Any]]]:
         return path_text, _json_rows(path)
     if suffix == ".csv":
         return path_text, _csv_rows(path)
+    if suffix == ".txt":
+        return path_text, _txt_rows(path)
     if suffix == ".parquet":
         return path_text, _parquet_rows(path)
     raise DataError(f"dataset {path_text!r}: unknown format {suffix!r}; use one of: {', '.join(FORMATS)}")
@@ -91,6 +94,14 @@ def _csv_rows(path: Path):
             if None in row:
                 raise DataError(f"{path}: line {n} has more fields than the header")
             yield f"line {n}", row
+
+
+def _txt_rows(path: Path):
+    """One prompt per non-blank line, in the column ``prompt`` (Flow-GRPO's prompt files)."""
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if line.strip():
+                yield f"line {n}", {"prompt": line.strip()}
 
 
 def _parquet_rows(path: Path):
@@ -138,9 +149,10 @@ def _text(value: Any) -> str | None:
     return None
 
 
-def load_examples(source: str, *, prompt_column: str = "prompt",
-                  answer_column: str = "answer") -> list[Example]:
-    """Read ``source`` into examples, strictly: every row must have both columns."""
+def load_examples(source: str, *, prompt_column: str = "prompt", answer_column: str = "answer",
+                  answers: bool = True) -> list[Example]:
+    """Read ``source`` into examples, strictly: every row must have both columns (with
+    ``answers`` False, as for image prompts, the answer column is optional: '' where absent)."""
     where, rows = read_rows(source)
     out: list[Example] = []
     for label, row in rows:
@@ -149,13 +161,13 @@ def load_examples(source: str, *, prompt_column: str = "prompt",
             continue
         if not isinstance(row, Mapping):
             raise DataError(f"{where}: {label} must be an object with columns, got {type(row).__name__}")
-        for column in (prompt_column, answer_column):
+        for column in (prompt_column, answer_column) if answers else (prompt_column,):
             if column not in row:
                 raise DataError(
                     f"{where}: {label} has no column {column!r}; its columns are {sorted(row)}. "
                     f"Map yours with data.prompt_column / data.answer_column."
                 )
-        prompt, answer = _text(row[prompt_column]), _text(row[answer_column])
+        prompt, answer = _text(row[prompt_column]), _text(row.get(answer_column, ""))
         if not prompt:
             raise DataError(f"{where}: {label}: column {prompt_column!r} must be non-empty text, "
                             f"got {row[prompt_column]!r}")

@@ -60,8 +60,10 @@ def ensure_model(cfg: Config, on_progress: Progress | None = None) -> Path:
     The model is built in a temporary folder beside the target and renamed into place only when
     complete, so an interrupted build never leaves a half-made model at ``model.path``.
     """
+    from tether.modeling import is_model_dir
+
     path = Path(cfg.model.path)
-    if (path / "config.json").is_file():
+    if is_model_dir(path):
         if cfg.model.create_if_missing:
             for difference in built_otherwise(cfg, path):
                 log.warning("model.path %s already exists and is used as it is: %s (delete it to build "

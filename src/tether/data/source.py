@@ -27,21 +27,8 @@ def resolve_data(d: DataSection, tokenizer, *, seed: int = 0, room: int | None =
         stop_text = task.stop
         description = f"task {task.name} (difficulty {difficulty})"
     else:
-        train = load_examples(d.dataset, prompt_column=d.prompt_column, answer_column=d.answer_column)
+        train, held_out = dataset_splits(d, seed=seed)
         stop_text = ""
-        if d.eval_dataset:
-            held_out = load_examples(d.eval_dataset, prompt_column=d.prompt_column,
-                                     answer_column=d.answer_column)
-        else:
-            if len(train) <= d.num_eval:
-                raise DataError(
-                    f"dataset {d.dataset} has {len(train)} rows, not enough to hold out "
-                    f"data.num_eval={d.num_eval} for evaluation and still train; lower data.num_eval "
-                    "or give data.eval_dataset"
-                )
-            rows = list(train)
-            random.Random(seed).shuffle(rows)
-            train, held_out = rows[: -d.num_eval], rows[-d.num_eval:]
         description = f"dataset {d.dataset}"
     if d.chat_template:
         train, held_out = apply_chat_template(tokenizer, train), apply_chat_template(tokenizer, held_out)
@@ -59,3 +46,22 @@ def resolve_data(d: DataSection, tokenizer, *, seed: int = 0, room: int | None =
                     "alphabet, or clean the data", unknown.prompts, description, unknown.example)
     return DataBundle(train=train, eval=held_out[: d.num_eval], stop_text=stop_text,
                       skipped_long_prompts=skipped + skipped_eval, description=description)
+
+
+def dataset_splits(d: DataSection, *, seed: int = 0, answers: bool = True) -> tuple[list, list]:
+    """(train, held-out) examples of ``data.dataset``: held out by ``data.eval_dataset``, or the
+    last ``data.num_eval`` rows of a seeded shuffle. ``answers`` False: the answer column is
+    optional (image prompts)."""
+    columns = {"prompt_column": d.prompt_column, "answer_column": d.answer_column, "answers": answers}
+    train = load_examples(d.dataset, **columns)
+    if d.eval_dataset:
+        return train, load_examples(d.eval_dataset, **columns)
+    if len(train) <= d.num_eval:
+        raise DataError(
+            f"dataset {d.dataset} has {len(train)} rows, not enough to hold out "
+            f"data.num_eval={d.num_eval} for evaluation and still train; lower data.num_eval "
+            "or give data.eval_dataset"
+        )
+    rows = list(train)
+    random.Random(seed).shuffle(rows)
+    return rows[: -d.num_eval], rows[-d.num_eval:]

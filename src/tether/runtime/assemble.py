@@ -64,11 +64,12 @@ class Parts:
     def prepare(self, *, progress_plain: bool | None = None) -> Prepared:
         """Model (built and warm-started if asked), data and reward, all checked; no process started."""
         from tether.data.prepare import ensure_model
+        from tether.modeling import is_model_dir
         from tether.runtime.progress import Progress
 
         cfg, family = self.cfg, self.family
         score = family.scorer(cfg)
-        if (Path(cfg.model.path) / "config.json").is_file():
+        if is_model_dir(cfg.model.path):
             model_path = ensure_model(cfg)
         else:
             with Progress(cfg.warmstart.max_steps, "warm start", fields=family.warmstart_fields,

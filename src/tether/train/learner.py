@@ -436,7 +436,10 @@ class TorchLearner:
     def _load_whole(self, path: Path, optimizer: dict) -> None:
         from safetensors.torch import load_file
 
-        state = load_file(str(path / "model" / "model.safetensors"))
+        reader = getattr(self.policy, "read_weights", None)  # a model folder laid out otherwise
+        state = reader(path / "model") if reader else load_file(str(path / "model" / "model.safetensors"))
+        buffers = {name for name, _ in self.model.named_buffers()}  # saved by some, never trained
+        state = {name: tensor for name, tensor in state.items() if name not in buffers}
         expected = set(self.names)
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:

@@ -4,7 +4,9 @@ tensors) is one SDE step.
 
 - ``sde``: the sampling ODE as an SDE with the same marginals; each step a Gaussian policy;
 - ``policy``: trajectories and the per-step log-probabilities, means and closed-form KL;
-- ``model``: a tiny conditional DiT and its model directory;
+- ``model``: a tiny conditional DiT and its model directory, and ``load_flow_model``;
+- ``pipeline``: a diffusers SD3-class pipeline as the model (``DiffusersFlow``);
+- ``conditioning``: prompts' conditioning carried with a batch, and classifier-free guidance;
 - ``scenes`` / ``task``: the built-in ``shapes`` task (prompts, drawn images, a pixel verifier)
   and image rewards;
 - ``warmstart``: flow matching on drawn images until the model is sometimes right;
@@ -35,20 +37,26 @@ class FlowFamily(FamilyBase):
     keys = ("reward.function", "reward.functions", "reward.weights", "reward.on_error")
     capabilities = Capabilities(
         engines=("torch",), inflight_updates=("drain",),
-        features=frozenset({"learner_ranks", "learner_actor"}),
+        features=frozenset({"learner_ranks", "learner_actor", "datasets"}),
         notes={"engines": "vLLM serves language models", "inflight_updates": NOT_YET,
                "token_sampling": "a flow model's sampling is the flow section",
                "decoder": "a flow model's sampler has no native form",
                "dynamic_sampling": NOT_YET,
-               "attribution": NOT_YET, "datasets": "use data.task=shapes",
+               "attribution": NOT_YET,
                "truncation": "trajectories are never truncated",
                "shared_prefix": "no prompt prefix is shared"})
     warmstart_fields = ("loss", "pass_at_1", "reward")
 
     def check(self, cfg: Any) -> None:
+        from tether.families.flow.pipeline import is_pipeline
+
         if cfg.flow.train_steps > cfg.flow.steps:
             raise ConfigError(f"flow.train_steps={cfg.flow.train_steps} exceeds the flow.steps="
                               f"{cfg.flow.steps} steps of a trajectory; lower it (0 trains all of them)")
+        if cfg.flow.resolution and not is_pipeline(cfg.model.path):
+            raise ConfigError(f"flow.resolution={cfg.flow.resolution} sizes a diffusers pipeline's images; "
+                              f"model.path {cfg.model.path} is the built-in model, whose size is fixed: "
+                              "drop it")
 
     def norm_constant(self, cfg: Any) -> int:
         return cfg.flow.train_steps or cfg.flow.steps
@@ -78,7 +86,10 @@ class FlowFamily(FamilyBase):
 
     def build_differences(self, cfg: Any, path: Path) -> list[str]:
         from tether.families.flow.model import read_config
+        from tether.families.flow.pipeline import is_pipeline
 
+        if is_pipeline(path):
+            return []  # a user's pipeline, not built by the recipe
         config = read_config(path)
         return [f"flow.{key}: built with {have}, the recipe says {getattr(cfg.flow, key)}"
                 for key, have in (("init_width", config.width), ("init_depth", config.depth))
@@ -102,7 +113,7 @@ class FlowFamily(FamilyBase):
     def policy(self, cfg: Any):
         from tether.families.flow.learn import FlowPolicy
 
-        return FlowPolicy(cfg.flow.train_steps, cfg.flow.train_step_choice, cfg.flow.kl_units)
+        return FlowPolicy(cfg.flow.train_steps, cfg.flow.train_step_choice, cfg.flow.kl_units, cfg=cfg)
 
     def evaluator(self, cfg: Any, model: Any, tokenizer: Any, data: DataBundle, score: Any, *,
                   num_samples: int | None = None, run_dir: Path | None = None):
@@ -112,9 +123,12 @@ class FlowFamily(FamilyBase):
         from tether.families.flow.rollout import sampling_of
 
         k = cfg.eval.num_samples if num_samples is None else num_samples
+        if hasattr(model, "attach_pipeline"):  # the learner's pipeline model is its transformer alone
+            model.attach_pipeline()
         return FlowEvaluator(model, data.eval, score, eval_steps=cfg.flow.eval_steps,
-                             sampling=sampling_of(cfg), seed=cfg.run.seed, num_samples=k,
-                             images_to=None if run_dir is None else run_dir / "samples")
+                             sampling=sampling_of(cfg, model), seed=cfg.run.seed, num_samples=k,
+                             images_to=None if run_dir is None else run_dir / "samples",
+                             negative_prompt=cfg.flow.negative_prompt)
 
     def eval_summary(self, cfg: Any, metrics: Mapping[str, float], samples: int) -> list[str]:
         return [f"  ODE ({cfg.flow.eval_steps} steps): pass@1 {metrics['eval/pass_at_1']:.1%}, mean reward "

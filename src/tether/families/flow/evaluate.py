@@ -18,15 +18,15 @@ from typing import Any
 import torch
 
 from tether.data.rewards import Scorer
-from tether.families.flow import scenes
-from tether.families.flow.policy import FlowSampling, generate_images, sample
+from tether.families.flow import conditioning
+from tether.families.flow.policy import FlowSampling, generate_latents, sample
 from tether.vocabulary import Example
 
 
 class FlowEvaluator:
     def __init__(self, model, examples: Sequence[Example], score: Scorer, *, eval_steps: int,
                  sampling: FlowSampling, seed: int = 0, num_samples: int = 1, images_to: Path | None = None,
-                 grid: int = 16, batch_size: int = 256) -> None:
+                 grid: int = 16, batch_size: int = 256, negative_prompt: str = "") -> None:
         self.model = model
         self.examples = list(examples)
         self.score = score
@@ -37,31 +37,39 @@ class FlowEvaluator:
         self.images_to = images_to
         self.grid = grid
         self.batch_size = batch_size
-        self.words = torch.tensor([scenes.encode(e.prompt) for e in self.examples])
+        self.cond = model.encode_prompts([e.prompt for e in self.examples])
+        self.negative = model.encode_prompts([negative_prompt]) if sampling.guided else None
+        self.times = model.times(eval_steps, sampling.shift)
 
-    def images(self, words: torch.Tensor, seed: int) -> torch.Tensor:
-        """ODE images of ``words``, in chunks, from noise fixed by ``seed``."""
+    def _chunks(self, cond: dict[str, torch.Tensor]):
+        n = conditioning.num_rows(cond)
+        for i in range(0, n, self.batch_size):
+            yield conditioning.rows(cond, torch.arange(i, min(n, i + self.batch_size)))
+
+    def images(self, cond: dict[str, torch.Tensor], seed: int) -> list:
+        """(H, W, 3) pixels of ODE samples of ``cond``, in chunks, from noise fixed by ``seed``."""
         generator = torch.Generator().manual_seed(seed)
-        out = [generate_images(self.model, words[i:i + self.batch_size], self.eval_steps, generator=generator,
-                               shift=self.sampling.shift)
-               for i in range(0, len(words), self.batch_size)]
-        return torch.cat(out)
+        return [image for chunk in self._chunks(cond)
+                for image in self.model.decode(generate_latents(
+                    self.model, chunk, self.times, generator=generator, negative=self.negative,
+                    guidance=self.sampling.guidance_scale))]
 
-    def _rewards(self, images: torch.Tensor, examples: Sequence[Example]) -> list[float]:
-        return [self.score(e, scenes.to_pixels(x)) for e, x in zip(examples, images, strict=True)]
+    def _rewards(self, images: list, examples: Sequence[Example]) -> list[float]:
+        return [self.score(e, x) for e, x in zip(examples, images, strict=True)]
 
     def __call__(self, step: int) -> Mapping[str, float]:
         was_training = self.model.training
         self.model.eval()
         try:
-            ode = self.images(self.words, self.seed)
+            ode = self.images(self.cond, self.seed)
             rewards = self._rewards(ode, self.examples)
             k = self.num_samples
-            words = self.words.repeat_interleave(k, 0)
+            repeated = conditioning.rows(self.cond, torch.arange(len(self.examples)).repeat_interleave(k))
             generator = torch.Generator().manual_seed(self.seed * 7919 + step)
-            sampled_images = torch.cat([sample(self.model, words[i:i + self.batch_size], self.sampling,
-                                               generator=generator)[0][:, -1]
-                                        for i in range(0, len(words), self.batch_size)])
+            sampled_images = [image for chunk in self._chunks(repeated)
+                              for image in self.model.decode(sample(self.model, chunk, self.sampling,
+                                                                    generator=generator,
+                                                                    negative=self.negative)[0][:, -1])]
             sampled = self._rewards(sampled_images, [e for e in self.examples for _ in range(k)])
         finally:
             self.model.train(was_training)
@@ -77,16 +85,17 @@ class FlowEvaluator:
                 "eval/examples": float(n)}
 
 
-def save_grid(images: torch.Tensor, path: Path, *, columns: int = 8, scale: int = 4) -> None:
-    """Write ``images`` ((N, 3, H, W) in [−1, 1]) as one PNG, ``columns`` wide, each pixel
-    ``scale``× (written by a temporary file and a rename: a reader never sees half a picture)."""
+def save_grid(tiles: list, path: Path, *, columns: int = 8, scale: int = 0) -> None:
+    """Write ``tiles`` ((H, W, 3) uint8 pixels) as one PNG, ``columns`` wide, each pixel
+    ``scale``× (0: up to about 64 pixels a tile), written by a temporary file and a rename: a
+    reader never sees half a picture."""
     import os
 
     import numpy as np
     from PIL import Image
 
-    tiles = [scenes.to_pixels(x) for x in images]
     h, w = tiles[0].shape[:2]
+    scale = scale or max(1, 64 // max(h, w))
     rows = -(-len(tiles) // columns)
     canvas = np.full((rows * (h + 1) + 1, columns * (w + 1) + 1, 3), 64, dtype=np.uint8)
     for i, tile in enumerate(tiles):

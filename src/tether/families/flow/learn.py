@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from tether.errors import ConfigError, RolloutError
-from tether.families.flow.model import FlowModel
+from tether.families.flow import conditioning
+from tether.families.flow.model import load_flow_model
 from tether.families.flow.policy import gaussian_entropy, gaussian_kl, step_logprobs
 
 
@@ -34,7 +35,8 @@ class FlowTrainBatch:
     """N = B·G trajectories of T steps."""
 
     latents: torch.Tensor  # (N, T + 1, C, H, W)
-    words: torch.Tensor  # (N, L)
+    cond: dict[str, torch.Tensor]  # each prompt's conditioning, B rows
+    prompt_of: torch.Tensor  # (N,) each trajectory's row of cond
     times: torch.Tensor  # (T + 1,)
     steps: torch.Tensor  # (N, K) the trained steps of each trajectory (indices into 0 … T − 1)
     mask: torch.Tensor  # (N, K) ones: every step is an action
@@ -44,6 +46,8 @@ class FlowTrainBatch:
     behavior_versions: torch.Tensor  # (N, K)
     truncated: torch.Tensor  # (N,) bool, all False (a trajectory always has its T steps)
     noise_level: float
+    negative: dict[str, torch.Tensor] | None = None  # the unconditional prompt's (one row), when guided
+    guidance_scale: float = 1.0
 
     @property
     def size(self) -> int:
@@ -54,11 +58,18 @@ class FlowTrainBatch:
             return self
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
                  if isinstance(getattr(self, f.name), torch.Tensor) and f.name != "times"}
+        moved["cond"] = conditioning.to(self.cond, device)
+        if self.negative is not None:
+            moved["negative"] = conditioning.to(self.negative, device)
         return dataclasses.replace(self, **moved)
+
+    def sample_cond(self) -> dict[str, torch.Tensor]:
+        """Each trajectory's conditioning, (N, …) rows."""
+        return conditioning.rows(self.cond, self.prompt_of)
 
     def rows(self, index: torch.Tensor | slice) -> FlowTrainBatch:
         return dataclasses.replace(
-            self, latents=self.latents[index], words=self.words[index], steps=self.steps[index],
+            self, latents=self.latents[index], prompt_of=self.prompt_of[index], steps=self.steps[index],
             mask=self.mask[index],
             behavior_logp=self.behavior_logp[index], rewards=self.rewards[index],
             behavior_versions=self.behavior_versions[index], truncated=self.truncated[index])
@@ -90,18 +101,24 @@ def to_flow_batch(payload, train_steps: int = 0, choice: str = "random") -> Flow
     chosen = trained_steps(n, steps, train_steps, payload.seed, choice)
     return FlowTrainBatch(
         latents=torch.tensor(payload.latents, dtype=torch.float32),
-        words=torch.tensor(payload.words, dtype=torch.long),
+        cond=conditioning.as_tensors(payload.cond),
+        prompt_of=torch.arange(payload.num_groups).repeat_interleave(payload.group_size),
         times=torch.tensor(payload.times, dtype=torch.float32), steps=chosen,
         mask=torch.ones(chosen.shape), behavior_logp=logp.gather(1, chosen),
         rewards=torch.as_tensor(payload.rewards, dtype=torch.float32), group_size=payload.group_size,
         behavior_versions=torch.as_tensor(payload.versions, dtype=torch.long).gather(1, chosen),
-        truncated=torch.zeros(n, dtype=torch.bool), noise_level=payload.noise_level)
+        truncated=torch.zeros(n, dtype=torch.bool), noise_level=payload.noise_level,
+        negative=None if payload.negative is None else conditioning.as_tensors(payload.negative),
+        guidance_scale=payload.guidance_scale)
 
 
 class FlowPolicy:
     """What the learner asks of the flow family (``tether.vocabulary.Policy``)."""
 
-    def __init__(self, train_steps: int = 0, choice: str = "random", kl_units: str = "exact") -> None:
+    def __init__(self, train_steps: int = 0, choice: str = "random", kl_units: str = "exact", *,
+                 cfg=None) -> None:
+        self.cfg = cfg
+        """The recipe, for a pipeline's prompt length and size (held-out evaluation encodes prompts)."""
         self.train_steps = train_steps
         """K: steps of each trajectory trained (0: all T)."""
         self.choice = choice
@@ -111,11 +128,24 @@ class FlowPolicy:
         Flow-GRPO's reference code computes it (``flow.kl_units``): |dt| times the exact one."""
 
     def load(self, path: str | Path):
-        """(model, tokenizer): the flow model has a fixed word vocabulary, no tokenizer to save."""
-        return FlowModel.from_pretrained(path), None
+        """(model, tokenizer): the trained part of the flow model (a pipeline's transformer, without
+        its text encoders and VAE: conditioning comes with the batch); no tokenizer to save."""
+        return load_flow_model(path, self.cfg, whole=False), None
 
     def save(self, model, tokenizer, folder: Path) -> None:
         model.save_pretrained(folder)
+
+    def read_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+        """The parameters a checkpoint's model folder holds, by the names the model gives them."""
+        from safetensors.torch import load_file
+
+        from tether.families.flow.pipeline import is_pipeline
+
+        if not is_pipeline(folder):
+            return load_file(str(folder / "model.safetensors"))
+        files = sorted((folder / "transformer").glob("*.safetensors"))
+        return {f"transformer.{name}": tensor for file in files
+                for name, tensor in load_file(str(file)).items()}
 
     def batch(self, payload) -> FlowTrainBatch:
         return to_flow_batch(payload, self.train_steps, self.choice)
@@ -123,8 +153,9 @@ class FlowPolicy:
     def forward(self, model, batch: FlowTrainBatch, *, with_entropy: bool = False, forward=None):
         """(log-probs (n, K), entropies (n, K) or None, the KL's basis: each step's mean in units
         of its std, μ/σ (n, K, C, H, W); with ``kl_units`` reference, of σ_t = std/√|dt|)."""
-        logp, means, stds = step_logprobs(model, batch.latents, batch.words, batch.times, batch.noise_level,
-                                          batch.steps)
+        logp, means, stds = step_logprobs(model, batch.latents, batch.sample_cond(), batch.times,
+                                          batch.noise_level, batch.steps, negative=batch.negative,
+                                          guidance=batch.guidance_scale)
         entropy = gaussian_entropy(stds) if with_entropy else None
         scale = stds
         if self.kl_units == "reference":  # σ_t = std / √|dt|: the KL the reference's code computes

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -99,7 +101,10 @@ class FlowModel(nn.Module):
         nn.init.zeros_(self.time[2].weight)
         nn.init.zeros_(self.time[2].bias)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor] | torch.Tensor
+                ) -> torch.Tensor:
+        """``cond``: the prompts' conditioning (``encode_prompts``), or their word ids."""
+        words = cond["words"] if isinstance(cond, Mapping) else cond
         cfg = self.config
         b, c, size, p = x.shape[0], cfg.channels, cfg.image_size, cfg.patch
         g = size // p
@@ -114,6 +119,33 @@ class FlowModel(nn.Module):
         out = F.layer_norm(h[:, cfg.prompt_words:], (cfg.width,)) * (1 + scale[:, None]) + shift[:, None]
         out = self.patch_out(out)  # (B, g·g, c·p·p)
         return out.view(b, g, g, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, size, size)
+
+    # -- what the flow family asks of a model (``tether.families.flow.conditioning``) ------------
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of what the SDE samples: here the image itself."""
+        return (self.config.channels, self.config.image_size, self.config.image_size)
+
+    def encode_prompts(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Each prompt's word ids (the empty prompt, the unconditional one, is all padding)."""
+        from tether.families.flow import scenes
+
+        ids = [scenes.encode(p) if p else [0] * self.config.prompt_words for p in prompts]
+        return {"words": torch.tensor(ids, dtype=torch.long)}
+
+    def decode(self, latents: torch.Tensor) -> list[np.ndarray]:
+        """(H, W, 3) uint8 pixels of each sample: the latents are the image."""
+        from tether.families.flow import scenes
+
+        return [scenes.to_pixels(x) for x in latents]
+
+    def times(self, steps: int, shift: float) -> torch.Tensor:
+        """The ``steps`` + 1 times of a trajectory: uniform from 1 to 0, bent by ``shift`` (0: this
+        model's own, 1)."""
+        from tether.families.flow.sde import timesteps
+
+        return timesteps(steps, shift=shift or 1.0)
 
     # -- a model directory ----------------------------------------------------------------------
 
@@ -157,3 +189,16 @@ def read_config(folder: str | Path) -> FlowModelConfig:
                           "point model.path at a flow model directory")
     data["vocab"] = tuple(data["vocab"])
     return FlowModelConfig(**data)
+
+
+def load_flow_model(folder: str | Path, cfg=None, *, whole: bool = True):
+    """The flow model at ``folder``: the built-in DiT, or a diffusers pipeline (or a checkpoint of
+    either). ``whole`` False: only what the learner trains (a pipeline's transformer). ``cfg``
+    sets a pipeline's prompt length (``data.max_prompt_tokens``) and size (``flow.resolution``)."""
+    from tether.families.flow.pipeline import DiffusersFlow, is_pipeline
+
+    if is_pipeline(folder):
+        extra = {} if cfg is None else {"max_prompt_tokens": cfg.data.max_prompt_tokens,
+                                        "resolution": cfg.flow.resolution}
+        return DiffusersFlow.from_pretrained(folder, whole=whole, **extra)
+    return FlowModel.from_pretrained(folder)

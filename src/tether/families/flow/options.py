@@ -51,11 +51,28 @@ class FlowSection:
         min=0.01,
     )
     shift: float = knob(
-        1.0,
+        0.0,
         "Timestep shift of the sampling schedule towards the noise end, as SD3's scheduler does (t ↦ "
-        "s·t/(1 + (s − 1)·t)); training trajectories and the evaluation ODE both use it. 1 = uniform; "
-        "SD3 uses 3.",
-        min=0.01,
+        "s·t/(1 + (s − 1)·t)); training trajectories and the evaluation ODE both use it. 0 = the model's "
+        "own: uniform (1) for the built-in model, a diffusers pipeline's scheduler shift (SD3: 3) and its "
+        "sigmas.",
+        min=0.0,
+    )
+    guidance_scale: float = knob(
+        1.0,
+        "Classifier-free guidance w in sampling and in the training forward, v = v_u + w·(v_c − v_u) "
+        "(both branches through the trained model, as Flow-GRPO's reference does); 1 = none. The "
+        "reference uses 4.5 with SD3.5.",
+        min=0.0,
+    )
+    negative_prompt: str = knob(
+        "", "The unconditional branch's prompt when flow.guidance_scale ≠ 1 (the reference: empty)."
+    )
+    resolution: int = knob(
+        0,
+        "Image size in pixels of a diffusers pipeline's samples (a multiple of its VAE's factor); 0 = the "
+        "transformer's sample_size × that factor. The built-in model's size is fixed.",
+        min=0,
     )
     init_width: int = knob(96, "Width of a flow model built by model.create_if_missing.", min=8)
     init_depth: int = knob(3, "Transformer blocks of a flow model built by model.create_if_missing.", min=1)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tether.families.flow.sde import gaussian_mean, sde_step, step_coefficients, step_mean_std, timesteps
+from tether.families.flow.conditioning import num_rows, velocity
+from tether.families.flow.sde import gaussian_mean, step_coefficients, step_mean_std, timesteps
 
 
 @dataclass(frozen=True)
@@ -28,10 +29,21 @@ class FlowSampling:
     noise_level: float = 0.7
     """a in σ_t = a·√(t/(1 − t)): the SDE's exploration noise (0 = the deterministic ODE)."""
     shift: float = 1.0
-    """Timestep shift towards the noise end (SD3's t ↦ s·t/(1 + (s − 1)·t)); 1 = uniform."""
+    """Timestep shift towards the noise end (SD3's t ↦ s·t/(1 + (s − 1)·t)); 1 = uniform; 0 = the
+    model's own (a diffusers scheduler's; 1 for the built-in model)."""
+    guidance_scale: float = 1.0
+    """Classifier-free guidance w (1 = none): v = v_u + w·(v_c − v_u)."""
+    schedule: tuple[float, ...] = ()
+    """The model's own ``steps`` + 1 times (a diffusers scheduler's sigmas); empty: ``timesteps``."""
 
     def times(self) -> torch.Tensor:
-        return timesteps(self.steps, shift=self.shift)
+        if self.schedule:
+            return torch.tensor(self.schedule, dtype=torch.float32)
+        return timesteps(self.steps, shift=self.shift or 1.0)
+
+    @property
+    def guided(self) -> bool:
+        return self.guidance_scale != 1.0
 
 
 def _per_dim(log_density: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -44,22 +56,27 @@ def step_log_density(x_next: torch.Tensor, mean: torch.Tensor, std: float) -> to
     return -0.5 * (z * z).mean(1) - math.log(std) - 0.5 * math.log(2 * math.pi)
 
 
+def _noise(model, n: int, generator: torch.Generator, device) -> torch.Tensor:
+    return torch.randn((n, *model.latent_shape), generator=generator).to(device)
+
+
 @torch.no_grad()
-def sample(model, words: torch.Tensor, settings: FlowSampling, *, generator: torch.Generator,
+def sample(model, cond: dict[str, torch.Tensor], settings: FlowSampling, *, generator: torch.Generator,
+           negative: dict[str, torch.Tensor] | None = None,
            poll=None) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
-    """One trajectory per row of ``words``: (latents (N, T + 1, C, H, W), step log-probs (N, T),
+    """One trajectory per row of ``cond`` (the prompts' conditioning; ``negative``: the
+    unconditional prompt's, for guidance): (latents (N, T + 1, C, H, W), step log-probs (N, T),
     and — with ``poll`` — the version each step was sampled under). ``poll()`` is called before
     every step and returns the version of the weights the model holds then."""
-    cfg = model.config
-    n, times = words.shape[0], settings.times()
+    n, times = num_rows(cond), settings.times()
     device = next(model.parameters()).device
-    x = torch.randn((n, cfg.channels, cfg.image_size, cfg.image_size), generator=generator).to(device)
+    x = _noise(model, n, generator, device)
     latents, logps, versions = [x], [], [] if poll is not None else None
     for j in range(settings.steps):
         if poll is not None:
             versions.append(poll())
         t, s = float(times[j]), float(times[j + 1])
-        v = model(x, torch.full((n,), t, device=device), words)
+        v = velocity(model, x, torch.full((n,), t, device=device), cond, negative, settings.guidance_scale)
         mean, std = step_mean_std(x, v, t, s, settings.noise_level)
         noise = torch.randn(x.shape, generator=generator).to(device)
         x = mean + std * noise if std > 0 else mean
@@ -69,33 +86,34 @@ def sample(model, words: torch.Tensor, settings: FlowSampling, *, generator: tor
 
 
 @torch.no_grad()
-def generate_images(model, words: torch.Tensor, steps: int, *, generator: torch.Generator,
-                    noise_level: float = 0.0, shift: float = 1.0) -> torch.Tensor:
-    """Final images (N, C, H, W) of ``steps`` steps: the deterministic ODE by default (evaluation)."""
-    cfg = model.config
-    n, times = words.shape[0], timesteps(steps, shift=shift)
+def generate_latents(model, cond: dict[str, torch.Tensor], times: torch.Tensor, *, generator: torch.Generator,
+                     negative: dict[str, torch.Tensor] | None = None, guidance: float = 1.0) -> torch.Tensor:
+    """Final latents (N, C, H, W) of the deterministic ODE over ``times`` (evaluation)."""
+    n = num_rows(cond)
     device = next(model.parameters()).device
-    x = torch.randn((n, cfg.channels, cfg.image_size, cfg.image_size), generator=generator).to(device)
-    for j in range(steps):
+    x = _noise(model, n, generator, device)
+    for j in range(len(times) - 1):
         t, s = float(times[j]), float(times[j + 1])
-        v = model(x, torch.full((n,), t, device=device), words)
-        x, _ = sde_step(x, v, t, s, noise_level, generator=generator) if noise_level > 0 else \
-            (step_mean_std(x, v, t, s, 0.0)[0], None)
+        v = velocity(model, x, torch.full((n,), t, device=device), cond, negative, guidance)
+        x = step_mean_std(x, v, t, s, 0.0)[0]
     return x
 
 
-def step_gaussians(model, x: torch.Tensor, t: torch.Tensor, s: torch.Tensor, words: torch.Tensor,
-                   noise_level: float) -> tuple[torch.Tensor, torch.Tensor]:
+def step_gaussians(model, x: torch.Tensor, t: torch.Tensor, s: torch.Tensor, cond: dict[str, torch.Tensor],
+                   noise_level: float, negative: dict[str, torch.Tensor] | None = None,
+                   guidance: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gaussians of K recorded steps of each of N trajectories, in one forward over all N·K
     (x_t, t) pairs: x (N, K, C, H, W) the steps' starting points, t and s (N, K) their times
-    (each step from t to s < t; any steps, in any order). Returns (means (N, K, C, H, W),
+    (each step from t to s < t; any steps, in any order), ``cond`` each trajectory's prompt
+    conditioning (N rows; guided by ``negative`` at ``guidance``). Returns (means (N, K, C, H, W),
     stds (N, K)). The coefficients are computed in float64 and rounded once, as the engine's
     Python-float step (``sde.step_mean_std``) does, so both give the same float32 numbers."""
     n, k = t.shape
     shape = (n, k) + (1,) * (x.dim() - 2)
     *numbers, std = step_coefficients(t.double(), s.double(), noise_level)
     coef, one_minus_t, dt = (c.float().view(shape).to(x.device) for c in numbers)
-    v = model(x.flatten(0, 1), t.flatten().to(x.device), words.repeat_interleave(k, dim=0)).view_as(x)
+    per_step = {key: value.repeat_interleave(k, dim=0) for key, value in cond.items()}
+    v = velocity(model, x.flatten(0, 1), t.flatten().to(x.device), per_step, negative, guidance).view_as(x)
     return gaussian_mean(x, v, coef, one_minus_t, dt), std.float().to(x.device)
 
 
@@ -107,25 +125,30 @@ def _steps_or_all(latents: torch.Tensor, steps: torch.Tensor | None) -> torch.Te
     return torch.arange(t_plus_1 - 1, device=latents.device).expand(n, -1)
 
 
-def step_means(model, latents: torch.Tensor, words: torch.Tensor, times: torch.Tensor,
-               noise_level: float, steps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def step_means(model, latents: torch.Tensor, cond: dict[str, torch.Tensor], times: torch.Tensor,
+               noise_level: float, steps: torch.Tensor | None = None, *,
+               negative: dict[str, torch.Tensor] | None = None,
+               guidance: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gaussians of recorded trajectories' steps under ``model``: every step, or with
     ``steps`` ((N, K) indices into 0 … T − 1) those of each trajectory. Returns (means
     (N, K, C, H, W), stds (N, K))."""
     steps = _steps_or_all(latents, steps)
     rows = torch.arange(len(latents), device=latents.device)[:, None]
     times = times.to(steps.device)
-    return step_gaussians(model, latents[rows, steps], times[steps], times[steps + 1], words, noise_level)
+    return step_gaussians(model, latents[rows, steps], times[steps], times[steps + 1], cond, noise_level,
+                          negative, guidance)
 
 
-def step_logprobs(model, latents: torch.Tensor, words: torch.Tensor, times: torch.Tensor,
-                  noise_level: float, steps: torch.Tensor | None = None
+def step_logprobs(model, latents: torch.Tensor, cond: dict[str, torch.Tensor], times: torch.Tensor,
+                  noise_level: float, steps: torch.Tensor | None = None, *,
+                  negative: dict[str, torch.Tensor] | None = None, guidance: float = 1.0
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-probs (N, K) of the recorded steps under ``model``, the step means (N, K, C, H, W),
     the stds (N, K)); every step (K = T), or the ``steps`` of each trajectory. Differentiable in
     ``model``'s parameters."""
     steps = _steps_or_all(latents, steps)
-    means, stds = step_means(model, latents, words, times, noise_level, steps)
+    means, stds = step_means(model, latents, cond, times, noise_level, steps, negative=negative,
+                             guidance=guidance)
     n, k = stds.shape
     x_next = latents[torch.arange(n, device=latents.device)[:, None], steps + 1]
     z = ((x_next - means) / stds.view(n, k, *[1] * (means.dim() - 2))).flatten(2)

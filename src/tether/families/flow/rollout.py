@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from tether.data.rewards import score_all
-from tether.families.flow import scenes
-from tether.families.flow.model import FlowModel
+from tether.families.flow import conditioning
+from tether.families.flow.model import load_flow_model
 from tether.families.flow.policy import FlowSampling, sample
 from tether.procinfo import peak_rss_mb
 from tether.rollout.model_engine import ModelEngine
@@ -27,16 +27,21 @@ from tether.vocabulary import WorkItem, version_shares
 class FlowEngine(ModelEngine):
     """Samples trajectories with its own copy of the weights; stamps its version on every step."""
 
-    def __init__(self, model: FlowModel, sampling: FlowSampling, *, version: int = 0) -> None:
+    def __init__(self, model, sampling: FlowSampling, *, version: int = 0, negative_prompt: str = "") -> None:
         super().__init__(model.requires_grad_(False), version=version)
         self.sampling = sampling
+        self.negative = model.encode_prompts([negative_prompt]) if sampling.guided else None
+        """The unconditional prompt's conditioning (one row), when guided; the text encoders never
+        change, so it is computed once."""
 
-    def generate(self, words: torch.Tensor, *, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """One trajectory per row of ``words``: (latents (N, T + 1, C, H, W), step log-probs (N, T),
-        the version of each step). The same seed, weights and words give the same trajectories."""
+    def generate(self, cond: dict[str, torch.Tensor], *, seed: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """One trajectory per row of ``cond``: (latents (N, T + 1, C, H, W), step log-probs (N, T),
+        the version of each step). The same seed, weights and prompts give the same trajectories."""
         generator = torch.Generator().manual_seed(seed)
-        latents, logps, versions = sample(self.model, words.to(self.device), self.sampling,
-                                          generator=generator, poll=lambda: self._version)
+        latents, logps, versions = sample(self.model, conditioning.to(cond, self.device), self.sampling,
+                                          generator=generator, negative=self.negative,
+                                          poll=lambda: self._version)
         return latents.cpu(), logps.cpu(), versions
 
 
@@ -46,8 +51,8 @@ class FlowBatch:
 
     positions: list[int]
     prompts: list[str]
-    words: np.ndarray
-    """(N, L) int64 prompt word ids of each sample."""
+    cond: dict[str, np.ndarray]
+    """Each prompt's conditioning (B rows; sample i's is row i // G): word ids, or text embeddings."""
     latents: np.ndarray
     """(N, T + 1, C, H, W) float32: x at t_0 = 1 (noise) … t_T = 0 (the image)."""
     logprobs: np.ndarray
@@ -62,6 +67,10 @@ class FlowBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     seed: int = 0
     """The work item's seed: it drew the trajectories' noise, and draws the steps the learner trains."""
+    negative: dict[str, np.ndarray] | None = None
+    """The unconditional prompt's conditioning (one row), when sampled with guidance."""
+    guidance_scale: float = 1.0
+    """Classifier-free guidance w the trajectories were sampled with (the learner's forward uses it)."""
 
     @property
     def num_groups(self) -> int:
@@ -70,7 +79,8 @@ class FlowBatch:
     def check(self) -> None:
         """Refuse a batch whose groups are not intact (raises ``ValueError``)."""
         n = self.num_groups * self.group_size
-        sizes = {"positions": (len(self.positions), self.num_groups), "words": (len(self.words), n),
+        sizes = {"positions": (len(self.positions), self.num_groups),
+                 "cond": (conditioning.num_rows(self.cond), self.num_groups),
                  "latents": (len(self.latents), n), "logprobs": (len(self.logprobs), n),
                  "versions": (len(self.versions), n), "rewards": (len(self.rewards), n)}
         wrong = {k: got for k, (got, want) in sizes.items() if got != want}
@@ -85,29 +95,29 @@ class FlowBatch:
     def version_shares(self) -> dict[int, float]:
         return version_shares(self.versions)
 
-    def images(self) -> torch.Tensor:
-        """The final images, (N, C, H, W) in [−1, 1]."""
-        return torch.from_numpy(self.latents[:, -1])
-
 
 class FlowSampler:
     """The flow model, its engine and the image reward of one worker."""
 
     def __init__(self, cfg, model_path: str, *, device: torch.device) -> None:
         self.cfg = cfg
-        self.sampling = sampling_of(cfg)
-        self.engine = FlowEngine(FlowModel.from_pretrained(model_path).to(device), self.sampling)
+        model = load_flow_model(model_path, cfg).to(device)
+        self.sampling = sampling_of(cfg, model)
+        self.engine = FlowEngine(model, self.sampling, negative_prompt=cfg.flow.negative_prompt)
         self.score = cfg.family().scorer(cfg)
 
     def generate(self, item: WorkItem) -> FlowBatch:
         t0 = time.perf_counter()
         g = item.group_size
-        words = torch.tensor([scenes.encode(ex.prompt) for _, ex in item.examples]).repeat_interleave(g, 0)
-        latents, logps, versions = self.engine.generate(words, seed=item.seed)
+        model = self.engine.model
+        cond = model.encode_prompts([ex.prompt for _, ex in item.examples])  # once per prompt
+        per_sample = conditioning.rows(cond, torch.arange(len(item.examples)).repeat_interleave(g))
+        latents, logps, versions = self.engine.generate(per_sample, seed=item.seed)
         generate_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        images = latents[:, -1]
-        pairs = [(item.examples[i // g][1], scenes.to_pixels(image)) for i, image in enumerate(images)]
+        pixels = model.decode(latents[:, -1])
+        decode_s = time.perf_counter() - t0
+        pairs = [(item.examples[i // g][1], image) for i, image in enumerate(pixels)]
         rewards, errors = score_all(self.score, pairs, on_error=self.cfg.reward.on_error)
         score_s = time.perf_counter() - t0
         n = len(rewards)
@@ -118,6 +128,7 @@ class FlowSampler:
             "reward/errors": float(errors),
             "reward/pass_frac": sum(r >= 1.0 for r in rewards) / n,
             "time/generate": generate_s,
+            "time/decode": decode_s,
             "time/score": score_s,
             "throughput/gen_images_per_s": n / max(generate_s, 1e-9),
             "throughput/gen_steps_per_s": n * self.sampling.steps / max(generate_s, 1e-9),
@@ -125,14 +136,21 @@ class FlowSampler:
         }
         if hasattr(self.score, "take_parts"):  # reward.functions: each part's mean
             metrics.update(self.score.take_parts())
+        negative = self.engine.negative
         return FlowBatch(positions=[p for p, _ in item.examples],
                          prompts=[ex.prompt for _, ex in item.examples],
-                         words=words.numpy(), latents=latents.numpy(), logprobs=logps.numpy(),
+                         cond=conditioning.as_numpy(cond), latents=latents.numpy(), logprobs=logps.numpy(),
                          versions=[list(versions) for _ in range(n)], rewards=rewards,
                          times=self.sampling.times().numpy(), noise_level=self.sampling.noise_level,
-                         group_size=g, metrics=metrics, seed=item.seed)
+                         group_size=g, metrics=metrics, seed=item.seed,
+                         negative=None if negative is None else conditioning.as_numpy(negative),
+                         guidance_scale=self.sampling.guidance_scale)
 
 
-def sampling_of(cfg) -> FlowSampling:
-    """How the recipe's trajectories are sampled (its ``flow`` section)."""
-    return FlowSampling(steps=cfg.flow.steps, noise_level=cfg.flow.noise_level, shift=cfg.flow.shift)
+def sampling_of(cfg, model=None) -> FlowSampling:
+    """How the recipe's trajectories are sampled (its ``flow`` section), with ``model``'s own
+    time schedule (a diffusers scheduler's sigmas) when given."""
+    f = cfg.flow
+    schedule = () if model is None else tuple(float(t) for t in model.times(f.steps, f.shift))
+    return FlowSampling(steps=f.steps, noise_level=f.noise_level, shift=f.shift,
+                        guidance_scale=f.guidance_scale, schedule=schedule)

@@ -64,9 +64,17 @@ SHAPES = ImageTask("shapes", "16×16 images of one or two coloured squares or ci
 
 
 def flow_data(cfg) -> DataBundle:
-    """The recipe's built-in image task, train and held-out."""
-    task = registry.tasks.get(cfg.data.task)
+    """The recipe's prompts, train and held-out: a built-in image task's, or a prompt file's
+    (``data.dataset``: a .txt of one prompt a line, as Flow-GRPO's, or any dataset form with a
+    prompt column; an answer column is optional and reaches the reward)."""
     d = cfg.data
+    if d.dataset:
+        from tether.data.source import dataset_splits
+
+        train, held_out = dataset_splits(d, seed=cfg.run.seed, answers=False)
+        return DataBundle(train=train, eval=held_out[: d.num_eval], stop_text="", skipped_long_prompts=0,
+                          description=f"dataset {d.dataset}")
+    task = registry.tasks.get(d.task)
     return DataBundle(train=task.examples("train", d.num_train, seed=cfg.run.seed),
                       eval=task.examples("eval", d.num_eval, seed=cfg.run.seed), stop_text="",
                       skipped_long_prompts=0, description=f"task {task.name}")

@@ -1,0 +1,95 @@
+"""A tiny Stable Diffusion 3 pipeline built locally from configs, randomly initialised: an
+SD3 transformer, a VAE, two CLIP text encoders with a character-level CLIP tokenizer, and SD3's
+flow-matching scheduler (shift 3). Nothing is downloaded; it is the stand-in for a real SD3-class
+pipeline in tests, ``recipes/flow-sd3-tiny.yaml`` and ``benchmarks/``, as diffusers' own tests
+build theirs. A real pipeline directory is used the same way (``model.path``).
+
+    python -m tether.families.flow.tiny_sd3 runs/tiny-sd3 [--seed 0] [--image-size 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+ALPHABET = [chr(c) for c in range(33, 127)]
+
+
+def _tokenizer(folder: Path, max_length: int):
+    """A CLIP tokenizer over printable ASCII characters (no merges: one token a character, the
+    last of a word marked as CLIP's BPE marks it)."""
+    from transformers import CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for suffix in ("", "</w>"):
+        for c in ALPHABET:
+            vocab[c + suffix] = len(vocab)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=max_length,
+                         pad_token="<|endoftext|>")
+
+
+def build_tiny_sd3(out: str | Path, *, seed: int = 0, image_size: int = 32, width: int = 32, depth: int = 2,
+                   text_width: int = 32, max_prompt_tokens: int = 32) -> Path:
+    """Write the pipeline to ``out`` (through a temporary folder and a rename: never half a
+    pipeline at ``out``). ``image_size`` pixels (latents are half as wide, 4 channels)."""
+    import torch
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    out = Path(out)
+    staging = out.parent / f".{out.name}.building-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    torch.manual_seed(seed)
+    heads = 4
+    transformer = SD3Transformer2DModel(
+        sample_size=image_size // 2, patch_size=2, in_channels=4, out_channels=4, num_layers=depth,
+        attention_head_dim=width // heads, num_attention_heads=heads, caption_projection_dim=width,
+        joint_attention_dim=2 * text_width, pooled_projection_dim=2 * text_width,
+        pos_embed_max_size=image_size)
+    vae = AutoencoderKL(block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4,
+                        down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2,
+                        sample_size=image_size, norm_num_groups=8, scaling_factor=1.5035, shift_factor=0.0609)
+    text = CLIPTextConfig(bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_size=text_width,
+                          intermediate_size=2 * text_width, num_attention_heads=4, num_hidden_layers=2,
+                          vocab_size=2 + 2 * len(ALPHABET), projection_dim=text_width,
+                          max_position_embeddings=max_prompt_tokens, hidden_act="gelu")
+    tokenizer = _tokenizer(staging / "_tokenizer", max_prompt_tokens)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        text_encoder=CLIPTextModelWithProjection(text), tokenizer=tokenizer,
+        text_encoder_2=CLIPTextModelWithProjection(text), tokenizer_2=tokenizer,
+        text_encoder_3=None, tokenizer_3=None)
+    try:
+        pipe.save_pretrained(staging / "pipeline")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging / "pipeline", out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--image-size", type=int, default=32)
+    ns = parser.parse_args(argv)
+    print(build_tiny_sd3(ns.out, seed=ns.seed, image_size=ns.image_size))
+
+
+if __name__ == "__main__":
+    main()

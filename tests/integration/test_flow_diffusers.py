@@ -1,0 +1,207 @@
+"""A diffusers SD3-class pipeline behind the flow family: a tiny Stable Diffusion 3 pipeline built
+locally from configs (transformer, VAE, two CLIP text encoders, SD3's scheduler; nothing
+downloaded), sampled by Tether's SDE, trained through `tether train` with a pixel reward on
+prompts from a file, with and without classifier-free guidance."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+
+import torch
+from safetensors.torch import load_file
+
+from faults.runs import stop_after
+from tether.config import load_config
+from tether.errors import ConfigError, DataError, StopRequested
+from tether.loop import Timings, simulate
+from tether.runtime.run import train
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+REWARD = Path(__file__).parent / "flow_reward.py"
+PROMPTS = ["a red square", "a blue sky", "green grass at noon", "a yellow sun", "a black cat", "white snow",
+           "an orange", "a purple flower", "a grey road", "a brown dog"]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    from tether.families.flow.tiny_sd3 import build_tiny_sd3
+
+    return build_tiny_sd3(tmp_path_factory.mktemp("sd3") / "pipeline", seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n\n")  # a blank line is not a prompt
+    return path
+
+
+def recipe(pipeline, prompts, *extra):
+    return load_config(None, [f"model.path={pipeline}", "model.family=flow", "data.task=",
+                              f"data.dataset={prompts}", "data.num_eval=4", "data.max_prompt_tokens=32",
+                              "flow.steps=4", "flow.eval_steps=4", "rollout.batch_size=2",
+                              "rollout.group_size=4", "train.lr=1e-3", "eval.interval=0",
+                              "checkpoint.interval=0", f"reward.function={REWARD}:reward", *extra])
+
+
+def rows(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.5], ids=["no-cfg", "cfg-4.5"])
+def test_engine_and_learner_step_logprobs_agree_for_a_diffusers_pipeline(pipeline, guidance):
+    """The engine samples with the whole pipeline (text encoders, scheduler sigmas, guidance);
+    the learner, which loads the transformer alone, recomputes every step's log-prob from the
+    conditioning carried with the batch: mean |Δ| ≤ 1e-5 in float32."""
+    from tether.families.flow import conditioning
+    from tether.families.flow.learn import FlowPolicy, to_flow_batch
+    from tether.families.flow.model import load_flow_model
+    from tether.families.flow.policy import FlowSampling
+    from tether.families.flow.rollout import FlowBatch, FlowEngine
+
+    torch.set_num_threads(1)
+    model = load_flow_model(pipeline)
+    sigmas = model.times(4, 0.0)
+    sampling = FlowSampling(steps=4, noise_level=0.7, guidance_scale=guidance,
+                            schedule=tuple(float(t) for t in sigmas))
+    engine = FlowEngine(model, sampling, negative_prompt="")
+    cond = model.encode_prompts(PROMPTS[:3])
+    per_sample = conditioning.rows(cond, torch.arange(3).repeat_interleave(2))
+    latents, logps, versions = engine.generate(per_sample, seed=7)
+    assert latents.shape == (6, 5, 4, 16, 16) and versions == [0] * 4
+    negative = engine.negative
+    batch = FlowBatch(positions=[0, 1, 2], prompts=PROMPTS[:3], cond=conditioning.as_numpy(cond),
+                      latents=latents.numpy(), logprobs=logps.numpy(), versions=[versions] * 6,
+                      rewards=[0.0] * 6, times=sigmas.numpy(), noise_level=0.7, group_size=2,
+                      negative=None if negative is None else conditioning.as_numpy(negative),
+                      guidance_scale=guidance)
+    batch.check()
+    policy = FlowPolicy()
+    learner_model, _ = policy.load(pipeline)
+    assert learner_model.pipe is None  # no text encoder or VAE in the learner
+    assert {n.split(".")[0] for n, _ in learner_model.named_parameters()} == {"transformer"}
+    tb = to_flow_batch(batch)
+    with torch.no_grad():
+        learner_logp = policy.forward(learner_model, tb)[0]
+    diff = (learner_logp - tb.behavior_logp).abs()
+    assert diff.mean() <= 1e-5, diff.mean()
+    if guidance != 1.0:  # the guided policy is what was sampled: the unguided one is another
+        import dataclasses
+
+        with torch.no_grad():
+            unguided = policy.forward(learner_model, dataclasses.replace(tb, guidance_scale=1.0))[0]
+        assert (unguided - tb.behavior_logp).abs().mean() > 1e-3
+
+
+def test_the_trajectory_times_are_the_schedulers_shifted_sigmas(pipeline):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from tether.families.flow.model import load_flow_model
+
+    model = load_flow_model(pipeline, whole=False)
+    for shift in (0.0, 1.0, 3.0):
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=shift or 3.0)  # the pipeline's is shift 3
+        scheduler.set_timesteps(6)
+        assert torch.equal(model.times(6, shift), scheduler.sigmas.float())
+    assert not torch.equal(model.times(6, 1.0), model.times(6, 3.0))
+
+
+def test_a_pipeline_trains_through_tether_train_with_guidance_on_prompts_from_a_file(pipeline, prompts,
+                                                                                      tmp_path):
+    """Per-batch staleness follows `tether plan`; prompts come from a .txt file; guidance is
+    recorded with every batch; the checkpoint is the transformer and the base's identity; `tether
+    eval` on it gives the run's last held-out reward; `tether report` lays out its pictures."""
+    cfg = recipe(pipeline, prompts, "train.num_batches=4", "async.max_staleness=1", "async.max_inflight=2",
+                 "train.updates_per_batch=2", "flow.guidance_scale=3.0", "eval.interval=2",
+                 "checkpoint.interval=4")
+    summary = train(cfg, tmp_path / "run", progress_plain=True)
+    assert summary["trained_batches"] == 4
+    metrics = rows(tmp_path / "run" / "metrics.jsonl")
+    plan = simulate(cfg.budget(), Timings(commits=tuple(int(m["async/optimizer_updates"]) for m in metrics)))
+    assert [m["staleness/updates"] for m in metrics] == [r.staleness_updates for r in plan.trace.records]
+    fresh = [m for m in metrics if m["staleness/updates"] == 0]
+    assert fresh and all(m["mismatch/numeric_logprob_abs_diff_max"] < 1e-4 for m in fresh)
+    assert all(m["time/decode"] > 0 for m in metrics)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000004" / "learner" / "model"
+    record = json.loads((checkpoint / "config.json").read_text())
+    assert record["backbone"] == "diffusers" and record["base"] == str(Path(pipeline).resolve())
+    assert not (checkpoint / "vae").exists() and (checkpoint / "transformer").is_dir()
+    evals = rows(tmp_path / "run" / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2, 4] and evals[-1]["eval/examples"] == 4
+
+    from tether.cli.eval_cmd import evaluate_model
+    from tether.runtime.report import write_report
+
+    again, _ = evaluate_model(cfg, checkpoint, samples=1)
+    assert again["eval/reward_mean"] == pytest.approx(evals[-1]["eval/reward_mean"], abs=1e-6)
+    from PIL import Image
+
+    assert Image.open(tmp_path / "run" / "samples" / "step_000004.png").size[0] >= 64
+    plots = {p.name for p in write_report(tmp_path / "run")}
+    assert {"samples.png", "reward.png"} <= plots
+
+
+def test_a_stopped_pipeline_run_resumes_exactly(pipeline, prompts, tmp_path, monkeypatch):
+    cfg = recipe(pipeline, prompts, "train.num_batches=4", "checkpoint.interval=4", "async.max_staleness=1",
+                 "train.kl_coef=0.01", "flow.train_steps=2", "flow.train_step_choice=first")
+    keys = ("step", "batch_index", "async/behavior_version", "staleness/updates", "reward/mean",
+            "loss/policy", "loss/kl")
+
+    def trace(run_dir):
+        folder = run_dir / "checkpoints" / "step-000004" / "learner" / "model" / "transformer"
+        weights = load_file(str(next(folder.glob("*.safetensors"))))
+        return [{k: m.get(k) for k in keys} for m in rows(run_dir / "metrics.jsonl")], weights
+
+    train(cfg, tmp_path / "whole", progress_plain=True)
+    whole, whole_weights = trace(tmp_path / "whole")
+    assert whole[-1]["loss/kl"] > 0  # the reference transformer, a second copy of the base's
+    run_dir = tmp_path / "stopped"
+    with monkeypatch.context() as m:
+        stop_after(m, 2)
+        with pytest.raises(StopRequested):
+            train(cfg, run_dir, progress_plain=True)
+    train(load_config(run_dir / "config.yaml"), run_dir, resume=True, progress_plain=True)
+    resumed, weights = trace(run_dir)
+    assert resumed == whole
+    for name, tensor in weights.items():
+        assert tensor.equal(whole_weights[name]), name
+
+
+def test_a_checkpoint_refuses_a_base_pipeline_that_changed_or_is_gone(pipeline, tmp_path):
+    from tether.families.flow.model import load_flow_model
+
+    base = tmp_path / "base"
+    shutil.copytree(pipeline, base)
+    model = load_flow_model(base, whole=False)
+    model.save_pretrained(tmp_path / "checkpoint")
+    again = load_flow_model(tmp_path / "checkpoint")
+    for name, p in model.named_parameters():
+        assert torch.equal(p, dict(again.named_parameters())[name])
+    config = json.loads((base / "vae" / "config.json").read_text())
+    (base / "vae" / "config.json").write_text(json.dumps({**config, "scaling_factor": 1.0}))
+    with pytest.raises(ConfigError, match="fingerprint"):
+        load_flow_model(tmp_path / "checkpoint")
+    shutil.rmtree(base)
+    with pytest.raises(ConfigError, match="is gone"):
+        load_flow_model(tmp_path / "checkpoint")
+
+
+@pytest.mark.parametrize(("override", "says"), [
+    ("flow.resolution=33", "not a multiple of 2"),
+    ("data.prompt_column=text", "has no column 'text'"),
+])
+def test_bad_pipeline_settings_are_refused_clearly(pipeline, prompts, tmp_path, override, says):
+    with pytest.raises((ConfigError, DataError), match=says):
+        train(recipe(pipeline, prompts, "train.num_batches=1", override), tmp_path / "run", progress_plain=True)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_resolution_is_refused_for_the_built_in_model(tmp_path):
+    with pytest.raises(ConfigError, match="built-in model, whose size is fixed"):
+        load_config(None, ["model.family=flow", "data.task=shapes", f"model.path={tmp_path / 'm'}",
+                           "flow.resolution=32"])
