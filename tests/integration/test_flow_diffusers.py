@@ -197,7 +197,8 @@ def test_a_checkpoint_refuses_a_base_pipeline_that_changed_or_is_gone(pipeline, 
 ])
 def test_bad_pipeline_settings_are_refused_clearly(pipeline, prompts, tmp_path, override, says):
     with pytest.raises((ConfigError, DataError), match=says):
-        train(recipe(pipeline, prompts, "train.num_batches=1", override), tmp_path / "run", progress_plain=True)
+        cfg = recipe(pipeline, prompts, "train.num_batches=1", override)
+        train(cfg, tmp_path / "run", progress_plain=True)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
