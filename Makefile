@@ -12,7 +12,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.tether-installed
 
-.PHONY: demo flow-demo agent-demo test lint unit bench docs clean vllm test-vllm
+.PHONY: demo flow-demo flow-sd3 agent-demo test lint unit bench docs clean vllm test-vllm
 
 # torch first, pinned to the CPU build on local disk: a bare `torch` requirement would pull a
 # multi-GB CUDA build. pyproject's range (>=2.4,<3) is satisfied by it, so nothing else moves it.
@@ -43,6 +43,10 @@ demo: $(STAMP)
 
 flow-demo: $(STAMP)
 	$(VENV)/bin/tether train recipes/flow-demo.yaml
+
+flow-sd3: $(STAMP)
+	test -f runs/models/tiny-sd3/model_index.json || $(VENV)/bin/python -m tether.families.flow.tiny_sd3 runs/models/tiny-sd3
+	$(VENV)/bin/tether train recipes/flow-sd3-tiny.yaml
 
 agent-demo: $(STAMP)
 	$(VENV)/bin/tether train recipes/agent-demo.yaml

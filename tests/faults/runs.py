@@ -123,3 +123,19 @@ def stop_after(monkeypatch, step, signum=None, times=1, during_save=False):
 
     monkeypatch.setattr(JsonlSink, "on_batch", on_batch)
     monkeypatch.setattr(TorchLearner, "save", save)
+
+
+def stop_and_resume(monkeypatch, cfg, run_dir: Path, after: int) -> None:
+    """Train ``cfg`` in ``run_dir`` in this process, interrupted (SIGINT) after batch ``after``,
+    then resumed from the checkpoint it saved to the end."""
+    import pytest
+
+    from tether.config import load_config
+    from tether.errors import StopRequested
+    from tether.runtime.run import train
+
+    with monkeypatch.context() as m:
+        stop_after(m, after)
+        with pytest.raises(StopRequested):
+            train(cfg, run_dir, progress_plain=True)
+    train(load_config(run_dir / "config.yaml"), run_dir, resume=True, progress_plain=True)

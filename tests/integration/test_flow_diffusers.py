@@ -15,9 +15,9 @@ pytest.importorskip("diffusers")
 import torch
 from safetensors.torch import load_file
 
-from faults.runs import stop_after
+from faults.runs import stop_and_resume
 from tether.config import load_config
-from tether.errors import ConfigError, DataError, StopRequested
+from tether.errors import ConfigError, DataError
 from tether.loop import Timings, simulate
 from tether.runtime.run import train
 
@@ -161,11 +161,7 @@ def test_a_stopped_pipeline_run_resumes_exactly(pipeline, prompts, tmp_path, mon
     whole, whole_weights = trace(tmp_path / "whole")
     assert whole[-1]["loss/kl"] > 0  # the reference transformer, a second copy of the base's
     run_dir = tmp_path / "stopped"
-    with monkeypatch.context() as m:
-        stop_after(m, 2)
-        with pytest.raises(StopRequested):
-            train(cfg, run_dir, progress_plain=True)
-    train(load_config(run_dir / "config.yaml"), run_dir, resume=True, progress_plain=True)
+    stop_and_resume(monkeypatch, cfg, run_dir, after=2)
     resumed, weights = trace(run_dir)
     assert resumed == whole
     for name, tensor in weights.items():

@@ -12,9 +12,9 @@ pytest.importorskip("torch")
 
 from safetensors.torch import load_file
 
-from faults.runs import stop_after
+from faults.runs import stop_and_resume
 from tether.config import load_config
-from tether.errors import ConfigError, StopRequested
+from tether.errors import ConfigError
 from tether.loop import Timings, simulate, summarize
 from tether.runtime.run import train
 
@@ -81,11 +81,7 @@ def test_a_stopped_flow_run_resumes_exactly(flow_model, tmp_path, monkeypatch):
     whole, whole_weights = trace(tmp_path / "whole")
     assert whole[-1]["loss/kl"] > 0  # the grpo preset's KL to the reference ran
     run_dir = tmp_path / "stopped"
-    with monkeypatch.context() as m:
-        stop_after(m, 2)
-        with pytest.raises(StopRequested):
-            train(cfg, run_dir, progress_plain=True)
-    train(load_config(run_dir / "config.yaml"), run_dir, resume=True, progress_plain=True)
+    stop_and_resume(monkeypatch, cfg, run_dir, after=2)
     resumed, weights = trace(run_dir)
     assert resumed == whole
     for name, tensor in weights.items():
