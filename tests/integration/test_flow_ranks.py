@@ -108,3 +108,44 @@ def test_the_flow_learner_in_a_ray_actor_trains_the_rows_it_trains_in_the_driver
     local = rows(tmp_path / "local")
     actor = rows(tmp_path / "actor", "rollout.backend=ray", "ray.local_cpus=2", "ray.learner=actor")
     assert [{k: m[k] for k in keys} for m in actor] == [{k: m[k] for k in keys} for m in local]
+
+
+@pytest.mark.parametrize("backbone", ["built-in", "diffusers"])
+def test_flow_learner_ranks_write_checkpoints_that_load_and_resume(flow_dir, tmp_path, monkeypatch, backbone):
+    """Two ranks gather the weights whole and rank 0 writes the family's own model folder (the
+    DiT's, or a pipeline's transformer with its base named), which loads as the model and from
+    which a stopped run resumes to the same weights."""
+    from pathlib import Path
+
+    from faults.runs import stop_and_resume
+    from tether.families.flow.learn import FlowPolicy
+    from tether.runtime.run import train
+
+    if backbone == "diffusers":
+        pytest.importorskip("diffusers")
+        from tether.families.flow.tiny_sd3 import build_tiny_sd3
+
+        path = build_tiny_sd3(tmp_path / "pipeline")
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text("".join(f"prompt number {i}\n" for i in range(12)))
+        data = ["data.task=", f"data.dataset={prompts}", "data.num_eval=4", "data.max_prompt_tokens=32",
+                f"reward.function={Path(__file__).parent / 'flow_reward.py'}:reward"]
+    else:
+        path, data = flow_dir[0], ["data.task=shapes", "data.num_train=200", "data.num_eval=16"]
+    common = ["model.family=flow", f"model.path={path}", f"flow.steps={STEPS}", "flow.eval_steps=4",
+              "rollout.batch_size=2", "rollout.group_size=4", "train.num_batches=4", "eval.interval=0",
+              "checkpoint.interval=2", "async.max_staleness=1", "train.world_size=2", *data]
+    cfg = load_config(None, common)
+    train(cfg, tmp_path / "whole", progress_plain=True)
+    policy = FlowPolicy()
+    final = policy.read_weights(tmp_path / "whole" / "checkpoints" / "step-000004" / "learner" / "model")
+    model, _ = policy.load(tmp_path / "whole" / "checkpoints" / "step-000004" / "learner" / "model")
+    assert set(final) == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        assert torch.equal(p, final[name]), name
+    # resumed at one rank from the two ranks' checkpoint of step 2: the same last weights
+    stopped = tmp_path / "stopped"
+    stop_and_resume(monkeypatch, cfg, stopped, after=2)
+    again = policy.read_weights(stopped / "checkpoints" / "step-000004" / "learner" / "model")
+    for name, tensor in final.items():
+        assert torch.allclose(again[name], tensor, rtol=1e-5, atol=1e-6), name

@@ -407,11 +407,17 @@ class TorchLearner:
         from tether.modeling import SHARDED_MARKER
 
         folder.mkdir(parents=True, exist_ok=True)
-        self.model.config.save_pretrained(folder)
+        writer = getattr(self.policy, "write_folder", None)  # a model folder laid out otherwise
+        if writer is not None:
+            writer(self.model, folder, weights)
+        else:
+            self.model.config.save_pretrained(folder)
         if weights is None:
             (folder / SHARDED_MARKER).write_text(
                 "This model's weights are shards in ../sharded (torch.distributed.checkpoint), written "
                 f"by {self.group.world} learner ranks. Tether reads them as a model directory.\n")
+            return
+        if writer is not None:
             return
         from safetensors.torch import save_file
 

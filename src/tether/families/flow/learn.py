@@ -135,6 +135,10 @@ class FlowPolicy:
     def save(self, model, tokenizer, folder: Path) -> None:
         model.save_pretrained(folder)
 
+    def write_folder(self, model, folder: Path, weights: dict[str, torch.Tensor] | None) -> None:
+        """A model folder of ``weights`` gathered from learner ranks (None: its config alone)."""
+        model.write_folder(folder, weights)
+
     def read_weights(self, folder: Path) -> dict[str, torch.Tensor]:
         """The parameters a checkpoint's model folder holds, by the names the model gives them."""
         from safetensors.torch import load_file

@@ -150,14 +150,20 @@ class FlowModel(nn.Module):
     # -- a model directory ----------------------------------------------------------------------
 
     def save_pretrained(self, folder: str | Path, **_: object) -> None:
-        from safetensors.torch import save_file
+        self.write_folder(folder, {n: p.detach() for n, p in self.named_parameters()})
 
+    def write_folder(self, folder: str | Path, weights: dict[str, torch.Tensor] | None) -> None:
+        """This model's directory with ``weights`` (name → tensor, e.g. gathered from ranks); None:
+        its config alone."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         config = {FAMILY_KEY: "flow", **asdict(self.config)}
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file({n: p.detach().contiguous() for n, p in self.named_parameters()},
-                  str(folder / "model.safetensors"), metadata={"format": "pt"})
+        if weights is not None:
+            from safetensors.torch import save_file
+
+            save_file({n: t.contiguous() for n, t in weights.items()}, str(folder / "model.safetensors"),
+                      metadata={"format": "pt"})
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> FlowModel:

@@ -200,9 +200,20 @@ class DiffusersFlow(nn.Module):
 
     def save_pretrained(self, folder: str | Path, **_: object) -> None:
         """The transformer, and the base pipeline it needs, by path and fingerprint."""
+        self.write_folder(folder, {n: p.detach() for n, p in self.named_parameters()})
+
+    def write_folder(self, folder: str | Path, weights: dict[str, torch.Tensor] | None) -> None:
+        """A checkpoint's model folder with ``weights`` (this module's names, e.g. gathered from
+        ranks); None: the configs alone."""
+        from safetensors.torch import save_file
+
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.transformer.save_pretrained(folder / "transformer")
+        (folder / "transformer").mkdir(parents=True, exist_ok=True)
+        self.transformer.save_config(folder / "transformer")
+        if weights is not None:
+            own = {n.removeprefix("transformer."): t.contiguous() for n, t in weights.items()}
+            save_file(own, str(folder / "transformer" / "diffusion_pytorch_model.safetensors"),
+                      metadata={"format": "pt"})
         record = {"tether_family": "flow", "backbone": "diffusers", "base": str(self.base.resolve()),
                   "fingerprint": fingerprint(self.base)}
         (folder / "config.json").write_text(json.dumps(record, indent=2) + "\n")
