@@ -3,6 +3,7 @@ log-probabilities (engine against learner), the closed-form KL, the model direct
 
 import random
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -28,7 +29,7 @@ def test_a_drawn_image_passes_and_each_wrong_word_fails_exactly_its_check():
     rng = random.Random(0)
     for scene in scenes.all_scenes():
         image = scenes.render(scene, rng)
-        assert scenes.checks(scene, image) == dict.fromkeys(("colour", "count", "shape", "position"), True)
+        assert scenes.checks(scene, image) == dict.fromkeys(scenes.CHECKS, True)
         others = {
             "colour": scenes.Scene(scene.count, next(c for c in scenes.COLOURS if c != scene.colour),
                                    scene.shape, scene.position),
@@ -41,9 +42,47 @@ def test_a_drawn_image_passes_and_each_wrong_word_fails_exactly_its_check():
         }
         for attribute, wrong in others.items():
             got = scenes.checks(wrong, image)
-            assert not got[attribute] and sum(got.values()) == 3, (scene.prompt, attribute, got)
+            assert not got[attribute] and sum(got.values()) == 4, (scene.prompt, attribute, got)
     blank = torch.full((3, 16, 16), -1.0)
     assert scenes.score(scenes.Scene(1, "red", "square", "left"), scenes.to_pixels(blank)) == 0.0
+
+
+def drawn(prompt: str, seed: int = 0):
+    return scenes.render(scenes.Scene.parse(prompt), random.Random(seed))
+
+
+@pytest.mark.parametrize(("case", "fails"), [
+    ("mid-grey background", {"background"}),
+    ("grey fill", {"colour", "count", "shape", "position"}),
+    ("uniform dim noise", {"background"}),
+    ("two 2x2 dots", {"count", "shape", "background"}),
+    ("white for yellow", {"colour"}),
+    ("stray specks", {"background"}),
+])
+def test_the_verifier_refuses_what_a_pixel_audit_found_it_rewarding(case, fails):
+    """Each of these earned the full reward from a four-check verifier; now each fails exactly the
+    checks it should, and never passes."""
+    rng = np.random.default_rng(0)
+    scene = scenes.Scene.parse("two yellow squares left")
+    image = drawn(scene.prompt)
+    if case == "mid-grey background":
+        image = np.where(image.max(-1, keepdims=True) == 0, np.uint8(100), image)
+    elif case == "grey fill":
+        image = np.full_like(image, 140)
+    elif case == "uniform dim noise":
+        noise = rng.integers(0, 110, image.shape, dtype=np.uint8)
+        image = np.where(image.max(-1, keepdims=True) == 0, noise, image)
+    elif case == "two 2x2 dots":
+        image = np.zeros_like(image)
+        image[2:4, 2:4] = image[10:12, 3:5] = scenes.COLOURS["yellow"]
+    elif case == "white for yellow":
+        image = np.where(image.max(-1, keepdims=True) > 0, np.uint8(255), image)
+    elif case == "stray specks":
+        image = image.copy()
+        image[1, 14] = image[14, 14] = image[8, 12] = scenes.COLOURS["yellow"]
+    got = scenes.checks(scene, image)
+    assert {k for k, ok in got.items() if not ok} == fails, got
+    assert scenes.score(scene, image) < 1.0
 
 
 def test_the_held_out_prompts_are_a_balanced_quarter_never_in_training():

@@ -2,19 +2,24 @@
 and a reward read exactly from pixels.
 
 A prompt names a count, a colour, a shape and a position: ``"two blue circles left"``. An image
-is 16 × 16 RGB on black. ``score`` checks four things from the pixels alone and returns their
-mean (so 0, ¼, ½, ¾ or 1); an image passes when all four hold:
+is 16 × 16 RGB on black. ``score`` checks five things from the pixels alone and returns their
+mean (so 0, ⅕, …, 1); an image passes when all five hold. A pixel is *lit* when its brightest
+channel is at least 128; a lit pixel has a palette colour only when it is within
+``COLOUR_RADIUS`` of it (so white is not yellow, nor grey any colour); a *blob* is a 4-connected
+set of lit pixels of at least ``MIN_BLOB`` (smaller ones are *specks*):
 
-- colour: at least ``MIN_PIXELS`` pixels are nearest the named colour (of the palette) and they
-  are at least 80% of the lit pixels;
-- count: the lit pixels form exactly the named number of blobs (4-connected, of at least
-  ``MIN_BLOB`` pixels each);
-- shape: every blob fills its bounding box as the shape does (a square ≥ 0.9, a circle
-  0.6–0.9);
-- position: at least 90% of the lit pixels lie in the named half of the image.
+- colour: at least ``MIN_PIXELS`` lit pixels have the named colour and they are at least 80%
+  of the lit pixels;
+- count: exactly the named number of blobs;
+- shape: every blob is the shape's size (``BLOB_AREA``) and fills its bounding box as the shape
+  does (a square ≥ 0.9, a circle 0.6–0.9);
+- position: at least 90% of the lit pixels lie in the named half of the image;
+- background: something is drawn (``MIN_PIXELS`` lit), the unlit pixels are near black (their
+  brightest channels average at most ``DARK_MEAN``: no grey fill, no dim noise) and there are at
+  most ``MAX_SPECKS`` speck pixels.
 
 Each check reads the pixels on its own, so an image with the wrong colour can still earn the
-other three.
+other four.
 
 ``render`` draws an image that passes, from a random layout; the warm start trains on such
 images with deliberately noisy captions (``tether.families.flow.warmstart``).
@@ -41,9 +46,18 @@ WORDS = ("<pad>", *COUNTS, *COLOURS, "square", "squares", "circle", "circles", *
 """The prompt vocabulary; a prompt is always four words."""
 PROMPT_WORDS = 4
 MIN_PIXELS = 8
-MIN_BLOB = 4
+MIN_BLOB = 12
+"""Fewer lit pixels than this together are a speck, not a shape (a 2 × 2 dot is not a square)."""
+BLOB_AREA = (18, 64)
+"""The pixels a drawn shape covers, at most this far from the drawn ones (36 and 37)."""
+COLOUR_RADIUS = 110.0
+"""How far (RGB distance) a lit pixel may be from a palette colour to have it."""
+DARK_MEAN = 32.0
+"""The most the unlit pixels' brightest channels may average: a clean, near-black background."""
+MAX_SPECKS = 2
 SQUARE_SIDE = 6
 CIRCLE_DIAMETER = 7
+CHECKS = ("colour", "count", "shape", "position", "background")
 
 
 @dataclass(frozen=True)
@@ -141,12 +155,17 @@ def render(scene: Scene, rng: random.Random) -> np.ndarray:
 _PALETTE = np.array(list(COLOURS.values()), dtype=np.float32)
 
 
+DARK, NO_COLOUR = -1, -2
+
+
 def colour_map(image: np.ndarray) -> np.ndarray:
-    """(16, 16) index of the nearest palette colour per pixel, −1 where the pixel is dark."""
+    """(16, 16) index of each lit pixel's palette colour; ``NO_COLOUR`` where a lit pixel is
+    near none (white, grey), ``DARK`` where the pixel is not lit."""
     px = image.astype(np.float32)
     lit = px.max(axis=-1) >= 128
-    nearest = ((px[:, :, None, :] - _PALETTE[None, None]) ** 2).sum(-1).argmin(-1)
-    return np.where(lit, nearest, -1)
+    distance = ((px[:, :, None, :] - _PALETTE[None, None]) ** 2).sum(-1)
+    nearest = np.where(distance.min(-1) <= COLOUR_RADIUS ** 2, distance.argmin(-1), NO_COLOUR)
+    return np.where(lit, nearest, DARK)
 
 
 def blobs(mask: np.ndarray) -> list[list[tuple[int, int]]]:
@@ -175,29 +194,34 @@ def _fill(blob: list[tuple[int, int]]) -> float:
 
 
 def checks(scene: Scene, image: np.ndarray) -> dict[str, bool]:
-    """Which of colour, count, shape and position ``image`` satisfies for ``scene``. Each is read
-    on its own (count, shape and position from the lit pixels whatever their colour), so a
-    wrong colour does not fail the rest."""
+    """Which of ``CHECKS`` ``image`` satisfies for ``scene``. Each is read on its own (count,
+    shape and position from the lit pixels whatever their colour), so a wrong colour does not
+    fail the rest."""
     labels = colour_map(image)
-    lit = labels >= 0
+    lit = labels != DARK
     n = int(lit.sum())
     mine = int((labels == list(COLOURS).index(scene.colour)).sum())
     colour = mine >= MIN_PIXELS and mine >= 0.8 * n
-    found = [b for b in blobs(lit) if len(b) >= MIN_BLOB]
+    every = blobs(lit)
+    found = [b for b in every if len(b) >= MIN_BLOB]
     count = len(found) == scene.count
     if found:
         low, high = (0.9, 1.01) if scene.shape == "square" else (0.6, 0.9)
-        shape = all(low <= _fill(b) < high for b in found)
+        shape = all(low <= _fill(b) < high and BLOB_AREA[0] <= len(b) <= BLOB_AREA[1] for b in found)
     else:
         shape = False
     x0, y0, x1, y1 = _half(scene.position)
     inside = int(lit[y0:y1, x0:x1].sum())
     position = n >= MIN_PIXELS and inside >= 0.9 * n
-    return {"colour": colour, "count": count, "shape": shape, "position": position}
+    specks = sum(len(b) for b in every if len(b) < MIN_BLOB)
+    dark = image.max(axis=-1)[~lit]
+    clean = not dark.size or float(dark.mean()) <= DARK_MEAN
+    background = n >= MIN_PIXELS and specks <= MAX_SPECKS and clean
+    return {"colour": colour, "count": count, "shape": shape, "position": position, "background": background}
 
 
 def score(scene: Scene, image: np.ndarray) -> float:
-    """The mean of the four checks: a reward in [0, 1]."""
+    """The mean of the five checks: a reward in [0, 1]."""
     c = checks(scene, image)
     return sum(c.values()) / len(c)
 
