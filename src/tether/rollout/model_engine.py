@@ -43,14 +43,21 @@ class ModelEngine:
     def bind(self, weights: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Use ``weights`` (e.g. shared-memory views) as the model's parameters, without copying;
         with ``version``, they are that version from now on (a new object per version). An engine
-        on a GPU cannot sample from host memory, so there they are copied in instead."""
-        if self.device.type != "cpu":
+        on a GPU cannot sample from host memory, and one in another precision must cast them, so
+        there they are copied in instead."""
+        if self.device.type != "cpu" or self._casts(weights):
             self.load_weights(weights, self._version if version is None else version)
             return
         bind_into(self.model, weights)
         self._weights_changed()
         if version is not None:
             self._version = version
+
+    def _casts(self, weights: Mapping[str, torch.Tensor]) -> bool:
+        """The engine holds its weights in another precision than they are published in (a
+        bfloat16 engine of a float32 learner): they are cast on the way in, never bound."""
+        return any(p.dtype != weights[name].dtype for name, p in self.model.named_parameters()
+                   if name in weights)
 
     def watch(self, poll: Callable[[], int | None], inflight_update: str) -> None:
         """Switch weights mid-generation: before every step ``poll`` puts newer weights in place

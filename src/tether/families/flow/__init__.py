@@ -53,6 +53,9 @@ class FlowFamily(FamilyBase):
         if cfg.flow.train_steps > cfg.flow.steps:
             raise ConfigError(f"flow.train_steps={cfg.flow.train_steps} exceeds the flow.steps="
                               f"{cfg.flow.steps} steps of a trajectory; lower it (0 trains all of them)")
+        if cfg.flow.dtype != "float32" and not is_pipeline(cfg.model.path):
+            raise ConfigError(f"flow.dtype={cfg.flow.dtype} is for a diffusers pipeline's engine; the "
+                              "built-in model samples in float32: drop it")
         if cfg.flow.resolution and not is_pipeline(cfg.model.path):
             raise ConfigError(f"flow.resolution={cfg.flow.resolution} sizes a diffusers pipeline's images; "
                               f"model.path {cfg.model.path} is the built-in model, whose size is fixed: "

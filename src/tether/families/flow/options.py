@@ -74,5 +74,12 @@ class FlowSection:
         "transformer's sample_size × that factor. The built-in model's size is fixed.",
         min=0,
     )
+    dtype: Literal["float32", "bfloat16"] = knob(
+        "float32",
+        "Precision of a diffusers pipeline in the rollout engine (transformer, VAE, text encoders); the SDE "
+        "step, the log-probs and the learner stay float32. bfloat16 is faster on GPUs and adds a "
+        "train–inference mismatch that the ratios and mismatch/* metrics show and correction.* corrects.",
+        choices=("float32", "bfloat16"),
+    )
     init_width: int = knob(96, "Width of a flow model built by model.create_if_missing.", min=8)
     init_depth: int = knob(3, "Transformer blocks of a flow model built by model.create_if_missing.", min=1)

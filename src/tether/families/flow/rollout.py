@@ -102,6 +102,8 @@ class FlowSampler:
     def __init__(self, cfg, model_path: str, *, device: torch.device) -> None:
         self.cfg = cfg
         model = load_flow_model(model_path, cfg).to(device)
+        if cfg.flow.dtype == "bfloat16":  # the SDE step stays float32 (conditioning.velocity)
+            model.to(torch.bfloat16)
         self.sampling = sampling_of(cfg, model)
         self.engine = FlowEngine(model, self.sampling, negative_prompt=cfg.flow.negative_prompt)
         self.score = cfg.family().scorer(cfg)
