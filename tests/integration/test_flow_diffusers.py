@@ -216,6 +216,6 @@ def test_a_bfloat16_engine_trains_a_float32_learner_with_the_mismatch_measured(p
 
 
 def test_bfloat16_is_refused_for_the_built_in_model(tmp_path):
-    with pytest.raises(ConfigError, match="flow.dtype=bfloat16 is for a diffusers pipeline"):
+    with pytest.raises(ConfigError, match=r"flow\.dtype=bfloat16 is for a diffusers pipeline"):
         load_config(None, ["model.family=flow", "data.task=shapes", f"model.path={tmp_path / 'm'}",
                            "flow.dtype=bfloat16"])
