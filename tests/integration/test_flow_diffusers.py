@@ -219,3 +219,18 @@ def test_bfloat16_is_refused_for_the_built_in_model(tmp_path):
     with pytest.raises(ConfigError, match=r"flow\.dtype=bfloat16 is for a diffusers pipeline"):
         load_config(None, ["model.family=flow", "data.task=shapes", f"model.path={tmp_path / 'm'}",
                            "flow.dtype=bfloat16"])
+
+
+def test_a_pipeline_on_ray_actors_trains_batch_for_batch_like_local(pipeline, prompts, tmp_path):
+    """Rollout workers and the learner as Ray actors, the guided batches (conditioning, negative
+    prompt and all) through the object store: the same rows as local processes."""
+    pytest.importorskip("ray")
+    keys = ("step", "batch_index", "async/behavior_version", "staleness/updates", "reward/mean",
+            "loss/policy")
+    base = ("train.num_batches=3", "async.max_staleness=1", "flow.guidance_scale=2.0")
+    train(recipe(pipeline, prompts, *base), tmp_path / "local", progress_plain=True)
+    train(recipe(pipeline, prompts, *base, "rollout.backend=ray", "ray.local_cpus=2", "ray.learner=actor"),
+          tmp_path / "ray", progress_plain=True)
+    local = [{k: m[k] for k in keys} for m in rows(tmp_path / "local" / "metrics.jsonl")]
+    on_ray = [{k: m[k] for k in keys} for m in rows(tmp_path / "ray" / "metrics.jsonl")]
+    assert local == on_ray
