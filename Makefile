@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[train,data,math,ray,dev,agents,diffusers]'
+	$(PY) -m pip install --quiet -e '.[train,data,math,ray,dev,agents,diffusers,lora]'
 	touch $(STAMP)
 
 # vLLM's CPU build, pinned to the same CPU torch. Its torchvision, torchaudio and torchcodec

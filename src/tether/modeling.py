@@ -35,6 +35,21 @@ def model_config(path: str | Path) -> dict:
         raise ConfigError(f"{path / 'config.json'} cannot be read as JSON: {exc}") from exc
 
 
+def fingerprint(folder: str | Path, *, skip: tuple[str, ...] = ()) -> str:
+    """What identifies a model directory without reading its weights: every file's path and size
+    (but those under the top-level folders ``skip``), and the JSON files' contents."""
+    import hashlib
+
+    folder = Path(folder)
+    digest = hashlib.sha256()
+    files = (p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).parts[0] not in skip)
+    for path in sorted(files):
+        digest.update(f"{path.relative_to(folder)}:{path.stat().st_size}\n".encode())
+        if path.suffix == ".json":
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def context_length(config: dict) -> int | None:
     """The positions a model attends over, from its config (None when it does not say)."""
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):

@@ -209,6 +209,27 @@ class Config:
                               f"{t.num_batches * t.updates_per_batch} optimizer updates "
                               "(train.num_batches × train.updates_per_batch), so the rate would never "
                               "reach train.lr; lower train.warmup_steps")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        t = self.train
+        if not t.lora_rank:
+            for key, default in (("lora_alpha", 16.0), ("lora_targets", ["all-linear"])):
+                if getattr(t, key) != default:
+                    raise ConfigError(f"train.{key}={getattr(t, key)} has no effect with train.lora_rank=0 "
+                                      "(every weight trains); set train.lora_rank, or remove it")
+            return
+        if not t.lora_targets:
+            raise ConfigError("train.lora_targets is empty: name the layers to adapt (e.g. [q_proj, v_proj]) "
+                              "or use [all-linear]")
+        if self.rollout.engine != "torch":
+            raise ConfigError(f"train.lora_rank={t.lora_rank} with rollout.engine={self.rollout.engine}: "
+                              "adapters are applied by the built-in engine only so far; set "
+                              "rollout.engine=torch, or train.lora_rank=0")
+        if t.world_size > 1:
+            raise ConfigError(f"train.lora_rank={t.lora_rank} with train.world_size={t.world_size}: adapters "
+                              "train in one learner process so far; set train.world_size=1, or "
+                              "train.lora_rank=0")
 
     def _check_corrections(self) -> None:
         c, default = self.correction, CorrectionSection()

@@ -61,6 +61,8 @@ FEATURES: tuple[Feature, ...] = (
             lambda c: _when(c.metrics.attribution, "metrics.attribution=true")),
     Feature("learner_ranks", "learner ranks (FSDP2 over several processes)",
             lambda c: _when(c.train.world_size > 1, f"train.world_size={c.train.world_size}")),
+    Feature("lora", "LoRA adapters",
+            lambda c: _when(c.train.lora_rank > 0, f"train.lora_rank={c.train.lora_rank}")),
     Feature("learner_actor", "the learner in a Ray actor",
             lambda c: _when(c.ray.learner == "actor", "ray.learner=actor")),
 )

@@ -188,6 +188,21 @@ class TrainSection:
         "needs at least N prompt groups.",
         min=1,
     )
+    lora_rank: int = knob(
+        0,
+        "LoRA (through PEFT): train rank-r adapters on the targeted linear layers instead of every "
+        "weight, publish only the adapters, and use the base with the adapters off as the KL reference "
+        "(no second copy). 0 = train every weight (docs/lora.md).",
+        min=0,
+    )
+    lora_alpha: float = knob(
+        16.0, "LoRA's α: an adapter adds (α/r)·B·A to its layer's weight.", min=0.0
+    )
+    lora_targets: list[str] = knob(
+        ["all-linear"],
+        "Which linear layers get adapters: PEFT's target_modules, names or name suffixes (q_proj, v_proj) "
+        "or all-linear (every linear layer but the output head).",
+    )
     device: str = knob(
         "cpu",
         "Where the learner trains and evaluates: 'cpu', or 'cuda' / 'cuda:N' (a CUDA build of torch "

@@ -66,6 +66,26 @@ def supports(model: torch.nn.Module) -> bool:
     )
 
 
+def _weight(linear: torch.nn.Module) -> torch.Tensor:
+    """A linear layer's weight; a PEFT LoRA layer's with its active adapters added, W₀ + (α/r)·B·A
+    (``tether.train.lora``), in the autograd graph: the adapters train through this forward as
+    through the model's own."""
+    base = getattr(linear, "base_layer", None)
+    if base is None:
+        return linear.weight
+    weight = base.weight
+    if linear.disable_adapters or linear.merged:
+        return weight
+    for name in linear.active_adapters:
+        if name in linear.lora_A:
+            weight = weight + linear.get_delta_weight(name)
+    return weight
+
+
+def _bias(linear: torch.nn.Module) -> torch.Tensor | None:
+    return getattr(linear, "base_layer", linear).bias
+
+
 def _joined_t(parts: list[torch.Tensor], *, contiguous: bool) -> torch.Tensor:
     """The row-stacked ``parts`` (out_i, in), transposed to (in, Σ out_i): one contiguous copy
     written straight in transposed order, or (``contiguous=False``) ``torch.cat(parts).t()``,
@@ -205,7 +225,7 @@ class FastDecoder:
         inner = self.model.model
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
-        self.head_t = joined(self.model.lm_head.weight)  # (hidden, V)
+        self.head_t = joined(_weight(self.model.lm_head))  # (hidden, V)
         self.inv_freq = inner.rotary_emb.inv_freq.float()
 
     def read_layer(self, layer: torch.nn.Module, *, detach: bool = True, contiguous: bool = True) -> _Layer:
@@ -216,14 +236,14 @@ class FastDecoder:
         if hasattr(a, "q_norm"):
             qk_norm = torch.cat([a.q_norm.weight.expand(self.heads, -1),
                                  a.k_norm.weight.expand(self.kv_heads, -1)])  # (H + KV, D)
-        biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+        biases = [_bias(a.q_proj), _bias(a.k_proj), _bias(a.v_proj)]
         return _Layer(
             ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-            qkv_t=joined(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+            qkv_t=joined(_weight(a.q_proj), _weight(a.k_proj), _weight(a.v_proj)),
             qkv_bias=cut(torch.cat(biases)) if biases[0] is not None else None,
-            qk_norm=qk_norm, o_t=joined(a.o_proj.weight), o_bias=a.o_proj.bias,
-            gate_up_t=joined(m.gate_proj.weight, m.up_proj.weight),
-            down_t=joined(m.down_proj.weight),
+            qk_norm=qk_norm, o_t=joined(_weight(a.o_proj)), o_bias=_bias(a.o_proj),
+            gate_up_t=joined(_weight(m.gate_proj), _weight(m.up_proj)),
+            down_t=joined(_weight(m.down_proj)),
         )
 
     # -- pieces -------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ class ModelEngine:
         self.device = next(self.model.parameters()).device
         self.poll: Callable[[], int | None] | None = None
         self.inflight_update = "keep"  # read only once a poll is set (watch)
+        self.adapter = None
+        """With LoRA (``use_adapter``): what merges published adapters into the weights."""
 
     @property
     def version(self) -> int:
@@ -36,16 +38,26 @@ class ModelEngine:
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy ``weights`` into the model (from any device to the engine's), unless the model
         already uses them (bound views)."""
-        load_into(self.model, weights)
+        if self.adapter is not None:
+            self.adapter.apply(weights)
+        else:
+            load_into(self.model, weights)
         self._weights_changed()
         self._version = version
+
+    def use_adapter(self, scale: float) -> None:
+        """Published weights are LoRA adapters from now on, merged into this engine's base
+        weights at ``scale`` = α/r (``tether.rollout.adapters``)."""
+        from tether.rollout.adapters import MergedAdapter
+
+        self.adapter = MergedAdapter(self.model, scale)
 
     def bind(self, weights: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Use ``weights`` (e.g. shared-memory views) as the model's parameters, without copying;
         with ``version``, they are that version from now on (a new object per version). An engine
         on a GPU cannot sample from host memory, and one in another precision must cast them, so
         there they are copied in instead."""
-        if self.device.type != "cpu" or self._casts(weights):
+        if self.device.type != "cpu" or self.adapter is not None or self._casts(weights):
             self.load_weights(weights, self._version if version is None else version)
             return
         bind_into(self.model, weights)

@@ -30,7 +30,7 @@ from tether.config import Config
 from tether.errors import ConfigError
 from tether.modeling import disable_dropout, dropout_settings, learner_device, model_config, unique_parameters
 from tether.procinfo import peak_rss_mb
-from tether.train import fsdp
+from tether.train import fsdp, lora
 from tether.train.advantages import Advantages, group_advantages, overlong_penalty
 from tether.train.collective import Solo
 from tether.train.corrections import correct
@@ -79,10 +79,13 @@ class TorchLearner:
         self.policy = cfg.family().policy(cfg)
         self.model, self.tokenizer = self.policy.load(model_path)
         self._without_dropout(model_path)
+        self.model_path = model_path
+        if s.lora_rank:  # adapters only train and publish; the reference is the base (lora.disabled)
+            self.model = lora.attach(self.model, s)
         self.model.to(self.device).train()
-        self.names = list(unique_parameters(self.model))  # the published names, tied ones once
+        self.names = list(self._published())  # the published names, tied ones once
         self.ref_model = None
-        if s.kl_coef > 0:  # frozen; with ranks sharded like the model, so no rank holds it whole
+        if s.kl_coef > 0 and not s.lora_rank:  # frozen; sharded like the model with ranks
             self.ref_model, _ = self.policy.load(model_path)
             disable_dropout(self.ref_model)
             self.ref_model.to(self.device).eval().requires_grad_(False)
@@ -126,8 +129,12 @@ class TorchLearner:
         """name → tensor of every parameter, tied ones once. Sharded: gathered whole onto the CPU
         (a collective), returned on rank 0 (other ranks get an empty dict)."""
         if self.group.world == 1:
-            return unique_parameters(self.model)
+            return self._published()
         return fsdp.whole_weights(self.model, self.names)
+
+    def _published(self) -> dict[str, torch.Tensor]:
+        """What an engine needs of the weights: every parameter, or with LoRA the adapters."""
+        return lora.adapters(self.model) if self.s.lora_rank else unique_parameters(self.model)
 
     def train(self, batch: RolloutBatch, *, train_version: int) -> TrainResult:
         s = self.s
@@ -145,12 +152,22 @@ class TorchLearner:
         same = tb.behavior_versions == train_version  # sampled with the weights π_old comes from
         mine = torch.cat(shares)
         old = None if inline_old else self._no_grad_logp(self.model, tb, mine)
-        ref = self._no_grad_logp(self.ref_model, tb, mine, basis=True) if self.ref_model is not None else None
+        ref = self._reference(tb, mine)
         split = self._attribute(tb, old, mine, train_version) if self.attribution is not None else {}
         committed = 0
         for rows, share in zip(minibatches, shares, strict=True):
             committed += self._update(tb, rows, share, adv.values, mask, same, old, ref, stats)
         return TrainResult(committed, u, {**self._metrics(stats, adv.frac_zero_std, u - committed), **split})
+
+    def _reference(self, tb: Any, mine: torch.Tensor) -> torch.Tensor | None:
+        """What the KL term compares under the reference policy: the frozen copy's, or with LoRA
+        the model's own with its adapters off; None without a KL term."""
+        if self.ref_model is not None:
+            return self._no_grad_logp(self.ref_model, tb, mine, basis=True)
+        if self.s.kl_coef > 0 and self.s.lora_rank:
+            with lora.disabled(self.model):
+                return self._no_grad_logp(self.model, tb, mine, basis=True)
+        return None
 
     def _attribute(self, tb: Any, old: torch.Tensor | None, mine: torch.Tensor,
                    train_version: int) -> dict[str, float]:
@@ -388,7 +405,12 @@ class TorchLearner:
                  "committed": self.committed, "skipped": self.skipped}
         weights = None
         if self.group.world == 1:
-            self.policy.save(self.model, self.tokenizer, path / "model")
+            if self.s.lora_rank:
+                lora.save(self.model, path / "model", self.s, self.model_path)
+                if self.tokenizer is not None:
+                    self.tokenizer.save_pretrained(path / "model")
+            else:
+                self.policy.save(self.model, self.tokenizer, path / "model")
             extra["optimizer"] = self.optimizer.state_dict()
         elif self.cfg.checkpoint.sharded:
             fsdp.save_shards(self.model, self.optimizer, path / "sharded")
@@ -443,7 +465,10 @@ class TorchLearner:
         from safetensors.torch import load_file
 
         reader = getattr(self.policy, "read_weights", None)  # a model folder laid out otherwise
-        state = reader(path / "model") if reader else load_file(str(path / "model" / "model.safetensors"))
+        if self.s.lora_rank:
+            state = lora.load(path / "model", self.s, self.model_path)
+        else:
+            state = reader(path / "model") if reader else load_file(str(path / "model" / "model.safetensors"))
         buffers = {name for name, _ in self.model.named_buffers()}  # saved by some, never trained
         state = {name: tensor for name, tensor in state.items() if name not in buffers}
         expected = set(self.names)

@@ -49,7 +49,7 @@ class AgentFamily(TextFamily):
                 "learner_actor",
             }
         ),
-        notes={"dynamic_sampling": NOT_YET, "attribution": NOT_YET},
+        notes={"dynamic_sampling": NOT_YET, "attribution": NOT_YET, "lora": NOT_YET},
     )
     warmstart_fields = ("loss", "pass_at_1")
 

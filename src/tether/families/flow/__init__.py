@@ -42,7 +42,7 @@ class FlowFamily(FamilyBase):
                "token_sampling": "a flow model's sampling is the flow section",
                "decoder": "a flow model's sampler has no native form",
                "dynamic_sampling": NOT_YET,
-               "attribution": NOT_YET,
+               "attribution": NOT_YET, "lora": NOT_YET,
                "truncation": "trajectories are never truncated",
                "shared_prefix": "no prompt prefix is shared"})
     warmstart_fields = ("loss", "pass_at_1", "reward")

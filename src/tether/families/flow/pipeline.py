@@ -23,7 +23,6 @@ the frozen parts from the base, and refuses a base that changed since.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
 from collections.abc import Sequence
@@ -59,15 +58,10 @@ def _diffusers():
 
 
 def fingerprint(base: Path) -> str:
-    """What identifies a base pipeline without reading its weights: every file's path and size
-    outside ``transformer/``, and the JSON files' contents."""
-    digest = hashlib.sha256()
-    files = (p for p in base.rglob("*") if p.is_file() and p.relative_to(base).parts[0] != "transformer")
-    for path in sorted(files):
-        digest.update(f"{path.relative_to(base)}:{path.stat().st_size}\n".encode())
-        if path.suffix == ".json":
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    """What identifies a base pipeline without reading its weights (its trained transformer aside)."""
+    from tether.modeling import fingerprint as of_folder
+
+    return of_folder(base, skip=("transformer",))
 
 
 def resolve(folder: str | Path) -> tuple[Path, Path]:

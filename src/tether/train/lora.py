@@ -1,0 +1,107 @@
+"""LoRA adapters on the learner's model (``train.lora_rank`` > 0), through PEFT.
+
+PEFT's ``inject_adapter_in_model`` replaces each targeted linear layer by a LoRA layer holding
+the frozen base weight (``….base_layer.weight``) and two small matrices A (r × in) and B
+(out × r), B starting at zero, so the adapted layer computes W₀x + (α/r)·B·A·x and the model
+starts as the base. Only A and B train, and only they are published: an engine adds
+(α/r)·B·A to its own copy of the base weights (``tether.rollout.adapters``).
+
+The KL reference is the same model with its adapters switched off (``disabled``), not a second
+copy. A checkpoint's model folder holds the adapters (``adapter.safetensors``, the learner's
+names) and ``adapter.json``: the settings and the base model's path and fingerprint, so a resume
+against another base is refused, naming both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tether.errors import ConfigError
+
+ADAPTER_FILE = "adapter.safetensors"
+RECORD_FILE = "adapter.json"
+
+
+def attach(model: torch.nn.Module, train: Any) -> torch.nn.Module:
+    """``model`` with LoRA adapters on the layers ``train.lora_targets`` names (in place), only
+    the adapters trainable."""
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError as exc:
+        raise ConfigError("train.lora_rank needs PEFT: pip install -e '.[lora]'") from exc
+    targets = train.lora_targets
+    config = LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha, lora_dropout=0.0,
+                        target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets))
+    try:
+        model = inject_adapter_in_model(config, model)
+    except ValueError as exc:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                        if isinstance(m, torch.nn.Linear)})
+        raise ConfigError(f"train.lora_targets={list(targets)}: {exc}; the model's linear layers are named "
+                          f"{names}") from exc
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_" in name)
+    return model
+
+
+def adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name → tensor of every adapter matrix: what is trained, published and checkpointed."""
+    return {name: p.detach() for name, p in model.named_parameters() if ".lora_" in name}
+
+
+@contextlib.contextmanager
+def disabled(model: torch.nn.Module) -> Iterator[None]:
+    """The base model: every adapter switched off inside the block."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def record(train: Any, base: str | Path) -> dict[str, Any]:
+    from tether.modeling import fingerprint
+
+    return {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": list(train.lora_targets),
+            "base": str(Path(base).resolve()), "base_fingerprint": fingerprint(base)}
+
+
+def save(model: torch.nn.Module, folder: Path, train: Any, base: str | Path) -> None:
+    """The adapters and what they adapt, in a checkpoint's model folder."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in adapters(model).items()}, str(folder / ADAPTER_FILE),
+              metadata={"format": "pt"})
+    (folder / RECORD_FILE).write_text(json.dumps(record(train, base), indent=2) + "\n")
+
+
+def load(folder: Path, train: Any, base: str | Path) -> dict[str, torch.Tensor]:
+    """The adapters a checkpoint's model folder holds; refuses adapters of another base model, or
+    of other settings than the recipe's."""
+    from safetensors.torch import load_file
+
+    if not (folder / RECORD_FILE).is_file():
+        raise ConfigError(f"{folder} holds no LoRA adapters ({RECORD_FILE}): the checkpoint trained every "
+                          "weight; resume it with train.lora_rank=0")
+    saved, now = json.loads((folder / RECORD_FILE).read_text()), record(train, base)
+    if (saved["base"], saved["base_fingerprint"]) != (now["base"], now["base_fingerprint"]):
+        raise ConfigError(f"{folder} holds adapters trained on the base model {saved['base']} (fingerprint "
+                          f"{saved['base_fingerprint']}); this run's base is {now['base']} (fingerprint "
+                          f"{now['base_fingerprint']}); point model.path at the base they were trained on")
+    for key in ("rank", "alpha", "targets"):
+        if saved[key] != now[key]:
+            raise ConfigError(f"{folder} holds adapters of LoRA {key} {saved[key]}; the recipe says "
+                              f"{now[key]} (train.lora_{key}); make them agree")
+    return load_file(str(folder / ADAPTER_FILE))

@@ -1,0 +1,197 @@
+"""LoRA adapters (train.lora_rank): the learner trains and publishes adapters only (through PEFT),
+the KL reference is the base with the adapters off, the built-in engine merges each published
+version into its base weights; checkpoints hold the adapters and the base's identity."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from test_learner import PROMPTS, sampled_batch  # noqa: E402
+
+from configs import config  # noqa: E402
+from tether.config import load_config  # noqa: E402
+from tether.errors import ConfigError  # noqa: E402
+from tether.families.text.batch import to_train_batch, token_logprobs  # noqa: E402
+from tether.modeling import load_causal_lm  # noqa: E402
+from tether.rollout.torch_engine import TorchEngine  # noqa: E402
+from tether.train.learner import TorchLearner  # noqa: E402
+from tether.vocabulary import SamplingParams  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+LORA = dict(lora_rank=4, lora_alpha=8.0)
+ADAPTERS = "adapter.safetensors"
+VARIED = Path(__file__).parent / "varied_reward.py"
+
+
+def test_the_lora_gradient_is_the_full_gradient_projected_through_the_adapters(tiny_model_dir):
+    """At B = 0 an adapter W₀ + s·B·A has ∂L/∂B = s·(∂L/∂W)·Aᵀ and ∂L/∂A = 0, with ∂L/∂W the
+    full-weight learner's gradient of the same loss on the same batch: the adapters' forward and
+    backward, checked against the full model's independently."""
+    batch, _ = sampled_batch(tiny_model_dir)
+    common = dict(lr=1e-3, updates_per_batch=1, grad_clip=0, loss="ppo_clip", aggregation="token_mean")
+    full = TorchLearner(tiny_model_dir, config(**common))
+    adapted = TorchLearner(tiny_model_dir, config(**common, **LORA))
+    params = dict(adapted.model.named_parameters())
+    suffix = ".lora_A.default.weight"
+    layers = [n[: -len(suffix)] for n in params if n.endswith(suffix)]
+    assert len(layers) == 14  # all-linear: q, k, v, o, gate, up, down in each of 2 layers
+    a_before = {layer: params[layer + suffix].detach().clone() for layer in layers}
+    assert full.train(batch, train_version=0).committed_updates == 1
+    assert adapted.train(batch, train_version=0).committed_updates == 1
+    full_grads = {n: p.grad for n, p in full.model.named_parameters()}
+    scale = 8.0 / 4
+    for layer in layers:
+        assert params[layer + suffix].grad.abs().max() == 0
+        expected = scale * full_grads[f"{layer}.weight"] @ a_before[layer].T
+        grad_b = params[f"{layer}.lora_B.default.weight"].grad
+        assert torch.allclose(grad_b, expected, rtol=1e-4, atol=1e-7), layer
+    assert not any(p.requires_grad for n, p in adapted.model.named_parameters() if ".lora_" not in n)
+
+
+def test_the_adapted_model_is_pefts_own_model(tiny_model_dir):
+    """The learner's adapted model and PEFT's get_peft_model with the same adapter values give the
+    same log-probs: the learner's LoRA is PEFT's."""
+    from peft import LoraConfig, get_peft_model
+
+    batch, tok = sampled_batch(tiny_model_dir)
+    learner = TorchLearner(tiny_model_dir, config(lr=3e-3, **LORA))
+    learner.train(batch, train_version=0)  # B moves off zero
+    reference = get_peft_model(load_causal_lm(tiny_model_dir)[0],
+                               LoraConfig(r=4, lora_alpha=8.0, target_modules="all-linear"))
+    theirs = dict(reference.named_parameters())
+    for name, tensor in learner.export_weights().items():
+        with torch.no_grad():
+            theirs[f"base_model.model.{name}"].copy_(tensor)
+    tb = to_train_batch(batch.payload, tok.pad_token_id)
+    with torch.no_grad():
+        mine, _ = token_logprobs(learner.model, tb, 1.0)
+        peft_logp, _ = token_logprobs(reference, tb, 1.0)
+    assert (mine - peft_logp).abs().max() <= 1e-5
+    assert any(t.abs().max() > 0 for n, t in learner.export_weights().items() if "lora_B" in n)
+
+
+@pytest.mark.parametrize("decoder", ["native", "python"])
+def test_the_engine_samples_at_the_adapters_the_learner_trained(tiny_model_dir, decoder):
+    """Published adapters merged into the engine's base weights: its log-probs equal the learner's
+    at the same adapters (mean ≤ 1e-5, float32), the native decoder included; only the adapters are
+    published."""
+    batch, tok = sampled_batch(tiny_model_dir)
+    learner = TorchLearner(tiny_model_dir, config(lr=3e-3, **LORA))
+    for _ in range(2):
+        learner.train(batch, train_version=0)
+    published = learner.export_weights()
+    model, _ = load_causal_lm(tiny_model_dir)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    sent = sum(t.numel() * t.element_size() for t in published.values())
+    assert all(".lora_" in name for name in published)
+    assert sent == sum(p.numel() * 4 for n, p in learner.model.named_parameters() if p.requires_grad)
+    assert sent < whole / 4
+    engine = TorchEngine(model, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id], decoder=decoder)
+    engine.use_adapter(8.0 / 4)
+    engine.bind(published, version=2)  # merged in, never bound: the base weights stay the engine's
+    prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=6)
+    groups = engine.generate(prompt_ids, samples_per_prompt=4, params=params, seed=3)
+    assert engine.decoder_path == decoder
+    from tether.families.text.payload import ScoredBatch
+
+    flat = [c for g in groups for c in g]
+    scored = ScoredBatch(positions=list(range(4)), prompt_ids=prompt_ids,
+                         completion_ids=[c.token_ids for c in flat], logprobs=[c.logprobs for c in flat],
+                         versions=[c.versions for c in flat],
+                         rewards=[0.0] * 16, finish_reasons=[c.finish_reason for c in flat],
+                         completions=[""] * 16, group_size=4)
+    tb = to_train_batch(scored, tok.pad_token_id)
+    with torch.no_grad():
+        logp, _ = token_logprobs(learner.model, tb, 1.0)
+    diff = ((logp - tb.behavior_logp).abs() * tb.mask).sum() / tb.mask.sum()
+    assert diff <= 1e-5, diff
+    # a second version merges onto the base again, not onto the first merge
+    again = {n: t.clone() for n, t in published.items()}
+    engine.load_weights(again, version=3)
+    groups2 = engine.generate(prompt_ids, samples_per_prompt=4, params=params, seed=3)
+    assert [c.token_ids for g in groups2 for c in g] == [c.token_ids for c in flat]
+
+
+def recipe(model_dir, *extra):
+    return load_config(None, [f"model.path={model_dir}", "data.task=arithmetic", "rollout.batch_size=4",
+                              "rollout.group_size=4", "rollout.max_new_tokens=8", "train.lr=3e-3",
+                              "eval.interval=0", "checkpoint.interval=0", "train.lora_rank=4",
+                              "train.lora_alpha=8", f"reward.function={VARIED}:reward", *extra])
+
+
+def rows(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_a_lora_run_trains_publishes_adapters_and_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from faults.runs import stop_and_resume
+    from tether.runtime.run import train
+
+    cfg = recipe(tiny_model_dir, "train.num_batches=4", "checkpoint.interval=4", "async.max_staleness=1",
+                 "train.kl_coef=0.05")
+    train(cfg, tmp_path / "whole", progress_plain=True)
+    metrics = rows(tmp_path / "whole" / "metrics.jsonl")
+    assert metrics[-1]["loss/kl"] > 0  # the base, adapters off, as the reference
+    fresh = [m for m in metrics if m["staleness/updates"] == 0]
+    assert all(m["mismatch/numeric_logprob_abs_diff_max"] < 1e-4 for m in fresh)
+    folder = tmp_path / "whole" / "checkpoints" / "step-000004" / "learner" / "model"
+    assert not (folder / "model.safetensors").exists()
+    adapters = load_file(str(folder / "adapter.safetensors"))
+    assert adapters and all(".lora_" in n for n in adapters)
+    record = json.loads((folder / "adapter.json").read_text())
+    assert record["rank"] == 4 and record["base"] == str(Path(tiny_model_dir).resolve())
+    stopped = tmp_path / "stopped"
+    stop_and_resume(monkeypatch, cfg, stopped, after=2)
+    keys = ("step", "async/behavior_version", "staleness/updates", "reward/mean", "loss/policy", "loss/kl")
+    assert [{k: m[k] for k in keys} for m in rows(stopped / "metrics.jsonl")] == [{k: m[k] for k in keys}
+                                                                                   for m in metrics]
+    again = load_file(str(stopped / "checkpoints" / "step-000004" / "learner" / "model" / ADAPTERS))
+    for name, tensor in adapters.items():
+        assert torch.equal(again[name], tensor), name
+
+
+def test_a_resume_against_another_base_is_refused_naming_both(tiny_model_dir, tmp_path):
+    from tether.runtime.run import train
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    cfg = recipe(base, "train.num_batches=2", "checkpoint.interval=2")
+    train(cfg, tmp_path / "run", progress_plain=True)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    config_file = other / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "rms_norm_eps": 1e-5}))
+    moved = load_config(tmp_path / "run" / "config.yaml", [f"model.path={other}", "train.num_batches=3"])
+    with pytest.raises(ConfigError, match=f"trained on the base model {base.resolve()}.*this run's base is "
+                                          f"{other.resolve()}"):  # past the check of the recipe's paths
+        train(moved, tmp_path / "run", resume=True, force=True, progress_plain=True)
+    shutil.copy2(config_file, base / "config.json")  # the same path, another model in it
+    again = load_config(tmp_path / "run" / "config.yaml", [f"model.path={base}", "train.num_batches=3"])
+    with pytest.raises(ConfigError, match=r"fingerprint \w+\); this run's base is .*base \(fingerprint"):
+        train(again, tmp_path / "run", resume=True, force=True, progress_plain=True)
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["train.lora_alpha=32"], "train.lora_alpha=32.0 has no effect with train.lora_rank=0"),
+    (["train.lora_rank=4", "rollout.engine=vllm"], "applied by the built-in engine only"),
+    (["train.lora_rank=4", "train.world_size=2", "rollout.batch_size=4"], "one learner process so far"),
+    (["train.lora_rank=4", "model.family=flow", "data.task=shapes"],
+     "LoRA adapters, which model.family=flow"),
+    (["train.lora_rank=4", "train.lora_targets=[]"], "train.lora_targets is empty"),
+])
+def test_lora_settings_that_cannot_work_are_refused(overrides, says):
+    with pytest.raises(ConfigError, match=says):
+        load_config(None, overrides)
+
+
+def test_targets_the_model_does_not_have_are_refused_with_its_layer_names(tiny_model_dir):
+    with pytest.raises(ConfigError, match=r"the model's linear layers are named .*q_proj"):
+        TorchLearner(tiny_model_dir, config(lora_rank=4, lora_targets="[attn_c]"))
