@@ -111,6 +111,15 @@ def test_the_engine_samples_at_the_adapters_the_learner_trained(tiny_model_dir, 
         logp, _ = token_logprobs(learner.model, tb, 1.0)
     diff = ((logp - tb.behavior_logp).abs() * tb.mask).sum() / tb.mask.sum()
     assert diff <= 1e-5, diff
+    # the learner's own adapted model decoded as its held-out evaluation does (the decoders read
+    # each LoRA layer's adapted weight): the same samples and log-probs as the merged engine
+    own = TorchEngine(learner.model, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id], decoder=decoder)
+    mine = [c for g in own.generate(prompt_ids, samples_per_prompt=4, params=params, seed=3) for c in g]
+    assert [c.token_ids for c in mine] == [c.token_ids for c in flat]
+    worst = max(abs(a - b) for x, y in zip(mine, flat, strict=True) for a, b in zip(x.logprobs, y.logprobs,
+                                                                                    strict=True))
+    assert worst <= 1e-4, worst
+    learner.model.train()
     # a second version merges onto the base again, not onto the first merge
     again = {n: t.clone() for n, t in published.items()}
     engine.load_weights(again, version=3)
@@ -195,3 +204,37 @@ def test_lora_settings_that_cannot_work_are_refused(overrides, says):
 def test_targets_the_model_does_not_have_are_refused_with_its_layer_names(tiny_model_dir):
     with pytest.raises(ConfigError, match=r"the model's linear layers are named .*q_proj"):
         TorchLearner(tiny_model_dir, config(lora_rank=4, lora_targets="[attn_c]"))
+
+
+def test_an_adapter_checkpoint_evaluates_and_exports_merged_and_as_peft(tiny_model_dir, tmp_path):
+    """The run's held-out evaluation (the learner's adapted model) equals `tether eval` of its
+    adapter checkpoint (the base with the adapters merged), and the exported merged folder, which
+    transformers loads, scores the same; the PEFT export loads with PeftModel on the base and
+    computes what the merged model does."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tether.cli.eval_cmd import evaluate_model
+    from tether.cli.export_cmd import export
+    from tether.runtime.run import train
+
+    cfg = recipe(tiny_model_dir, "train.num_batches=3", "checkpoint.interval=3", "eval.interval=3",
+                 "data.num_eval=16", "eval.num_samples=1")
+    train(cfg, tmp_path / "run", progress_plain=True)
+    last = rows(tmp_path / "run" / "eval.jsonl")[-1]
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000003" / "learner" / "model"
+    again, _ = evaluate_model(cfg, checkpoint, samples=1)
+    assert again["eval/pass_at_1"] == last["eval/pass_at_1"]
+    assert again["eval/greedy_reward_mean"] == pytest.approx(last["eval/greedy_reward_mean"], abs=1e-9)
+    merged = export(tmp_path / "run", tmp_path / "merged", merge=True)
+    assert (merged / "config.json").is_file() and not (merged / "adapter.json").exists()
+    scored, _ = evaluate_model(cfg, merged, samples=1)
+    assert scored["eval/greedy_reward_mean"] == pytest.approx(last["eval/greedy_reward_mean"], abs=1e-9)
+    adapters = export(tmp_path / "run", tmp_path / "peft")
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapters)
+    ids = torch.tensor([[5, 9, 12, 7, 3]])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, peft(input_ids=ids).logits, atol=1e-5)
+    with pytest.raises(ConfigError, match="not empty"):
+        export(tmp_path / "run", tmp_path / "merged", merge=True)

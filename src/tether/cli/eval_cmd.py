@@ -56,8 +56,9 @@ def resolve(ns: argparse.Namespace):
         recipe, overrides = split_recipe_args(ns.args)
         cfg = load_config(recipe, overrides)
         model = Path(ns.model or cfg.model.path)
-    if not is_model_dir(model):
-        raise ConfigError(f"{model} is not a model directory (no config.json or model_index.json)")
+    if not is_model_dir(model) and not (model / "adapter.json").is_file():
+        raise ConfigError(f"{model} is not a model directory (no config.json, model_index.json or "
+                          "adapter.json)")
     samples = cfg.eval.num_samples if ns.samples is None else ns.samples
     if samples < 1:
         raise ConfigError(f"--samples must be at least 1, got {samples}")
@@ -69,12 +70,16 @@ def evaluate_model(cfg, model_dir: Path, samples: int) -> tuple[dict[str, float]
     import torch
 
     from tether.modeling import learner_device
+    from tether.train import lora
 
     torch.set_num_threads(cfg.train.threads)
     family = cfg.family()
-    model, tokenizer = family.policy(cfg).load(model_dir)
+    policy = family.policy(cfg)
+    # a checkpoint of LoRA adapters: its base with them merged in
+    merged = lora.is_adapter_dir(model_dir)
+    model, tokenizer = lora.load_merged(model_dir, policy) if merged else policy.load(model_dir)
     model.to(learner_device(cfg.train.device))  # where the run's learner evaluated
-    data = family.data(cfg, model_dir)
+    data = family.data(cfg, lora.base_of(model_dir) if merged else model_dir)
     evaluate = family.evaluator(cfg, model, tokenizer, data, family.scorer(cfg), num_samples=samples)
     return dict(evaluate(step=0)), data.description
 

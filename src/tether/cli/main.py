@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from tether import __version__
-from tether.cli import config_cmd, data_cmds, eval_cmd, plan, train_cmd
+from tether.cli import config_cmd, data_cmds, eval_cmd, export_cmd, plan, train_cmd
 from tether.errors import TetherError
 
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.add_report_parser(sub)
     train_cmd.add_compare_parser(sub)
     eval_cmd.add_parser(sub)
+    export_cmd.add_parser(sub)
     plan.add_parser(sub)
     config_cmd.add_parser(sub)
     data_cmds.add_parsers(sub)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tether.decoding.linear import bias_of, weight_of
 from tether.errors import NativeDecoderError
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
@@ -64,26 +65,6 @@ def supports(model: torch.nn.Module) -> bool:
         and not getattr(cfg, "mlp_bias", False)
         and getattr(cfg, "hidden_act", "silu") in ("silu", "gelu")
     )
-
-
-def _weight(linear: torch.nn.Module) -> torch.Tensor:
-    """A linear layer's weight; a PEFT LoRA layer's with its active adapters added, W₀ + (α/r)·B·A
-    (``tether.train.lora``), in the autograd graph: the adapters train through this forward as
-    through the model's own."""
-    base = getattr(linear, "base_layer", None)
-    if base is None:
-        return linear.weight
-    weight = base.weight
-    if linear.disable_adapters or linear.merged:
-        return weight
-    for name in linear.active_adapters:
-        if name in linear.lora_A:
-            weight = weight + linear.get_delta_weight(name)
-    return weight
-
-
-def _bias(linear: torch.nn.Module) -> torch.Tensor | None:
-    return getattr(linear, "base_layer", linear).bias
 
 
 def _joined_t(parts: list[torch.Tensor], *, contiguous: bool) -> torch.Tensor:
@@ -225,7 +206,7 @@ class FastDecoder:
         inner = self.model.model
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
-        self.head_t = joined(_weight(self.model.lm_head))  # (hidden, V)
+        self.head_t = joined(weight_of(self.model.lm_head))  # (hidden, V)
         self.inv_freq = inner.rotary_emb.inv_freq.float()
 
     def read_layer(self, layer: torch.nn.Module, *, detach: bool = True, contiguous: bool = True) -> _Layer:
@@ -236,14 +217,14 @@ class FastDecoder:
         if hasattr(a, "q_norm"):
             qk_norm = torch.cat([a.q_norm.weight.expand(self.heads, -1),
                                  a.k_norm.weight.expand(self.kv_heads, -1)])  # (H + KV, D)
-        biases = [_bias(a.q_proj), _bias(a.k_proj), _bias(a.v_proj)]
+        biases = [bias_of(a.q_proj), bias_of(a.k_proj), bias_of(a.v_proj)]
         return _Layer(
             ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-            qkv_t=joined(_weight(a.q_proj), _weight(a.k_proj), _weight(a.v_proj)),
+            qkv_t=joined(weight_of(a.q_proj), weight_of(a.k_proj), weight_of(a.v_proj)),
             qkv_bias=cut(torch.cat(biases)) if biases[0] is not None else None,
-            qk_norm=qk_norm, o_t=joined(_weight(a.o_proj)), o_bias=_bias(a.o_proj),
-            gate_up_t=joined(_weight(m.gate_proj), _weight(m.up_proj)),
-            down_t=joined(_weight(m.down_proj)),
+            qk_norm=qk_norm, o_t=joined(weight_of(a.o_proj)), o_bias=bias_of(a.o_proj),
+            gate_up_t=joined(weight_of(m.gate_proj), weight_of(m.up_proj)),
+            down_t=joined(weight_of(m.down_proj)),
         )
 
     # -- pieces -------------------------------------------------------------------------------

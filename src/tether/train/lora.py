@@ -105,3 +105,63 @@ def load(folder: Path, train: Any, base: str | Path) -> dict[str, torch.Tensor]:
             raise ConfigError(f"{folder} holds adapters of LoRA {key} {saved[key]}; the recipe says "
                               f"{now[key]} (train.lora_{key}); make them agree")
     return load_file(str(folder / ADAPTER_FILE))
+
+
+def is_adapter_dir(folder: str | Path) -> bool:
+    """A checkpoint model folder of LoRA adapters (``adapter.json``)."""
+    return (Path(folder) / RECORD_FILE).is_file()
+
+
+def base_of(folder: str | Path) -> Path:
+    """The base model an adapter folder's adapters were trained on."""
+    return Path(json.loads((Path(folder) / RECORD_FILE).read_text())["base"])
+
+
+def _checked_record(folder: Path) -> dict[str, Any]:
+    from tether.modeling import fingerprint
+
+    saved = json.loads((folder / RECORD_FILE).read_text())
+    base = Path(saved["base"])
+    if not base.is_dir():
+        raise ConfigError(f"{folder} holds adapters of the base model {base}, which is gone; put the base "
+                          "back at that path (adapters are saved without it)")
+    if fingerprint(base) != saved["base_fingerprint"]:
+        raise ConfigError(f"{folder} holds adapters trained on the base model {base} (fingerprint "
+                          f"{saved['base_fingerprint']}); that folder now has {fingerprint(base)}; restore "
+                          "the base they were trained on")
+    return saved
+
+
+def load_merged(folder: str | Path, policy: Any):
+    """(model, tokenizer) of an adapter folder: its base with the adapters merged into the
+    weights, W₀ + (α/r)·B·A (what the engines sampled from), a plain model of the family."""
+    from safetensors.torch import load_file
+
+    from tether.rollout.adapters import MergedAdapter
+
+    folder = Path(folder)
+    saved = _checked_record(folder)
+    model, tokenizer = policy.load(saved["base"])
+    MergedAdapter(model, saved["alpha"] / saved["rank"]).apply(load_file(str(folder / ADAPTER_FILE)))
+    return model, tokenizer
+
+
+def write_peft(folder: str | Path, out: str | Path) -> Path:
+    """The adapters of ``folder`` as a PEFT adapter directory (``adapter_config.json``,
+    ``adapter_model.safetensors``) that ``PeftModel.from_pretrained(base, out)`` and vLLM's LoRA
+    requests load."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file, save_file
+
+    folder, out = Path(folder), Path(out)
+    saved = _checked_record(folder)
+    targets = saved["targets"]
+    config = LoraConfig(r=saved["rank"], lora_alpha=saved["alpha"], lora_dropout=0.0,
+                        target_modules="all-linear" if targets == ["all-linear"] else targets,
+                        base_model_name_or_path=saved["base"])
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out))
+    tensors = {f"base_model.model.{name.replace('.default.weight', '.weight')}": t
+               for name, t in load_file(str(folder / ADAPTER_FILE)).items()}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out

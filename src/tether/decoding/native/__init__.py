@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from tether.decoding.linear import bias_of, weight_of
 from tether.decoding.native.builder import NativeUnavailable, build
 from tether.errors import ConfigError, NativeDecoderError
 
@@ -269,7 +270,7 @@ class NativeModel:
         self.layers = []
         for i, layer in enumerate(inner.layers):
             a, m = layer.self_attn, layer.mlp
-            biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+            biases = [bias_of(a.q_proj), bias_of(a.k_proj), bias_of(a.v_proj)]
             qk_norm = None
             if hasattr(a, "q_norm"):  # (H + KV, D)
                 qk_norm = torch.cat([a.q_norm.weight.expand(self.heads, -1),
@@ -277,14 +278,14 @@ class NativeModel:
             self.layers.append(dict(
                 ln1=layer.input_layernorm.weight.detach().contiguous(),
                 ln2=layer.post_attention_layernorm.weight.detach().contiguous(),
-                qkv=self._pack(4 * i, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                qkv=self._pack(4 * i, [weight_of(a.q_proj), weight_of(a.k_proj), weight_of(a.v_proj)]),
                 qkv_bias=torch.cat(biases) if biases[0] is not None else None,
                 qk_norm=qk_norm,
-                o=self._pack(4 * i + 1, [a.o_proj.weight]),
-                o_bias=a.o_proj.bias.detach().contiguous() if a.o_proj.bias is not None else None,
-                gate_up=self._pack(4 * i + 2, [m.gate_proj.weight, m.up_proj.weight]),
-                down=self._pack(4 * i + 3, [m.down_proj.weight])))
-        self.head = self._pack(len(self.shapes) - 1, [model.lm_head.weight])
+                o=self._pack(4 * i + 1, [weight_of(a.o_proj)]),
+                o_bias=bias_of(a.o_proj).detach().contiguous() if bias_of(a.o_proj) is not None else None,
+                gate_up=self._pack(4 * i + 2, [weight_of(m.gate_proj), weight_of(m.up_proj)]),
+                down=self._pack(4 * i + 3, [weight_of(m.down_proj)])))
+        self.head = self._pack(len(self.shapes) - 1, [weight_of(model.lm_head)])
 
 
 class NativeBatch:
