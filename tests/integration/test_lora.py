@@ -238,3 +238,18 @@ def test_an_adapter_checkpoint_evaluates_and_exports_merged_and_as_peft(tiny_mod
         assert torch.allclose(model(ids).logits, peft(input_ids=ids).logits, atol=1e-5)
     with pytest.raises(ConfigError, match="not empty"):
         export(tmp_path / "run", tmp_path / "merged", merge=True)
+
+
+def test_lora_on_ray_actors_trains_the_rows_it_trains_locally(tiny_model_dir, tmp_path):
+    """Adapters through Ray's object store to rollout actors that merge them, the learner in an
+    actor too: the same rows as local processes."""
+    pytest.importorskip("ray")
+    from tether.runtime.run import train
+
+    keys = ("step", "async/behavior_version", "staleness/updates", "reward/mean", "loss/policy")
+    base = ("train.num_batches=3", "async.max_staleness=1", "train.kl_coef=0.05")
+    train(recipe(tiny_model_dir, *base), tmp_path / "local", progress_plain=True)
+    train(recipe(tiny_model_dir, *base, "rollout.backend=ray", "ray.local_cpus=2", "ray.learner=actor"),
+          tmp_path / "ray", progress_plain=True)
+    local = [{k: m[k] for k in keys} for m in rows(tmp_path / "local" / "metrics.jsonl")]
+    assert local == [{k: m[k] for k in keys} for m in rows(tmp_path / "ray" / "metrics.jsonl")]
