@@ -43,4 +43,7 @@ class MergedAdapter:
                 base = self.base.setdefault(layer, target.detach().clone())
                 a = weights[layer + A_SUFFIX].to(target.device, torch.float32)
                 b = weights[layer + B_SUFFIX].to(target.device, torch.float32)
-                target.copy_((base.float() + self.scale * (b @ a)).to(target.dtype))
+                if target.dtype == torch.float32:  # one fused pass, written in place: W₀ + s·B·A
+                    torch.addmm(base, b, a, alpha=self.scale, out=target.data)
+                else:
+                    target.copy_(torch.addmm(base.float(), b, a, alpha=self.scale).to(target.dtype))

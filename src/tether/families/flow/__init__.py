@@ -37,12 +37,12 @@ class FlowFamily(FamilyBase):
     keys = ("reward.function", "reward.functions", "reward.weights", "reward.on_error")
     capabilities = Capabilities(
         engines=("torch",), inflight_updates=("drain",),
-        features=frozenset({"learner_ranks", "learner_actor", "datasets"}),
+        features=frozenset({"learner_ranks", "learner_actor", "datasets", "lora"}),
         notes={"engines": "vLLM serves language models", "inflight_updates": NOT_YET,
                "token_sampling": "a flow model's sampling is the flow section",
                "decoder": "a flow model's sampler has no native form",
                "dynamic_sampling": NOT_YET,
-               "attribution": NOT_YET, "lora": NOT_YET,
+               "attribution": NOT_YET,
                "truncation": "trajectories are never truncated",
                "shared_prefix": "no prompt prefix is shared"})
     warmstart_fields = ("loss", "pass_at_1", "reward")
