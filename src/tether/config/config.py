@@ -222,10 +222,6 @@ class Config:
         if not t.lora_targets:
             raise ConfigError("train.lora_targets is empty: name the layers to adapt (e.g. [q_proj, v_proj]) "
                               "or use [all-linear]")
-        if self.rollout.engine != "torch":
-            raise ConfigError(f"train.lora_rank={t.lora_rank} with rollout.engine={self.rollout.engine}: "
-                              "adapters are applied by the built-in engine only so far; set "
-                              "rollout.engine=torch, or train.lora_rank=0")
         if t.world_size > 1:
             raise ConfigError(f"train.lora_rank={t.lora_rank} with train.world_size={t.world_size}: adapters "
                               "train in one learner process so far; set train.world_size=1, or "

@@ -77,7 +77,7 @@ class _Vllm(EnginePlugin):
         from tether.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_path, stop_ids=stop_ids, device=device.type, options=cfg.vllm,
-                          threads=threads, seed=seed)
+                          threads=threads, seed=seed, lora_rank=cfg.train.lora_rank)
 
 
 TORCH = _Torch("torch", keys=("rollout.decoder",))

@@ -17,6 +17,11 @@ What it guarantees, checked by ``tests/vllm_cpu``:
 - seeds: every prompt's request carries its own seed (the batch seed plus its index), so the same
   seed, weights and prompts give the same tokens whatever else is batched with them (on CPU; see
   docs/rollout.md for GPUs);
+- LoRA (``train.lora_rank``): a publication is the adapters; each version is written as a PEFT
+  adapter directory and served through vLLM's LoRA requests (its CPU build included), a new
+  adapter id per version, so vLLM's own LoRA kernels apply it and nothing is merged. A request
+  samples every token with the adapter it was added with: under ``keep`` a running request
+  finishes on its adapter, and its tokens carry that adapter's version;
 - in-flight updates (``async.inflight_update`` keep, recompute, abort; ``watch``): the engine is
   stepped one scheduler step at a time, and before every step the worker may put newer weights in
   place. Each step's new tokens carry the version loaded when the step ran. ``keep`` continues the
@@ -130,6 +135,8 @@ class _Row:
     versions: list[int] = field(default_factory=list)
     finish: str = "length"
     attempt: int = 0
+    version: int = 0
+    """The weights its request was added under (with LoRA, the adapter it samples with to the end)."""
 
 
 class VLLMEngine:
@@ -137,7 +144,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, stop_ids: Sequence[int], device: str = "cpu",
                  options: VllmSection | None = None, threads: int = 1, seed: int = 0,
-                 version: int = 0) -> None:
+                 version: int = 0, lora_rank: int = 0) -> None:
         options = VllmSection() if options is None else options
         _prepare_environment(device, options, threads)
         try:
@@ -157,12 +164,14 @@ class VLLMEngine:
         with open(os.path.join(model_path, "config.json")) as f:
             self.max_positions = json.load(f).get("max_position_embeddings")
         _require_processed_logprobs(vllm.__version__)
+        self.adapters = _Adapters(lora_rank) if lora_rank else None
         self.llm = vllm.LLM(
             model=model_path, skip_tokenizer_init=True, seed=seed, dtype=options.dtype,
             enforce_eager=options.enforce_eager, enable_prefix_caching=options.enable_prefix_caching,
             gpu_memory_utilization=options.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{WeightLoader.__module__}.{WeightLoader.__qualname__}",
+            **(self.adapters.llm_options() if self.adapters else {}),
         )
 
     @property
@@ -186,6 +195,13 @@ class VLLMEngine:
         self.wasted_tokens = self.switches = 0
         return counts
 
+    def use_adapter(self, scale: float) -> None:
+        """Published weights are LoRA adapters (α/r = ``scale``): served as vLLM LoRA requests."""
+        if self.adapters is None:
+            raise ConfigError("this vLLM engine was started without LoRA; train.lora_rank reaches it when "
+                              "the engine is built")
+        self.adapters.scale = scale
+
     def bind(self, weights: Mapping[str, Any], version: int) -> None:
         """Load ``weights`` as ``version`` while requests may be running (their KV cache stays)."""
         self.load_weights(weights, version)
@@ -205,7 +221,7 @@ class VLLMEngine:
             for i in range(len(prompts))
         ]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                    sampling_params=requests, use_tqdm=False)
+                                    sampling_params=requests, use_tqdm=False, lora_request=self._lora())
         v, groups = self._version, []
         for output in outputs:
             group = []
@@ -221,6 +237,14 @@ class VLLMEngine:
     def load_weights(self, weights: Mapping[str, Any], version: int) -> None:
         """Load ``weights`` (name → tensor, e.g. the shared channel's views) into vLLM in place as
         ``version``, and drop every cached prefix computed under the weights before."""
+        if self.adapters is not None:
+            if version is None:  # the channel's views, before a version is read from them
+                return
+            self.adapters.publish(weights, version)
+            self._version = version
+            if not self.llm.llm_engine.has_unfinished_requests():
+                self._clear_prefix_cache()
+            return
         weights = dict(weights)
         for name, source in self.tied.items():
             if name not in weights and source in weights:
@@ -262,7 +286,9 @@ class VLLMEngine:
                 n=1, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                 max_tokens=params.max_new_tokens - len(prefix), logprobs=0, seed=row.seed,
                 stop_token_ids=self.stop_ids, detokenize=False, output_kind=RequestOutputKind.DELTA)
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=row.prompt + prefix), request)
+            row.version = self._version
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=row.prompt + prefix), request,
+                               lora_request=self._lora())
             running[rid] = row
 
         self._poll_now()
@@ -286,7 +312,8 @@ class VLLMEngine:
                 tokens = list(c.token_ids)
                 row.tokens += tokens
                 row.logprobs += [float(step[t].logprob) for step, t in zip(c.logprobs, tokens, strict=True)]
-                row.versions += [v] * len(tokens)
+                # a request keeps the adapter it was added with; whole weights change under it
+                row.versions += [row.version if self.adapters is not None else v] * len(tokens)
                 if out.finished:
                     row.finish = "stop" if c.finish_reason == "stop" else "length"
                     del running[out.request_id]
@@ -301,9 +328,74 @@ class VLLMEngine:
         self.switches += 1
         return True
 
+    def _lora(self):
+        return None if self.adapters is None else self.adapters.request
+
     def close(self) -> None:
         """Release vLLM's engine (nothing of it runs outside this process)."""
+        if self.adapters is not None:
+            self.adapters.close()
         engine = getattr(self.llm, "llm_engine", None)
         core = getattr(engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+
+
+class _Adapters:
+    """The published LoRA adapters as vLLM LoRA requests: each version a PEFT adapter directory
+    (``adapter_config.json``, ``adapter_model.safetensors``) under a temporary folder, with an id of
+    its own, so vLLM loads it fresh; older directories are removed once no request can use them."""
+
+    RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    """The ``max_lora_rank`` values vLLM accepts."""
+
+    def __init__(self, rank: int) -> None:
+        import tempfile
+
+        fits = [r for r in self.RANKS if r >= rank]
+        if not fits:
+            raise ConfigError(f"train.lora_rank={rank} is above the largest rank vLLM serves "
+                              f"({self.RANKS[-1]})")
+        self.rank, self.max_rank = rank, fits[0]
+        self.scale = 1.0
+        self.folder = tempfile.mkdtemp(prefix="tether-lora-")
+        self.request = None
+        self._kept: list[str] = []
+
+    def llm_options(self) -> dict[str, Any]:
+        # two adapters at once: requests added under the previous version finish on it
+        return {"enable_lora": True, "max_lora_rank": self.max_rank, "max_loras": 2}
+
+    def publish(self, weights: Mapping[str, Any], version: int) -> None:
+        import shutil
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        suffix = ".default.weight"
+        tensors = {f"base_model.model.{name.removesuffix(suffix)}.weight": t.contiguous()
+                   for name, t in weights.items() if ".lora_" in name}
+        if not tensors:
+            raise ConfigError("the published weights hold no LoRA adapters: the learner trains every weight "
+                              "while this engine was started for adapters")
+        modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})
+        path = os.path.join(self.folder, f"v{version}")
+        staging = path + ".writing"
+        os.makedirs(staging, exist_ok=True)
+        save_file(tensors, os.path.join(staging, "adapter_model.safetensors"))
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank,
+                  "lora_alpha": self.scale * self.rank, "target_modules": modules, "lora_dropout": 0.0,
+                  "bias": "none"}
+        with open(os.path.join(staging, "adapter_config.json"), "w") as f:
+            json.dump(config, f)
+        os.replace(staging, path)
+        self.request = LoRARequest(f"tether-v{version}", version + 1, path)
+        self._kept.append(path)
+        for old in self._kept[:-2]:  # the newest two may have running requests
+            shutil.rmtree(old, ignore_errors=True)
+        self._kept = self._kept[-2:]
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
