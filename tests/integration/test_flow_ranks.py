@@ -2,6 +2,7 @@
 same real trajectories (the closed-form KL included), to 1e-5 in every parameter."""
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ from tether.vocabulary import RolloutBatch  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 STEPS = 4
+REWARD = Path(__file__).parent / "flow_reward.py"  # varies within every group, whatever the model
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +90,13 @@ def test_the_flow_learner_in_a_ray_actor_trains_the_rows_it_trains_in_the_driver
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
     pytest.importorskip("ray")
     path, _ = flow_dir
     common = ["model.family=flow", "data.task=shapes", f"model.path={path}", f"flow.steps={STEPS}",
               "flow.eval_steps=4", "data.num_train=200", "data.num_eval=16", "rollout.batch_size=2",
-              "rollout.group_size=4", "train.num_batches=3", "eval.interval=0", "checkpoint.interval=0"]
+              "rollout.group_size=4", "train.num_batches=3", "eval.interval=0", "checkpoint.interval=0",
+              f"reward.function={REWARD}:reward"]
 
     def rows(run, *extra):
         command = [sys.executable, "-m", "tether.cli.main", "train", *common, *extra, "--run-dir", str(run),
@@ -115,8 +117,6 @@ def test_flow_learner_ranks_write_checkpoints_that_load_and_resume(flow_dir, tmp
     """Two ranks gather the weights whole and rank 0 writes the family's own model folder (the
     DiT's, or a pipeline's transformer with its base named), which loads as the model and from
     which a stopped run resumes to the same weights."""
-    from pathlib import Path
-
     from faults.runs import stop_and_resume
     from tether.families.flow.learn import FlowPolicy
     from tether.runtime.run import train
@@ -129,9 +129,10 @@ def test_flow_learner_ranks_write_checkpoints_that_load_and_resume(flow_dir, tmp
         prompts = tmp_path / "prompts.txt"
         prompts.write_text("".join(f"prompt number {i}\n" for i in range(12)))
         data = ["data.task=", f"data.dataset={prompts}", "data.num_eval=4", "data.max_prompt_tokens=32",
-                f"reward.function={Path(__file__).parent / 'flow_reward.py'}:reward"]
+                f"reward.function={REWARD}:reward"]
     else:
-        path, data = flow_dir[0], ["data.task=shapes", "data.num_train=200", "data.num_eval=16"]
+        path, data = flow_dir[0], ["data.task=shapes", "data.num_train=200", "data.num_eval=16",
+                                   f"reward.function={REWARD}:reward"]
     common = ["model.family=flow", f"model.path={path}", f"flow.steps={STEPS}", "flow.eval_steps=4",
               "rollout.batch_size=2", "rollout.group_size=4", "train.num_batches=4", "eval.interval=0",
               "checkpoint.interval=2", "async.max_staleness=1", "train.world_size=2", *data]

@@ -157,13 +157,13 @@ def test_eval_refuses_targets_it_cannot_evaluate(tmp_path, capsys):
     from tether.cli.main import main
 
     assert main(["eval", "model.path=" + str(tmp_path / "none")]) == 2
-    assert "is not a model directory (no config.json)" in capsys.readouterr().err
+    assert "is not a model directory (no config.json, model_index.json or" in capsys.readouterr().err
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text("train:\n  num_batches: 3\n")
     assert main(["eval", str(tmp_path / "run")]) == 2
     assert "nothing to evaluate (pass --model DIR)" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "run"), "--model", str(tmp_path / "nowhere")]) == 2
-    assert "is not a model directory (no config.json)" in capsys.readouterr().err
+    assert "is not a model directory (no config.json, model_index.json or" in capsys.readouterr().err
 
 
 def test_compare_needs_two_run_directories(tmp_path, capsys):
