@@ -62,8 +62,40 @@ def test_vllm_samples_at_the_adapters_the_learner_trained(demo_model):
         engine.close()
 
 
-def test_lora_on_vllm_through_tether_train_follows_plan(demo_model, tmp_path):
+def test_lora_on_vllm_through_tether_train_follows_plan_and_its_merged_export_serves(demo_model, tmp_path):
+    """The run follows `tether plan`; its adapters exported merged into the base load in vLLM as a
+    plain model, which samples what vLLM serving the adapters samples, with the same log-probs."""
+    from tether.cli.export_cmd import export
+    from tether.modeling import load_tokenizer
+    from tether.rollout.vllm_engine import VLLMEngine
+    from tether.train import lora
+    from tether.vocabulary import SamplingParams
+
     cfg = load_config(DEMO, short(demo_model, "train.lora_rank=8", "train.lora_alpha=16", "train.lr=2e-3",
-                                  "train.kl_coef=0.01"))
+                                  "train.kl_coef=0.01", "checkpoint.interval=6"))
     summary = train(cfg, tmp_path / "run", progress_plain=True)
     check_against_plan(cfg, tmp_path / "run", summary)
+    merged = export(tmp_path / "run", tmp_path / "merged", merge=True)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000006" / "learner" / "model"
+    from safetensors.torch import load_file
+
+    adapters = load_file(str(checkpoint / lora.ADAPTER_FILE))
+    tok = load_tokenizer(demo_model)
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=6)
+    samples = []
+    for path, rank in ((merged, 0), (demo_model, 8)):
+        engine = VLLMEngine(str(path), stop_ids=[tok.eos_token_id], lora_rank=rank)
+        try:
+            if rank:
+                engine.use_adapter(2.0)
+                engine.load_weights(adapters, 6)
+            samples.append([c for g in engine.generate(prompts, samples_per_prompt=4, params=params, seed=5)
+                            for c in g])
+        finally:
+            engine.close()
+    plain, served = samples
+    assert [c.token_ids for c in plain] == [c.token_ids for c in served]
+    worst = max(abs(a - b) for x, y in zip(plain, served, strict=True)
+                for a, b in zip(x.logprobs, y.logprobs, strict=True))
+    assert worst <= 1e-4, worst
