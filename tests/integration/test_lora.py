@@ -252,3 +252,59 @@ def test_lora_on_ray_actors_trains_the_rows_it_trains_locally(tiny_model_dir, tm
           tmp_path / "ray", progress_plain=True)
     local = [{k: m[k] for k in keys} for m in rows(tmp_path / "local" / "metrics.jsonl")]
     assert local == [{k: m[k] for k in keys} for m in rows(tmp_path / "ray" / "metrics.jsonl")]
+
+
+def test_adapters_published_mid_generation_stamp_each_token_with_its_version(tiny_model_dir):
+    """In-flight updates (recompute) with adapters: versions of the adapters published while a
+    batch generates are merged between decode steps, and every token's log-prob is the one of the
+    adapters its stamp names (teacher-forced through the learner's adapted model)."""
+    import time
+
+    from test_pool import STREAM
+
+    from configs import pool_settings
+    from tether.rollout.pool import ProcessPool
+    from tether.train import lora as adapters_of
+    from tether.vocabulary import GenerationRequest
+
+    settings = pool_settings(tiny_model_dir, "rollout.group_size=8", "rollout.max_new_tokens=40",
+                             "async.inflight_update=recompute", "train.lora_rank=4", "train.lora_alpha=8",
+                             stop_text="")
+    learner = TorchLearner(tiny_model_dir, config(**LORA))
+    model = learner.model.eval()
+    gen = torch.Generator().manual_seed(0)
+    versions = {0: {k: v.clone() for k, v in adapters_of.adapters(model).items()}}
+    with ProcessPool(settings, STREAM.batch, versions[0]) as pool:
+        batch = None
+        for index in range(1, 6):
+            launched = max(versions)
+            pool.launch(GenerationRequest(index=index, version=launched))
+            got = []
+            while not got:
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        if ".lora_" in name:
+                            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+                versions[max(versions) + 1] = {k: v.clone() for k, v in adapters_of.adapters(model).items()}
+                pool.publish(versions[max(versions)], max(versions))
+                time.sleep(0.003)
+                got = pool.reap()
+            if got[0].metrics["rollout/weight_switches"] >= 1:
+                batch = got[0]
+                break
+    assert batch is not None, "no publication reached the worker mid-generation"
+    scored = batch.payload
+    assert any(len(set(vs)) > 1 for vs in scored.versions)
+    params = dict(model.named_parameters())
+    for g, prompt in enumerate(scored.prompt_ids):
+        for j in range(scored.group_size):
+            row = g * scored.group_size + j
+            toks, lps, vs = scored.completion_ids[row], scored.logprobs[row], scored.versions[row]
+            for v in set(vs):
+                with torch.no_grad():
+                    for name, t in versions[v].items():
+                        params[name].copy_(t)
+                    logits = model(torch.tensor([prompt + toks])).logits[0, len(prompt) - 1: -1].float()
+                expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(toks)[:, None]).squeeze(-1)
+                at = [k for k, x in enumerate(vs) if x == v]
+                assert torch.allclose(torch.tensor(lps)[at], expected[at], atol=1e-4), (row, v)
