@@ -190,7 +190,8 @@ def test_a_resume_against_another_base_is_refused_naming_both(tiny_model_dir, tm
 
 @pytest.mark.parametrize(("overrides", "says"), [
     (["train.lora_alpha=32"], "train.lora_alpha=32.0 has no effect with train.lora_rank=0"),
-    (["train.lora_rank=4", "train.world_size=2", "rollout.batch_size=4"], "one learner process so far"),
+    (["train.lora_rank=4", "train.world_size=2", "rollout.batch_size=4", "checkpoint.sharded=true"],
+     "holds the adapters alone"),
     (["train.lora_rank=4", "model.family=agent", "data.task=kv_lookup"],
      "LoRA adapters, which model.family=agent"),
     (["train.lora_rank=4", "train.lora_targets=[]"], "train.lora_targets is empty"),
@@ -308,3 +309,55 @@ def test_adapters_published_mid_generation_stamp_each_token_with_its_version(tin
                 expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(toks)[:, None]).squeeze(-1)
                 at = [k for k, x in enumerate(vs) if x == v]
                 assert torch.allclose(torch.tensor(lps)[at], expected[at], atol=1e-4), (row, v)
+
+
+def test_two_learner_ranks_make_the_single_process_lora_update(tiny_model_dir, tmp_path, monkeypatch):
+    """FSDP2 over a model with adapters: two ranks train the same adapters as one process on the
+    same batches (1e-5), publish them alone, and write a checkpoint a run resumes from."""
+    from procs import wait_gone
+    from tether.train.ranks import ProcessRanks, RankGroup
+
+    batches = [sampled_batch(tiny_model_dir, seed=s)[0] for s in range(2)]
+    overrides = ("train.lora_rank=4", "train.lora_alpha=8", "train.lr=3e-3", "train.kl_coef=0.05",
+                 "train.updates_per_batch=2", "rollout.batch_size=4", "rollout.group_size=4")
+    solo = TorchLearner(tiny_model_dir, config(*overrides))
+    solo_results = [solo.train(b, train_version=2 * i) for i, b in enumerate(batches)]
+    solo_weights = solo.export_weights()
+    ranks = RankGroup(ProcessRanks(config(*overrides, "train.world_size=2"), tiny_model_dir, None))
+    try:
+        pids = list(ranks.pids)
+        results = [ranks.train(b, train_version=2 * i) for i, b in enumerate(batches)]
+        weights = dict(ranks.export_weights())
+    finally:
+        ranks.close()
+    assert wait_gone(pids) == []
+    assert set(weights) == set(solo_weights) and all(".lora_" in n for n in weights)
+    worst = max(((weights[n] - w).abs().max() / w.abs().max().clamp(min=1e-12)).item()
+                for n, w in solo_weights.items())
+    # B starts at zero, and Adam divides each element's step by its gradient's own size: an
+    # element whose gradient is near zero turns the ranks' summation-order rounding into a step
+    # of lr, so after four updates the adapters agree to 1e-4 where whole weights agree to 1e-5
+    assert worst <= 1e-4, worst
+    for a, b in zip(solo_results, results, strict=True):
+        for key in ("loss/policy", "loss/kl", "train/grad_norm"):
+            assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-4, abs=1e-7), key
+    assert solo_results[-1].metrics["loss/kl"] > 0
+
+
+def test_a_two_rank_lora_run_checkpoints_adapters_and_resumes(tiny_model_dir, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from faults.runs import stop_and_resume
+    from tether.runtime.run import train
+
+    cfg = recipe(tiny_model_dir, "train.num_batches=4", "checkpoint.interval=2", "async.max_staleness=1",
+                 "train.world_size=2")
+    train(cfg, tmp_path / "whole", progress_plain=True)
+    folder = tmp_path / "whole" / "checkpoints" / "step-000004" / "learner" / "model"
+    adapters = load_file(str(folder / ADAPTERS))
+    assert adapters and all(".lora_" in n for n in adapters) and (folder / "adapter.json").is_file()
+    stopped = tmp_path / "stopped"
+    stop_and_resume(monkeypatch, cfg, stopped, after=2)
+    again = load_file(str(stopped / "checkpoints" / "step-000004" / "learner" / "model" / ADAPTERS))
+    for name, tensor in adapters.items():
+        assert torch.allclose(again[name], tensor, rtol=1e-5, atol=1e-7), name

@@ -222,10 +222,9 @@ class Config:
         if not t.lora_targets:
             raise ConfigError("train.lora_targets is empty: name the layers to adapt (e.g. [q_proj, v_proj]) "
                               "or use [all-linear]")
-        if t.world_size > 1:
-            raise ConfigError(f"train.lora_rank={t.lora_rank} with train.world_size={t.world_size}: adapters "
-                              "train in one learner process so far; set train.world_size=1, or "
-                              "train.lora_rank=0")
+        if self.checkpoint.sharded:
+            raise ConfigError(f"checkpoint.sharded=true with train.lora_rank={t.lora_rank}: a checkpoint "
+                              "holds the adapters alone, gathered whole (megabytes); drop checkpoint.sharded")
 
     def _check_corrections(self) -> None:
         c, default = self.correction, CorrectionSection()

@@ -406,7 +406,7 @@ class TorchLearner:
         weights = None
         if self.group.world == 1:
             if self.s.lora_rank:
-                lora.save(self.model, path / "model", self.s, self.model_path)
+                lora.save(lora.adapters(self.model), path / "model", self.s, self.model_path)
                 if self.tokenizer is not None:
                     self.tokenizer.save_pretrained(path / "model")
             else:
@@ -429,6 +429,9 @@ class TorchLearner:
         from tether.modeling import SHARDED_MARKER
 
         folder.mkdir(parents=True, exist_ok=True)
+        if self.s.lora_rank:  # the adapters, gathered whole (sharded checkpoints are refused)
+            lora.save(weights, folder, self.s, self.model_path)
+            return
         writer = getattr(self.policy, "write_folder", None)  # a model folder laid out otherwise
         if writer is not None:
             writer(self.model, folder, weights)

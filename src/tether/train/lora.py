@@ -77,12 +77,13 @@ def record(train: Any, base: str | Path) -> dict[str, Any]:
             "base": str(Path(base).resolve()), "base_fingerprint": fingerprint(base)}
 
 
-def save(model: torch.nn.Module, folder: Path, train: Any, base: str | Path) -> None:
-    """The adapters and what they adapt, in a checkpoint's model folder."""
+def save(tensors: dict[str, torch.Tensor], folder: Path, train: Any, base: str | Path) -> None:
+    """The adapters (``adapters(model)``, or gathered from learner ranks) and what they adapt, in
+    a checkpoint's model folder."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.contiguous() for n, t in adapters(model).items()}, str(folder / ADAPTER_FILE),
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(folder / ADAPTER_FILE),
               metadata={"format": "pt"})
     (folder / RECORD_FILE).write_text(json.dumps(record(train, base), indent=2) + "\n")
 
