@@ -170,3 +170,19 @@ def test_two_learner_ranks_train_episodes_as_one_does(recipe, whole, tmp_path):
     for a, b in trained:
         assert b["loss/policy"] == pytest.approx(a["loss/policy"], rel=1e-5, abs=1e-7)
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)
+
+
+def test_episodes_train_lora_adapters_with_the_engine_at_the_learners_adapters(recipe, tmp_path):
+    """LoRA through the agent family: the engine merges each published version of the adapters
+    and the model's turns score as the learner scores them; only the adapters are checkpointed."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "lora"
+    tether("train", recipe, "train.lora_rank=4", "train.lora_alpha=8", "train.lr=3e-3", "train.num_batches=4",
+           "eval.interval=0", "checkpoint.interval=4", "--run-dir", run, "--plain", "--no-report")
+    metrics = rows(run / "metrics.jsonl")
+    fresh = [m for m in metrics if (m["mismatch/numeric_token_frac"] or 0) > 0]
+    assert fresh and all(m["mismatch/numeric_logprob_abs_diff_max"] < 1e-4 for m in fresh)
+    folder = run / "checkpoints" / "step-000004" / "learner" / "model"
+    adapters = load_file(str(folder / "adapter.safetensors"))
+    assert adapters and all(".lora_" in n for n in adapters)

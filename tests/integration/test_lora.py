@@ -192,8 +192,6 @@ def test_a_resume_against_another_base_is_refused_naming_both(tiny_model_dir, tm
     (["train.lora_alpha=32"], "train.lora_alpha=32.0 has no effect with train.lora_rank=0"),
     (["train.lora_rank=4", "train.world_size=2", "rollout.batch_size=4", "checkpoint.sharded=true"],
      "holds the adapters alone"),
-    (["train.lora_rank=4", "model.family=agent", "data.task=kv_lookup"],
-     "LoRA adapters, which model.family=agent"),
     (["train.lora_rank=4", "train.lora_targets=[]"], "train.lora_targets is empty"),
 ])
 def test_lora_settings_that_cannot_work_are_refused(overrides, says):

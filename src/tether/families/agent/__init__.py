@@ -47,9 +47,10 @@ class AgentFamily(TextFamily):
                 "shared_prefix",
                 "learner_ranks",
                 "learner_actor",
+                "lora",
             }
         ),
-        notes={"dynamic_sampling": NOT_YET, "attribution": NOT_YET, "lora": NOT_YET},
+        notes={"dynamic_sampling": NOT_YET, "attribution": NOT_YET},
     )
     warmstart_fields = ("loss", "pass_at_1")
 
