@@ -139,3 +139,13 @@ def stop_and_resume(monkeypatch, cfg, run_dir: Path, after: int) -> None:
         with pytest.raises(StopRequested):
             train(cfg, run_dir, progress_plain=True)
     train(load_config(run_dir / "config.yaml"), run_dir, resume=True, progress_plain=True)
+
+
+def whole_and_resumed(monkeypatch, cfg, tmp_path: Path, trace, after: int = 2):
+    """``trace(run_dir)`` of ``cfg`` trained whole in ``tmp_path/whole``, and of the same run
+    stopped after batch ``after`` and resumed in ``tmp_path/stopped``."""
+    from tether.runtime.run import train
+
+    train(cfg, tmp_path / "whole", progress_plain=True)
+    stop_and_resume(monkeypatch, cfg, tmp_path / "stopped", after=after)
+    return trace(tmp_path / "whole"), trace(tmp_path / "stopped")

@@ -15,7 +15,7 @@ pytest.importorskip("diffusers")
 import torch
 from safetensors.torch import load_file
 
-from faults.runs import stop_and_resume
+from faults.runs import whole_and_resumed
 from tether.config import load_config
 from tether.errors import ConfigError, DataError
 from tether.loop import Timings, simulate
@@ -157,12 +157,8 @@ def test_a_stopped_pipeline_run_resumes_exactly(pipeline, prompts, tmp_path, mon
         weights = load_file(str(next(folder.glob("*.safetensors"))))
         return [{k: m.get(k) for k in keys} for m in rows(run_dir / "metrics.jsonl")], weights
 
-    train(cfg, tmp_path / "whole", progress_plain=True)
-    whole, whole_weights = trace(tmp_path / "whole")
+    (whole, whole_weights), (resumed, weights) = whole_and_resumed(monkeypatch, cfg, tmp_path, trace)
     assert whole[-1]["loss/kl"] > 0  # the reference transformer, a second copy of the base's
-    run_dir = tmp_path / "stopped"
-    stop_and_resume(monkeypatch, cfg, run_dir, after=2)
-    resumed, weights = trace(run_dir)
     assert resumed == whole
     for name, tensor in weights.items():
         assert tensor.equal(whole_weights[name]), name

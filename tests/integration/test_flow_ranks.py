@@ -8,14 +8,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from procs import wait_gone  # noqa: E402
+from learners import solo_and_ranks, worst_relative  # noqa: E402
 from tether.config import load_config  # noqa: E402
 from tether.families.flow import scenes  # noqa: E402
 from tether.families.flow.model import FlowModel, FlowModelConfig  # noqa: E402
 from tether.families.flow.policy import FlowSampling  # noqa: E402
 from tether.families.flow.rollout import FlowBatch, FlowEngine  # noqa: E402
-from tether.train.learner import TorchLearner  # noqa: E402
-from tether.train.ranks import ProcessRanks, RankGroup  # noqa: E402
 from tether.vocabulary import RolloutBatch  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -64,20 +62,10 @@ def config(path, *extra):
 def test_two_ranks_make_the_single_process_flow_update(flow_dir, train_steps):
     path, model = flow_dir
     batches = rollout_batches(model)
-    solo = TorchLearner(path, config(path, f"flow.train_steps={train_steps}"))
-    solo_results = [solo.train(b, train_version=2 * i) for i, b in enumerate(batches)]
-    solo_weights = dict(solo.export_weights())
-    sharded = RankGroup(ProcessRanks(config(path, f"flow.train_steps={train_steps}", "train.world_size=2"),
-                                     path, None))
-    try:
-        pids = list(sharded.pids)
-        results = [sharded.train(b, train_version=2 * i) for i, b in enumerate(batches)]
-        weights = dict(sharded.export_weights())
-    finally:
-        sharded.close()
-    assert wait_gone(pids) == []
-    worst = max(((weights[n] - w).abs().max() / w.abs().max().clamp(min=1e-12)).item()
-                for n, w in solo_weights.items())
+    (solo_weights, solo_results), (weights, results) = solo_and_ranks(
+        path, config(path, f"flow.train_steps={train_steps}"),
+        config(path, f"flow.train_steps={train_steps}", "train.world_size=2"), batches)
+    worst = worst_relative(weights, solo_weights)
     assert worst <= 1e-5, worst
     for a, b in zip(solo_results, results, strict=True):
         assert a.committed_updates == b.committed_updates == 2

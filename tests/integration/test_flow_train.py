@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 
 from safetensors.torch import load_file
 
-from faults.runs import stop_and_resume
+from faults.runs import whole_and_resumed
 from tether.config import load_config
 from tether.errors import ConfigError
 from tether.loop import Timings, simulate, summarize
@@ -71,18 +71,14 @@ def test_a_stopped_flow_run_resumes_exactly(flow_model, tmp_path, monkeypatch):
                  "train.algorithm=grpo", "flow.train_steps=2")
     keys = ("step", "batch_index", "async/behavior_version", "staleness/updates", "reward/mean",
             "loss/policy", "ratio/mean", "loss/kl")
-    train(cfg, tmp_path / "whole", progress_plain=True)
 
     def trace(run_dir):
         folder = run_dir / "checkpoints" / "step-000005" / "learner" / "model"
         weights = load_file(str(folder / "model.safetensors"))
         return [{k: m.get(k) for k in keys} for m in rows(run_dir / "metrics.jsonl")], weights
 
-    whole, whole_weights = trace(tmp_path / "whole")
+    (whole, whole_weights), (resumed, weights) = whole_and_resumed(monkeypatch, cfg, tmp_path, trace)
     assert whole[-1]["loss/kl"] > 0  # the grpo preset's KL to the reference ran
-    run_dir = tmp_path / "stopped"
-    stop_and_resume(monkeypatch, cfg, run_dir, after=2)
-    resumed, weights = trace(run_dir)
     assert resumed == whole
     for name, tensor in weights.items():
         assert tensor.equal(whole_weights[name]), name

@@ -312,26 +312,15 @@ def test_adapters_published_mid_generation_stamp_each_token_with_its_version(tin
 def test_two_learner_ranks_make_the_single_process_lora_update(tiny_model_dir, tmp_path, monkeypatch):
     """FSDP2 over a model with adapters: two ranks train the same adapters as one process on the
     same batches (1e-5), publish them alone, and write a checkpoint a run resumes from."""
-    from procs import wait_gone
-    from tether.train.ranks import ProcessRanks, RankGroup
+    from learners import solo_and_ranks, worst_relative
 
     batches = [sampled_batch(tiny_model_dir, seed=s)[0] for s in range(2)]
     overrides = ("train.lora_rank=4", "train.lora_alpha=8", "train.lr=3e-3", "train.kl_coef=0.05",
                  "train.updates_per_batch=2", "rollout.batch_size=4", "rollout.group_size=4")
-    solo = TorchLearner(tiny_model_dir, config(*overrides))
-    solo_results = [solo.train(b, train_version=2 * i) for i, b in enumerate(batches)]
-    solo_weights = solo.export_weights()
-    ranks = RankGroup(ProcessRanks(config(*overrides, "train.world_size=2"), tiny_model_dir, None))
-    try:
-        pids = list(ranks.pids)
-        results = [ranks.train(b, train_version=2 * i) for i, b in enumerate(batches)]
-        weights = dict(ranks.export_weights())
-    finally:
-        ranks.close()
-    assert wait_gone(pids) == []
+    (solo_weights, solo_results), (weights, results) = solo_and_ranks(
+        tiny_model_dir, config(*overrides), config(*overrides, "train.world_size=2"), batches)
     assert set(weights) == set(solo_weights) and all(".lora_" in n for n in weights)
-    worst = max(((weights[n] - w).abs().max() / w.abs().max().clamp(min=1e-12)).item()
-                for n, w in solo_weights.items())
+    worst = worst_relative(weights, solo_weights)
     # B starts at zero, and Adam divides each element's step by its gradient's own size: an
     # element whose gradient is near zero turns the ranks' summation-order rounding into a step
     # of lr, so after four updates the adapters agree to 1e-4 where whole weights agree to 1e-5
