@@ -16,6 +16,10 @@ whose limit measured below 80% of the run's best (the machine was busy then), ea
 Target (issue 3): publish + load throughput ≥ 50% of the plain copy, for a ≥25M-parameter model.
 
     python benchmarks/weight_channel.py [--size base] [--repeats 9] [--json]
+    python benchmarks/weight_channel.py --adapters [--size small|base] [--rank 16]
+
+``--adapters``: LoRA adapters against whole weights through the same channel, the engine's merge
+included, and the prediction for a 7B model with rank-16 adapters (``benchmarks/lora_channel.py``).
 """
 
 from __future__ import annotations
@@ -94,7 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="base", choices=["tiny", "small", "base"])
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--adapters", action="store_true", help="LoRA adapters against whole weights")
+    ap.add_argument("--rank", type=int, default=16, help="the adapters' rank (with --adapters)")
     a = ap.parse_args(argv)
+    if a.adapters:
+        import lora_channel
+
+        return lora_channel.main(["--size", a.size, "--rank", str(a.rank), *(["--json"] if a.json else [])])
     r = measure(a.size, a.repeats)
     if a.json:
         print(json.dumps(r))

@@ -127,6 +127,64 @@ def test_the_engine_samples_at_the_adapters_the_learner_trained(tiny_model_dir, 
     assert [c.token_ids for g in groups2 for c in g] == [c.token_ids for c in flat]
 
 
+def test_adapters_as_low_rank_terms_sample_what_merged_adapters_sample(tiny_model_dir):
+    """rollout.lora_apply=terms: the engine's model gets the LoRA layers and each version is
+    copied into them (nothing merged); the model's own forward samples the same tokens as the
+    merged engine, with the learner's log-probs."""
+    batch, tok = sampled_batch(tiny_model_dir)
+    learner = TorchLearner(tiny_model_dir, config(lr=3e-3, **LORA))
+    for _ in range(2):
+        learner.train(batch, train_version=0)
+    published = learner.export_weights()
+    prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=6)
+    samples = {}
+    for how in ("merge", "terms"):
+        model, _ = load_causal_lm(tiny_model_dir)
+        engine = TorchEngine(model, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
+        engine.use_adapter(8.0 / 4, config(**LORA).train if how == "terms" else None)
+        engine.load_weights(published, version=2)
+        samples[how] = [c for g in engine.generate(prompt_ids, samples_per_prompt=4, params=params, seed=3)
+                        for c in g]
+        assert engine.decoder_path == ("transformers" if how == "terms" else "native")
+        if how == "terms":
+            base, _ = load_causal_lm(tiny_model_dir)
+            base_weights = dict(base.named_parameters())
+            for name, p in model.named_parameters():  # the base weights never moved
+                plain = name.replace(".base_layer", "")
+                if plain in base_weights:
+                    assert torch.equal(p, base_weights[plain]), name
+    assert [c.token_ids for c in samples["terms"]] == [c.token_ids for c in samples["merge"]]
+    worst = max(abs(a - b) for x, y in zip(samples["terms"], samples["merge"], strict=True)
+                for a, b in zip(x.logprobs, y.logprobs, strict=True))
+    assert worst <= 1e-5, worst
+
+
+def test_lora_dropout_drops_the_adapters_inputs_in_the_learner_only(tiny_model_dir):
+    """train.lora_dropout: two learner forwards of the same batch differ (the model's own forward
+    runs: the shared-prompt one cannot drop), the engine with the same adapters as terms does not;
+    at 0 the learner's forwards are equal."""
+    from tether.families.text.batch import to_train_batch
+
+    batch, tok = sampled_batch(tiny_model_dir)
+    tb = to_train_batch(batch.payload, tok.pad_token_id)
+    for rate in (0.0, 0.5):
+        learner = TorchLearner(tiny_model_dir, config(lr=3e-3, lora_dropout=rate, **LORA))
+        learner.train(batch, train_version=0)  # B off zero, so the adapters' inputs matter
+        assert (learner.forward is None) == (rate > 0)
+        first, _ = token_logprobs(learner.model, tb, 1.0)
+        second, _ = token_logprobs(learner.model, tb, 1.0)
+        assert torch.equal(first, second) == (rate == 0), rate
+    model, _ = load_causal_lm(tiny_model_dir)
+    engine = TorchEngine(model, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
+    engine.use_adapter(2.0, config(lora_dropout=0.5, **LORA).train)
+    engine.load_weights(learner.export_weights(), version=1)
+    prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    runs = [engine.generate(prompt_ids, samples_per_prompt=2, params=SamplingParams(max_new_tokens=6), seed=1)
+            for _ in range(2)]
+    assert [[c.logprobs for c in g] for g in runs[0]] == [[c.logprobs for c in g] for g in runs[1]]
+
+
 def recipe(model_dir, *extra):
     return load_config(None, [f"model.path={model_dir}", "data.task=arithmetic", "rollout.batch_size=4",
                               "rollout.group_size=4", "rollout.max_new_tokens=8", "train.lr=3e-3",
@@ -190,6 +248,10 @@ def test_a_resume_against_another_base_is_refused_naming_both(tiny_model_dir, tm
 
 @pytest.mark.parametrize(("overrides", "says"), [
     (["train.lora_alpha=32"], "train.lora_alpha=32.0 has no effect with train.lora_rank=0"),
+    (["rollout.lora_apply=terms"], "rollout.lora_apply=terms has no effect with train.lora_rank=0"),
+    (["train.lora_dropout=0.1"], "train.lora_dropout=0.1 has no effect with train.lora_rank=0"),
+    (["train.lora_rank=4", "rollout.lora_apply=terms", "rollout.engine=vllm"],
+     "rollout.lora_apply=terms is read only with rollout.engine=torch"),
     (["train.lora_rank=4", "train.world_size=2", "rollout.batch_size=4", "checkpoint.sharded=true"],
      "holds the adapters alone"),
     (["train.lora_rank=4", "train.lora_targets=[]"], "train.lora_targets is empty"),
@@ -348,3 +410,14 @@ def test_a_two_rank_lora_run_checkpoints_adapters_and_resumes(tiny_model_dir, tm
     again = load_file(str(stopped / "checkpoints" / "step-000004" / "learner" / "model" / ADAPTERS))
     for name, tensor in adapters.items():
         assert torch.allclose(again[name], tensor, rtol=1e-5, atol=1e-7), name
+
+
+def test_a_run_with_adapters_as_low_rank_terms_scores_as_the_learner(tiny_model_dir, tmp_path):
+    from tether.runtime.run import train
+
+    cfg = recipe(tiny_model_dir, "train.num_batches=3", "rollout.lora_apply=terms", "async.max_staleness=1")
+    train(cfg, tmp_path / "run", progress_plain=True)
+    metrics = rows(tmp_path / "run" / "metrics.jsonl")
+    fresh = [m for m in metrics if m["mismatch/numeric_token_frac"] > 0]
+    assert fresh and all(m["mismatch/numeric_logprob_abs_diff_max"] < 1e-4 for m in fresh)
+    assert all(m["rollout/native_decoder"] == 0 for m in metrics)  # the model's own forward

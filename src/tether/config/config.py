@@ -214,10 +214,14 @@ class Config:
     def _check_lora(self) -> None:
         t = self.train
         if not t.lora_rank:
-            for key, default in (("lora_alpha", 16.0), ("lora_targets", ["all-linear"])):
+            defaults = (("lora_alpha", 16.0), ("lora_dropout", 0.0), ("lora_targets", ["all-linear"]))
+            for key, default in defaults:
                 if getattr(t, key) != default:
                     raise ConfigError(f"train.{key}={getattr(t, key)} has no effect with train.lora_rank=0 "
                                       "(every weight trains); set train.lora_rank, or remove it")
+            if self.rollout.lora_apply != "merge":
+                raise ConfigError(f"rollout.lora_apply={self.rollout.lora_apply} has no effect with "
+                                  "train.lora_rank=0 (no adapters are published); remove it")
             return
         if not t.lora_targets:
             raise ConfigError("train.lora_targets is empty: name the layers to adapt (e.g. [q_proj, v_proj]) "

@@ -198,6 +198,16 @@ class TrainSection:
     lora_alpha: float = knob(
         16.0, "LoRA's α: an adapter adds (α/r)·B·A to its layer's weight.", min=0.0
     )
+    lora_dropout: float = knob(
+        0.0,
+        "PEFT's LoRA dropout: each adapter's input dropped at this rate in the learner's forwards (the "
+        "engines never drop). The ratio's numerator then comes from a random sub-network of the policy "
+        "the engine sampled, and ratio/* and mismatch/* carry that noise; every other dropout of a "
+        "policy is off (docs/training.md). The learner then runs the model's own forward, not the "
+        "shared-prompt one.",
+        min=0.0,
+        max=0.99,
+    )
     lora_targets: list[str] = knob(
         ["all-linear"],
         "Which linear layers get adapters: PEFT's target_modules, names or name suffixes (q_proj, v_proj) "
@@ -264,6 +274,14 @@ class RolloutSection:
         "needs vLLM installed: `make vllm` on CPU, `pip install 'tether[vllm]'` on GPUs; see the vllm "
         "section and docs/rollout.md). Both return the log-probs of the distribution they sample from.",
         choices=registry.engines,
+    )
+    lora_apply: Literal["merge", "terms"] = knob(
+        "merge",
+        "How the built-in engine applies published LoRA adapters (train.lora_rank): 'merge' = into its "
+        "weights, W₀ + (α/r)·B·A, once per version, then every decoder (the native one included) runs "
+        "at full speed; 'terms' = as PEFT's low-rank terms in the model's own forward, x·W₀ᵀ + "
+        "(α/r)·(x·Aᵀ)·Bᵀ for every token, nothing merged (docs/lora.md).",
+        choices=("merge", "terms"),
     )
     decoder: Literal["auto", "native", "python"] = knob(
         "auto",

@@ -143,6 +143,11 @@ class _TransformersStepper:
         return out.logits[:, -1, :].float()
 
 
+def transformers_stepper(model: torch.nn.Module):
+    """Prefill and decode through ``model``'s own forward, whatever its family."""
+    return _TransformersStepper(model)
+
+
 def stepper_for(model: torch.nn.Module, decoder: str = "auto"):
     """The lean decoder when the model's family supports it (``decoder``: ``auto``, ``native``
     or ``python``, how it runs: ``FastDecoder``), else the transformers forward."""

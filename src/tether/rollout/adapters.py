@@ -1,4 +1,6 @@
-"""Published LoRA adapters applied by an engine that holds the base model (``train.lora_rank``).
+"""Published LoRA adapters applied by an engine that holds the base model (``train.lora_rank``),
+merged into its weights (``MergedAdapter``, ``rollout.lora_apply: merge``) or as low-rank terms
+(``AdapterTerms``, ``terms``).
 
 The learner publishes only its adapter matrices, ``<layer>.lora_A.default.weight`` (r × in) and
 ``<layer>.lora_B.default.weight`` (out × r) for each adapted linear layer
@@ -47,3 +49,26 @@ class MergedAdapter:
                     torch.addmm(base, b, a, alpha=self.scale, out=target.data)
                 else:
                     target.copy_(torch.addmm(base.float(), b, a, alpha=self.scale).to(target.dtype))
+
+
+class AdapterTerms:
+    """Published adapters as PEFT's low-rank terms: the engine's model gets the learner's LoRA
+    layers (``tether.train.lora.attach``, frozen here), each version is copied into their A and B,
+    and every forward computes x·W₀ᵀ + (α/r)·(x·Aᵀ)·Bᵀ. Nothing is merged; a version costs a copy
+    of the adapters."""
+
+    def __init__(self, model: torch.nn.Module, train) -> None:
+        from tether.train import lora
+
+        self.model = lora.attach(model, train).requires_grad_(False).eval()  # an engine never drops
+        self.params = dict(self.model.named_parameters())
+
+    def apply(self, weights: Mapping[str, torch.Tensor]) -> None:
+        names = [name for name in weights if ".lora_" in name]
+        missing = [name for name in self.params if ".lora_" in name and name not in weights]
+        if not names or missing:
+            raise ConfigError(f"the published adapters do not match this engine's LoRA layers: missing "
+                              f"{missing[:3] or 'every adapter'}")
+        with torch.no_grad():
+            for name in names:
+                self.params[name].copy_(weights[name])

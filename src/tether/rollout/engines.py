@@ -80,7 +80,7 @@ class _Vllm(EnginePlugin):
                           threads=threads, seed=seed, lora_rank=cfg.train.lora_rank)
 
 
-TORCH = _Torch("torch", keys=("rollout.decoder",))
+TORCH = _Torch("torch", keys=("rollout.decoder", "rollout.lora_apply"))
 VLLM = _Vllm("vllm", section="vllm")
 
 

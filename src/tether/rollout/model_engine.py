@@ -45,12 +45,13 @@ class ModelEngine:
         self._weights_changed()
         self._version = version
 
-    def use_adapter(self, scale: float) -> None:
-        """Published weights are LoRA adapters from now on, merged into this engine's base
-        weights at ``scale`` = α/r (``tether.rollout.adapters``)."""
-        from tether.rollout.adapters import MergedAdapter
+    def use_adapter(self, scale: float, terms=None) -> None:
+        """Published weights are LoRA adapters from now on (``tether.rollout.adapters``): merged
+        into this engine's base weights at ``scale`` = α/r, or with ``terms`` (the ``train``
+        section) applied as low-rank terms in the model's own forward."""
+        from tether.rollout.adapters import AdapterTerms, MergedAdapter
 
-        self.adapter = MergedAdapter(self.model, scale)
+        self.adapter = MergedAdapter(self.model, scale) if terms is None else AdapterTerms(self.model, terms)
 
     def bind(self, weights: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Use ``weights`` (e.g. shared-memory views) as the model's parameters, without copying;

@@ -25,6 +25,15 @@ class TorchEngine(ModelEngine):
         self.wasted_tokens = 0  # by abort, since the last ``take_counts``
         self.switches = 0
 
+    def use_adapter(self, scale: float, terms=None) -> None:
+        """As ``ModelEngine.use_adapter``; with low-rank ``terms`` the model's own forward samples
+        (the lean decoders read merged weights)."""
+        super().use_adapter(scale, terms)
+        if terms is not None:
+            from tether.decoding.sampling import transformers_stepper
+
+            self.stepper = transformers_stepper(self.model)
+
     def take_counts(self) -> tuple[int, int]:
         """(tokens wasted by abort, weight switches) since the last call."""
         counts = (self.wasted_tokens, self.switches)

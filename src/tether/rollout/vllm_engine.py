@@ -195,7 +195,7 @@ class VLLMEngine:
         self.wasted_tokens = self.switches = 0
         return counts
 
-    def use_adapter(self, scale: float) -> None:
+    def use_adapter(self, scale: float, terms=None) -> None:
         """Published weights are LoRA adapters (α/r = ``scale``): served as vLLM LoRA requests."""
         if self.adapters is None:
             raise ConfigError("this vLLM engine was started without LoRA; train.lora_rank reaches it when "

@@ -111,8 +111,9 @@ class Rollout:
         self.sampler = cfg.family().sampler(cfg, settings.model_path, settings.stop_text, device=device,
                                             threads=settings.threads_per_worker, seed=cfg.run.seed)
         self.engine = self.sampler.engine
-        if cfg.train.lora_rank:  # the learner publishes adapters; the engine merges them
-            self.engine.use_adapter(cfg.train.lora_alpha / cfg.train.lora_rank)
+        if cfg.train.lora_rank:  # the learner publishes adapters; the engine merges them, or adds their terms
+            terms = cfg.train if cfg.rollout.lora_apply == "terms" else None
+            self.engine.use_adapter(cfg.train.lora_alpha / cfg.train.lora_rank, terms)
 
     def use_weights(self, weights, version: int | None = None) -> None:
         """Make ``weights`` (name → tensor: shared-memory views or an object-store snapshot) the

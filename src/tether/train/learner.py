@@ -82,6 +82,11 @@ class TorchLearner:
         self.model_path = model_path
         if s.lora_rank:  # adapters only train and publish; the reference is the base (lora.disabled)
             self.model = lora.attach(self.model, s)
+            if s.lora_dropout and self.group.rank == 0:
+                log.warning("train.lora_dropout=%g: the adapters' inputs are dropped in the learner's "
+                            "forwards, so the ratio's numerator is a random sub-network of the policy the "
+                            "engine sampled (ratio/* and mismatch/* carry that noise); the model's own "
+                            "forward runs, not the shared-prompt one", s.lora_dropout)
         self.model.to(self.device).train()
         self.names = list(self._published())  # the published names, tied ones once
         self.ref_model = None
@@ -222,7 +227,8 @@ class TorchLearner:
     def _forward_for(self, model):
         """The family's faster forward (a language model's shared-prompt forward) when asked for
         and possible, else None (the model's own forward)."""
-        return self.policy.fast_forward(model, self.s.shared_prefix)
+        # the shared-prompt forward reads each adapted layer's merged weight: it cannot drop inputs
+        return self.policy.fast_forward(model, self.s.shared_prefix and not self.s.lora_dropout)
 
     def _no_grad_logp(self, model, tb: Any, mine: torch.Tensor, *,
                       basis: bool = False) -> torch.Tensor:

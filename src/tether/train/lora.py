@@ -36,7 +36,8 @@ def attach(model: torch.nn.Module, train: Any) -> torch.nn.Module:
     except ImportError as exc:
         raise ConfigError("train.lora_rank needs PEFT: pip install -e '.[lora]'") from exc
     targets = train.lora_targets
-    config = LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha, lora_dropout=0.0,
+    config = LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha,
+                        lora_dropout=getattr(train, "lora_dropout", 0.0),
                         target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets))
     try:
         model = inject_adapter_in_model(config, model)
@@ -74,6 +75,7 @@ def record(train: Any, base: str | Path) -> dict[str, Any]:
     from tether.modeling import fingerprint
 
     return {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": list(train.lora_targets),
+            "dropout": train.lora_dropout,
             "base": str(Path(base).resolve()), "base_fingerprint": fingerprint(base)}
 
 
