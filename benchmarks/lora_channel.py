@@ -9,7 +9,7 @@ weight_channel.py`` measures the channel itself against a memory copy):
   nothing);
 - adapters (``train.lora_rank``, every linear layer adapted): the ``publish`` of the A and B
   matrices only, the worker's ``load`` of them, and the engine's merge of every adapted layer,
-  W = W₀ + (α/r)·B·A (``tether.rollout.adapters``): a rank-r product and a copy per layer.
+  W = W₀ + (α/r)·B·A (``tether.adapters``): a rank-r product and a copy per layer.
 
 Then a prediction for Llama-2-7B's shapes (32 layers, hidden 4096, MLP 11008, vocabulary 32000)
 with a rank-16 adapter on every linear layer: bytes published per version both ways, and times
@@ -54,9 +54,9 @@ def _version_cost(params: dict[str, torch.Tensor], repeats: int, after_load=None
 
 
 def measure(size: str, rank: int, repeats: int) -> dict:
+    from tether.adapters import MergedAdapter
     from tether.data.tiny_model import build_model
     from tether.modeling import unique_parameters
-    from tether.rollout.adapters import MergedAdapter
     from tether.train import lora
 
     torch.set_num_threads(1)

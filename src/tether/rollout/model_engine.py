@@ -46,10 +46,10 @@ class ModelEngine:
         self._version = version
 
     def use_adapter(self, scale: float, terms=None) -> None:
-        """Published weights are LoRA adapters from now on (``tether.rollout.adapters``): merged
+        """Published weights are LoRA adapters from now on (``tether.adapters``): merged
         into this engine's base weights at ``scale`` = α/r, or with ``terms`` (the ``train``
         section) applied as low-rank terms in the model's own forward."""
-        from tether.rollout.adapters import AdapterTerms, MergedAdapter
+        from tether.adapters import AdapterTerms, MergedAdapter
 
         self.adapter = MergedAdapter(self.model, scale) if terms is None else AdapterTerms(self.model, terms)
 

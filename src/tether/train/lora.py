@@ -1,74 +1,26 @@
-"""LoRA adapters on the learner's model (``train.lora_rank`` > 0), through PEFT.
+"""LoRA adapters on the learner's model (``train.lora_rank`` > 0), through PEFT: the adapters
+(``tether.adapters``: ``attach``, ``adapters``, ``disabled``) are what trains and is published,
+and the KL reference is the same model with them switched off, not a second copy.
 
-PEFT's ``inject_adapter_in_model`` replaces each targeted linear layer by a LoRA layer holding
-the frozen base weight (``….base_layer.weight``) and two small matrices A (r × in) and B
-(out × r), B starting at zero, so the adapted layer computes W₀x + (α/r)·B·A·x and the model
-starts as the base. Only A and B train, and only they are published: an engine adds
-(α/r)·B·A to its own copy of the base weights (``tether.rollout.adapters``).
-
-The KL reference is the same model with its adapters switched off (``disabled``), not a second
-copy. A checkpoint's model folder holds the adapters (``adapter.safetensors``, the learner's
-names) and ``adapter.json``: the settings and the base model's path and fingerprint, so a resume
-against another base is refused, naming both.
+A checkpoint's model folder holds the adapters (``adapter.safetensors``, the learner's names)
+and ``adapter.json``: the settings and the base model's path and fingerprint, so a resume
+against another base is refused, naming both. ``load_merged`` and ``write_peft`` are what
+``tether eval`` and ``tether export`` make of such a folder.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tether.adapters import adapters, attach, disabled  # noqa: F401 (the learner's names for them)
 from tether.errors import ConfigError
 
 ADAPTER_FILE = "adapter.safetensors"
 RECORD_FILE = "adapter.json"
-
-
-def attach(model: torch.nn.Module, train: Any) -> torch.nn.Module:
-    """``model`` with LoRA adapters on the layers ``train.lora_targets`` names (in place), only
-    the adapters trainable."""
-    try:
-        from peft import LoraConfig, inject_adapter_in_model
-    except ImportError as exc:
-        raise ConfigError("train.lora_rank needs PEFT: pip install -e '.[lora]'") from exc
-    targets = train.lora_targets
-    config = LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha,
-                        lora_dropout=getattr(train, "lora_dropout", 0.0),
-                        target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets))
-    try:
-        model = inject_adapter_in_model(config, model)
-    except ValueError as exc:
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                        if isinstance(m, torch.nn.Linear)})
-        raise ConfigError(f"train.lora_targets={list(targets)}: {exc}; the model's linear layers are named "
-                          f"{names}") from exc
-    for name, p in model.named_parameters():
-        p.requires_grad_(".lora_" in name)
-    return model
-
-
-def adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """name → tensor of every adapter matrix: what is trained, published and checkpointed."""
-    return {name: p.detach() for name, p in model.named_parameters() if ".lora_" in name}
-
-
-@contextlib.contextmanager
-def disabled(model: torch.nn.Module) -> Iterator[None]:
-    """The base model: every adapter switched off inside the block."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    for layer in layers:
-        layer.enable_adapters(False)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.enable_adapters(True)
 
 
 def record(train: Any, base: str | Path) -> dict[str, Any]:
@@ -140,7 +92,7 @@ def load_merged(folder: str | Path, policy: Any):
     weights, W₀ + (α/r)·B·A (what the engines sampled from), a plain model of the family."""
     from safetensors.torch import load_file
 
-    from tether.rollout.adapters import MergedAdapter
+    from tether.adapters import MergedAdapter
 
     folder = Path(folder)
     saved = _checked_record(folder)

@@ -1,0 +1,121 @@
+"""LoRA adapters on a model, for the learner and the engines alike (``train.lora_rank``).
+
+- ``attach``: PEFT's ``inject_adapter_in_model`` replaces each targeted linear layer by a LoRA
+  layer holding the frozen base weight (``….base_layer.weight``) and two small matrices A
+  (r × in) and B (out × r), B starting at zero, so the adapted layer computes W₀x + (α/r)·B·A·x
+  and the model starts as the base. Only A and B train; ``adapters`` are what is published.
+  ``disabled`` switches them off (the learner's KL reference: the base, with no second copy).
+- ``MergedAdapter`` (``rollout.lora_apply: merge``): an engine holding the base model adds each
+  published version to its own copy of the base weights, W = W₀ + (α/r)·B·A.
+- ``AdapterTerms`` (``terms``): an engine's model gets the same LoRA layers and each version is
+  copied into them: low-rank terms in every forward, nothing merged.
+
+The learner's side (checkpoints, the base's identity, export) is ``tether.train.lora``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from tether.errors import ConfigError
+
+A_SUFFIX, B_SUFFIX = ".lora_A.default.weight", ".lora_B.default.weight"
+
+
+def attach(model: torch.nn.Module, train: Any) -> torch.nn.Module:
+    """``model`` with LoRA adapters on the layers ``train.lora_targets`` names (in place), only
+    the adapters trainable."""
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError as exc:
+        raise ConfigError("train.lora_rank needs PEFT: pip install -e '.[lora]'") from exc
+    targets = train.lora_targets
+    config = LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha,
+                        lora_dropout=getattr(train, "lora_dropout", 0.0),
+                        target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets))
+    try:
+        model = inject_adapter_in_model(config, model)
+    except ValueError as exc:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                        if isinstance(m, torch.nn.Linear)})
+        raise ConfigError(f"train.lora_targets={list(targets)}: {exc}; the model's linear layers are named "
+                          f"{names}") from exc
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_" in name)
+    return model
+
+
+def adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name → tensor of every adapter matrix: what is trained, published and checkpointed."""
+    return {name: p.detach() for name, p in model.named_parameters() if ".lora_" in name}
+
+
+@contextlib.contextmanager
+def disabled(model: torch.nn.Module) -> Iterator[None]:
+    """The base model: every adapter switched off inside the block."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+
+class MergedAdapter:
+    """Merges published adapters into ``model``'s weights at ``scale`` = α/r."""
+
+    def __init__(self, model: torch.nn.Module, scale: float) -> None:
+        self.model = model
+        self.scale = scale
+        self.base: dict[str, torch.Tensor] = {}
+        """The base weight W₀ of each adapted layer (by the engine's parameter name)."""
+
+    def apply(self, weights: Mapping[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        layers = [name[: -len(A_SUFFIX)] for name in weights if name.endswith(A_SUFFIX)]
+        if not layers:
+            example = next(iter(weights), None)
+            raise ConfigError(f"the published weights hold no LoRA adapters (e.g. {example}); the learner "
+                              "trains every weight while this engine expects adapters")
+        with torch.no_grad():
+            for layer in layers:
+                target = params.get(f"{layer}.weight")
+                if target is None:
+                    raise ConfigError(f"an adapter for {layer!r}, a layer this engine's model does not have")
+                base = self.base.setdefault(layer, target.detach().clone())
+                a = weights[layer + A_SUFFIX].to(target.device, torch.float32)
+                b = weights[layer + B_SUFFIX].to(target.device, torch.float32)
+                if target.dtype == torch.float32:  # one fused pass, written in place: W₀ + s·B·A
+                    torch.addmm(base, b, a, alpha=self.scale, out=target.data)
+                else:
+                    target.copy_(torch.addmm(base.float(), b, a, alpha=self.scale).to(target.dtype))
+
+
+class AdapterTerms:
+    """Published adapters as PEFT's low-rank terms: the engine's model gets the learner's LoRA
+    layers (``tether.train.lora.attach``, frozen here), each version is copied into their A and B,
+    and every forward computes x·W₀ᵀ + (α/r)·(x·Aᵀ)·Bᵀ. Nothing is merged; a version costs a copy
+    of the adapters."""
+
+    def __init__(self, model: torch.nn.Module, train) -> None:
+        self.model = attach(model, train).requires_grad_(False).eval()  # an engine never drops
+        self.params = dict(self.model.named_parameters())
+
+    def apply(self, weights: Mapping[str, torch.Tensor]) -> None:
+        names = [name for name in weights if ".lora_" in name]
+        missing = [name for name in self.params if ".lora_" in name and name not in weights]
+        if not names or missing:
+            raise ConfigError(f"the published adapters do not match this engine's LoRA layers: missing "
+                              f"{missing[:3] or 'every adapter'}")
+        with torch.no_grad():
+            for name in names:
+                self.params[name].copy_(weights[name])
