@@ -98,13 +98,18 @@ def predict_7b(r: dict, rank: int = 16) -> dict:
             "adapter_merge_s": merge_ops * per_multiply_add}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(argv: list[str] | None, description: str) -> argparse.Namespace:
+    """The LoRA benchmarks' command line: the model size, the adapters' rank, repeats, --json."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--size", default="small", choices=["tiny", "small", "base"])
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = arguments(argv, __doc__.splitlines()[0])
     r = measure(a.size, a.rank, a.repeats)
     r["llama_7b_rank_16"] = predict_7b(r)
     if a.json:

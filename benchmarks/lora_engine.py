@@ -65,12 +65,9 @@ def measure(size: str, rank: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="small", choices=["tiny", "small", "base"])
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
+    from lora_channel import arguments
+
+    a = arguments(argv, __doc__.splitlines()[0])
     r = measure(a.size, a.rank, a.repeats)
     if a.json:
         print(json.dumps(r))
