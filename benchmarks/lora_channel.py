@@ -62,7 +62,8 @@ def measure(size: str, rank: int, repeats: int) -> dict:
     torch.set_num_threads(1)
     model = build_model(87, size=size)
     whole = _version_cost(unique_parameters(model), repeats)
-    settings = argparse.Namespace(lora_rank=rank, lora_alpha=2.0 * rank, lora_targets=["all-linear"])
+    settings = argparse.Namespace(lora_rank=rank, lora_alpha=2.0 * rank, lora_dropout=0.0,
+                                  lora_targets=["all-linear"])
     adapted = lora.attach(build_model(87, size=size), settings)
     with torch.no_grad():  # B off zero, as after training
         for name, p in adapted.named_parameters():

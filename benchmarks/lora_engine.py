@@ -41,7 +41,8 @@ def measure(size: str, rank: int, repeats: int) -> dict:
     from tether.vocabulary import SamplingParams
 
     torch.set_num_threads(1)
-    train = argparse.Namespace(lora_rank=rank, lora_alpha=2.0 * rank, lora_targets=["all-linear"])
+    train = argparse.Namespace(lora_rank=rank, lora_alpha=2.0 * rank, lora_dropout=0.0,
+                                  lora_targets=["all-linear"])
     adapted = lora.attach(build_model(87, size=size), train)
     with torch.no_grad():
         for name, p in adapted.named_parameters():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ def attach(model: torch.nn.Module, train: Any) -> torch.nn.Module:
         raise ConfigError("train.lora_rank needs PEFT: pip install -e '.[lora]'") from exc
     targets = train.lora_targets
     config = LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha,
-                        lora_dropout=getattr(train, "lora_dropout", 0.0),
+                        lora_dropout=train.lora_dropout,
                         target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets))
     try:
         model = inject_adapter_in_model(config, model)
@@ -69,6 +70,29 @@ def disabled(model: torch.nn.Module) -> Iterator[None]:
             layer.enable_adapters(True)
 
 
+def write_peft_dir(tensors: Mapping[str, torch.Tensor], out: str | Path, *, rank: int, alpha: float,
+                   base: str | None = None) -> Path:
+    """``tensors`` (``adapters``' names) as a PEFT adapter directory: ``adapter_model.safetensors``
+    under PEFT's names and ``adapter_config.json`` naming the adapted modules, which
+    ``PeftModel.from_pretrained(base, out)`` and vLLM's LoRA requests load."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    peft_names = {f"base_model.model.{name.removesuffix('.default.weight')}.weight": t.contiguous()
+                  for name, t in tensors.items() if ".lora_" in name}
+    if not peft_names:
+        raise ConfigError("the published weights hold no LoRA adapters: the learner trains every weight")
+    modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in peft_names})
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(peft_names, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "target_modules": modules, "lora_dropout": 0.0, "bias": "none",
+              "base_model_name_or_path": base}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
 
 class MergedAdapter:
     """Merges published adapters into ``model``'s weights at ``scale`` = α/r."""
@@ -91,7 +115,9 @@ class MergedAdapter:
                 target = params.get(f"{layer}.weight")
                 if target is None:
                     raise ConfigError(f"an adapter for {layer!r}, a layer this engine's model does not have")
-                base = self.base.setdefault(layer, target.detach().clone())
+                if layer not in self.base:  # the first version: keep W₀ (later ones start from it)
+                    self.base[layer] = target.detach().clone()
+                base = self.base[layer]
                 a = weights[layer + A_SUFFIX].to(target.device, torch.float32)
                 b = weights[layer + B_SUFFIX].to(target.device, torch.float32)
                 if target.dtype == torch.float32:  # one fused pass, written in place: W₀ + s·B·A
@@ -102,7 +128,7 @@ class MergedAdapter:
 
 class AdapterTerms:
     """Published adapters as PEFT's low-rank terms: the engine's model gets the learner's LoRA
-    layers (``tether.train.lora.attach``, frozen here), each version is copied into their A and B,
+    layers (``attach``, frozen here), each version is copied into their A and B,
     and every forward computes x·W₀ᵀ + (α/r)·(x·Aᵀ)·Bᵀ. Nothing is merged; a version costs a copy
     of the adapters."""
 

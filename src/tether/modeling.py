@@ -50,6 +50,18 @@ def fingerprint(folder: str | Path, *, skip: tuple[str, ...] = ()) -> str:
     return digest.hexdigest()[:16]
 
 
+def check_base(holder: Path, base: Path, saved: str, *, what: str, skip: tuple[str, ...] = ()) -> None:
+    """Refuse ``holder`` (a checkpoint's folder holding ``what`` trained on the model at ``base``,
+    saved with fingerprint ``saved``) when that base is gone or has changed since."""
+    if not base.is_dir():
+        raise ConfigError(f"{holder} holds {what} {base}, which is gone; put it back at that path (it is not "
+                          "saved with the checkpoint)")
+    now = fingerprint(base, skip=skip)
+    if now != saved:
+        raise ConfigError(f"{holder} holds {what} {base} with fingerprint {saved}; that folder now has "
+                          f"{now}; restore the one it was trained on")
+
+
 def context_length(config: dict) -> int | None:
     """The positions a model attends over, from its config (None when it does not say)."""
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):

@@ -369,25 +369,13 @@ class _Adapters:
     def publish(self, weights: Mapping[str, Any], version: int) -> None:
         import shutil
 
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
-        suffix = ".default.weight"
-        tensors = {f"base_model.model.{name.removesuffix(suffix)}.weight": t.contiguous()
-                   for name, t in weights.items() if ".lora_" in name}
-        if not tensors:
-            raise ConfigError("the published weights hold no LoRA adapters: the learner trains every weight "
-                              "while this engine was started for adapters")
-        modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})
+        from tether.adapters import write_peft_dir
+
         path = os.path.join(self.folder, f"v{version}")
         staging = path + ".writing"
-        os.makedirs(staging, exist_ok=True)
-        save_file(tensors, os.path.join(staging, "adapter_model.safetensors"))
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank,
-                  "lora_alpha": self.scale * self.rank, "target_modules": modules, "lora_dropout": 0.0,
-                  "bias": "none"}
-        with open(os.path.join(staging, "adapter_config.json"), "w") as f:
-            json.dump(config, f)
+        write_peft_dir(weights, staging, rank=self.rank, alpha=self.scale * self.rank)
         os.replace(staging, path)
         self.request = LoRARequest(f"tether-v{version}", version + 1, path)
         self._kept.append(path)

@@ -73,17 +73,10 @@ def base_of(folder: str | Path) -> Path:
 
 
 def _checked_record(folder: Path) -> dict[str, Any]:
-    from tether.modeling import fingerprint
+    from tether.modeling import check_base
 
     saved = json.loads((folder / RECORD_FILE).read_text())
-    base = Path(saved["base"])
-    if not base.is_dir():
-        raise ConfigError(f"{folder} holds adapters of the base model {base}, which is gone; put the base "
-                          "back at that path (adapters are saved without it)")
-    if fingerprint(base) != saved["base_fingerprint"]:
-        raise ConfigError(f"{folder} holds adapters trained on the base model {base} (fingerprint "
-                          f"{saved['base_fingerprint']}); that folder now has {fingerprint(base)}; restore "
-                          "the base they were trained on")
+    check_base(folder, Path(saved["base"]), saved["base_fingerprint"], what="adapters of the base model")
     return saved
 
 
@@ -102,21 +95,12 @@ def load_merged(folder: str | Path, policy: Any):
 
 
 def write_peft(folder: str | Path, out: str | Path) -> Path:
-    """The adapters of ``folder`` as a PEFT adapter directory (``adapter_config.json``,
-    ``adapter_model.safetensors``) that ``PeftModel.from_pretrained(base, out)`` and vLLM's LoRA
-    requests load."""
-    from peft import LoraConfig
-    from safetensors.torch import load_file, save_file
+    """The adapters of ``folder`` as a PEFT adapter directory (``tether.adapters.write_peft_dir``)."""
+    from safetensors.torch import load_file
 
-    folder, out = Path(folder), Path(out)
+    from tether.adapters import write_peft_dir
+
+    folder = Path(folder)
     saved = _checked_record(folder)
-    targets = saved["targets"]
-    config = LoraConfig(r=saved["rank"], lora_alpha=saved["alpha"], lora_dropout=0.0,
-                        target_modules="all-linear" if targets == ["all-linear"] else targets,
-                        base_model_name_or_path=saved["base"])
-    out.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(str(out))
-    tensors = {f"base_model.model.{name.replace('.default.weight', '.weight')}": t
-               for name, t in load_file(str(folder / ADAPTER_FILE)).items()}
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    return out
+    tensors = load_file(str(folder / ADAPTER_FILE))
+    return write_peft_dir(tensors, out, rank=saved["rank"], alpha=saved["alpha"], base=saved["base"])

@@ -69,16 +69,12 @@ def resolve(folder: str | Path) -> tuple[Path, Path]:
     folder = Path(folder)
     if (folder / "model_index.json").is_file():
         return folder, folder / "transformer"
+    from tether.modeling import check_base
+
     record = json.loads((folder / "config.json").read_text())
     base = Path(record["base"])
-    if not (base / "model_index.json").is_file():
-        raise ConfigError(f"{folder} holds a transformer trained from the diffusers pipeline {base}, which "
-                          "is gone; put the pipeline back at that path (its VAE and text encoders are not "
-                          "saved with the checkpoint)")
-    if fingerprint(base) != record["fingerprint"]:
-        raise ConfigError(f"{folder} was trained from the diffusers pipeline {base} with fingerprint "
-                          f"{record['fingerprint']}; that folder now has {fingerprint(base)} (other VAE, "
-                          "text encoders or scheduler); restore the pipeline it was trained from")
+    check_base(folder, base, record["fingerprint"], what="a transformer trained from the diffusers pipeline",
+               skip=("transformer",))
     return base, folder / "transformer"
 
 
