@@ -411,10 +411,8 @@ class TorchLearner:
                  "committed": self.committed, "skipped": self.skipped}
         weights = None
         if self.group.world == 1:
-            if self.s.lora_rank:
-                lora.save(lora.adapters(self.model), path / "model", self.s, self.model_path)
-                if self.tokenizer is not None:
-                    self.tokenizer.save_pretrained(path / "model")
+            if self.s.lora_rank:  # written below as the ranks' gathered adapters are
+                weights = lora.adapters(self.model)
             else:
                 self.policy.save(self.model, self.tokenizer, path / "model")
             extra["optimizer"] = self.optimizer.state_dict()
@@ -425,35 +423,33 @@ class TorchLearner:
             weights, extra["optimizer"] = fsdp.gather_state(self.model, self.optimizer, self.names)
         if self.group.rank != 0:
             return
-        if self.group.world > 1:
+        if self.group.world > 1 or self.s.lora_rank:
             self._write_model_folder(path / "model", weights)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(path / "model")
         torch.save(extra, path / "learner.pt")
 
     def _write_model_folder(self, folder: Path, weights: dict[str, torch.Tensor] | None) -> None:
+        """The model folder of ``weights`` (gathered whole; None: sharded, a marker says where)."""
         from tether.modeling import SHARDED_MARKER
 
         folder.mkdir(parents=True, exist_ok=True)
-        if self.s.lora_rank:  # the adapters, gathered whole (sharded checkpoints are refused)
-            lora.save(weights, folder, self.s, self.model_path)
-            return
         writer = getattr(self.policy, "write_folder", None)  # a model folder laid out otherwise
-        if writer is not None:
+        if self.s.lora_rank:  # the adapters (sharded checkpoints are refused with LoRA)
+            lora.save(weights, folder, self.s, self.model_path)
+        elif writer is not None:
             writer(self.model, folder, weights)
         else:
             self.model.config.save_pretrained(folder)
+            if weights is not None:
+                from safetensors.torch import save_file
+
+                save_file({name: t.contiguous() for name, t in weights.items()},
+                          str(folder / "model.safetensors"), metadata={"format": "pt"})
         if weights is None:
             (folder / SHARDED_MARKER).write_text(
                 "This model's weights are shards in ../sharded (torch.distributed.checkpoint), written "
                 f"by {self.group.world} learner ranks. Tether reads them as a model directory.\n")
-            return
-        if writer is not None:
-            return
-        from safetensors.torch import save_file
-
-        save_file({name: t.contiguous() for name, t in weights.items()}, str(folder / "model.safetensors"),
-                  metadata={"format": "pt"})
 
     def load(self, path: str | Path) -> None:
         """Continue from a checkpoint written at any world size, whole or sharded."""
