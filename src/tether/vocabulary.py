@@ -345,7 +345,8 @@ class Policy(Protocol):
     def batch(self, payload: Any) -> Any:
         """The payload as training tensors: an object with ``size``, ``group_size``, ``rewards``
         (N,), ``mask``, ``behavior_logp``, ``behavior_versions`` (N, T), ``truncated`` (N,),
-        ``rows(index)`` and ``to(device)``."""
+        ``rows(index)`` and ``to(device)``; optionally ``episode`` (N,), the unit each row belongs
+        to when one unit of a group spans several rows (they share its reward and advantage)."""
         ...
 
     def forward(self, model: Any, batch: Any, *, with_entropy: bool = False,

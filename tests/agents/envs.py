@@ -90,3 +90,27 @@ class Rendezvous:
     def step(self, action):
         BARRIER.wait(timeout=30)
         return Step("", reward=1.0, done=True)
+
+
+class Summarises:
+    """Three steps; the second replaces the history with a summary of it (``new_context``), so
+    each episode is two samples. The return depends on what the model wrote, so groups differ."""
+
+    def reset(self, task, seed):
+        self.n, self.written = 0, 0
+        return f"go {task.get('answer', '')}\n"
+
+    def step(self, action):
+        self.n += 1
+        self.written += len(action)
+        if self.n == 2:
+            return Step(f"summary: {self.written} chars so far\n", new_context=True)
+        return Step(f"o{self.n}\n", reward=float(self.written % 3), done=self.n == 3)
+
+
+class SummarisesByTuple(Summarises):
+    """The same, saying it through a gymnasium-style tuple's info."""
+
+    def step(self, action):
+        step = super().step(action)
+        return step.observation, step.reward, step.done, False, {"new_context": step.new_context}

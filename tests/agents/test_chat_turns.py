@@ -4,7 +4,7 @@ are never re-encoded, and a template that rewrites earlier turns is refused."""
 from pathlib import Path
 
 import pytest
-from envs import Echo
+from envs import Echo, Summarises
 
 pytest.importorskip("torch")
 
@@ -43,13 +43,13 @@ def chat_model(tiny_model_dir, tmp_path_factory):
     return path
 
 
-def play(path, template=None, episodes=4):
+def play(path, template=None, episodes=4, env=Echo):
     model, tokenizer = load_causal_lm(path)
     if template is not None:
         tokenizer.chat_template = template
     engine = TorchEngine(model, pad_id=tokenizer.pad_token_id, stop_ids=stop_ids_for(tokenizer, ""))
     threads = EnvThreads(2)
-    player = Player(engine, tokenizer, factory(Echo, {}), Limits(4, 6, 256, 10, 60), threads, chat=True)
+    player = Player(engine, tokenizer, factory(env, {}), Limits(4, 6, 256, 10, 60), threads, chat=True)
     try:
         return tokenizer, player.play([({}, 0)] * episodes, SamplingParams(max_new_tokens=6), seed=1)
     finally:
@@ -83,6 +83,20 @@ def test_each_observation_appends_only_its_own_turn_and_the_model_ids_stay_as_sa
                 assert after.startswith(
                     "\n<|im_start|>user\no" if ended else "<|im_end|>\n<|im_start|>user\no"
                 )
+
+
+def test_a_rewritten_history_opens_a_new_conversation_rendered_by_the_template(chat_model):
+    tokenizer, episodes = play(chat_model, env=Summarises)
+    for ep in episodes:
+        assert ep.status == "done" and ep.rewrites == 1
+        first, second = ep.samples()
+        assert tokenizer.decode(first.ids, skip_special_tokens=False).startswith("<|im_start|>user\ngo \n")
+        text = tokenizer.decode(second.ids, skip_special_tokens=False)
+        assert text == ep.chat.text  # the new conversation is the second sample, token for token
+        assert text.startswith("<|im_start|>user\nsummary: ")
+        opening = tokenizer.apply_chat_template(ep.chat.messages[:1], tokenize=False,
+                                                add_generation_prompt=True)
+        assert tokenizer.decode(second.ids[: second.model.index(1)], skip_special_tokens=False) == opening
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused_with_what_differed(chat_model):

@@ -5,6 +5,7 @@ of environment failure an outcome of its episode."""
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -298,3 +299,103 @@ def test_switch_at_turn_needs_keep(tiny_model_dir):
 
     with pytest.raises(ConfigError, match=r"env\.switch_at=turn .* needs async\.inflight_update=keep"):
         config(tiny_model_dir, "Echo", "async.inflight_update=abort", "env.switch_at=turn")
+
+
+@pytest.mark.parametrize("env", ["Summarises", "SummarisesByTuple"])
+def test_an_environment_that_rewrites_the_history_starts_a_new_sample_of_one_episode(tiny_model_dir, env):
+    """The second step replaces the history: each episode is two samples, the second starting
+    from the new context encoded once; every sample is what the engine saw and sampled, the
+    learner scores it as the engine did, and both carry the episode's return and advantage."""
+    from tether.families.agent.policy import AgentPolicy
+    from tether.train.advantages import group_advantages
+
+    sampler = sampler_for(config(tiny_model_dir, env))
+    prompts_seen = []
+    generate = sampler.engine.generate
+
+    def recording(prompts, **kw):
+        prompts_seen.extend(tuple(p) for p in prompts)
+        return generate(prompts, **kw)
+
+    sampler.engine.generate = recording
+    try:
+        batch = sampler.generate(item(2))
+    finally:
+        sampler.close()
+    batch.check()
+    assert batch.episode_of == [e for e in range(8) for _ in range(2)]
+    assert batch.metrics["agent/rewrites"] == 8.0 and batch.turns == [3] * 8
+    encode = sampler.player.encode
+    for row, (ids, flags) in enumerate(zip(batch.ids, batch.model, strict=True)):
+        transcript = batch.transcripts[batch.episode_of[row]]
+        opening = transcript[0] if row % 2 == 0 else transcript[4]  # the reset, or the summary
+        assert opening.startswith("go" if row % 2 == 0 else "summary:")
+        head = encode(opening)
+        assert ids[: len(head)] == head and flags[: len(head)] == [0] * len(head)
+        # every model turn of the sample was sampled from exactly the ids before it
+        starts = [j for j in range(1, len(flags)) if flags[j] and not flags[j - 1]]
+        assert len(starts) == (2 if row % 2 == 0 else 1)
+        assert all(tuple(ids[:j]) in prompts_seen for j in starts)
+    policy = AgentPolicy(1.0)
+    train, logp = scored(policy, policy.load(tiny_model_dir)[0], batch)
+    on = train.mask.bool()
+    assert (logp[on] - train.behavior_logp[on]).abs().mean() <= 1e-5
+    assert train.rewards.tolist() == [r for r in batch.rewards for _ in range(2)]
+    assert train.episode.tolist() == batch.episode_of
+    # advantages are the episodes' (GRPO over the 4 episodes of a task), shared by their samples
+    from tether.train.learner import TorchLearner, _Stats
+
+    learner = TorchLearner(tiny_model_dir, config(tiny_model_dir, env, "train.updates_per_batch=3"))
+    adv, _ = learner._advantages(train, _Stats())
+    assert torch.allclose(adv.values, group_advantages(torch.tensor(batch.rewards), 4).values[train.episode])
+    assert len(set(batch.rewards)) > 1
+    # three mini-batches of 16 rows cut episodes in two; every update still commits
+    result = learner.train(rollout_batch(batch), train_version=0)
+    assert result.committed_updates == 3
+
+
+def rollout_batch(batch, index=0):
+    from tether.vocabulary import RolloutBatch
+
+    return RolloutBatch(index=index, behavior_version=0, num_groups=batch.num_groups,
+                        group_size=batch.group_size, payload=batch)
+
+
+@pytest.mark.timeout(300)
+def test_two_learner_ranks_train_rewritten_episodes_as_one_process_does(tiny_model_dir):
+    """Ranks split a mini-batch by whole groups of episodes, however many samples each has."""
+    from learners import solo_and_ranks, worst_relative
+
+    sampler = sampler_for(config(tiny_model_dir, "Summarises"))
+    try:
+        batches = [rollout_batch(sampler.generate(replace(item(4), seed=s, batch_index=s)), s)
+                   for s in (1, 2)]
+    finally:
+        sampler.close()
+    base = ("train.lr=5e-5", "train.updates_per_batch=2")
+    solo_cfg = config(tiny_model_dir, "Summarises", *base)
+    ranks_cfg = config(tiny_model_dir, "Summarises", *base, "train.world_size=2")
+    (solo, _), (ranked, _) = solo_and_ranks(tiny_model_dir, solo_cfg, ranks_cfg, batches)
+    assert worst_relative(ranked, solo) <= 1e-5
+
+
+def test_a_rewrite_to_an_empty_context_ends_the_episode_with_an_error(tiny_model_dir, tmp_path):
+    env = tmp_path / "empty.py"
+    env.write_text(
+        "from tether.families.agent.env import Step\n"
+        "class Empty:\n"
+        "    def reset(self, task, seed):\n"
+        "        return 'go\\n'\n"
+        "    def step(self, action):\n"
+        "        return Step('', new_context=True)\n"
+    )
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "model.family=agent", "data.task=kv_lookup",
+                             f"env.env_class={env}:Empty", "env.max_failed_frac=1", "rollout.group_size=4",
+                             "env.max_turn_tokens=5", "rollout.max_new_tokens=5"])
+    sampler = sampler_for(cfg)
+    try:
+        batch = sampler.generate(item(1))
+    finally:
+        sampler.close()
+    assert batch.statuses == ["error"] * 4 and batch.episode_of == [0, 1, 2, 3]
+    assert "empty context" in sampler.player.last_errors[0]

@@ -47,6 +47,19 @@ class Advantages:
     """The share of advantages clamped by ``clip``."""
 
 
+def units_of(batch) -> torch.Tensor:
+    """(N,) what each row of a training batch is a sample of: itself, or with the batch's
+    ``episode`` (an agent episode spanning several rows) that episode. Advantages are computed per
+    unit and shared by its rows."""
+    episode = getattr(batch, "episode", None)
+    return torch.arange(batch.size, device=batch.rewards.device) if episode is None else episode
+
+
+def per_unit(values: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+    """(U,) the sum of ``values`` (N,) over the rows of each unit."""
+    return values.new_zeros(int(units[-1]) + 1).index_add(0, units, values)
+
+
 def overlong_penalty(lengths: torch.Tensor, *, max_len: int, buffer: int, factor: float) -> torch.Tensor:
     """R_len for completion ``lengths`` (N,): 0 before the last ``buffer`` tokens, falling to −factor."""
     if not 0 < buffer <= max_len:

@@ -18,8 +18,9 @@ class Solo:
     world = 1
     rank = 0
 
-    def share(self, rows: torch.Tensor, group_size: int) -> torch.Tensor:
-        """This rank's rows of a mini-batch (``rows``: global row indices)."""
+    def share(self, rows: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a mini-batch (``rows``: global row indices; ``groups``: the group of
+        every row of the batch, (N,))."""
         return rows
 
     def collect(self, values: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,11 +51,11 @@ class Ranks(Solo):
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
 
-    def share(self, rows: torch.Tensor, group_size: int) -> torch.Tensor:
-        groups = torch.div(rows, group_size, rounding_mode="floor")
-        distinct = torch.unique_consecutive(groups)
+    def share(self, rows: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        of_rows = groups[rows]
+        distinct = torch.unique_consecutive(of_rows)
         mine = distinct.tensor_split(self.world)[self.rank]  # contiguous runs of whole groups
-        return rows[torch.isin(groups, mine)]
+        return rows[torch.isin(of_rows, mine)]
 
     def collect(self, values: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         parts: list = [None] * self.world

@@ -31,7 +31,7 @@ from tether.errors import ConfigError
 from tether.modeling import disable_dropout, dropout_settings, learner_device, model_config, unique_parameters
 from tether.procinfo import peak_rss_mb
 from tether.train import fsdp, lora
-from tether.train.advantages import Advantages, group_advantages, overlong_penalty
+from tether.train.advantages import Advantages, group_advantages, overlong_penalty, per_unit, units_of
 from tether.train.collective import Solo
 from tether.train.corrections import correct
 from tether.train.losses import LossInputs, LossSettings, aggregate
@@ -151,8 +151,9 @@ class TorchLearner:
         stats = _Stats()
         adv, mask = self._advantages(tb, stats)
         minibatches = torch.arange(tb.size, device=self.device).tensor_split(u)  # U contiguous mini-batches
-        shares = [self.group.share(rows, tb.group_size) for rows in minibatches]  # this rank's rows of each
-        self._check_shares(minibatches, tb.group_size)
+        groups = torch.div(units_of(tb), tb.group_size, rounding_mode="floor")  # (N,)
+        shares = [self.group.share(rows, groups) for rows in minibatches]  # this rank's rows of each
+        self._check_shares(minibatches, groups)
         inline_old = u == 1 and self._micro_count(self.group.most(len(shares[0]))) == 1
         same = tb.behavior_versions == train_version  # sampled with the weights π_old comes from
         mine = torch.cat(shares)
@@ -183,13 +184,12 @@ class TorchLearner:
         return self.attribution.split(tb.behavior_versions, tb.mask, old, tb.behavior_logp, train_version,
                                       lambda model: self._no_grad_logp(model, tb, mine))
 
-    def _check_shares(self, minibatches, group_size: int) -> None:
+    def _check_shares(self, minibatches, groups: torch.Tensor) -> None:
         """Every rank needs rows of every mini-batch: refuse mini-batches of fewer prompt groups
         than ranks, saying what to change."""
         if self.group.world == 1:
             return
-        fewest = min(len(torch.unique_consecutive(torch.div(rows, group_size, rounding_mode="floor")))
-                     for rows in minibatches)
+        fewest = min(len(torch.unique_consecutive(groups[rows])) for rows in minibatches)
         if fewest < self.group.world:
             raise ConfigError(
                 f"a mini-batch holds {fewest} prompt group(s), fewer than the train.world_size="
@@ -199,15 +199,19 @@ class TorchLearner:
     def _advantages(self, tb: Any, stats: _Stats) -> tuple[Advantages, torch.Tensor]:
         """Advantages of the (shaped) rewards, and the loss mask (N, L − 1) of the samples kept."""
         s, shaping = self.s, self.cfg.reward
-        rewards = tb.rewards  # (N,)
+        units = units_of(tb)  # (N,) a row's sample, or its episode: a unit's rows share its reward
+        counts = per_unit(torch.ones_like(tb.rewards), units)  # (U,)
+        rewards = per_unit(tb.rewards, units) / counts  # (U,)
         if shaping.overlong_buffer:
-            penalty = overlong_penalty(tb.mask.sum(dim=1), max_len=self.norm_constant,
+            penalty = overlong_penalty(per_unit(tb.mask.sum(dim=1), units), max_len=self.norm_constant,
                                        buffer=shaping.overlong_buffer, factor=shaping.overlong_penalty)
             rewards = rewards + penalty
             stats.add("reward/overlong_penalty_mean", penalty.mean())
             stats.add("reward/overlong_frac", (penalty < 0).float().mean())
         adv = group_advantages(rewards, tb.group_size, estimator=s.advantage, std_norm=s.adv_std_norm,
                                scope=s.adv_scope, drop_zero_std=s.drop_zero_std, clip=s.adv_clip)
+        if len(rewards) != tb.size:  # back to rows
+            adv = Advantages(adv.values[units], adv.keep[units], adv.frac_zero_std, adv.clipped_frac)
         if s.adv_clip:
             stats.add("train/adv_clipped_frac", adv.clipped_frac)
         keep = adv.keep & ~tb.truncated if s.mask_truncated else adv.keep  # (N,)

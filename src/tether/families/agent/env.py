@@ -7,7 +7,9 @@ One environment instance plays one episode::
     close()                                                 optional
 
 Either method may be ``async``. ``step`` may also return a gymnasium-style 5-tuple
-``(observation, reward, terminated, truncated, info)``. An action the environment cannot parse is
+``(observation, reward, terminated, truncated, info)``. A step that rewrites the history rather
+than adding to it returns the whole new context with ``new_context=True``: the episode goes on as
+a new sample (docs/agents.md). An action the environment cannot parse is
 answered by raising ``ActionError(message)``: the message becomes the observation the model sees
 and the episode goes on (counted as an action error). Any other exception ends the episode.
 
@@ -48,6 +50,12 @@ class Step:
     truncated: bool = False
     """The environment cut the episode short (its own step limit): no further turn, not a failure."""
     info: Mapping[str, Any] = field(default_factory=dict)
+    new_context: bool = False
+    """``observation`` is the whole context the model sees next, not text added to it: the
+    environment rewrote the history (summarised it, dropped old turns). The episode's sample so far
+    is closed and a new sample of the same episode starts from this text, encoded once. A
+    gymnasium tuple or a skyrl-gym output says so with ``info["new_context"]`` /
+    ``metadata["new_context"]``."""
 
 
 @runtime_checkable
@@ -74,7 +82,8 @@ def as_step(value: Any) -> Step:
         step = value
     elif isinstance(value, tuple) and len(value) == 5:
         obs, reward, terminated, truncated, info = value
-        step = Step(obs, reward, bool(terminated), bool(truncated), info if isinstance(info, Mapping) else {})
+        info = info if isinstance(info, Mapping) else {}
+        step = Step(obs, reward, bool(terminated), bool(truncated), info, bool(info.get("new_context")))
     elif isinstance(value, Mapping) and "observations" in value:  # skyrl-gym's step output
         step = Step(
             _messages_text(value["observations"]),
@@ -82,6 +91,7 @@ def as_step(value: Any) -> Step:
             bool(value.get("done", False)),
             False,
             value.get("metadata") or {},
+            bool((value.get("metadata") or {}).get("new_context")),
         )
     else:
         raise EnvContractError(

@@ -7,7 +7,9 @@ An episode's training sequence is built once, in order, and never re-tokenized:
 Model turns are the engine's sampled ids with its log-probs and per-token versions (``model`` 1);
 each observation is encoded once when it arrives and appended (``model`` 0, log-prob 0, version −1).
 Every turn is generated from the ids so far, so what the model conditioned on is exactly what the
-learner scores.
+learner scores. An environment that rewrites the history (``Step.new_context``) closes the sequence
+so far as one sample and starts another from the new context: an episode is then several samples,
+each exactly what the model saw, all with the episode's return.
 
 Environment calls (construction and ``reset`` included) run on ``EnvThreads``, side by side. Turns
 are generated in one batched engine call per wave (``env.schedule=waves``: once every call of the
@@ -41,9 +43,19 @@ BUDGET_ENDINGS = ("max_turns", "token_budget")
 FAILURES = ("error", "timeout")
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One training sequence of an episode: the engine's and the environment's ids in order."""
+
+    ids: list[int]
+    model: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+
 @dataclass
 class Episode:
-    """One episode as it is played: its sequence and what happened."""
+    """One episode as it is played: its sequence (the current sample's) and what happened."""
 
     index: int
     task: Mapping[str, Any]
@@ -66,6 +78,8 @@ class Episode:
     env: Any = None
     chat: Any = None
     """Its ``ChatTurns`` with data.chat_template, else None."""
+    closed: list[Sample] = field(default_factory=list)
+    """The samples before the last rewrite of the history (``Step.new_context``), in order."""
 
     @property
     def failed(self) -> bool:
@@ -82,7 +96,24 @@ class Episode:
 
     @property
     def model_tokens(self) -> int:
-        return sum(self.model)
+        return sum(sum(s.model) for s in self.samples())
+
+    @property
+    def rewrites(self) -> int:
+        """How many times the environment rewrote the history."""
+        return len(self.closed)
+
+    def samples(self) -> list[Sample]:
+        """The episode's training sequences: one, or one more per rewrite of the history. The
+        current sequence counts once the model has a turn in it (or when it is the only one: an
+        episode whose reset failed is an empty sample, so its group stays whole)."""
+        current = Sample(self.ids, self.model, self.logprobs, self.versions)
+        return [*self.closed, current] if any(self.model) or not self.closed else list(self.closed)
+
+    def rewrite(self) -> None:
+        """Close the sequence so far as a sample; the next one starts empty."""
+        self.closed.append(Sample(self.ids, self.model, self.logprobs, self.versions))
+        self.ids, self.model, self.logprobs, self.versions = [], [], [], []
 
 
 @dataclass(frozen=True)
@@ -284,9 +315,10 @@ class Player:
         ep.step_rewards.append(float(step.reward))
         if step.info.get("action_error"):
             ep.action_errors += 1
-        return self._observe(ep, step.observation, done=step.done, truncated=step.truncated)
+        rewrite = step.new_context or bool(step.info.get("new_context"))
+        return self._observe(ep, step.observation, done=step.done, truncated=step.truncated, rewrite=rewrite)
 
-    def _observe(self, ep: Episode, text: str, *, done: bool, truncated: bool) -> bool:
+    def _observe(self, ep: Episode, text: str, *, done: bool, truncated: bool, rewrite: bool = False) -> bool:
         ep.transcript.append(text)
         if done or truncated:
             self._end(ep, "done" if done else "truncated")
@@ -294,7 +326,19 @@ class Player:
         if ep.turns >= self.limits.max_turns:
             self._end(ep, "max_turns")
             return False
-        ids = self.encode(text if ep.chat is None else ep.chat.next(text))
+        if rewrite:  # the history is replaced: the next turn is sampled from ``text`` alone
+            ep.rewrite()
+            if ep.chat is not None:
+                from tether.families.agent.chat import ChatTurns
+
+                ep.chat = ChatTurns(self.tokenizer)
+            ids = self.encode(text if ep.chat is None else ep.chat.first(text))
+            if not ids:
+                self._end(ep, "error", "the environment rewrote the history to an empty context "
+                          "(Step.new_context with no observation text)")
+                return False
+        else:
+            ids = self.encode(text if ep.chat is None else ep.chat.next(text))
         if len(ep.ids) + len(ids) >= self.limits.max_episode_tokens:
             self._end(ep, "token_budget")  # the observation is in the transcript, not the sequence
             return False

@@ -1,8 +1,10 @@
 """The agent family's payload: a rollout batch of B tasks × G episodes, columnar, pure Python.
 
-Per episode it carries the whole token sequence with a per-token ``model`` flag (1: sampled by
-the engine; 0: an observation), the engine's log-probs and versions on model tokens (0.0 and −1
-elsewhere), the return, how the episode ended and its transcript.
+Per sample it carries the token sequence with a per-token ``model`` flag (1: sampled by the
+engine; 0: an observation), the engine's log-probs and versions on model tokens (0.0 and −1
+elsewhere), and the episode it belongs to; per episode, the return, how it ended and its
+transcript. An episode is one sample, or one more for each time its environment rewrote the
+history (``Step.new_context``).
 """
 
 from __future__ import annotations
@@ -14,14 +16,18 @@ from tether.vocabulary import version_shares
 
 @dataclass
 class EpisodeBatch:
-    """B task groups × G episodes. Episode e of group b is at ``b * G + e``."""
+    """B task groups × G episodes. Episode e of group b is at ``b * G + e``; its samples are the
+    rows ``r`` with ``episode_of[r] == b * G + e``, in order."""
 
     positions: list[int]
     """Each task's position in the task stream (B)."""
     ids: list[list[int]]
+    """Per sample (row), as are ``model``, ``logprobs``, ``versions`` and ``episode_of``."""
     model: list[list[int]]
     logprobs: list[list[float]]
     versions: list[list[int]]
+    episode_of: list[int]
+    """The episode each sample belongs to (non-decreasing; every episode has at least one)."""
     rewards: list[float]
     """Each episode's return (``env.failure_reward`` for a failed one)."""
     statuses: list[str]
@@ -37,27 +43,31 @@ class EpisodeBatch:
     def check(self) -> None:
         """Refuse a batch whose groups are not intact or whose per-token lists disagree."""
         n = self.num_groups * self.group_size
-        lengths = {name: len(getattr(self, name)) for name in
-                   ("ids", "model", "logprobs", "versions", "rewards", "statuses", "turns", "transcripts")}
+        lengths = {name: len(getattr(self, name)) for name in ("rewards", "statuses", "turns", "transcripts")}
+        rows = {name: len(getattr(self, name)) for name in ("ids", "model", "logprobs", "versions")}
         wrong = {k: v for k, v in lengths.items() if v != n}
+        wrong.update({k: v for k, v in rows.items() if v != len(self.episode_of)})
         if wrong:
             raise ValueError(
                 f"episode batch is not whole: {wrong} (expected {self.num_groups} groups of "
-                f"{self.group_size})"
+                f"{self.group_size} episodes, {len(self.episode_of)} samples)"
             )
+        if sorted(set(self.episode_of)) != list(range(n)) or self.episode_of != sorted(self.episode_of):
+            raise ValueError(f"episode batch samples do not cover its {n} episodes in order: "
+                             f"{self.episode_of}")
         for i, (ids, model, lps, vs) in enumerate(
             zip(self.ids, self.model, self.logprobs, self.versions, strict=True)
         ):
             if not len(ids) == len(model) == len(lps) == len(vs):
                 raise ValueError(
-                    f"episode {i}: {len(ids)} tokens, {len(model)} flags, {len(lps)} log-probs, "
+                    f"sample {i}: {len(ids)} tokens, {len(model)} flags, {len(lps)} log-probs, "
                     f"{len(vs)} versions"
                 )
             if any(v < 0 for v, m in zip(vs, model, strict=True) if m):
-                raise ValueError(f"episode {i}: a model token carries no policy version")
+                raise ValueError(f"sample {i}: a model token carries no policy version")
 
     def model_versions(self) -> list[list[int]]:
-        """Each episode's per-token versions, model tokens only."""
+        """Each sample's per-token versions, model tokens only."""
         return [
             [v for v, m in zip(vs, model, strict=True) if m]
             for vs, model in zip(self.versions, self.model, strict=True)

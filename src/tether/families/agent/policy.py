@@ -21,8 +21,9 @@ log = logging.getLogger("tether.train")
 
 
 def to_train_batch(batch: EpisodeBatch, pad_id: int) -> TrainBatch:
-    """Tensors for ``batch``: token j of an episode is predicted by column j − 1, which is in the
-    loss exactly when token j was sampled by the engine."""
+    """Tensors for ``batch``, a row per sample: token j of a sample is predicted by column j − 1,
+    which is in the loss exactly when token j was sampled by the engine. An episode of several
+    samples (its history rewritten) gives each its return, and says so in ``episode``."""
     n = len(batch.ids)
     seqs = [ids or [pad_id] for ids in batch.ids]  # an episode whose reset failed has no tokens
     width = max(max(len(s) for s in seqs), 2)
@@ -39,7 +40,7 @@ def to_train_batch(batch: EpisodeBatch, pad_id: int) -> TrainBatch:
         if not model:
             continue
         if model[0]:
-            raise RolloutError(f"episode {i} starts with a model token; it must start with an observation")
+            raise RolloutError(f"sample {i} starts with a model token; it must start with an observation")
         flags = torch.as_tensor(model[1:], dtype=torch.bool)
         cols = slice(0, len(seq) - 1)
         mask[i, cols] = flags.float()
@@ -47,17 +48,19 @@ def to_train_batch(batch: EpisodeBatch, pad_id: int) -> TrainBatch:
         versions[i, cols] = torch.where(flags, torch.as_tensor(vs[1:], dtype=torch.long), -1)
     if not torch.isfinite(behavior).all():
         raise RolloutError("the engine's log-probs contain non-finite values")
-    truncated = torch.as_tensor([s in BUDGET_ENDINGS for s in batch.statuses], dtype=torch.bool)
+    of = torch.as_tensor(batch.episode_of, dtype=torch.long)
+    truncated = torch.as_tensor([s in BUDGET_ENDINGS for s in batch.statuses], dtype=torch.bool)[of]
     return TrainBatch(
         ids,
         attn,
         ids[:, 1:],
         mask,
         behavior,
-        torch.as_tensor(batch.rewards, dtype=torch.float32),
+        torch.as_tensor(batch.rewards, dtype=torch.float32)[of],
         batch.group_size,
         versions,
         truncated,
+        of if n != len(batch.rewards) else None,
     )
 
 

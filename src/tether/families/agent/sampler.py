@@ -113,12 +113,14 @@ class AgentSampler:
                 "env.max_failed_frac / env.step_timeout_s",
                 batch_index=item.batch_index,
             )
+        samples = [(i, s) for i, ep in enumerate(episodes) for s in ep.samples()]
         batch = EpisodeBatch(
             positions=[p for p, _ in item.examples],
-            ids=[ep.ids for ep in episodes],
-            model=[ep.model for ep in episodes],
-            logprobs=[ep.logprobs for ep in episodes],
-            versions=[ep.versions for ep in episodes],
+            ids=[s.ids for _, s in samples],
+            model=[s.model for _, s in samples],
+            logprobs=[s.logprobs for _, s in samples],
+            versions=[s.versions for _, s in samples],
+            episode_of=[i for i, _ in samples],
             rewards=[ep.reward(failure) for ep in episodes],
             statuses=[ep.status for ep in episodes],
             turns=[ep.turns for ep in episodes],
@@ -133,7 +135,7 @@ class AgentSampler:
         rewards = batch.rewards
         mean = sum(rewards) / n
         model_tokens = [ep.model_tokens for ep in episodes]
-        lengths = sorted(len(ep.ids) for ep in episodes)
+        lengths = sorted(sum(len(s.ids) for s in ep.samples()) for ep in episodes)
         turns = [ep.turns for ep in episodes]
         env_s = [ep.env_s for ep in episodes]
         out = {
@@ -153,10 +155,8 @@ class AgentSampler:
             "agent/env_s_mean": sum(env_s) / n,
             "agent/env_s_max": max(env_s),
             "agent/model_tokens_mean": sum(model_tokens) / n,
-            "agent/env_tokens_mean": sum(
-                len(ep.ids) - m for ep, m in zip(episodes, model_tokens, strict=True)
-            )
-            / n,
+            "agent/env_tokens_mean": sum(lengths) / n - sum(model_tokens) / n,
+            "agent/rewrites": float(sum(ep.rewrites for ep in episodes)),
             "agent/episode_tokens_p50": float(statistics.median(lengths)),
             "agent/episode_tokens_p90": float(lengths[min(n - 1, int(0.9 * n))]),
             "agent/episode_tokens_max": float(lengths[-1]),
@@ -167,8 +167,10 @@ class AgentSampler:
         }
         for status in (s for s in ENDINGS if s not in FAILURES):  # failures: env_errors, timeouts
             out[f"agent/ended_{status}_frac"] = sum(ep.status == status for ep in episodes) / n
-        versions = batch.model_versions()
-        out["staleness/multi_version_seq_frac"] = sum(len(set(v)) > 1 for v in versions) / n
+        versions: list[set[int]] = [set() for _ in episodes]  # an episode's, over its samples
+        for e, vs in zip(batch.episode_of, batch.model_versions(), strict=True):
+            versions[e].update(vs)
+        out["staleness/multi_version_seq_frac"] = sum(len(v) > 1 for v in versions) / n
         if self.cfg.async_.inflight_update != "drain":
             wasted, switches = self.engine.take_counts()
             out["rollout/weight_switches"] = float(switches + self.player.turn_switches)

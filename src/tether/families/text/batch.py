@@ -28,6 +28,10 @@ class TrainBatch:
     group_size: int
     behavior_versions: torch.Tensor  # (N, L − 1) the policy version that sampled each token, −1 off the mask
     truncated: torch.Tensor  # (N,) bool: cut off at max_new_tokens (finish reason 'length')
+    episode: torch.Tensor | None = None
+    """(N,) long, non-decreasing: the episode each row belongs to, when an episode can span several
+    rows (an agent episode whose environment rewrote its history). Rows of one episode share its
+    reward and advantage, and ``group_size`` counts episodes. None: a row is a sample."""
 
     @property
     def size(self) -> int:
@@ -43,7 +47,8 @@ class TrainBatch:
     def rows(self, index: torch.Tensor | slice) -> TrainBatch:
         return TrainBatch(self.input_ids[index], self.attention_mask[index], self.targets[index],
                           self.mask[index], self.behavior_logp[index], self.rewards[index], self.group_size,
-                          self.behavior_versions[index], self.truncated[index])
+                          self.behavior_versions[index], self.truncated[index],
+                          None if self.episode is None else self.episode[index])
 
 
 def to_train_batch(scored: ScoredBatch, pad_id: int) -> TrainBatch:
