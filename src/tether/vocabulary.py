@@ -426,6 +426,12 @@ class Family(Protocol):
         """L_max: the most columns a sample can have (Dr. GRPO's normaliser)."""
         ...
 
+    def drains_at_turns(self, cfg: Any) -> bool:
+        """Whether, with ``async.inflight_update=drain``, a publication waits only for the turns in
+        flight (each generation stops at its next turn boundary and takes it up there) rather than
+        for whole rollout batches."""
+        ...
+
     def build_model(self, cfg: Any, out: Path, on_progress: Progress | None) -> str:
         """Create a new model directory at ``out`` (and warm-start it); returns one line saying
         how it went, for the log."""

@@ -114,3 +114,13 @@ class SummarisesByTuple(Summarises):
     def step(self, action):
         step = super().step(action)
         return step.observation, step.reward, step.done, False, {"new_context": step.new_context}
+
+
+class SlowEcho(Echo):
+    """Echo whose every step takes ``STEP_S`` seconds (a tool that takes its time)."""
+
+    STEP_S = 0.3
+
+    def step(self, action):
+        time.sleep(self.STEP_S)
+        return super().step(action)

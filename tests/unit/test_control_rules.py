@@ -268,3 +268,23 @@ def test_draining_never_publishes_eagerly():
     c = AsyncControl(BudgetSettings(max_staleness=2, total_batches=10))
     c.commit(1)
     assert c.sync_decision(1).reasons == ()
+
+
+def test_draining_at_turn_boundaries_runs_the_rules_of_publishing_without_draining():
+    """drain with drain_at_turns (agent episodes, env.switch_at=turn): a publication waits only for
+    the turns in flight, so generations outlive it. The control plane publishes after every step
+    the trainer is ahead and bounds launches by the oldest version still generating, as for keep."""
+    turns = BudgetSettings(max_staleness=1, max_inflight=2, total_batches=10, inflight_update="drain",
+                           drain_at_turns=True)
+    keep = BudgetSettings(max_staleness=1, max_inflight=2, total_batches=10, inflight_update="keep")
+    assert not turns.drains and turns.sync_gaps == keep.sync_gaps == (1,)
+    assert turns.effective_max_staleness == keep.effective_max_staleness
+    c = AsyncControl(turns)
+    c.commit(1)
+    assert c.sync_decision(1).reasons == ("eager",)
+    c.mark_published()
+    assert c.launch_slots(inflight=1, ready=0, trained_batches=1, oldest_generating=0) == 0
+    with pytest.raises(ConfigError, match=r"sync_when_idle .* drains only the turns in flight"):
+        BudgetSettings(inflight_update="drain", drain_at_turns=True, sync_when_idle=True)
+    with pytest.raises(ConfigError, match=r"needs async\.inflight_update=drain"):
+        BudgetSettings(inflight_update="keep", drain_at_turns=True)

@@ -324,6 +324,7 @@ class Config:
             max_consecutive_drops=self.async_.max_consecutive_drops,
             sync_when_idle=self.async_.sync_when_idle,
             inflight_update=self.async_.inflight_update,
+            drain_at_turns=self.family().drains_at_turns(self),
         )
 
 

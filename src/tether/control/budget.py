@@ -60,6 +60,10 @@ class BudgetSettings:
     publishes after every step the trainer is ahead (nothing waits), and admission bounds each
     launch by the oldest version still generating (``AsyncControl.freshness``). Eval and
     checkpoint boundaries find nothing in flight in every mode."""
+    drain_at_turns: bool = False
+    """With ``drain``: a publication waits only for the turn generations in flight, not whole
+    batches (agent episodes, ``env.switch_at=turn``). Generations then outlive publications, so
+    the control plane runs the rules of publishing without draining."""
 
     def __post_init__(self) -> None:
         _require_int("async.max_staleness", self.max_staleness, 0)
@@ -72,10 +76,12 @@ class BudgetSettings:
         if self.inflight_update not in INFLIGHT_UPDATE_CHOICES:
             raise ConfigError(f"async.inflight_update must be one of {', '.join(INFLIGHT_UPDATE_CHOICES)}, "
                               f"got {self.inflight_update!r}")
+        if self.drain_at_turns and self.inflight_update != "drain":
+            raise ConfigError("draining at turn boundaries needs async.inflight_update=drain")
         if self.sync_when_idle and not self.drains:
+            how = "drains only the turns in flight" if self.drain_at_turns else "publishes without waiting"
             raise ConfigError(f"async.sync_when_idle has no effect with async.inflight_update="
-                              f"{self.inflight_update}, which publishes after every step without waiting; "
-                              "remove one of them")
+                              f"{self.inflight_update}, which {how}, after every step; remove one of them")
         if self.on_stale not in ON_STALE_CHOICES:
             raise ConfigError(
                 f"async.on_stale must be one of {', '.join(ON_STALE_CHOICES)}, got {self.on_stale!r}"
@@ -85,8 +91,9 @@ class BudgetSettings:
 
     @property
     def drains(self) -> bool:
-        """Every publication waits for the generations in flight (``inflight_update=drain``)."""
-        return self.inflight_update == "drain"
+        """Every publication waits for the generations in flight to finish (``inflight_update=drain``,
+        whole batches)."""
+        return self.inflight_update == "drain" and not self.drain_at_turns
 
     @property
     def staleness_budget(self) -> int:

@@ -30,6 +30,10 @@ class FamilyBase:
     def norm_constant(self, cfg: Any) -> int:
         return cfg.rollout.max_new_tokens
 
+    def drains_at_turns(self, cfg: Any) -> bool:
+        """Publications drain whole batches (no turns to stop at)."""
+        return False
+
     def build_model(self, cfg: Any, out: Path, on_progress: Progress | None) -> str:
         from tether.errors import ConfigError
 

@@ -47,8 +47,15 @@ class PoolSettings:
         return self.cfg.rollout.group_size
 
     @property
+    def drain_at_turns(self) -> bool:
+        """Publications drain only the turns in flight (``Family.drains_at_turns``)."""
+        return self.cfg.family().drains_at_turns(self.cfg)
+
+    @property
     def inflight_update(self) -> str:
-        return self.cfg.async_.inflight_update
+        """How the engines meet a publication: ``async.inflight_update``, except that draining at
+        turn boundaries runs them as ``keep`` (each takes new weights up between turns only)."""
+        return "keep" if self.drain_at_turns else self.cfg.async_.inflight_update
 
     def worker_spec(self, worker_id: int, version: int, **where: Any):
         """The ``WorkerSpec`` of worker ``worker_id`` starting at ``version``; ``where`` adds the
@@ -66,6 +73,8 @@ class WorkerSlot:
         self.name = f"rollout-{worker_id}"
         self.batch: int | None = None
         self.alive = True
+        self.held = -1
+        """The newest version it reported taking up while generating (process workers)."""
 
 
 class DispatchingPool:
@@ -107,6 +116,10 @@ class DispatchingPool:
         """Without draining: make ``weights`` readable as ``version`` while workers generate
         (each switches to it between decode steps); return ``sync/publish_s``, ``sync/bytes``."""
         raise NotImplementedError(f"{type(self).__name__} publishes only between batches")
+
+    def _holds(self, w: Any) -> int:
+        """The version worker ``w``'s engine samples with now (as last reported)."""
+        raise NotImplementedError
 
     def close(self) -> None:
         raise NotImplementedError
@@ -172,6 +185,8 @@ class DispatchingPool:
             seconds = metrics["sync/publish_s"]
             metrics["sync/gbps"] = metrics["sync/bytes"] / seconds / 1e9 if seconds > 0 else 0.0
             metrics["sync/inflight_batches"] = float(self.inflight)
+            if self.settings.drain_at_turns:
+                metrics["sync/turn_wait_s"] = self._await_turns(version)
             return metrics
         if self.inflight:
             raise RolloutError(f"publish of version {version} while {self.inflight} batch(es) are in flight")
@@ -184,6 +199,26 @@ class DispatchingPool:
         return metrics
 
     # -- shared internals ---------------------------------------------------------------------
+
+    def _await_turns(self, version: int) -> float:
+        """Draining at turn boundaries: wait until every worker generating holds ``version`` (each
+        takes it up as its turns in flight end) or has finished its batch; returns the seconds."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.settings.startup_timeout_s
+        pause = 0.001
+        while True:
+            with self._lock:
+                generating = [w for w in self._workers if w.alive and w.batch is not None]
+            behind = [w for w in generating if self._holds(w) < version]
+            if not behind:
+                return time.perf_counter() - t0
+            if time.monotonic() > deadline:
+                names = ", ".join(w.name for w in behind)
+                raise RolloutError(f"{names} did not reach a turn boundary to take up version {version} "
+                                   f"within {self.settings.startup_timeout_s:.0f}s",
+                                   worker=behind[0].name, batch_index=behind[0].batch)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
 
     def _taken(self, batches: list[RolloutBatch]) -> list[RolloutBatch]:
         with self._lock:

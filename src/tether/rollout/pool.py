@@ -199,6 +199,9 @@ class ProcessPool(DispatchingPool):
     def _put_inflight(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         return dict(self.channel.publish(weights, version))  # workers watch the channel's header
 
+    def _holds(self, w: _Handle) -> int:
+        return w.held  # each switch is reported on the worker's result pipe
+
     def _fail(self, err: RolloutError) -> None:
         self._completed.report_error(err)
         self._acks.report_error(err)
@@ -242,6 +245,8 @@ class ProcessPool(DispatchingPool):
             self._accept(w, msg[1], msg[2])
         elif kind == "loaded":
             self._acks.put((w.id, msg[1], msg[2]))
+        elif kind == "took":
+            w.held = max(w.held, msg[1])
         elif kind == "error":
             self._fail(RolloutError(msg[2], worker=w.name, batch_index=msg[1], remote_traceback=msg[3]))
         return True

@@ -253,6 +253,10 @@ class _RolloutActor:
             return ("error", None, f"verifying version {version}: {type(exc).__name__}: {exc}",
                     traceback.format_exc())
 
+    def held(self) -> int:
+        """The version the engine samples with now."""
+        return self.rollout.engine.version
+
     def _take_offered(self) -> int | None:
         with self._lock:
             offered, self._offered = self._offered, None
@@ -414,6 +418,13 @@ class RayPool(DispatchingPool):
 
     def _put_inflight(self, weights: Mapping[str, Any] | RemoteWeights, version: int) -> dict[str, float]:
         return self._load_all(weights, version, method="offer")
+
+    def _holds(self, w: _Actor) -> int:
+        try:
+            return self.ray.get(w.handle.held.remote(), timeout=self.settings.startup_timeout_s)
+        except Exception as exc:  # a dead actor: its death reaches the run through its batch
+            raise RolloutError(f"asking which version it holds: {type(exc).__name__}: {exc}",
+                               worker=w.name, batch_index=w.batch) from exc
 
     # -- internals ----------------------------------------------------------------------------
 

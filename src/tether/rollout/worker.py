@@ -23,6 +23,7 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -52,7 +53,7 @@ class WorkerSpec:
 
     @property
     def inflight_update(self) -> str:
-        return self.settings.cfg.async_.inflight_update
+        return self.settings.inflight_update
 
 
 def worker_main(spec: WorkerSpec, requests: Connection, results: Connection,
@@ -70,6 +71,7 @@ def worker_main(spec: WorkerSpec, requests: Connection, results: Connection,
                       traceback.format_exc()))
         return
     results.send(("ready", os.getpid()))
+    worker.on_switch = lambda version: results.send(("took", version))
     while True:
         try:
             msg = requests.recv()
@@ -193,11 +195,17 @@ class _ChannelWorker(Rollout):
         self.current = spare
         return version
 
+    on_switch: Callable[[int], None] | None = None
+    """Told each version taken up while generating (the pool waits on it when draining at turns)."""
+
     def _newest(self) -> int | None:
         newest = self.reader.newest()
         if newest is None or newest <= self.engine.version:
             return None
-        return self._switch(newest)
+        taken = self._switch(newest)
+        if taken is not None and self.on_switch is not None:
+            self.on_switch(taken)
+        return taken
 
     def generate(self, item: WorkItem) -> Payload:
         if self.spec.inflight_update != "drain":

@@ -61,10 +61,10 @@ class AgentFamily(TextFamily):
                 "model.family=agent needs an environment: set env.env_class to path/to/file.py:Class "
                 "(with data.dataset for its task rows), or data.task to kv_lookup or guess_number"
             )
-        if e.switch_at == "turn" and cfg.async_.inflight_update != "keep":
-            raise ConfigError(f"env.switch_at=turn takes up published weights between turns, which needs "
-                              f"async.inflight_update=keep (it is {cfg.async_.inflight_update}); set it, or "
-                              "env.switch_at=token")
+        if e.switch_at == "turn" and cfg.async_.inflight_update not in ("drain", "keep"):
+            raise ConfigError("env.switch_at=turn takes up published weights between turns, which needs "
+                              "async.inflight_update=drain or keep (it is "
+                              f"{cfg.async_.inflight_update}); set one, or env.switch_at=token")
         if e.max_episode_tokens and e.max_turn_tokens and e.max_turn_tokens >= e.max_episode_tokens:
             raise ConfigError(
                 f"env.max_turn_tokens={e.max_turn_tokens} leaves no room for an observation in "
@@ -77,6 +77,10 @@ class AgentFamily(TextFamily):
             factory(
                 load_python_object(e.env_class, what="env.env_class"), {}
             )  # refuses a non-environment now
+
+    def drains_at_turns(self, cfg: Any) -> bool:
+        """``drain`` with ``env.switch_at=turn``: a publication waits for the turns in flight."""
+        return cfg.async_.inflight_update == "drain" and cfg.env.switch_at == "turn"
 
     def norm_constant(self, cfg: Any) -> int:
         """The most model tokens an episode can have."""

@@ -177,6 +177,10 @@ class EnvThreads:
 class Player:
     """Plays groups of episodes with one engine and one tokenizer."""
 
+    BOUNDARY_POLL_S = 0.02
+    """With ``whole_turns``: how often a worker waiting on environment calls looks for newly
+    published weights (no turn is generating then, so it may take them up at once)."""
+
     def __init__(
         self,
         engine: Any,
@@ -193,7 +197,8 @@ class Player:
         self.chat = chat
         """Observations as chat turns of the tokenizer's template (``tether.families.agent.chat``)."""
         self.whole_turns = whole_turns
-        """Without draining, take up new weights only between turns (``env.switch_at=turn``)."""
+        """Take up new weights only between turns, as soon as no turn is generating
+        (``env.switch_at=turn``)."""
         self.limits, self.threads = limits, threads
         self.eager = schedule == "eager"
         """Generate for whichever episodes are ready as soon as any are (``env.schedule``), rather
@@ -237,9 +242,12 @@ class Player:
                 turn, ready = turn + 1, []
                 continue
             deadline = min(self._deadline(ep, started) for ep, _, started in pending.values())
-            done, _ = wait(
-                list(pending), timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED
-            )
+            timeout = max(0.0, deadline - time.monotonic())
+            if self.whole_turns:  # no turn is generating: the worker is at a safe point while it waits
+                timeout = min(timeout, self.BOUNDARY_POLL_S)
+            done, _ = wait(list(pending), timeout=timeout, return_when=FIRST_COMPLETED)
+            if self.whole_turns:
+                self._boundary()
             now = time.monotonic()
             for future in done:
                 ep, kind, started = pending.pop(future)
@@ -362,9 +370,8 @@ class Player:
         """The next turn of every ready episode: one engine call per distinct token room (the
         room is the per-turn budget, or what the episode budget leaves when that is less)."""
         lim = self.limits
-        poll = getattr(self.engine, "poll", None)  # set without draining: a turn boundary is a safe point
-        if poll is not None and poll() is not None:
-            self.turn_switches += 1  # the new turn starts on the newest weights the worker holds
+        poll = getattr(self.engine, "poll", None)
+        self._boundary()
         by_room: dict[int, list[Episode]] = {}
         for ep in ready:
             by_room.setdefault(min(lim.max_turn_tokens, lim.max_episode_tokens - len(ep.ids)), []).append(ep)
@@ -381,6 +388,8 @@ class Player:
             finally:
                 if self.whole_turns:
                     self.engine.poll = poll
+            if self.whole_turns:
+                self._boundary()  # the turns just sampled are done: take up what was published meanwhile
             for ep, (c,) in zip(eps, sampled, strict=True):
                 ep.ids += c.token_ids
                 ep.model += [1] * len(c.token_ids)
@@ -395,6 +404,13 @@ class Player:
                 ep.transcript.append(action)
                 env = ep.env
                 self._call(pending, ep, "step", lambda env=env, action=action: env.step(action))
+
+    def _boundary(self) -> None:
+        """A turn boundary, a safe point: the engine takes up the newest weights the worker holds,
+        if newer (``poll`` is set without draining, and when draining at turns)."""
+        poll = getattr(self.engine, "poll", None)
+        if poll is not None and poll() is not None:
+            self.turn_switches += 1
 
     def _close(self, episodes: list[Episode]) -> None:
         """Close every environment not held by an abandoned call, on the environment threads; a

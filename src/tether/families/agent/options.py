@@ -53,10 +53,11 @@ class EnvSection:
     )
     switch_at: Literal["token", "turn"] = knob(
         "token",
-        "Without draining, where an episode takes up newly published weights: token = before any decode "
-        "step (async.inflight_update says what happens to the turn in flight); turn = only between turns, "
-        "so each turn is sampled on one version and a publication waits for no episode to end (needs "
-        "async.inflight_update=keep).",
+        "Where an episode takes up newly published weights. token: with async.inflight_update=drain, only "
+        "between rollout batches (a publication waits for whole episodes); otherwise before any decode step "
+        "(the mode says what happens to the turn in flight). turn: only between turns, so each turn is "
+        "sampled on one version; with drain a publication waits for the turns in flight (not whole "
+        "episodes), with keep it waits for nothing.",
         choices=("token", "turn"))
     step_timeout_s: float = knob(
         30.0,

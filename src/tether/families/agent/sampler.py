@@ -93,6 +93,8 @@ class AgentSampler:
             seed=seed,
         )
         self.threads = EnvThreads(cfg.env.workers)
+        self.switches = not cfg.budget().drains
+        """Weights may change while a batch is played (its switches are counted)."""
         self.player = player_for(cfg, self.engine, self.tokenizer, context_length(model_config(model_path)),
                                  self.threads)
 
@@ -171,7 +173,7 @@ class AgentSampler:
         for e, vs in zip(batch.episode_of, batch.model_versions(), strict=True):
             versions[e].update(vs)
         out["staleness/multi_version_seq_frac"] = sum(len(v) > 1 for v in versions) / n
-        if self.cfg.async_.inflight_update != "drain":
+        if self.switches:
             wasted, switches = self.engine.take_counts()
             out["rollout/weight_switches"] = float(switches + self.player.turn_switches)
             out["rollout/turn_boundary_switches"] = float(self.player.turn_switches)
