@@ -117,10 +117,12 @@ class SummarisesByTuple(Summarises):
 
 
 class SlowEcho(Echo):
-    """Echo whose every step takes ``STEP_S`` seconds (a tool that takes its time)."""
+    """Echo whose every step takes ``STEP_S`` seconds (a tool that takes its time), rewarding
+    actions of odd length (so a group's returns differ and updates commit)."""
 
     STEP_S = 0.3
 
     def step(self, action):
         time.sleep(self.STEP_S)
-        return super().step(action)
+        step = super().step(action)
+        return Step(step.observation, reward=float(len(action) % 2), done=step.done)

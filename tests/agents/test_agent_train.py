@@ -186,3 +186,24 @@ def test_episodes_train_lora_adapters_with_the_engine_at_the_learners_adapters(r
     folder = run / "checkpoints" / "step-000004" / "learner" / "model"
     adapters = load_file(str(folder / "adapter.safetensors"))
     assert adapters and all(".lora_" in n for n in adapters)
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_draining_at_turn_boundaries_publishes_between_turns_within_the_budget(recipe, tmp_path, backend):
+    """drain with env.switch_at=turn against a slow tool: publications land between turns of
+    episodes still going (episodes span versions, each turn on one), wait only for the turns in
+    flight, and every batch stays within the budget; on Ray actors too."""
+    envs = Path(__file__).with_name("envs.py")
+    ray = ["rollout.backend=ray", "ray.local_cpus=2"] if backend == "ray" else []
+    run = tmp_path / backend
+    tether("train", recipe, "async.inflight_update=drain", "env.switch_at=turn",
+           f"env.env_class={envs}:SlowEcho", "async.max_staleness=1", "async.max_inflight=2",
+           "train.num_batches=6", "eval.interval=0", "checkpoint.interval=0", *ray, "--run-dir", run,
+           "--plain", "--no-report")
+    metrics = rows(run / "metrics.jsonl")
+    assert len(metrics) == 6 and all(m["staleness/updates"] <= 1 for m in metrics)
+    assert all(m["rollout/weight_switches"] == m["rollout/turn_boundary_switches"] for m in metrics)
+    assert sum(m["rollout/turn_boundary_switches"] for m in metrics) > 0
+    assert any(m["staleness/multi_version_seq_frac"] > 0 for m in metrics)
+    waits = [m["sync/turn_wait_s"] for m in metrics if "sync/turn_wait_s" in m]
+    assert waits and max(waits) < 3 * 0.3  # a turn and a poll, never the ~1 s of a whole episode

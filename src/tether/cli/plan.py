@@ -183,7 +183,8 @@ def render_text(sim: Simulation, doc: dict, *, width: int = 72, show_all: bool =
         f"launch, {sm['mean_staleness_generating_updates']:.2f} while generating, "
         f"{sm['mean_staleness_queued_updates']:.2f} waiting to be trained",
         *([] if s.drains else [
-            f"per token (inflight_update={s.inflight_update}): mean staleness "
+            f"per token (inflight_update={s.inflight_update}"
+            f"{' at turn boundaries' if s.drain_at_turns else ''}): mean staleness "
             f"{sm['mean_token_staleness_updates']:.2f} updates (a batch's own is its oldest token's); "
             f"{sm['multi_version_batch_frac']:.0%} of batches generated under more than one version"
             + ("" if "multi_version_seq_frac" not in sm else
