@@ -135,3 +135,29 @@ def test_agent_episodes_train_on_vllm_in_worker_processes_within_the_budget(demo
     assert len(rows) == 4
     assert all(r["staleness/updates"] <= 1 and r["agent/env_tokens_mean"] > 0 for r in rows)
     assert any(r["loss/policy"] is not None for r in rows)
+
+
+def test_on_vllm_a_drain_at_turn_boundaries_waits_for_the_turns_in_flight(demo_model, tmp_path):
+    """`tether train` with vLLM in a worker process, async.inflight_update=drain and
+    env.switch_at=turn, against a tool that takes 0.3 s a step: publications land between turns
+    (never inside one) after waiting for the turns in flight, and every batch keeps the budget."""
+    import json
+    import subprocess
+    import sys
+
+    envs = Path(__file__).resolve().parents[1] / "agents" / "envs.py"
+    run = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "tether.cli.main", "train", "model.family=agent", "data.task=kv_lookup",
+         f"model.path={demo_model}", f"env.env_class={envs}:SlowEcho", "env.max_turns=3",
+         "env.max_turn_tokens=6", "rollout.engine=vllm", "async.inflight_update=drain", "env.switch_at=turn",
+         "rollout.batch_size=2", "rollout.group_size=4", "rollout.max_new_tokens=6", "train.num_batches=4",
+         "eval.interval=0", "checkpoint.interval=0", "--run-dir", str(run), "--plain", "--no-report"],
+        capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["staleness/updates"] <= 1 for r in rows)
+    assert all(r["rollout/weight_switches"] == r["rollout/turn_boundary_switches"] for r in rows)
+    assert sum(r["rollout/turn_boundary_switches"] for r in rows) > 0
+    waits = [r["sync/turn_wait_s"] for r in rows if "sync/turn_wait_s" in r]
+    assert waits and max(waits) < 0.9  # never a whole episode's three 0.3 s steps
