@@ -237,9 +237,12 @@ def test_a_resume_against_another_base_is_refused_naming_both(tiny_model_dir, tm
     config_file = other / "config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "rms_norm_eps": 1e-5}))
     moved = load_config(tmp_path / "run" / "config.yaml", [f"model.path={other}", "train.num_batches=3"])
+    kept = {name: (tmp_path / "run" / name).read_bytes() for name in ("config.yaml", "starts.jsonl")}
     with pytest.raises(ConfigError, match=f"trained on the base model {base.resolve()}.*this run's base is "
                                           f"{other.resolve()}"):  # past the check of the recipe's paths
         train(moved, tmp_path / "run", resume=True, force=True, progress_plain=True)
+    # the forced resume that failed left the run as it was: its config, and no start recorded
+    assert {name: (tmp_path / "run" / name).read_bytes() for name in kept} == kept
     shutil.copy2(config_file, base / "config.json")  # the same path, another model in it
     again = load_config(tmp_path / "run" / "config.yaml", [f"model.path={base}", "train.num_batches=3"])
     with pytest.raises(ConfigError, match=r"fingerprint \w+\); this run's base is .*base \(fingerprint"):

@@ -36,8 +36,10 @@ def claim_run_dir(run_dir: Path, cfg: Config, prepared: Prepared, *, resume: boo
                   overrides: Sequence[str]):
     """Lock ``run_dir`` for this process, clean what interrupted saves left, and record this
     start. A new run needs an empty directory; a resume is refused when it would change the run
-    (``rundir.check_resume``) or has nothing left to train. Returns the held lock and, on resume,
-    the newest good checkpoint's (state, path), verified once here."""
+    (``rundir.check_resume``) or has nothing left to train. Returns the held lock, on resume the
+    newest good checkpoint's (state, path), verified once here, and what records the start: a new
+    run's is recorded here; a resume's (its config and its line in the starts) only once the
+    checkpoint is restored, by calling it, so a resume that fails leaves the run as it was."""
     from tether.config import load_config
     from tether.runtime.checkpoint import Checkpointer
     from tether.runtime.rundir import (
@@ -49,6 +51,11 @@ def claim_run_dir(run_dir: Path, cfg: Config, prepared: Prepared, *, resume: boo
     )
 
     lock, found = RunLock(run_dir).acquire(), None
+
+    def begin(**started) -> None:
+        record_start(run_dir, overrides=list(overrides), fingerprint=fingerprint, **started)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())  # the config the run continues with
+
     try:
         clean_leftovers(run_dir)
         fingerprint = data_fingerprint(prepared.data.train)
@@ -61,16 +68,13 @@ def claim_run_dir(run_dir: Path, cfg: Config, prepared: Prepared, *, resume: boo
                     f"nothing to resume: {state.trained_batches} batches already trained of "
                     f"train.num_batches={cfg.train.num_batches}; extend it with "
                     f"train.num_batches=N (N > {state.trained_batches})")
-            record_start(run_dir, overrides=list(overrides), resumed_from=ckpt.name, fingerprint=fingerprint,
-                         forced=forced)
-        else:
-            _refuse_nonempty(run_dir)  # again under the lock: another start may have won the race
-            record_start(run_dir, overrides=list(overrides), resumed_from=None, fingerprint=fingerprint)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())  # the config the run continues with
+            return lock, found, lambda: begin(resumed_from=ckpt.name, forced=forced)
+        _refuse_nonempty(run_dir)  # again under the lock: another start may have won the race
+        begin(resumed_from=None)
     except BaseException:
         lock.release()
         raise
-    return lock, found
+    return lock, found, lambda: None
 
 
 def train(cfg: Config, run_dir: Path, *, resume: bool = False, force: bool = False,
@@ -112,12 +116,14 @@ def _train(cfg: Config, run_dir: Path, stop, *, resume: bool, force: bool, overr
     stream = PromptStream(prepared.data.train, cfg.rollout.batch_size, seed=cfg.run.seed)
     trace = TraceRecorder()
     with contextlib.ExitStack() as stack:
-        lock, found = claim_run_dir(run_dir, cfg, prepared, resume=resume, force=force, overrides=overrides)
+        lock, found, begin = claim_run_dir(run_dir, cfg, prepared, resume=resume, force=force,
+                                           overrides=overrides)
         stack.callback(lock.release)
         session = stack.enter_context(parts.session(run_dir))
         stop.reinstall()  # a Ray session installs handlers of its own
         learner, evaluate = parts.learner(prepared, session, stack, run_dir)
         state, engine_weights, engine_version = _restore(found, learner, run_dir)
+        begin()
         hooks = _Hooks(evaluate, Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep), learner)
         wall_start = time.time()
         sinks = stack.enter_context(_sinks(cfg, run_dir, wall_start))
