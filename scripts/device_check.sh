@@ -10,7 +10,9 @@
 # worker on CUDA, i.e. what a Ray actor with ray.gpus_per_worker > 0 runs; the learner on CUDA
 # (train.device=cuda) step for step against the CPU learner, its checkpoint loading on a CPU, and
 # held-out evaluation on the device, and with two or more GPUs the learner's NCCL ranks
-# (train.world_size=2) against one GPU (tests marked `gpu`); then the engine and learner benchmarks
+# (train.world_size=2) against one GPU (tests marked `gpu`); where diffusers is installed, a
+# diffusers pipeline's rollout worker on the GPU in float32 and bfloat16 against the CPU learner;
+# then the engine and learner benchmarks
 # on the GPU (engine_cuda.json and learner_cuda.json beside the log); and, where vLLM's CUDA build is
 # installed, the vLLM engine on the GPU beside the built-in one (tokens/s, weight loads, its
 # log-probs against a transformers forward: vllm_cuda.json). Ray itself is not needed
@@ -25,6 +27,13 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   "$py" -c "import sys, torch, transformers; print('torch', torch.__version__, '| cuda', torch.cuda.is_available(), '| transformers', transformers.__version__); sys.exit(0 if torch.cuda.is_available() else 'no CUDA device here: nothing to check')" || exit 1
   "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra -m gpu tests/integration/test_gpu.py
   status=$?
+  if "$py" -c "import diffusers" 2>/dev/null; then
+    # a diffusers pipeline's rollout worker on the GPU, float32 and flow.dtype=bfloat16
+    "$py" -m pytest -q -s -p no:cacheprovider -o addopts=-ra -m gpu tests/integration/test_flow_diffusers.py \
+      || status=1
+  else
+    echo "diffusers is not installed for $py: the flow pipeline on CUDA was not checked"
+  fi
   "$py" benchmarks/engine.py --device cuda --size small --repeats 5
   "$py" benchmarks/engine.py --device cuda --size base --repeats 5 --json | tee "$out/engine_cuda.json"
   "$py" benchmarks/learner.py --device cuda --repeats 10 --json | tee "$out/learner_cuda.json"
