@@ -132,15 +132,21 @@ class EnvThreads:
     """``workers`` daemon threads running environment calls; 0 runs each call inline, in the
     caller (the baseline ``benchmarks/agent.py`` compares against; no timeout can apply)."""
 
+    JOIN_S = 1.0
+    """How long ``close`` waits for the threads to end (a hung call's thread is left to the exit)."""
+
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self.abandoned = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
         for _ in range(workers):
             self._start()
 
     def _start(self) -> None:
-        threading.Thread(target=self._work, name="tether-env", daemon=True).start()
+        thread = threading.Thread(target=self._work, name="tether-env", daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -170,8 +176,13 @@ class EnvThreads:
             self._start()
 
     def close(self) -> None:
+        """Stop the threads and wait a little for them to end, so none is still unwinding when the
+        process exits; a thread held by an abandoned call is not waited for beyond ``JOIN_S``."""
         for _ in range(self.workers):
             self._queue.put(None)
+        deadline = time.monotonic() + self.JOIN_S
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class Player:
