@@ -426,6 +426,12 @@ class Family(Protocol):
         """L_max: the most columns a sample can have (Dr. GRPO's normaliser)."""
         ...
 
+    def recorders(self, cfg: Any, run_dir: Path) -> list[Any]:
+        """``LoopObserver``s that record a run's samples in ``run_dir`` from each trained batch's
+        payload (``BatchRecord.payload``), each line with its ``step`` (trimmed on resume); closed
+        (``close()``) when the run ends."""
+        ...
+
     def drains_at_turns(self, cfg: Any) -> bool:
         """Whether, with ``async.inflight_update=drain``, a publication waits only for the turns in
         flight (each generation stops at its next turn boundary and takes it up there) rather than

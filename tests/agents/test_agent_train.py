@@ -110,12 +110,29 @@ def test_agent_episodes_train_follow_the_plan_resume_exactly_and_evaluate(recipe
     plan = json.loads(tether("plan", recipe, f"plan.commits=[{commits}]", "--json").stdout)
     assert [m["staleness/updates"] for m in metrics] == [b["staleness_updates"] for b in plan["batches"]]
 
+    # episodes.jsonl: every episode of every batch, its transcript, per-step rewards and return
+    episodes = rows(whole / "episodes.jsonl")
+    assert [(e["step"], e["group"], e["episode"]) for e in episodes] == [
+        (step, b, g) for step in range(1, 9) for b in range(2) for g in range(4)]
+    for e in episodes:
+        assert e["status"] in ("done", "max_turns") and e["error"] == "" and e["rewrites"] == 0
+        assert e["return"] == pytest.approx(sum(e["step_rewards"])) and len(e["step_rewards"]) == e["turns"]
+        assert len(e["transcript"]) == 2 * e["turns"] + 1 and e["transcript"][0].startswith("key ")
+        assert e["model_tokens"] > 0 and e["versions"][1] <= e["step"] - 1
+    by_step = {m["step"]: m for m in metrics}
+    for step in range(1, 9):
+        returns = [e["return"] for e in episodes if e["step"] == step]
+        assert sum(returns) / len(returns) == pytest.approx(by_step[step]["reward/mean"])
+
     parts = tmp_path / "parts"
     tether("train", recipe, "train.num_batches=4", "--run-dir", parts, "--plain", "--no-report")
+    with (parts / "episodes.jsonl").open("a") as f:  # as if a crash had come after a fifth batch
+        f.write(json.dumps({**episodes[-1], "step": 5}) + "\n")
     tether("train", "--resume", parts, "train.num_batches=8", "--plain", "--no-report")
     assert [{k: m[k] for k in KEYS} for m in rows(parts / "metrics.jsonl")] == [
         {k: m[k] for k in KEYS} for m in metrics
     ]
+    assert rows(parts / "episodes.jsonl") == episodes  # trimmed to the checkpoint, then the same
 
     scored = json.loads(tether("eval", whole, "--json").stdout)
     assert scored["eval/pass_at_1"] == evals[-1]["eval/pass_at_1"]

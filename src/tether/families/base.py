@@ -30,6 +30,10 @@ class FamilyBase:
     def norm_constant(self, cfg: Any) -> int:
         return cfg.rollout.max_new_tokens
 
+    def recorders(self, cfg: Any, run_dir: Path) -> list[Any]:
+        """No samples recorded beyond the metrics."""
+        return []
+
     def drains_at_turns(self, cfg: Any) -> bool:
         """Publications drain whole batches (no turns to stop at)."""
         return False

@@ -375,7 +375,7 @@ class Driver:
         self.observer.on_batch(BatchRecord(
             step=self.trained, batch_index=batch.index, behavior_version=batch.behavior_version,
             staleness_updates=staleness.updates, staleness_batches=staleness.batches,
-            metrics=metrics,
+            metrics=metrics, payload=batch.payload,
         ))
 
     def _version_at(self, when: float | None) -> int:

@@ -32,6 +32,8 @@ class BatchRecord:
     staleness_updates: int
     staleness_batches: float
     metrics: Mapping[str, float]
+    payload: Any = None
+    """The batch's samples (its family's payload), for observers that record them."""
 
 
 class LoopObserver:

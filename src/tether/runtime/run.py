@@ -170,11 +170,13 @@ def _check_learned(trace: TraceRecorder, final: LoopState, *, started: LoopState
 
 @contextlib.contextmanager
 def _sinks(cfg: Config, run_dir: Path, wall_start: float):
-    """Where every batch's metrics go: metrics.jsonl, TensorBoard, and W&B when asked; closed at
-    the end however the run ends."""
+    """Where every batch's metrics go: metrics.jsonl, TensorBoard, and W&B when asked; and its
+    samples, where the family records them (``Family.recorders``); closed at the end however the
+    run ends."""
     from tether.runtime.sinks import JsonlSink, TensorBoardSink, WandbSink
 
-    sinks: list = [JsonlSink(run_dir, wall_start=wall_start), TensorBoardSink(run_dir)]
+    sinks: list = [JsonlSink(run_dir, wall_start=wall_start), TensorBoardSink(run_dir),
+                   *cfg.family().recorders(cfg, run_dir)]
     if cfg.run.wandb_project:
         sinks.append(WandbSink(cfg.run.wandb_project, run_dir, cfg.to_dict()))
     try:
@@ -190,13 +192,15 @@ def _restore(found, learner, run_dir: Path) -> tuple[LoopState | None, object, i
     if found is None:
         return None, None, 0
     from tether.runtime.checkpoint import published_weights, trim_jsonl
+    from tether.runtime.rundir import STARTS_NAME
 
     state, ckpt = found
     learner.load(ckpt / "learner")
     log.info("resuming from %s: %d batches trained, train version %d", ckpt, state.trained_batches,
              state.train_version)
-    for name in ("metrics.jsonl", "eval.jsonl"):
-        trim_jsonl(run_dir / name, state.trained_batches)
+    for path in sorted(run_dir.glob("*.jsonl")):  # metrics, evals, a family's records (by step)
+        if path.name not in (STARTS_NAME, "events.jsonl"):
+            trim_jsonl(path, state.trained_batches)
     return (state, *_engine_start(state, ckpt, published_weights(ckpt)))
 
 

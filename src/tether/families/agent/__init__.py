@@ -78,6 +78,12 @@ class AgentFamily(TextFamily):
                 load_python_object(e.env_class, what="env.env_class"), {}
             )  # refuses a non-environment now
 
+    def recorders(self, cfg: Any, run_dir: Path) -> list[Any]:
+        """``episodes.jsonl`` (``env.record_every``)."""
+        from tether.families.agent.record import EpisodeRecorder
+
+        return [EpisodeRecorder(run_dir, cfg.env.record_every)] if cfg.env.record_every else []
+
     def drains_at_turns(self, cfg: Any) -> bool:
         """``drain`` with ``env.switch_at=turn``: a publication waits for the turns in flight."""
         return cfg.async_.inflight_update == "drain" and cfg.env.switch_at == "turn"

@@ -308,6 +308,7 @@ class Player:
                 self._end(ep, "error", f"reset raised ActionError: {exc}")
                 return False
             ep.action_errors += 1
+            ep.step_rewards.append(0.0)  # a step all the same: one reward per turn
             return self._observe(ep, str(exc), done=False, truncated=False)
         except Exception as exc:
             self._end(ep, "error", f"{kind} raised {type(exc).__name__}: {exc}")

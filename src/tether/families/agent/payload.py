@@ -34,6 +34,10 @@ class EpisodeBatch:
     turns: list[int]
     transcripts: list[list[str]]
     group_size: int
+    step_rewards: list[list[float]]
+    """Each episode's reward at every step."""
+    errors: list[str]
+    """Each episode's failure message ('' when it did not fail)."""
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -43,7 +47,8 @@ class EpisodeBatch:
     def check(self) -> None:
         """Refuse a batch whose groups are not intact or whose per-token lists disagree."""
         n = self.num_groups * self.group_size
-        lengths = {name: len(getattr(self, name)) for name in ("rewards", "statuses", "turns", "transcripts")}
+        lengths = {name: len(getattr(self, name)) for name in
+                   ("rewards", "statuses", "turns", "transcripts", "step_rewards", "errors")}
         rows = {name: len(getattr(self, name)) for name in ("ids", "model", "logprobs", "versions")}
         wrong = {k: v for k, v in lengths.items() if v != n}
         wrong.update({k: v for k, v in rows.items() if v != len(self.episode_of)})

@@ -127,6 +127,8 @@ class AgentSampler:
             statuses=[ep.status for ep in episodes],
             turns=[ep.turns for ep in episodes],
             transcripts=[ep.transcript for ep in episodes],
+            step_rewards=[ep.step_rewards for ep in episodes],
+            errors=[ep.error for ep in episodes],
             group_size=g,
         )
         batch.metrics.update(self._metrics(episodes, batch, wall))
