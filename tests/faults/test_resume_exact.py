@@ -49,7 +49,7 @@ def trace(run_dir):
     syncs = [e["step"] for e in rows(run_dir / "events.jsonl") if e["kind"] == "sync" and e["published"]]
     weights = load_file(str(run_dir / "checkpoints" / f"step-{TOTAL:06d}" / "learner" / "model" /
                             "model.safetensors"))
-    return metrics, syncs, weights
+    return metrics, syncs, weights, rows(run_dir / "samples.jsonl")
 
 
 @pytest.mark.parametrize(("s", "u", "extra"),
@@ -58,8 +58,13 @@ def trace(run_dir):
 def test_a_run_stopped_after_any_step_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch, s, u, extra):
     """With dynamic sampling too: a batch's extra prompts are its own, so they are the same."""
     train(config(tiny_model_dir, s, u, extra), tmp_path / "whole", progress_plain=True)
-    whole_metrics, whole_syncs, whole_weights = trace(tmp_path / "whole")
+    whole_metrics, whole_syncs, whole_weights, whole_samples = trace(tmp_path / "whole")
     assert len(whole_metrics) == TOTAL and max(m["staleness/updates"] for m in whole_metrics) == s * u
+    # samples.jsonl: every sample of every trained batch, its reward the batch's metrics averaged
+    assert [x["step"] for x in whole_samples] == [m["step"] for m in whole_metrics for _ in range(2 * 2)]
+    for m in whole_metrics:
+        rewards = [x["reward"] for x in whole_samples if x["step"] == m["step"]]
+        assert sum(rewards) / len(rewards) == pytest.approx(m["reward/mean"])
     if extra:  # batches really drew beyond their own prompts
         assert max(m["rollout/prompts_drawn"] for m in whole_metrics) > 2
     lagging_stops = 0
@@ -69,8 +74,9 @@ def test_a_run_stopped_after_any_step_resumes_exactly(tiny_model_dir, tmp_path, 
         state = json.loads((run_dir / "checkpoints" / f"step-{k:06d}" / "state.json").read_text())
         lagging_stops += state["rollout_version"] != state["train_version"]
         train(load_config(run_dir / "config.yaml"), run_dir, resume=True, progress_plain=True)
-        metrics, syncs, weights = trace(run_dir)
+        metrics, syncs, weights, samples = trace(run_dir)
         assert metrics == whole_metrics, f"stopped after step {k}"
+        assert samples == whole_samples, f"stopped after step {k}"  # trimmed to the stop, then the same
         assert syncs == whole_syncs, f"stopped after step {k}"
         assert weights.keys() == whole_weights.keys()
         for name, tensor in weights.items():

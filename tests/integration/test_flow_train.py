@@ -75,11 +75,19 @@ def test_a_stopped_flow_run_resumes_exactly(flow_model, tmp_path, monkeypatch):
     def trace(run_dir):
         folder = run_dir / "checkpoints" / "step-000005" / "learner" / "model"
         weights = load_file(str(folder / "model.safetensors"))
-        return [{k: m.get(k) for k in keys} for m in rows(run_dir / "metrics.jsonl")], weights
+        return [{k: m.get(k) for k in keys} for m in rows(run_dir / "metrics.jsonl")], weights, \
+            rows(run_dir / "samples.jsonl")
 
-    (whole, whole_weights), (resumed, weights) = whole_and_resumed(monkeypatch, cfg, tmp_path, trace)
+    (whole, whole_weights, whole_samples), (resumed, weights, samples) = whole_and_resumed(
+        monkeypatch, cfg, tmp_path, trace)
     assert whole[-1]["loss/kl"] > 0  # the grpo preset's KL to the reference ran
     assert resumed == whole
+    # samples.jsonl: each image's prompt and reward, the same after the stop and resume
+    assert samples == whole_samples and {x["step"] for x in samples} == {1, 2, 3, 4, 5}
+    for m in whole:
+        rewards = [x["reward"] for x in samples if x["step"] == m["step"]]
+        assert sum(rewards) / len(rewards) == pytest.approx(m["reward/mean"])
+    assert all(isinstance(x["prompt"], str) and x["prompt"] for x in samples)
     for name, tensor in weights.items():
         assert tensor.equal(whole_weights[name]), name
 

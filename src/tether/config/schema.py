@@ -464,8 +464,16 @@ class RewardSection:
 
 @dataclass(frozen=True)
 class MetricsSection:
-    """Figures that cost extra work to compute, off unless asked for."""
+    """What a run records beyond its per-batch metrics."""
 
+    record_every: int = knob(
+        1,
+        "Write every N-th trained batch's samples to the run directory as it trains: samples.jsonl for "
+        "text (prompt, answer, completion, reward, finish reason, versions) and flow (prompt, reward), "
+        "episodes.jsonl for agents (transcript, per-step rewards, return, how it ended, versions); "
+        "0 = none. A resume trims them to its checkpoint.",
+        min=0,
+    )
     attribution: bool = knob(
         False,
         "Split every token's importance log-ratio log π_old/μ into its staleness part log π_old/π_v "

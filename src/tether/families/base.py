@@ -31,8 +31,16 @@ class FamilyBase:
         return cfg.rollout.max_new_tokens
 
     def recorders(self, cfg: Any, run_dir: Path) -> list[Any]:
-        """No samples recorded beyond the metrics."""
-        return []
+        """``samples.jsonl`` (``metrics.record_every``) from payloads that say what to record of
+        each sample (``sample_lines()``); nothing for payloads that do not."""
+        from tether.loop.observe import Recorder
+
+        def lines(record) -> list[dict]:
+            of = getattr(record.payload, "sample_lines", None)
+            return of() if of is not None else []
+
+        every = cfg.metrics.record_every
+        return [Recorder(Path(run_dir) / "samples.jsonl", every, lines)] if every else []
 
     def drains_at_turns(self, cfg: Any) -> bool:
         """Publications drain whole batches (no turns to stop at)."""

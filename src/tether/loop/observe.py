@@ -75,6 +75,31 @@ class Observers(LoopObserver):
             o.on_eval(step, metrics)
 
 
+class Recorder(LoopObserver):
+    """Appends what ``lines(record)`` says about every ``every``-th trained batch to the JSON-lines
+    file ``path``, a line flushed as it is written; each line carries its batch's ``step`` (so a
+    resume can trim the file to its checkpoint)."""
+
+    def __init__(self, path, every: int, lines) -> None:
+        import json
+
+        self.path, self.every, self.lines, self._dumps = path, every, lines, json.dumps
+        self.file = None  # opened at the first line: a run with nothing to record leaves no file
+
+    def on_batch(self, record: BatchRecord) -> None:
+        if not self.every or record.step % self.every:
+            return
+        for line in self.lines(record):
+            if self.file is None:
+                self.file = open(self.path, "a", buffering=1)  # noqa: SIM115 - held for the run, closed by close()
+            row = {"step": record.step, "batch_index": record.batch_index, **line}
+            self.file.write(self._dumps(row) + "\n")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
 class TraceRecorder(LoopObserver):
     """Keeps everything in memory: the event trace, the records, evals and notes."""
 

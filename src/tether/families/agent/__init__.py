@@ -79,10 +79,11 @@ class AgentFamily(TextFamily):
             )  # refuses a non-environment now
 
     def recorders(self, cfg: Any, run_dir: Path) -> list[Any]:
-        """``episodes.jsonl`` (``env.record_every``)."""
-        from tether.families.agent.record import EpisodeRecorder
+        """``episodes.jsonl`` (``metrics.record_every``)."""
+        from tether.families.agent.record import episode_recorder
 
-        return [EpisodeRecorder(run_dir, cfg.env.record_every)] if cfg.env.record_every else []
+        every = cfg.metrics.record_every
+        return [episode_recorder(run_dir, every)] if every else []
 
     def drains_at_turns(self, cfg: Any) -> bool:
         """``drain`` with ``env.switch_at=turn``: a publication waits for the turns in flight."""

@@ -80,12 +80,6 @@ class EnvSection:
         min=0.0,
         max=1.0,
     )
-    record_every: int = knob(
-        1,
-        "Write every N-th trained batch's episodes to the run's episodes.jsonl (transcript, per-step "
-        "rewards, return, how it ended, versions; docs/agents.md); 0 = none.",
-        min=0,
-    )
     script_quality: float = knob(
         1.0,
         "How good a player the warm start's scripted transcripts show (kv_lookup: the share that "

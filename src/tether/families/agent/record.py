@@ -1,5 +1,5 @@
 """``episodes.jsonl``: what each episode of a run was, one JSON line an episode, written as its
-batch trains (every ``env.record_every``-th trained batch).
+batch trains (every ``metrics.record_every``-th trained batch).
 
 A line holds the step it trained at, its rollout batch and task position, its group and place in
 it, how it ended (and the failure's message), its return and the reward of every step, its turns,
@@ -10,17 +10,16 @@ observation included. On resume, lines after the checkpoint are dropped and writ
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 from tether.families.agent.payload import EpisodeBatch
-from tether.loop.observe import BatchRecord, LoopObserver
+from tether.loop.observe import BatchRecord, Recorder
 
 NAME = "episodes.jsonl"
 
 
-def episode_lines(step: int, batch_index: int, batch: EpisodeBatch) -> list[dict]:
+def episode_lines(batch: EpisodeBatch) -> list[dict]:
     """One record per episode of ``batch``, in group order."""
     samples = Counter(batch.episode_of)
     model_tokens = [0] * len(batch.rewards)
@@ -30,29 +29,17 @@ def episode_lines(step: int, batch_index: int, batch: EpisodeBatch) -> list[dict
         versions[e] += [v for v, m in zip(vs, flags, strict=True) if m]
     g = batch.group_size
     return [
-        {"step": step, "batch_index": batch_index, "position": batch.positions[e // g], "group": e // g,
-         "episode": e % g, "status": batch.statuses[e], "error": batch.errors[e], "return": batch.rewards[e],
-         "step_rewards": batch.step_rewards[e], "turns": batch.turns[e], "rewrites": samples[e] - 1,
-         "model_tokens": model_tokens[e],
+        {"position": batch.positions[e // g], "group": e // g, "episode": e % g, "status": batch.statuses[e],
+         "error": batch.errors[e], "return": batch.rewards[e], "step_rewards": batch.step_rewards[e],
+         "turns": batch.turns[e], "rewrites": samples[e] - 1, "model_tokens": model_tokens[e],
          "versions": [min(versions[e]), max(versions[e])] if versions[e] else [],
          "transcript": batch.transcripts[e]}
         for e in range(len(batch.rewards))
     ]
 
 
-class EpisodeRecorder(LoopObserver):
-    """Appends every ``every``-th trained batch's episodes to ``episodes.jsonl``, a line flushed as
-    it is written."""
+def episode_recorder(run_dir: Path, every: int) -> Recorder:
+    def lines(record: BatchRecord) -> list[dict]:
+        return episode_lines(record.payload) if isinstance(record.payload, EpisodeBatch) else []
 
-    def __init__(self, run_dir: Path, every: int) -> None:
-        self.every = every
-        self.file = (Path(run_dir) / NAME).open("a", buffering=1)
-
-    def on_batch(self, record: BatchRecord) -> None:
-        if record.step % self.every or not isinstance(record.payload, EpisodeBatch):
-            return
-        for line in episode_lines(record.step, record.batch_index, record.payload):
-            self.file.write(json.dumps(line) + "\n")
-
-    def close(self) -> None:
-        self.file.close()
+    return Recorder(Path(run_dir) / NAME, every, lines)

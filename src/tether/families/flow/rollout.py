@@ -95,6 +95,15 @@ class FlowBatch:
     def version_shares(self) -> dict[int, float]:
         return version_shares(self.versions)
 
+    def sample_lines(self) -> list[dict]:
+        """What ``samples.jsonl`` holds of each image (``metrics.record_every``): its prompt and
+        reward, and the versions of its steps."""
+        g = self.group_size
+        return [{"position": self.positions[i // g], "group": i // g, "sample": i % g,
+                 "prompt": self.prompts[i // g], "reward": self.rewards[i],
+                 "versions": [min(self.versions[i]), max(self.versions[i])]}
+                for i in range(len(self.rewards))]
+
 
 class FlowSampler:
     """The flow model, its engine and the image reward of one worker."""

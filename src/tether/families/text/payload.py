@@ -32,6 +32,9 @@ class ScoredBatch:
     completions: list[str]
     """Decoded text of each sample (B·G)."""
     group_size: int
+    prompts: list[str] = field(default_factory=list)
+    """Each prompt's text (B), and ``answers`` its reference answer, for the samples record."""
+    answers: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -47,7 +50,8 @@ class ScoredBatch:
             "rewards": len(self.rewards), "finish_reasons": len(self.finish_reasons),
             "completions": len(self.completions),
         }
-        expected = {k: (self.num_groups if k == "positions" else n) for k in lengths}
+        lengths.update({k: len(getattr(self, k)) for k in ("prompts", "answers") if getattr(self, k)})
+        expected = {k: (self.num_groups if k in ("positions", "prompts", "answers") else n) for k in lengths}
         wrong = {k: v for k, v in lengths.items() if v != expected[k]}
         if wrong:
             raise ValueError(f"scored batch is not whole: {wrong} (expected {self.num_groups} groups "
@@ -56,6 +60,19 @@ class ScoredBatch:
                                                 strict=True)):
             if not len(toks) == len(lps) == len(vs):
                 raise ValueError(f"sample {i}: {len(toks)} tokens, {len(lps)} log-probs, {len(vs)} versions")
+
+    def sample_lines(self) -> list[dict]:
+        """What ``samples.jsonl`` holds of each sample, in group order (``metrics.record_every``)."""
+        g = self.group_size
+        return [
+            {"position": self.positions[i // g], "group": i // g, "sample": i % g,
+             "prompt": self.prompts[i // g] if self.prompts else None,
+             "answer": self.answers[i // g] if self.answers else None, "completion": self.completions[i],
+             "reward": self.rewards[i], "finish_reason": self.finish_reasons[i],
+             "tokens": len(self.completion_ids[i]),
+             "versions": [min(self.versions[i]), max(self.versions[i])] if self.versions[i] else []}
+            for i in range(len(self.rewards))
+        ]
 
     def version_shares(self) -> dict[int, float]:
         """version → the share of the batch's tokens sampled under it, oldest first (empty when

@@ -41,7 +41,9 @@ class TextSampler:
         generate_s = time.perf_counter() - t0 - self._score_s
         batch = ScoredBatch(positions=[g.position for g in groups], prompt_ids=[g.prompt_ids for g in groups],
                             completion_ids=[], logprobs=[], versions=[], rewards=[],
-                            finish_reasons=[], completions=[], group_size=item.group_size)
+                            finish_reasons=[], completions=[], group_size=item.group_size,
+                            prompts=[g.example.prompt for g in groups],
+                            answers=[g.example.answer for g in groups])
         for g in groups:
             for c, reward, text in zip(g.samples, g.rewards, g.texts, strict=True):
                 batch.completion_ids.append(c.token_ids)
