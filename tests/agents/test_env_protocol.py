@@ -18,6 +18,12 @@ def test_a_step_a_gymnasium_tuple_and_a_skyrl_output_are_the_same_step():
         "metadata": {},
     }
     assert as_step(skyrl) == Step("ab", 1, True, False, {})
+    # a rewritten history, said each way
+    rewrite = {"new_context": True}
+    assert as_step(Step("c", new_context=True)).new_context
+    assert as_step(("c", 0.0, False, False, rewrite)).new_context
+    assert as_step({**skyrl, "metadata": rewrite}).new_context
+    assert not as_step(("c", 0.0, False, False, {})).new_context
 
 
 @pytest.mark.parametrize(
@@ -29,6 +35,8 @@ def test_a_step_a_gymnasium_tuple_and_a_skyrl_output_are_the_same_step():
         (Step("o", "1"), "reward of type str"),  # type: ignore[arg-type]
         (Step("o", True), "reward of type bool"),
         (Step("o", float("nan")), "non-finite reward"),
+        (Step("o", new_context="yes"), "new_context='yes'; expected True or False"),  # type: ignore[arg-type]
+        (("o", 0.0, False, False, {"new_context": 1}), "new_context=1; expected True or False"),
     ],
 )
 def test_a_step_of_the_wrong_shape_is_refused_saying_what_was_wrong(value, says):

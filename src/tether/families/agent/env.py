@@ -83,7 +83,7 @@ def as_step(value: Any) -> Step:
     elif isinstance(value, tuple) and len(value) == 5:
         obs, reward, terminated, truncated, info = value
         info = info if isinstance(info, Mapping) else {}
-        step = Step(obs, reward, bool(terminated), bool(truncated), info, bool(info.get("new_context")))
+        step = Step(obs, reward, bool(terminated), bool(truncated), info, info.get("new_context", False))
     elif isinstance(value, Mapping) and "observations" in value:  # skyrl-gym's step output
         step = Step(
             _messages_text(value["observations"]),
@@ -91,7 +91,7 @@ def as_step(value: Any) -> Step:
             bool(value.get("done", False)),
             False,
             value.get("metadata") or {},
-            bool((value.get("metadata") or {}).get("new_context")),
+            (value.get("metadata") or {}).get("new_context", False),
         )
     else:
         raise EnvContractError(
@@ -109,6 +109,8 @@ def as_step(value: Any) -> Step:
         )
     if step.reward != step.reward or step.reward in (float("inf"), float("-inf")):
         raise EnvContractError(f"step returned a non-finite reward {step.reward}")
+    if not isinstance(step.new_context, bool):
+        raise EnvContractError(f"step returned new_context={step.new_context!r}; expected True or False")
     return step
 
 

@@ -335,8 +335,8 @@ class Player:
         ep.step_rewards.append(float(step.reward))
         if step.info.get("action_error"):
             ep.action_errors += 1
-        rewrite = step.new_context or bool(step.info.get("new_context"))
-        return self._observe(ep, step.observation, done=step.done, truncated=step.truncated, rewrite=rewrite)
+        return self._observe(ep, step.observation, done=step.done, truncated=step.truncated,
+                             rewrite=step.new_context)
 
     def _observe(self, ep: Episode, text: str, *, done: bool, truncated: bool, rewrite: bool = False) -> bool:
         ep.transcript.append(text)
