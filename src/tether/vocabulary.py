@@ -429,8 +429,9 @@ class Family(Protocol):
     def recorders(self, cfg: Any, run_dir: Path) -> list[Any]:
         """``LoopObserver``s that record a run's samples in ``run_dir`` from each trained batch's
         payload (``BatchRecord.payload``), each line with its ``step`` (trimmed on resume); closed
-        (``close()``) when the run ends. ``FamilyBase``'s writes ``samples.jsonl`` from a payload's
-        ``sample_lines()`` every ``metrics.record_every`` batches."""
+        (``close()``) when the run ends. ``FamilyBase``'s writes its ``records`` file
+        (``samples.jsonl``) from a payload's ``sample_lines()`` every ``metrics.record_every``
+        batches."""
         ...
 
     def drains_at_turns(self, cfg: Any) -> bool:

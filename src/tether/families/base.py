@@ -23,6 +23,8 @@ class FamilyBase:
     """Keys of shared sections only this family reads (refused with another family)."""
     capabilities: Capabilities = Capabilities()
     warmstart_fields: tuple[str, ...] = ("loss",)
+    records: str = "samples.jsonl"
+    """The file in the run directory ``recorders`` writes the recorded samples to."""
 
     def check(self, cfg: Any) -> None:
         """No rules of its own."""
@@ -31,8 +33,8 @@ class FamilyBase:
         return cfg.rollout.max_new_tokens
 
     def recorders(self, cfg: Any, run_dir: Path) -> list[Any]:
-        """``samples.jsonl`` (``metrics.record_every``) from payloads that say what to record of
-        each sample (``sample_lines()``); nothing for payloads that do not."""
+        """``records`` (``metrics.record_every``) from payloads that say what to record of each
+        sample (``sample_lines()``); nothing for payloads that do not."""
         from tether.loop.observe import Recorder
 
         def lines(record) -> list[dict]:
@@ -40,7 +42,7 @@ class FamilyBase:
             return of() if of is not None else []
 
         every = cfg.metrics.record_every
-        return [Recorder(Path(run_dir) / "samples.jsonl", every, lines)] if every else []
+        return [Recorder(Path(run_dir) / self.records, every, lines)] if every else []
 
     def drains_at_turns(self, cfg: Any) -> bool:
         """Publications drain whole batches (no turns to stop at)."""

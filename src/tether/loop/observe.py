@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,9 +82,7 @@ class Recorder(LoopObserver):
     resume can trim the file to its checkpoint)."""
 
     def __init__(self, path, every: int, lines) -> None:
-        import json
-
-        self.path, self.every, self.lines, self._dumps = path, every, lines, json.dumps
+        self.path, self.every, self.lines = path, every, lines
         self.file = None  # opened at the first line: a run with nothing to record leaves no file
 
     def on_batch(self, record: BatchRecord) -> None:
@@ -93,7 +92,7 @@ class Recorder(LoopObserver):
             if self.file is None:
                 self.file = open(self.path, "a", buffering=1)  # noqa: SIM115 - held for the run, closed by close()
             row = {"step": record.step, "batch_index": record.batch_index, **line}
-            self.file.write(self._dumps(row) + "\n")
+            self.file.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
         if self.file is not None:

@@ -55,9 +55,15 @@ def units_of(batch) -> torch.Tensor:
     return torch.arange(batch.size, device=batch.rewards.device) if episode is None else episode
 
 
-def per_unit(values: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
-    """(U,) the sum of ``values`` (N,) over the rows of each unit."""
-    return values.new_zeros(int(units[-1]) + 1).index_add(0, units, values)
+def per_episode(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(rewards, loss tokens, ``batch.episode``): one of each per row, or, when an episode spans
+    rows (``episode`` (N,), non-decreasing), one per episode: its return and its tokens summed."""
+    rewards, lengths = batch.rewards, batch.mask.sum(dim=1)  # (N,)
+    episode = getattr(batch, "episode", None)
+    if episode is None:
+        return rewards, lengths, None
+    first = torch.cat([torch.ones(1, dtype=torch.bool, device=episode.device), episode[1:] != episode[:-1]])
+    return rewards[first], lengths.new_zeros(int(episode[-1]) + 1).index_add(0, episode, lengths), episode
 
 
 def overlong_penalty(lengths: torch.Tensor, *, max_len: int, buffer: int, factor: float) -> torch.Tensor:

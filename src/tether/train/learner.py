@@ -16,6 +16,7 @@ whole mini-batch's counts, and gradients are summed, so the update is the single
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -31,7 +32,7 @@ from tether.errors import ConfigError
 from tether.modeling import disable_dropout, dropout_settings, learner_device, model_config, unique_parameters
 from tether.procinfo import peak_rss_mb
 from tether.train import fsdp, lora
-from tether.train.advantages import Advantages, group_advantages, overlong_penalty, per_unit, units_of
+from tether.train.advantages import Advantages, group_advantages, overlong_penalty, per_episode, units_of
 from tether.train.collective import Solo
 from tether.train.corrections import correct
 from tether.train.losses import LossInputs, LossSettings, aggregate
@@ -199,19 +200,17 @@ class TorchLearner:
     def _advantages(self, tb: Any, stats: _Stats) -> tuple[Advantages, torch.Tensor]:
         """Advantages of the (shaped) rewards, and the loss mask (N, L − 1) of the samples kept."""
         s, shaping = self.s, self.cfg.reward
-        units = units_of(tb)  # (N,) a row's sample, or its episode: a unit's rows share its reward
-        counts = per_unit(torch.ones_like(tb.rewards), units)  # (U,)
-        rewards = per_unit(tb.rewards, units) / counts  # (U,)
+        rewards, lengths, episode = per_episode(tb)  # per row, or per episode when one spans rows
         if shaping.overlong_buffer:
-            penalty = overlong_penalty(per_unit(tb.mask.sum(dim=1), units), max_len=self.norm_constant,
+            penalty = overlong_penalty(lengths, max_len=self.norm_constant,
                                        buffer=shaping.overlong_buffer, factor=shaping.overlong_penalty)
             rewards = rewards + penalty
             stats.add("reward/overlong_penalty_mean", penalty.mean())
             stats.add("reward/overlong_frac", (penalty < 0).float().mean())
         adv = group_advantages(rewards, tb.group_size, estimator=s.advantage, std_norm=s.adv_std_norm,
                                scope=s.adv_scope, drop_zero_std=s.drop_zero_std, clip=s.adv_clip)
-        if len(rewards) != tb.size:  # back to rows
-            adv = Advantages(adv.values[units], adv.keep[units], adv.frac_zero_std, adv.clipped_frac)
+        if episode is not None:  # back to rows
+            adv = dataclasses.replace(adv, values=adv.values[episode], keep=adv.keep[episode])
         if s.adv_clip:
             stats.add("train/adv_clipped_frac", adv.clipped_frac)
         keep = adv.keep & ~tb.truncated if s.mask_truncated else adv.keep  # (N,)

@@ -53,6 +53,7 @@ class AgentFamily(TextFamily):
         notes={"dynamic_sampling": NOT_YET, "attribution": NOT_YET},
     )
     warmstart_fields = ("loss", "pass_at_1")
+    records = "episodes.jsonl"  # a line an episode (EpisodeBatch.sample_lines)
 
     def check(self, cfg: Any) -> None:
         e = cfg.env
@@ -77,13 +78,6 @@ class AgentFamily(TextFamily):
             factory(
                 load_python_object(e.env_class, what="env.env_class"), {}
             )  # refuses a non-environment now
-
-    def recorders(self, cfg: Any, run_dir: Path) -> list[Any]:
-        """``episodes.jsonl`` (``metrics.record_every``)."""
-        from tether.families.agent.record import episode_recorder
-
-        every = cfg.metrics.record_every
-        return [episode_recorder(run_dir, every)] if every else []
 
     def drains_at_turns(self, cfg: Any) -> bool:
         """``drain`` with ``env.switch_at=turn``: a publication waits for the turns in flight."""

@@ -9,6 +9,7 @@ history (``Step.new_context``).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from tether.vocabulary import version_shares
@@ -77,6 +78,32 @@ class EpisodeBatch:
             [v for v, m in zip(vs, model, strict=True) if m]
             for vs, model in zip(self.versions, self.model, strict=True)
         ]
+
+    def sample_lines(self) -> list[dict]:
+        """What ``episodes.jsonl`` holds of each episode, in group order (``metrics.record_every``):
+        its task position, group and place, how it ended (and why, when it failed), its return and
+        the reward of every step, turns, rewrites of its history, model tokens, the oldest and
+        newest version of those tokens, and its transcript (observation, action, …, the final
+        observation included)."""
+        samples = Counter(self.episode_of)
+        versions = self.episode_versions()  # one per model token
+        g = self.group_size
+        return [
+            {"position": self.positions[e // g], "group": e // g, "episode": e % g,
+             "status": self.statuses[e], "error": self.errors[e], "return": self.rewards[e],
+             "step_rewards": self.step_rewards[e], "turns": self.turns[e], "rewrites": samples[e] - 1,
+             "model_tokens": len(versions[e]),
+             "versions": [min(versions[e]), max(versions[e])] if versions[e] else [],
+             "transcript": self.transcripts[e]}
+            for e in range(len(self.rewards))
+        ]
+
+    def episode_versions(self) -> list[list[int]]:
+        """Each episode's per-token versions, model tokens only, over its samples in order."""
+        out: list[list[int]] = [[] for _ in self.rewards]
+        for e, versions in zip(self.episode_of, self.model_versions(), strict=True):
+            out[e] += versions
+        return out
 
     def version_shares(self) -> dict[int, float]:
         """version → the share of the batch's model tokens sampled under it: an episode is as old

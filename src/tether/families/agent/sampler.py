@@ -171,10 +171,7 @@ class AgentSampler:
         }
         for status in (s for s in ENDINGS if s not in FAILURES):  # failures: env_errors, timeouts
             out[f"agent/ended_{status}_frac"] = sum(ep.status == status for ep in episodes) / n
-        versions: list[set[int]] = [set() for _ in episodes]  # an episode's, over its samples
-        for e, vs in zip(batch.episode_of, batch.model_versions(), strict=True):
-            versions[e].update(vs)
-        out["staleness/multi_version_seq_frac"] = sum(len(v) > 1 for v in versions) / n
+        out["staleness/multi_version_seq_frac"] = sum(len(set(v)) > 1 for v in batch.episode_versions()) / n
         if self.switches:
             wasted, switches = self.engine.take_counts()
             out["rollout/weight_switches"] = float(switches + self.player.turn_switches)
