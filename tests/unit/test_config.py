@@ -1,11 +1,13 @@
 """Strict typed config: recipes, dotted overrides, and errors that say what to change."""
 
+import pickle
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tether.config import Config, load_config, reference_markdown
-from tether.config.presets import preset
+from tether.config.presets import PRESETS, preset
 from tether.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -266,6 +268,18 @@ def test_the_advantage_estimator_owns_its_normalisation():
         load_config(None, ["train.advantage=reinforce_pp", "train.adv_scope=batch"])
     with pytest.raises(ConfigError, match=r"grpo.*rloo.*reinforce_pp"):
         load_config(None, ["train.advantage=ppo"])
+
+
+@pytest.mark.parametrize("algorithm", sorted(PRESETS))
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp"])
+def test_a_resolved_config_loads_again_as_itself(algorithm, advantage):
+    # Every process of a run (rollout workers, learner ranks, a resume) rebuilds the config from
+    # what the driver resolved: resolving must accept its own output and change nothing.
+    # (train.advantage=rloo once wrote adv_std_norm: false and then refused it in the worker.)
+    cfg = load_config(None, [f"train.algorithm={algorithm}", f"train.advantage={advantage}"])
+    again = Config.from_dict(yaml.safe_load(cfg.to_yaml()))
+    assert again.to_dict() == cfg.to_dict()
+    assert pickle.loads(pickle.dumps(cfg)).to_dict() == cfg.to_dict()
 
 
 @pytest.mark.parametrize(("recorded", "overrides", "dropped"), [

@@ -358,7 +358,9 @@ def _resolve_preset(train: TrainSection) -> TrainSection:
     from tether.config.presets import preset
 
     p = preset(train.algorithm)
-    if train.advantage != "grpo" and train.adv_std_norm is not None:
+    # A resolved config holds adv_std_norm: false for such an estimator, and every process of a
+    # run resolves its config again: false is what resolution writes, so only true is refused.
+    if train.advantage != "grpo" and train.adv_std_norm:
         raise ConfigError(f"train.adv_std_norm has no effect with train.advantage={train.advantage} (its "
                           "normalisation is part of the estimator); leave train.adv_std_norm unset, or "
                           "use train.advantage=grpo")
