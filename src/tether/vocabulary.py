@@ -426,6 +426,11 @@ class Family(Protocol):
         """L_max: the most columns a sample can have (Dr. GRPO's normaliser)."""
         ...
 
+    def notes(self, cfg: Any) -> list[Any]:
+        """``AdmissionNote``s on this family's settings that run but do not do what they seem to
+        (logged once at the start of a run)."""
+        ...
+
     def recorders(self, cfg: Any, run_dir: Path) -> list[Any]:
         """``LoopObserver``s that record a run's samples in ``run_dir`` from each trained batch's
         payload (``BatchRecord.payload``), each line with its ``step`` (trimmed on resume); closed

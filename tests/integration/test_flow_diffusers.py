@@ -298,3 +298,117 @@ def test_a_rollout_worker_samples_the_pipeline_on_its_device_as_the_cpu_learner_
     print(f"\n{device} {dtype}: engine against the float32 CPU learner, mean |Δ log-prob| {diff:.2e}")
     bound = {("cpu", "float32"): 1e-5, ("cuda", "float32"): 1e-4}.get((device, dtype), 1e-2)
     assert diff <= bound
+
+
+def _edit_json(path, **changes):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _remove_weights(folder):
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+
+
+BROKEN = {  # how a pipeline folder is broken → what the refusal names
+    "no-vae": (lambda p: shutil.rmtree(p / "vae"), r"vae/ is missing"),
+    "no-text-encoder": (lambda p: shutil.rmtree(p / "text_encoder_2"), r"text_encoder_2/ is missing"),
+    "no-tokenizer-config": (lambda p: (p / "tokenizer" / "tokenizer_config.json").unlink(),
+                            r"tokenizer/tokenizer_config.json is missing"),
+    "no-weights": (lambda p: _remove_weights(p / "transformer"), r"transformer/ holds no weights"),
+    "vae-config-not-json": (lambda p: (p / "vae" / "config.json").write_text('{"block_out_channels": [8,'),
+                            r"vae/config.json cannot be read as JSON"),
+    "vae-blocks": (lambda p: _edit_json(p / "vae" / "config.json", block_out_channels="8,16"),
+                   r"block_out_channels is '8,16'"),
+    "vae-latents": (lambda p: _edit_json(p / "vae" / "config.json", latent_channels=16),
+                    r"the VAE's latents have 16 channels .* the transformer takes 4"),
+    "t5-without-encoder": (lambda p: _edit_json(p / "model_index.json",
+                                                tokenizer_3=["transformers", "T5TokenizerFast"]),
+                           r"model_index.json names no text_encoder_3"),
+    "scheduler": (lambda p: _edit_json(p / "model_index.json",
+                                       scheduler=["diffusers", "EulerDiscreteScheduler"]),
+                  r"the scheduler is EulerDiscreteScheduler"),
+    "unet-pipeline": (lambda p: _edit_json(p / "model_index.json", _class_name="StableDiffusionPipeline"),
+                      r"names the pipeline class 'StableDiffusionPipeline'; the flow family trains "
+                      r"StableDiffusion3Pipeline"),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN))
+def test_a_pipeline_folder_that_is_not_whole_is_refused_when_the_recipe_is_read(pipeline, prompts, tmp_path,
+                                                                               broken):
+    """Read from model_index.json and the parts' configs before diffusers loads anything (so before
+    any process starts): an unsupported class, a part missing, without its config or weights, or a
+    setting Tether reads that makes no sense, each named in one ConfigError."""
+    from tether.families.flow.model import load_flow_model
+
+    copy = tmp_path / "pipeline"
+    shutil.copytree(pipeline, copy)
+    breaks, says = BROKEN[broken]
+    breaks(copy)
+    with pytest.raises(ConfigError, match=says):
+        recipe(copy, prompts)
+    with pytest.raises(ConfigError, match=says):  # and where a checkpoint's base or the API loads it
+        load_flow_model(copy, whole=False)
+
+
+def test_a_vae_config_that_does_not_fit_its_weights_is_refused_clearly(pipeline, tmp_path):
+    """What only loading finds (a config whose sizes are not its weights') is one ConfigError
+    naming the folder, not diffusers' hundred lines of size mismatches."""
+    from tether.families.flow.model import load_flow_model
+
+    copy = tmp_path / "pipeline"
+    shutil.copytree(pipeline, copy)
+    _edit_json(copy / "vae" / "config.json", block_out_channels=[8, 16, 32],
+               down_block_types=["DownEncoderBlock2D"] * 3, up_block_types=["UpDecoderBlock2D"] * 3)
+    with pytest.raises(ConfigError, match=r"diffusers cannot load .*VAE.* \(RuntimeError: .*size mismatch"):
+        load_flow_model(copy)
+
+
+@pytest.mark.parametrize(("settings", "codes"), [
+    (("flow.guidance_scale=0",), ["unconditional"]),
+    (("flow.negative_prompt=blurry",), ["unused_negative_prompt"]),
+    (("flow.guidance_scale=4.5", "flow.negative_prompt=blurry"), []),
+    (("flow.guidance_scale=1",), []),
+])
+def test_guidance_that_has_no_effect_is_noted_once_at_start(pipeline, prompts, tmp_path, caplog, settings,
+                                                             codes):
+    """Guidance 0 (the unconditional branch alone: the prompts do nothing) and a negative prompt
+    without guidance run, but say so when the run starts (here one refused for its non-empty run
+    directory right after, so nothing trains)."""
+    import logging
+
+    cfg = recipe(pipeline, prompts, *settings)
+    assert [n.code for n in cfg.family().notes(cfg)] == codes
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "something").write_text("")
+    caplog.set_level(logging.WARNING, logger="tether")
+    with pytest.raises(ConfigError, match="not empty"):
+        train(cfg, tmp_path / "run", progress_plain=True)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("note [")]
+    assert [s.split("]")[0].removeprefix("note [") for s in said if "oversubscribed" not in s] == codes
+
+
+def test_a_checkpoint_holds_its_whole_transformer_and_tether_eval_names_the_file_it_read(
+        pipeline, prompts, tmp_path, capfd):
+    """A checkpoint's transformer/ holds SD3's fixed position table beside the trained parameters,
+    so loading it (as `tether eval` does) initialises nothing anew and diffusers has nothing to
+    warn of; `tether eval` names the held-out file it read (data.eval_dataset), not the training
+    file."""
+    from tether.cli.main import main
+    from tether.families.flow.model import load_flow_model
+
+    model = load_flow_model(pipeline, whole=False)
+    model.save_pretrained(tmp_path / "checkpoint")
+    saved = load_file(str(tmp_path / "checkpoint" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert "pos_embed.pos_embed" in saved
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("a pink cloud\na green leaf\n")
+    capfd.readouterr()
+    rc = main(["eval", f"model.path={pipeline}", "model.family=flow", "data.task=", f"data.dataset={prompts}",
+               f"data.eval_dataset={held_out}", "data.num_eval=2", "data.max_prompt_tokens=32",
+               "flow.eval_steps=2", "flow.steps=2", f"reward.function={REWARD}:reward",
+               "--model", str(tmp_path / "checkpoint"), "--samples", "1"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    assert f"on 2 held-out examples of dataset {held_out}" in out and str(prompts) not in out
+    assert "newly initialized" not in out + err and "pos_embed" not in out + err

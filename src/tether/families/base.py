@@ -48,6 +48,10 @@ class FamilyBase:
         """Publications drain whole batches (no turns to stop at)."""
         return False
 
+    def notes(self, cfg: Any) -> list[Any]:
+        """None of its own."""
+        return []
+
     def build_model(self, cfg: Any, out: Path, on_progress: Progress | None) -> str:
         from tether.errors import ConfigError
 

@@ -105,7 +105,7 @@ def _train(cfg: Config, run_dir: Path, stop, *, resume: bool, force: bool, overr
         require_wandb()
     parts = assemble(cfg)
     parts.check_here()
-    for note in parts.notes():
+    for note in [*parts.notes(), *parts.family.notes(cfg)]:
         log.warning("note %s", note)
     if not resume:
         _refuse_nonempty(run_dir)  # before a warm start that may take minutes, and before the lock

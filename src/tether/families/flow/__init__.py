@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tether.control.notes import AdmissionNote
 from tether.errors import ConfigError
 from tether.families.base import FamilyBase
 from tether.families.flow.options import FlowSection
@@ -48,8 +49,10 @@ class FlowFamily(FamilyBase):
     warmstart_fields = ("loss", "pass_at_1", "reward")
 
     def check(self, cfg: Any) -> None:
-        from tether.families.flow.pipeline import is_pipeline
+        from tether.families.flow.pipeline import check_pipeline, is_pipeline
 
+        if (Path(cfg.model.path) / "model_index.json").is_file():  # before any process loads it
+            check_pipeline(cfg.model.path)
         if cfg.flow.train_steps > cfg.flow.steps:
             raise ConfigError(f"flow.train_steps={cfg.flow.train_steps} exceeds the flow.steps="
                               f"{cfg.flow.steps} steps of a trajectory; lower it (0 trains all of them)")
@@ -63,6 +66,23 @@ class FlowFamily(FamilyBase):
 
     def norm_constant(self, cfg: Any) -> int:
         return cfg.flow.train_steps or cfg.flow.steps
+
+    def notes(self, cfg: Any) -> list[AdmissionNote]:
+        """Guidance settings that run, but do not do what they seem to."""
+        f = cfg.flow
+        if f.guidance_scale == 0:
+            return [AdmissionNote(
+                "unconditional", "flow.guidance_scale=0 makes every velocity the unconditional branch's, "
+                "v = v_u + 0·(v_c − v_u) (conditioned on "
+                f"{'flow.negative_prompt' if f.negative_prompt else 'the empty prompt'}): the prompts have "
+                "no effect on sampling or training. 1 turns guidance off (the conditional branch alone); "
+                "above 1 guides (SD3: 4.5)")]
+        if f.guidance_scale == 1 and f.negative_prompt:
+            return [AdmissionNote(
+                "unused_negative_prompt", f"flow.negative_prompt={f.negative_prompt!r} has no effect at "
+                "flow.guidance_scale=1 (no guidance: the unconditional branch is never run); set "
+                "flow.guidance_scale above 1 to guide away from it, or drop it")]
+        return []
 
     def build_model(self, cfg: Any, out: Path, on_progress: Progress | None) -> str:
         """A new tiny flow model (the flow section's size) warm-started by flow matching on drawn

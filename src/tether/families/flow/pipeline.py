@@ -23,6 +23,7 @@ the frozen parts from the base, and refuses a base that changed since.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 from collections.abc import Sequence
@@ -37,6 +38,22 @@ from tether.errors import ConfigError
 
 FROZEN = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 """The pipeline components that are never trained."""
+
+SUPPORTED = ("StableDiffusion3Pipeline",)
+"""The pipeline classes (``model_index.json``'s ``_class_name``) the flow family serves."""
+
+PARTS = {"transformer": "config.json", "vae": "config.json", "scheduler": "scheduler_config.json",
+         "text_encoder": "config.json", "tokenizer": "tokenizer_config.json",
+         "text_encoder_2": "config.json", "tokenizer_2": "tokenizer_config.json"}
+"""The parts such a pipeline needs, each with the file that configures it (T5's, ``text_encoder_3``
+and ``tokenizer_3``, are optional: both or neither)."""
+
+T5 = {"text_encoder_3": "config.json", "tokenizer_3": "tokenizer_config.json"}
+
+WEIGHTS = ("*.safetensors", "*.bin")
+
+VAE_BLOCKS = [64]
+"""AutoencoderKL's ``block_out_channels`` when its config does not say (one level: no shrinking)."""
 
 
 def is_pipeline(folder: str | Path) -> bool:
@@ -55,6 +72,92 @@ def _diffusers():
         raise ConfigError("model.path is a diffusers pipeline, which needs the `diffusers` package: "
                           "pip install -e '.[diffusers]'") from exc
     return diffusers
+
+
+def check_pipeline(base: str | Path) -> dict[str, Any]:
+    """``base``'s ``model_index.json``, read before diffusers loads anything; refused, naming
+    every missing or unreadable part, unless it is a supported class with each part it needs present
+    with its config (and, for a model, its weights) and the few settings Tether reads sane."""
+    base = Path(base)
+    index = _read_json(base / "model_index.json", base)
+    name = index.get("_class_name")
+    if name not in SUPPORTED:
+        raise ConfigError(f"{base}/model_index.json names the pipeline class {name!r}; the flow family "
+                          f"trains {' and '.join(SUPPORTED)} folders (SD3, SD3.5), not UNet pipelines "
+                          "(Stable Diffusion 1-2, XL) or FLUX: point model.path at one (docs/flow.md)")
+    wanted = dict(PARTS)
+    present = [part for part in T5 if _named(index.get(part))]
+    if present:  # T5 is optional, but its encoder needs its tokenizer
+        wanted.update(T5)
+    problems: list[str] = []
+    configs: dict[str, dict] = {}
+    for part, config in wanted.items():
+        if not _named(index.get(part)):
+            problems.append(f"model_index.json names no {part}")
+        elif not (base / part).is_dir():
+            problems.append(f"{part}/ is missing")
+        elif not (base / part / config).is_file():
+            problems.append(f"{part}/{config} is missing")
+        else:
+            try:
+                configs[part] = _read_json(base / part / config, base)
+            except ConfigError as exc:
+                problems.append(str(exc).removeprefix(f"{base}: "))
+                continue
+            if not part.startswith(("tokenizer", "scheduler")) and \
+                    not any(f for pattern in WEIGHTS for f in (base / part).glob(pattern)):
+                problems.append(f"{part}/ holds no weights (*.safetensors or *.bin)")
+    problems += _bad_settings(index, configs)
+    if problems:
+        raise ConfigError(f"{base} is not a whole {name} folder: {'; '.join(problems)}. It needs "
+                          f"{', '.join(wanted)}, each a folder with its config, as diffusers' "
+                          "save_pretrained writes them: mend what is named, or copy the whole pipeline "
+                          "folder again")
+    return index
+
+
+def _named(entry: Any) -> bool:
+    """A model_index.json entry that names a part (``[library, class]``, not ``[null, null]``)."""
+    return isinstance(entry, list) and len(entry) == 2 and bool(entry[1])
+
+
+def _read_json(path: Path, base: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{base}: {path.relative_to(base)} cannot be read as JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{base}: {path.relative_to(base)} is not a JSON object")
+    return data
+
+
+def _bad_settings(index: dict[str, Any], configs: dict[str, dict]) -> list[str]:
+    """What is wrong with the few settings Tether itself reads from the parts' configs."""
+    problems = []
+    vae, transformer = configs.get("vae"), configs.get("transformer")
+    if vae is not None:
+        blocks = vae.get("block_out_channels", VAE_BLOCKS)
+        if not (isinstance(blocks, list) and blocks and all(isinstance(b, int) and b > 0 for b in blocks)):
+            problems.append(f"vae/config.json's block_out_channels is {blocks!r}, not a list of channels")
+    if transformer is not None:
+        for key in ("in_channels", "sample_size"):
+            value = transformer.get(key, 1)
+            if not (isinstance(value, int) and value > 0):
+                problems.append(f"transformer/config.json's {key} is {value!r}, not a positive integer")
+    if vae is not None and transformer is not None and \
+            "latent_channels" in vae and "in_channels" in transformer and \
+            vae["latent_channels"] != transformer["in_channels"]:
+        problems.append(f"the VAE's latents have {vae['latent_channels']} channels (vae/config.json's "
+                        f"latent_channels) and the transformer takes {transformer['in_channels']} (its "
+                        "in_channels)")
+    if "scheduler" in configs:
+        name = index["scheduler"][1]
+        if name != "FlowMatchEulerDiscreteScheduler":
+            problems.append(f"the scheduler is {name}, not the FlowMatchEulerDiscreteScheduler of a "
+                            "flow-matching pipeline")
+        elif configs["scheduler"].get("use_dynamic_shifting"):
+            problems.append("the scheduler shifts by image size (use_dynamic_shifting), as FLUX's does")
+    return problems
 
 
 def fingerprint(base: Path) -> str:
@@ -92,7 +195,7 @@ class DiffusersFlow(nn.Module):
         self.resolution = resolution
         self.scheduler_config = json.loads((base / "scheduler" / "scheduler_config.json").read_text())
         self.vae_scale = 2 ** (len(json.loads((base / "vae" / "config.json").read_text())
-                                   ["block_out_channels"]) - 1)
+                                   .get("block_out_channels", VAE_BLOCKS)) - 1)
         self._check_transformer()
         if resolution % self.vae_scale:
             raise ConfigError(f"flow.resolution={resolution} is not a multiple of {self.vae_scale}, the "
@@ -202,6 +305,9 @@ class DiffusersFlow(nn.Module):
         self.transformer.save_config(folder / "transformer")
         if weights is not None:
             own = {n.removeprefix("transformer."): t.contiguous() for n, t in weights.items()}
+            for name, buffer in _persistent_buffers(self.transformer).items():  # SD3's position table:
+                own.setdefault(name, buffer.detach().cpu().contiguous())  # never trained, the same on
+            # every rank, but without it diffusers loads this folder saying it "newly initialized" it
             save_file(own, str(folder / "transformer" / "diffusion_pytorch_model.safetensors"),
                       metadata={"format": "pt"})
         record = {"tether_family": "flow", "backbone": "diffusers", "base": str(self.base.resolve()),
@@ -213,16 +319,36 @@ class DiffusersFlow(nn.Module):
                         resolution: int = 0) -> DiffusersFlow:
         """The pipeline at ``folder`` (or the checkpoint's base with its transformer); ``whole``
         False loads the transformer alone (the learner's)."""
-        diffusers = _diffusers()
         base, transformer_dir = resolve(folder)
-        index = json.loads((base / "model_index.json").read_text())
-        _, name = index.get("transformer") or (None, None)
-        if name is None:
-            raise ConfigError(f"{base}: the pipeline ({index.get('_class_name')}) has no transformer; the "
-                              "flow family trains a flow-matching transformer (SD3-class pipelines)")
-        transformer = getattr(diffusers, name).from_pretrained(transformer_dir, low_cpu_mem_usage=False)
+        _, name = check_pipeline(base)["transformer"]
+        diffusers = _diffusers()
+        with _loading(base, f"its transformer ({transformer_dir})"):
+            transformer = getattr(diffusers, name).from_pretrained(transformer_dir, low_cpu_mem_usage=False)
         pipe = _pipeline(base, transformer) if whole else None
         return cls(transformer, base, pipe=pipe, max_prompt_tokens=max_prompt_tokens, resolution=resolution)
+
+
+@contextlib.contextmanager
+def _loading(base: Path, what: str):
+    """Diffusers' own errors in loading parts whose files do not fit together (a config whose sizes
+    are not its weights'), as one ConfigError naming the folder and the first lines of the cause."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+        cause = " ".join(lines[:2]) + (" …" if len(lines) > 2 else "")
+        raise ConfigError(f"{base}: diffusers cannot load {what} ({type(exc).__name__}: {cause}); its "
+                          "configs do not fit its weights (edited, or copied from another pipeline?): copy "
+                          "the whole pipeline folder again") from exc
+
+
+def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``module``'s state dict holds (those a model folder must hold), by name."""
+    return {f"{prefix}.{name}" if prefix else name: buffer
+            for prefix, sub in module.named_modules() for name, buffer in sub.named_buffers(recurse=False)
+            if name not in sub._non_persistent_buffers_set}
 
 
 def _pipeline(base: Path, transformer: nn.Module) -> Any:
@@ -234,7 +360,8 @@ def _pipeline(base: Path, transformer: nn.Module) -> Any:
     if not hasattr(pipeline_cls, "encode_prompt"):
         raise ConfigError(f"{base}: {index['_class_name']} has no encode_prompt; the flow family serves "
                           "SD3-class pipelines")
-    pipe = pipeline_cls.from_pretrained(base, transformer=transformer, low_cpu_mem_usage=False, **absent)
+    with _loading(base, "its text encoders, tokenizers, VAE or scheduler"):
+        pipe = pipeline_cls.from_pretrained(base, transformer=transformer, low_cpu_mem_usage=False, **absent)
     pipe.set_progress_bar_config(disable=True)
     for module in (getattr(pipe, n, None) for n in FROZEN):
         if module is not None:
