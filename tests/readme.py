@@ -146,8 +146,8 @@ class Workspace:
         """``runs/<name>`` of a train line: its recipe's stem, then its overrides, readable."""
         recipe = next((w for w in words[1:] if w.endswith(".yaml")), "run")
         name = Path(recipe).stem
-        rest = [w for w in words[1:] if "=" in w and w not in SHORT and w not in sum(SMALL_EVAL.values(), [])]
-        rest = [w for w in rest if not w.startswith("warmstart.")]
+        shortening = {w for ws in SMALL_EVAL.values() for w in ws}
+        rest = [w for w in words[1:] if "=" in w and w not in shortening and not w.startswith("warmstart.")]
         if rest:
             name += "-" + "-".join(re.sub(r"[^A-Za-z0-9]+", "_", w) for w in rest)
         return name[:100]
@@ -160,7 +160,9 @@ class Workspace:
         family = re.search(r"^\s*family:\s*(\w+)", text, re.M)
         words = SMALL_EVAL.get(family.group(1) if family else "text", [])
         steps = WARM_STEPS.get(Path(recipe).name)
-        return [w for w in words if not w.startswith("warmstart.")] + [f"warmstart.max_steps={steps}"] if steps else words
+        if steps:
+            words = [w for w in words if not w.startswith("warmstart.")] + [f"warmstart.max_steps={steps}"]
+        return words
 
     def run(self, argv: list[str], *, shell: bool = False) -> subprocess.CompletedProcess:
         out = subprocess.run(argv, cwd=self.root, capture_output=True, text=True, timeout=self.timeout_s,
@@ -175,12 +177,14 @@ class Workspace:
         """A Makefile target's recipe lines, ``$(VENV)`` this environment, ``tether train`` shortened."""
         results = []
         for line in make_lines(target):
-            line = line.replace("$(VENV)/bin/python", sys.executable).replace("$(VENV)/bin/", f"{self.bin_dir}/")
+            line = line.replace("$(VENV)/bin/python", sys.executable)
+            line = line.replace("$(VENV)/bin/", f"{self.bin_dir}/")
             if "$(" in line:
                 raise AssertionError(f"make {target}: cannot run {line!r} here (an unknown make variable)")
             if re.search(r"/tether train ", line):
                 words = shlex.split(line)
-                line = shlex.join(words + SHORT + self.small_eval(words) + ["--run-dir", f"runs/make-{target}"])
+                words += [*SHORT, *self.small_eval(words), "--run-dir", f"runs/make-{target}"]
+                line = shlex.join(words)
             results.append(self.run(line, shell=True))
         return results
 

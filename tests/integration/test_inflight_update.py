@@ -194,8 +194,13 @@ def test_every_mode_trains_within_the_budget_and_reports_per_token_staleness(tin
     published = [e for e in rows(tmp_path / "run" / "events.jsonl") if e["kind"] == "sync" and e["published"]]
     assert any(not e["drained"] for e in published)  # published with generation running
     assert all(e["drained"] for e in published if {"eval", "save"} & set(e["reasons"]))
-    if mode == "abort":
-        assert any(m["rollout/wasted_tokens"] > 0 for m in metrics)
-        assert all(m["staleness/multi_version_seq_frac"] == 0 for m in metrics)
-    else:
-        assert any(m["staleness/multi_version_seq_frac"] > 0 for m in metrics)
+    # Whether a publication reaches a sequence still generating is a matter of this CPU's speed
+    # (generation against training): the pool-level tests above force it and check every token's
+    # version. Here, what the rules guarantee whatever the timing.
+    for m in metrics:
+        if mode == "abort":  # a switch restarts what it reaches: no sequence spans versions
+            assert m["staleness/multi_version_seq_frac"] == 0
+            assert (m["rollout/wasted_tokens"] > 0) <= (m["rollout/weight_switches"] > 0)
+        else:  # nothing is thrown away; a sequence spans versions only where a switch reached it
+            assert m["rollout/wasted_tokens"] == 0
+            assert (m["staleness/multi_version_seq_frac"] > 0) <= (m["rollout/weight_switches"] > 0)

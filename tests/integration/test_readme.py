@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from readme import Command, Workspace, readme_commands  # noqa: E402
+from readme import Command, Workspace, readme_commands
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 COMMANDS = readme_commands()
@@ -61,11 +61,13 @@ def test_the_readme_command_runs(ws: Workspace, cmd: Command):
         ensure_demo(ws)
     if verb == "compare" and not (ws.root / "runs" / "sync" / "summary.json").exists():
         ws.run(ws.argv(Command(".venv", ("train", "recipes/demo.yaml", "async.max_staleness=0"), ""), "sync"))
-    if verb == "train" and "--resume" not in cmd.words and ws.run_name(list(cmd.words)) == "demo":
-        if (ws.root / "runs" / "demo").exists():  # `make demo`'s line, or a resume, ran first
-            pytest.skip("the demo run exists already (the same line ran)")
-    if verb == "warmstart" and not (ws.root / cmd.words[cmd.words.index("--model") + 1]).exists():
-        ws.run([ws.tether(cmd.venv), "init-model", cmd.words[cmd.words.index("--model") + 1], "--size", "small"])
+    if (verb == "train" and "--resume" not in cmd.words and ws.run_name(list(cmd.words)) == "demo"
+            and (ws.root / "runs" / "demo").exists()):  # ensure_demo ran it for a line after it
+        pytest.skip("the demo run exists already (the same line ran)")
+    if verb == "warmstart":
+        model = cmd.words[cmd.words.index("--model") + 1]
+        if not (ws.root / model).exists():  # the init-model line before it, when run alone
+            ws.run([ws.tether(cmd.venv), "init-model", model, "--size", "small"])
     argv = ws.argv(cmd)
     out = ws.run(argv)
     check_output(ws, cmd, argv, out.stdout + out.stderr)

@@ -98,5 +98,13 @@ def test_the_demo_recipe_on_vllm_publishes_without_draining_within_the_budget(de
     published = [e for e in rows(tmp_path / "run" / "events.jsonl") if e["kind"] == "sync" and e["published"]]
     assert any(not e["drained"] for e in published)
     assert all(e["drained"] for e in published if "eval" in e["reasons"])
-    assert any(m["staleness/multi_version_seq_frac"] > 0 for m in metrics)
+    # Whether a publication reaches a sequence still generating depends on how fast this CPU
+    # generates against how fast it trains (an AMD EPYC finished every sequence first): that is
+    # forced, and every token's version checked, in test_vllm_inflight.py. Here, what the rules
+    # guarantee whatever the timing: a batch has sequences that span versions only if its tokens
+    # carry more than one version.
+    for m in metrics:
+        versions = [k for k, v in m.items() if k.startswith("staleness/token_share_") and v > 0]
+        if m["staleness/multi_version_seq_frac"] > 0:
+            assert len(versions) > 1 and m["staleness/token_min_updates"] < m["staleness/updates"]
     assert all(m["rollout/wasted_tokens"] == 0 for m in metrics)
