@@ -126,3 +126,110 @@ class SlowEcho(Echo):
         time.sleep(self.STEP_S)
         step = super().step(action)
         return Step(step.observation, reward=float(len(action) % 2), done=step.done)
+
+
+class HugeReward:
+    """A reward no float holds (an int of 401 digits)."""
+
+    def reset(self, task, seed):
+        return "go\n"
+
+    def step(self, action):
+        return Step("ok\n", reward=10**400, done=True)
+
+
+class NoInfo:
+    def reset(self, task, seed):
+        return "go\n"
+
+    def step(self, action):
+        return Step("ok\n", done=True, info=None)
+
+
+class DoneAsText:
+    """``done="false"``, which is true read as a truth value."""
+
+    def reset(self, task, seed):
+        return "go\n"
+
+    def step(self, action):
+        return Step("ok\n", done="false")
+
+
+class RewardsPile:
+    """Each step's reward is within bounds; their sum is not (by the second step)."""
+
+    def reset(self, task, seed):
+        return "go\n"
+
+    def step(self, action):
+        return Step("ok\n", reward=6e5)
+
+
+class Exits:
+    """``step`` raises ``RAISES`` (a ``BaseException`` that is not an ``Exception``)."""
+
+    RAISES: type[BaseException] = SystemExit
+
+    def reset(self, task, seed):
+        return "go\n"
+
+    def step(self, action):
+        raise self.RAISES("the tool quit")
+
+
+class Interrupts(Exits):
+    RAISES = KeyboardInterrupt
+
+
+class CtrlC:
+    """The first step of all sends the process a real SIGINT (as a user's Ctrl-C); every step then
+    returns normally. ``SENT`` is cleared to arm it again."""
+
+    SENT = threading.Event()
+
+    def reset(self, task, seed):
+        return "go\n"
+
+    def step(self, action):
+        import os
+        import signal
+
+        with _LOCK:
+            first = not CtrlC.SENT.is_set()
+            CtrlC.SENT.set()
+        if first:
+            os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)
+        return Step("ok\n", done=True)
+
+
+_LOCK = threading.Lock()
+
+
+class HugeObservation:
+    """The first step answers with ``SIZE`` characters; with ``DONE`` the episode ends there."""
+
+    SIZE = 10_000_000
+    DONE = False
+
+    def reset(self, task, seed):
+        return "go\n"
+
+    def step(self, action):
+        return Step("x" * self.SIZE, done=self.DONE)
+
+
+class HugeLastObservation(HugeObservation):
+    DONE = True
+
+
+class NeedsArgs:
+    def __init__(self, table, *, difficulty):
+        self.table = table
+
+    def reset(self, task, seed):
+        return "go\n"
+
+    def step(self, action):
+        return Step("", done=True)

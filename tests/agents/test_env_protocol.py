@@ -37,11 +37,31 @@ def test_a_step_a_gymnasium_tuple_and_a_skyrl_output_are_the_same_step():
         (Step("o", float("nan")), "non-finite reward"),
         (Step("o", new_context="yes"), "new_context='yes'; expected True or False"),  # type: ignore[arg-type]
         (("o", 0.0, False, False, {"new_context": 1}), "new_context=1; expected True or False"),
+        (Step("o", 10**400), r"reward of 1000.*\.\.\.; rewards must lie within ±1e\+06"),
+        (Step("o", 2e6), r"reward of 2000000.0; rewards must lie within ±1e\+06"),
+        (Step("o", float("-inf")), "non-finite reward -inf"),
+        (Step("o", info=None), "info of type NoneType; expected a mapping"),  # type: ignore[arg-type]
+        (Step("o", done="false"), "done='false'; expected True or False"),  # type: ignore[arg-type]
+        (Step("o", truncated=1), "truncated=1; expected True or False"),  # type: ignore[arg-type]
+        (("o", 0.0, "yes", False, {}), "done='yes'; expected True or False"),
+        ({"observations": [], "reward": 0.0, "done": None}, "done=None; expected True or False"),
     ],
 )
 def test_a_step_of_the_wrong_shape_is_refused_saying_what_was_wrong(value, says):
     with pytest.raises(EnvContractError, match=says):
         as_step(value)
+
+
+def test_numpy_rewards_and_flags_are_taken_as_the_python_values_they_hold():
+    np = pytest.importorskip("numpy")
+    step = as_step(Step("o", np.float32(0.5), np.bool_(True), np.bool_(False), {}, np.bool_(False)))
+    assert step == Step("o", 0.5, True, False, {}, False)
+    fields = (step.reward, step.done, step.truncated, step.new_context)
+    assert [type(v) for v in fields] == [float, bool, bool, bool]
+    assert as_step(("o", np.int64(2), np.bool_(False), np.bool_(True), {})) == Step("o", 2.0, False, True, {})
+    assert as_step({"observations": [], "reward": np.array(1.0), "done": np.bool_(True)}).reward == 1.0
+    with pytest.raises(EnvContractError, match="reward of type bool"):
+        as_step(Step("o", np.bool_(True)))
 
 
 class Native:

@@ -181,6 +181,12 @@ def test_environment_steps_run_side_by_side(tiny_model_dir):
         ("SlowSetUp", "timeout", "reset ran past its timeout"),
         ("ResetRaises", "error", "reset raised RuntimeError: no sandbox today"),
         ("WrongTypes", "error", "step returned int 42"),
+        ("HugeReward", "error", "environment HugeReward: step returned a reward of 100000"),
+        ("NoInfo", "error", "step returned info of type NoneType; expected a mapping"),
+        ("DoneAsText", "error", "step returned done='false'; expected True or False"),
+        ("RewardsPile", "error", "environment RewardsPile: step rewards add up to 1.2e+06 after 2 steps"),
+        ("Exits", "error", "step raised SystemExit: the tool quit"),
+        ("Interrupts", "error", "step raised KeyboardInterrupt: the tool quit"),
     ],
 )
 def test_a_failing_environment_ends_only_its_episode_with_a_counted_status(tiny_model_dir, env, status, says):
@@ -208,6 +214,74 @@ def test_a_failing_environment_ends_only_its_episode_with_a_counted_status(tiny_
 
 def _errors(sampler):
     return sampler.player.last_errors
+
+
+@pytest.mark.parametrize("env", ["HugeObservation", "HugeLastObservation"])
+def test_a_huge_observation_is_refused_cheaply_and_recorded_only_in_part(tiny_model_dir, env):
+    """A 10-million-character observation: one that does not fit ends its episode as token_budget
+    without the whole text being encoded (a char tokenizer takes ~40 s for it); the last one is
+    not encoded at all. The transcript, and so episodes.jsonl, keeps its beginning and says how
+    much it left out."""
+    import json
+
+    sampler = sampler_for(config(tiny_model_dir, env))
+    t0 = time.monotonic()
+    try:
+        batch = sampler.generate(item(1))
+    finally:
+        sampler.close()
+    assert time.monotonic() - t0 < 30
+    assert batch.statuses == ["token_budget" if env == "HugeObservation" else "done"] * 4
+    for transcript in batch.transcripts:
+        assert transcript[-1].startswith("x" * 4096)
+        assert transcript[-1].endswith(f"[... {10_000_000 - 4096:,} more characters left out]")
+    assert len(json.dumps(batch.sample_lines())) < 40_000
+
+
+def test_an_environment_raising_a_base_exception_inline_fails_its_episode_but_a_ctrl_c_stops(tiny_model_dir):
+    """env.workers=0 runs calls in the generating thread: SystemExit from the environment fails
+    its episode; a KeyboardInterrupt there may be a real Ctrl-C (the main thread, Python's own
+    SIGINT handler), so it stops the play, unless SIGINT is not Python's (a rollout worker ignores
+    it): then it is the environment's."""
+    import signal
+
+    sampler = sampler_for(config(tiny_model_dir, "Exits", "env.workers=0", "env.max_failed_frac=1"))
+    try:
+        batch = sampler.generate(item(1))
+    finally:
+        sampler.close()
+    assert batch.statuses == ["error"] * 4 and "SystemExit: the tool quit" in _errors(sampler)[0]
+    sampler = sampler_for(config(tiny_model_dir, "Interrupts", "env.workers=0", "env.max_failed_frac=1"))
+    try:
+        with pytest.raises(KeyboardInterrupt, match="the tool quit"):
+            sampler.generate(item(1))
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            batch = sampler.generate(item(1))
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    finally:
+        sampler.close()
+    assert batch.statuses == ["error"] * 4 and "KeyboardInterrupt: the tool quit" in _errors(sampler)[0]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_real_ctrl_c_while_environments_step_stops_the_play(tiny_model_dir, workers):
+    sampler = sampler_for(config(tiny_model_dir, "CtrlC", f"env.workers={workers}"))
+    loaded_envs().CtrlC.SENT.clear()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sampler.generate(item(1))
+    finally:
+        sampler.close()
+
+
+def test_an_environment_whose_constructor_needs_arguments_is_refused_when_the_recipe_loads(tiny_model_dir):
+    from tether.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"environment NeedsArgs cannot be built: .* as NeedsArgs\(\), "
+                       r"and its constructor needs 'table', 'difficulty'"):
+        config(tiny_model_dir, "NeedsArgs")
 
 
 def test_malformed_actions_are_shown_to_the_model_and_counted(tiny_model_dir):
@@ -419,3 +493,15 @@ def test_a_rewrite_to_an_empty_context_ends_the_episode_with_an_error(tiny_model
         sampler.close()
     assert batch.statuses == ["error"] * 4 and batch.episode_of == [0, 1, 2, 3]
     assert "empty context" in sampler.player.last_errors[0]
+
+
+def test_tether_eval_prints_the_share_of_failed_episodes_and_the_first(tiny_model_dir, capsys, caplog):
+    """An environment that always fails: `tether eval` says so, not just "success 0.0%"."""
+    from tether.cli.main import main
+
+    assert main(["eval", "--model", str(tiny_model_dir), "model.family=agent", "data.task=kv_lookup",
+                 f"env.env_class={ENVS}:ResetRaises", "data.num_eval=2", "--samples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "success 0.0%" in out and "failed 100.0%" in out, out
+    assert out.count("failed 100.0%") == 2  # greedy and sampled
+    assert "6 of 6 held-out episodes failed" in caplog.text and "no sandbox today" in caplog.text

@@ -160,10 +160,11 @@ class AgentFamily(TextFamily):
     def eval_summary(self, cfg: Any, metrics: Mapping[str, float], samples: int) -> list[str]:
         return [
             f"  greedy:  success {metrics['eval/pass_at_1']:.1%}, mean return "
-            f"{metrics['eval/return_mean']:.3f}, {metrics['eval/turns_mean']:.2f} turns",
+            f"{metrics['eval/return_mean']:.3f}, {metrics['eval/turns_mean']:.2f} turns, "
+            f"failed {metrics['eval/failed_frac']:.1%}",
             f"  sampled: success {metrics['eval/sampled_pass_at_1']:.1%}, mean return "
-            f"{metrics['eval/sampled_return_mean']:.3f}  ({samples} per task at temperature "
-            f"{cfg.rollout.temperature:g})",
+            f"{metrics['eval/sampled_return_mean']:.3f}, failed {metrics['eval/sampled_failed_frac']:.1%}  "
+            f"({samples} per task at temperature {cfg.rollout.temperature:g})",
         ]
 
     def report(self, run_dir: Path, evals: list[dict[str, Any]], out: Path) -> list[Path]:

@@ -11,7 +11,11 @@ Either method may be ``async``. ``step`` may also return a gymnasium-style 5-tup
 than adding to it returns the whole new context with ``new_context=True``: the episode goes on as
 a new sample (docs/agents.md). An action the environment cannot parse is
 answered by raising ``ActionError(message)``: the message becomes the observation the model sees
-and the episode goes on (counted as an action error). Any other exception ends the episode.
+and the episode goes on (counted as an action error). Any other exception (``SystemExit`` and
+``KeyboardInterrupt`` included) ends the episode, as does a step whose fields are of the wrong
+kind (``as_step``: a reward that is not a number within ±``REWARD_LIMIT``, a ``done`` that is not a
+bool, ...). The constructor is called with no arguments (skyrl-gym's: ``env_config, extras``);
+``factory`` refuses a class that needs more when the recipe is loaded.
 
 Adapters (duck-typed, so neither package is needed):
 
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -76,42 +82,85 @@ async def _awaited(value: Any) -> Any:
     return await value
 
 
+REWARD_LIMIT = 1e6
+"""The most a step reward or an episode return may be in size, as for a text reward function's
+(advantages are computed in float32)."""
+
+
 def as_step(value: Any) -> Step:
-    """A ``Step`` from what ``step`` returned, or ``EnvContractError`` saying what was wrong."""
+    """A ``Step`` from what ``step`` returned, its fields checked and made plain Python (a NumPy
+    scalar reward or flag is taken as the number or bool it holds), or ``EnvContractError`` saying
+    what was wrong."""
     if isinstance(value, Step):
-        step = value
+        obs, reward, done, truncated, info, new_context = (
+            value.observation, value.reward, value.done, value.truncated, value.info, value.new_context)
     elif isinstance(value, tuple) and len(value) == 5:
-        obs, reward, terminated, truncated, info = value
+        obs, reward, done, truncated, info = value
         info = info if isinstance(info, Mapping) else {}
-        step = Step(obs, reward, bool(terminated), bool(truncated), info, info.get("new_context", False))
+        new_context = info.get("new_context", False)
     elif isinstance(value, Mapping) and "observations" in value:  # skyrl-gym's step output
-        step = Step(
-            _messages_text(value["observations"]),
-            value.get("reward", 0.0) or 0.0,
-            bool(value.get("done", False)),
-            False,
-            value.get("metadata") or {},
-            (value.get("metadata") or {}).get("new_context", False),
-        )
+        obs = _messages_text(value["observations"])
+        reward = value.get("reward", 0.0)
+        reward = 0.0 if reward is None else reward
+        done, truncated = value.get("done", False), False
+        info = value.get("metadata") or {}
+        new_context = info.get("new_context", False) if isinstance(info, Mapping) else False
     else:
         raise EnvContractError(
-            f"step returned {type(value).__name__} {value!r:.80}; expected a Step, "
+            f"step returned {type(value).__name__} {_shown(value)}; expected a Step, "
             "a 5-tuple (observation, reward, terminated, truncated, info) or a "
             "skyrl-gym step output"
         )
-    if not isinstance(step.observation, str):
-        raise EnvContractError(
-            f"step returned an observation of type {type(step.observation).__name__}; expected text (str)"
-        )
-    if isinstance(step.reward, bool) or not isinstance(step.reward, int | float):
-        raise EnvContractError(
-            f"step returned a reward of type {type(step.reward).__name__}; expected a number"
-        )
-    if step.reward != step.reward or step.reward in (float("inf"), float("-inf")):
-        raise EnvContractError(f"step returned a non-finite reward {step.reward}")
-    if not isinstance(step.new_context, bool):
-        raise EnvContractError(f"step returned new_context={step.new_context!r}; expected True or False")
-    return step
+    if not isinstance(obs, str):
+        raise EnvContractError(f"step returned an observation of type {type(obs).__name__}; "
+                               "expected text (str)")
+    if not isinstance(info, Mapping):
+        raise EnvContractError(f"step returned info of type {type(info).__name__}; "
+                               "expected a mapping (a dict)")
+    return Step(str(obs), reward_of(reward), flag("done", done), flag("truncated", truncated), info,
+                flag("new_context", new_context))
+
+
+def reward_of(value: Any) -> float:
+    """A step reward as a finite float within ±``REWARD_LIMIT`` (a NumPy scalar or a one-number
+    array taken as the number it holds), or ``EnvContractError``."""
+    if not isinstance(value, numbers.Real) and getattr(value, "shape", None) == () and hasattr(value, "item"):
+        value = value.item()
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        raise EnvContractError(f"step returned a reward of type {type(value).__name__}; expected a number")
+    try:
+        reward = float(value)
+    except OverflowError:  # an int past float's range
+        reward = None
+    if reward is not None and not math.isfinite(reward):
+        raise EnvContractError(f"step returned a non-finite reward {reward}; rewards must be finite numbers")
+    if reward is None or abs(reward) > REWARD_LIMIT:
+        raise EnvContractError(f"step returned a reward of {_shown(value)}; rewards must lie within "
+                               f"±{REWARD_LIMIT:g} (scale them: advantages are computed in float32)")
+    return reward
+
+
+def flag(name: str, value: Any) -> bool:
+    """``done``, ``truncated`` or ``new_context`` as a bool: True or False (NumPy's included), never
+    a value read for its truth (``"false"`` is true)."""
+    if not _is_bool(value):
+        raise EnvContractError(f"step returned {name}={_shown(value)}; expected True or False")
+    return bool(value)
+
+
+def _is_bool(value: Any) -> bool:
+    """A Python or NumPy bool."""
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool"))
+
+
+def _shown(value: Any) -> str:
+    """``value``'s repr, cut to 80 characters (an int of 400 digits, a whole observation)."""
+    try:
+        text = repr(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def _messages_text(messages: Any) -> str:
@@ -202,16 +251,55 @@ def kind_of(env_class: type) -> str:
     return "native"
 
 
-def factory(env_class: type, options: Mapping[str, Any]) -> Callable[[], Any]:
-    """A function that makes one fresh adapted environment (called on an environment thread, so
-    a slow constructor counts against the episode's time)."""
+@dataclass(frozen=True)
+class EnvFactory:
+    """Makes one fresh adapted environment a call (on an environment thread, so a slow constructor
+    counts against the episode's time); ``name`` is the class's, for messages."""
+
+    adapter: Callable[[type, Mapping[str, Any]], Any]
+    env_class: type
+    options: Mapping[str, Any]
+
+    @property
+    def name(self) -> str:
+        return getattr(self.env_class, "__qualname__", repr(self.env_class))
+
+    def __call__(self) -> Any:
+        return self.adapter(self.env_class, self.options)
+
+
+def factory(env_class: type, options: Mapping[str, Any]) -> EnvFactory:
+    """What makes environments of ``env_class``; refuses (``ConfigError``) a class that is not an
+    environment, or whose constructor cannot be called the way its adapter calls it, so a recipe
+    fails when it is loaded rather than at its first episode."""
+    from tether.errors import ConfigError
+
     kind = kind_of(env_class)
     adapter = {"skyrl": _SkyRL, "gymnasium": _Gymnasium, "native": _Native}.get(kind)
     if adapter is None:
-        from tether.errors import ConfigError
-
         raise ConfigError(
             f"{env_class!r} is not an environment: it needs reset(task, seed) and step(action) "
             "(or skyrl-gym's init(prompt) and step(action)); see docs/agents.md"
         )
-    return lambda: adapter(env_class, options)
+    made = EnvFactory(adapter, env_class, options)
+    try:
+        signature = inspect.signature(env_class)
+    except (TypeError, ValueError):  # a class without a readable signature: its first episode will say
+        return made
+    args = ({}, {}) if kind == "skyrl" else ()
+    try:
+        signature.bind(*args, **({} if kind == "skyrl" else options))
+    except TypeError as exc:
+        call = f"{made.name}(env_config, extras)" if kind == "skyrl" else f"{made.name}()"
+        params = list(signature.parameters.values())
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        filled = positional[:len(args)]
+        needs = [p.name for p in params if p.default is p.empty and p.name not in filled
+                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        what, fix = (
+            (f"needs {', '.join(map(repr, needs))}", "give those arguments defaults, or take what varies "
+             "from the task row that reset receives") if needs
+            else (f"cannot be called so ({exc})", f"make it callable as {call}"))
+        raise ConfigError(f"environment {made.name} cannot be built: the agent family makes one per "
+                          f"episode as {call}, and its constructor {what}; {fix} (docs/agents.md)") from None
+    return made

@@ -23,7 +23,9 @@ never holds the worker process open.
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,7 +33,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tether.families.agent.env import ActionError, EnvContractError, as_step
+from tether.families.agent.env import REWARD_LIMIT, ActionError, EnvContractError, as_step
 from tether.vocabulary import SamplingParams
 
 ENDINGS = ("done", "truncated", "max_turns", "token_budget", "error", "timeout")
@@ -41,6 +43,30 @@ timeout. The last two are failures: the episode gets ``env.failure_reward`` and 
 BUDGET_ENDINGS = ("max_turns", "token_budget")
 """Endings that count as truncated (``train.mask_truncated``, ``response/truncated_frac``)."""
 FAILURES = ("error", "timeout")
+RECORD_CHARS = 4096
+"""What an episode's transcript keeps of an observation its sequence does not hold (the last one,
+or one that did not fit): its first characters, then a marker with how many were left out."""
+
+
+def clipped(text: str) -> str:
+    """``text`` as a transcript keeps an observation the model never saw (``RECORD_CHARS``)."""
+    if len(text) <= RECORD_CHARS:
+        return text
+    return f"{text[:RECORD_CHARS]}[... {len(text) - RECORD_CHARS:,} more characters left out]"
+
+
+def _message(exc: BaseException) -> str:
+    """``str(exc)`` of an exception from environment code, or '' when its ``__str__`` fails."""
+    try:
+        return str(exc)
+    except Exception:
+        return ""
+
+
+def _said(exc: BaseException) -> str:
+    """``TypeName: message`` of an exception from environment code."""
+    message = _message(exc)
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -128,6 +154,21 @@ class Limits:
     """Environment time per episode, set-up included."""
 
 
+def is_stop(exc: BaseException, *, inline: bool = False) -> bool:
+    """``exc`` stops the run rather than failing an episode: the run's own ``StopRequested``, or,
+    for a call run ``inline`` in the main thread while SIGINT has Python's default handler, a
+    ``KeyboardInterrupt`` that may be a real Ctrl-C. A ``KeyboardInterrupt`` raised on an
+    environment thread (signals reach only the main thread) or where SIGINT is handled otherwise
+    (a rollout worker ignores it; a run raises ``StopRequested``) is the environment's own."""
+    from tether.errors import StopRequested
+
+    if isinstance(exc, StopRequested):
+        return True
+    return (inline and isinstance(exc, KeyboardInterrupt)
+            and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+
 class EnvThreads:
     """``workers`` daemon threads running environment calls; 0 runs each call inline, in the
     caller (the baseline ``benchmarks/agent.py`` compares against; no timeout can apply)."""
@@ -158,12 +199,16 @@ class EnvThreads:
                     future.set_exception(exc)
 
     def submit(self, fn: Callable[[], Any]) -> Future:
+        """The call's future; whatever it raises (``SystemExit`` and ``KeyboardInterrupt``
+        included) is its result, except a stop of the run (``is_stop``)."""
         future: Future = Future()
         if self.workers == 0:
             future.set_running_or_notify_cancel()
             try:
                 future.set_result(fn())
             except BaseException as exc:
+                if is_stop(exc, inline=True):
+                    raise
                 future.set_exception(exc)
         else:
             self._queue.put((future, fn))
@@ -205,6 +250,8 @@ class Player:
         whole_turns: bool = False,
     ) -> None:
         self.engine, self.tokenizer, self.make_env = engine, tokenizer, make_env
+        self.env_name = f"environment {getattr(make_env, 'name', '')}".rstrip()
+        """The environment (its class), as the episodes' error messages name it."""
         self.chat = chat
         """Observations as chat turns of the tokenizer's template (``tether.families.agent.chat``)."""
         self.whole_turns = whole_turns
@@ -220,6 +267,20 @@ class Player:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def encode_within(self, text: str, limit: int) -> list[int] | None:
+        """``text``'s ids when they are fewer than ``limit``, else None. A long text is measured on
+        its beginning first: once a prefix encodes to twice the limit and more (a margin for the
+        token across the cut), the rest is never encoded, so an oversized observation costs what a
+        few times ``limit`` tokens cost, not what its whole text would."""
+        enough = 2 * limit + 16
+        n = 4 * enough  # characters: most tokens span fewer than 4
+        while n < len(text):
+            if len(self.encode(text[:n])) >= enough:
+                return None
+            n *= 4
+        ids = self.encode(text)
+        return ids if len(ids) < limit else None
 
     def play(self, tasks: Sequence[tuple[Mapping[str, Any], int]], params: SamplingParams, seed: int
              ) -> list[Episode]:
@@ -272,7 +333,7 @@ class Player:
                     self.threads.abandon()
                     ep.env_s += now - started
                     ep.env = None  # in use by the abandoned call: never closed from here
-                    self._end(ep, "timeout", f"environment {kind} ran past its timeout")
+                    self._end(ep, "timeout", f"{self.env_name}: {kind} ran past its timeout")
 
     # -- environment calls -------------------------------------------------------------------
 
@@ -300,51 +361,64 @@ class Player:
         return env, obs
 
     def _received(self, ep: Episode, kind: str, future: Future) -> bool:
-        """Take one finished environment call into ``ep``; True if the model's turn is next."""
+        """Take one finished environment call into ``ep``; True if the model's turn is next. What
+        the call raised or returned wrong (anything but a stop of the run, ``is_stop``) ends the
+        episode as ``error``, never the batch."""
+        name = self.env_name
         try:
             result = future.result()
         except ActionError as exc:
             if kind == "reset":
-                self._end(ep, "error", f"reset raised ActionError: {exc}")
+                self._end(ep, "error", f"{name}: reset raised {_said(exc)}")
                 return False
             ep.action_errors += 1
             ep.step_rewards.append(0.0)  # a step all the same: one reward per turn
-            return self._observe(ep, str(exc), done=False, truncated=False)
-        except Exception as exc:
-            self._end(ep, "error", f"{kind} raised {type(exc).__name__}: {exc}")
+            return self._observe(ep, _message(exc), done=False, truncated=False)
+        except BaseException as exc:  # SystemExit and KeyboardInterrupt from environment code too
+            if is_stop(exc):
+                raise
+            self._end(ep, "error", f"{name}: {kind} raised {_said(exc)}")
             return False
         if kind == "reset":
-            ep.env, result = result
-            ep.transcript.append(result)
-            ids = self.encode(result if ep.chat is None else ep.chat.first(result))
-            if not ids or len(ids) >= self.limits.max_episode_tokens:
-                self._end(
-                    ep,
-                    "error",
-                    f"the first observation is {len(ids)} tokens; it must be 1 to "
-                    f"env.max_episode_tokens={self.limits.max_episode_tokens} − 1",
-                )
+            ep.env, text = result
+            limit = self.limits.max_episode_tokens
+            ids = self.encode_within(text if ep.chat is None else ep.chat.first(text), limit)
+            if not ids:
+                ep.transcript.append(clipped(text))
+                size = "no" if ids == [] else f"{limit} or more"
+                self._end(ep, "error", f"the first observation is {size} tokens; it must be 1 to "
+                          f"env.max_episode_tokens={limit} − 1")
                 return False
+            ep.transcript.append(text)
             self._append(ep, ids)
             return True
         try:
             step = as_step(result)
-        except Exception as exc:
-            self._end(ep, "error", str(exc))
+        except EnvContractError as exc:
+            self._end(ep, "error", f"{name}: {exc}")
             return False
-        ep.step_rewards.append(float(step.reward))
+        except Exception as exc:  # a step output that breaks on reading (a mapping that raises)
+            self._end(ep, "error", f"{name}: step returned what could not be read: {_said(exc)}")
+            return False
+        ep.step_rewards.append(step.reward)
+        total = math.fsum(ep.step_rewards)
+        if abs(total) > REWARD_LIMIT:
+            ep.transcript.append(clipped(step.observation))
+            self._end(ep, "error", f"{name}: step rewards add up to {total:g} after {len(ep.step_rewards)} "
+                      f"steps; an episode's return must lie within ±{REWARD_LIMIT:g} (scale the rewards: "
+                      "advantages are computed in float32)")
+            return False
         if step.info.get("action_error"):
             ep.action_errors += 1
         return self._observe(ep, step.observation, done=step.done, truncated=step.truncated,
                              rewrite=step.new_context)
 
     def _observe(self, ep: Episode, text: str, *, done: bool, truncated: bool, rewrite: bool = False) -> bool:
-        ep.transcript.append(text)
-        if done or truncated:
-            self._end(ep, "done" if done else "truncated")
-            return False
-        if ep.turns >= self.limits.max_turns:
-            self._end(ep, "max_turns")
+        """Append an observation to the episode's sequence, or end it; the transcript keeps the
+        observation whole when the sequence holds it, else its beginning (``clipped``)."""
+        if done or truncated or ep.turns >= self.limits.max_turns:
+            ep.transcript.append(clipped(text))
+            self._end(ep, "done" if done else "truncated" if truncated else "max_turns")
             return False
         if rewrite:  # the history is replaced: the next turn is sampled from ``text`` alone
             ep.rewrite()
@@ -352,16 +426,21 @@ class Player:
                 from tether.families.agent.chat import ChatTurns
 
                 ep.chat = ChatTurns(self.tokenizer)
-            ids = self.encode(text if ep.chat is None else ep.chat.first(text))
-            if not ids:
+            ids = self.encode_within(text if ep.chat is None else ep.chat.first(text),
+                                     self.limits.max_episode_tokens)
+            if ids == []:
+                ep.transcript.append(text)
                 self._end(ep, "error", "the environment rewrote the history to an empty context "
                           "(Step.new_context with no observation text)")
                 return False
         else:
-            ids = self.encode(text if ep.chat is None else ep.chat.next(text))
-        if len(ep.ids) + len(ids) >= self.limits.max_episode_tokens:
+            ids = self.encode_within(text if ep.chat is None else ep.chat.next(text),
+                                     self.limits.max_episode_tokens - len(ep.ids))
+        if ids is None:
+            ep.transcript.append(clipped(text))
             self._end(ep, "token_budget")  # the observation is in the transcript, not the sequence
             return False
+        ep.transcript.append(text)
         self._append(ep, ids)
         return True
 

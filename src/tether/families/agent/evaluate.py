@@ -9,11 +9,14 @@ built-in engine and the recipe's environment.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tether.families.agent.episodes import EnvThreads, Episode
 from tether.vocabulary import Example, SamplingParams
+
+log = logging.getLogger("tether.eval")
 
 
 def eval_engine(model, tokenizer, cfg: Any, decoder: str = "auto"):
@@ -62,6 +65,10 @@ class AgentEvaluator:
         finally:
             self.model.train(was_training)
         n, k = len(greedy), self.num_samples
+        failed = [ep for ep in (*greedy, *sampled) if ep.failed]
+        if failed:  # the share shows in the summary; the cause only here
+            log.warning("%d of %d held-out episodes failed (env.failure_reward=%g each); the first: %s: %s",
+                        len(failed), n * (1 + k), failure, failed[0].status, failed[0].error or "no message")
         returns = [ep.reward(failure) for ep in greedy]
         sampled_returns = [ep.reward(failure) for ep in sampled]
         return {
@@ -72,6 +79,7 @@ class AgentEvaluator:
             "eval/failed_frac": sum(ep.failed for ep in greedy) / n,
             "eval/sampled_pass_at_1": sum(ep.succeeded for ep in sampled) / (n * k),
             "eval/sampled_return_mean": sum(sampled_returns) / (n * k),
+            "eval/sampled_failed_frac": sum(ep.failed for ep in sampled) / (n * k),
             "eval/examples": float(n),
         }
 
