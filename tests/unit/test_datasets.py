@@ -135,3 +135,13 @@ def test_long_prompts_are_skipped_and_counted_or_rejected(tmp_path):
         limit_prompt_length(CharTokenizer(), examples, 10, "error")
     with pytest.raises(DataError, match="every prompt is longer"):
         limit_prompt_length(CharTokenizer(), examples, 2, "skip")
+
+
+def test_local_data_is_named_by_the_files_it_is_read_from():
+    # `tether eval` says "N held-out examples of <this>": the held-out file too when it is another one
+    from tether.data.source import dataset_description
+
+    alone = SimpleNamespace(dataset="train.jsonl", eval_dataset="")
+    both = SimpleNamespace(dataset="train.jsonl", eval_dataset="eval.jsonl")
+    assert dataset_description(alone) == "dataset train.jsonl"
+    assert dataset_description(both) == "dataset train.jsonl (held out: eval.jsonl)"

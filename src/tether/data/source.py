@@ -14,6 +14,12 @@ from tether.vocabulary import DataBundle
 log = logging.getLogger("tether.data")
 
 
+def dataset_description(d: DataSection) -> str:
+    """How messages name a run's local data: the training file, and the held-out file when it is
+    another one (`tether eval` and the warm start name what they read)."""
+    return f"dataset {d.dataset}" + (f" (held out: {d.eval_dataset})" if d.eval_dataset else "")
+
+
 def resolve_data(d: DataSection, tokenizer, *, seed: int = 0, room: int | None = None,
                  room_why: str = "") -> DataBundle:
     """Build examples from a built-in task or local datasets, then apply template and length limit:
@@ -29,7 +35,7 @@ def resolve_data(d: DataSection, tokenizer, *, seed: int = 0, room: int | None =
     else:
         train, held_out = dataset_splits(d, seed=seed)
         stop_text = ""
-        description = f"dataset {d.dataset}"
+        description = dataset_description(d)
     if d.chat_template:
         train, held_out = apply_chat_template(tokenizer, train), apply_chat_template(tokenizer, held_out)
     limit, why = d.max_prompt_tokens, None

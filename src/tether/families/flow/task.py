@@ -69,12 +69,11 @@ def flow_data(cfg) -> DataBundle:
     prompt column; an answer column is optional and reaches the reward)."""
     d = cfg.data
     if d.dataset:
-        from tether.data.source import dataset_splits
+        from tether.data.source import dataset_description, dataset_splits
 
         train, held_out = dataset_splits(d, seed=cfg.run.seed, answers=False)
-        # named by `tether eval` as where its held-out examples come from: the file they were read from
         return DataBundle(train=train, eval=held_out[: d.num_eval], stop_text="", skipped_long_prompts=0,
-                          description=f"dataset {d.eval_dataset or d.dataset}")
+                          description=dataset_description(d))
     task = registry.tasks.get(d.task)
     return DataBundle(train=task.examples("train", d.num_train, seed=cfg.run.seed),
                       eval=task.examples("eval", d.num_eval, seed=cfg.run.seed), stop_text="",
