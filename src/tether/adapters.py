@@ -1,6 +1,7 @@
 """LoRA adapters on a model, for the learner and the engines alike (``train.lora_rank``).
 
-- ``attach``: PEFT's ``inject_adapter_in_model`` replaces each targeted linear layer by a LoRA
+- ``attach``: PEFT's ``inject_adapter_in_model`` replaces each targeted linear layer (a
+  ``torch.nn.Linear`` but the output head; embeddings, GPT-2's Conv1D and the head are refused) by a LoRA
   layer holding the frozen base weight (``….base_layer.weight``) and two small matrices A
   (r × in) and B (out × r), B starting at zero, so the adapted layer computes W₀x + (α/r)·B·A·x
   and the model starts as the base. Only A and B train; ``adapters`` are what is published.
@@ -16,6 +17,7 @@ The learner's side (checkpoints, the base's identity, export) is ``tether.train.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,25 +31,96 @@ A_SUFFIX, B_SUFFIX = ".lora_A.default.weight", ".lora_B.default.weight"
 
 def attach(model: torch.nn.Module, train: Any) -> torch.nn.Module:
     """``model`` with LoRA adapters on the layers ``train.lora_targets`` names (in place), only
-    the adapters trainable."""
+    the adapters trainable. Refused (``_check_adapted``) when a target is not a linear layer, or is
+    the output head, or is too small for ``train.lora_rank``."""
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError as exc:
         raise ConfigError("train.lora_rank needs PEFT: pip install -e '.[lora]'") from exc
-    targets = train.lora_targets
+    targets = list(train.lora_targets)
     config = LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha,
                         lora_dropout=train.lora_dropout,
-                        target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets))
+                        target_modules="all-linear" if targets == ["all-linear"] else targets)
+    head, names = _head(model), _linear_names(model)
     try:
-        model = inject_adapter_in_model(config, model)
+        with warnings.catch_warnings():  # a tied head or embedding is refused below, in Tether's words
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+            model = inject_adapter_in_model(config, model)
     except ValueError as exc:
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                        if isinstance(m, torch.nn.Linear)})
-        raise ConfigError(f"train.lora_targets={list(targets)}: {exc}; the model's linear layers are named "
+        raise ConfigError(f"train.lora_targets={targets}: {exc}; the model's linear layers are named "
                           f"{names}") from exc
+    _check_adapted(model, train, head, names)
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
     return model
+
+
+def check(model_path: str | Path, train: Any) -> None:
+    """Refuse, before a run starts anything, the targets ``attach`` would refuse: attached to the
+    language model's skeleton, built from its config on the meta device (no weight is read). The
+    other families' models are checked when their learner builds them."""
+    from tether.modeling import model_config
+
+    config = model_config(model_path)
+    if config.get("tether_family") or "model_type" not in config:
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        skeleton_config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(skeleton_config)
+    except (OSError, ValueError, KeyError):
+        return  # not a model transformers builds: said when the learner loads it
+    with torch.device("meta"):
+        attach(skeleton, train)
+
+
+def _head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The output head of a language model (``lm_head``), which all-linear leaves out too."""
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
+def _linear_names(model: torch.nn.Module) -> list[str]:
+    """The names (last parts) of the layers adapters can go on: the linear layers but the head."""
+    head = _head(model)
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and m is not head})
+
+
+def _check_adapted(model: torch.nn.Module, train: Any, head: torch.nn.Module | None,
+                   names: list[str]) -> None:
+    """Refuse the adapters PEFT put on a layer that is not ``torch.nn.Linear`` (an embedding,
+    GPT-2's Conv1D, a convolution: the engines merge W₀ + (α/r)·B·A into a linear layer's weight
+    and into nothing else), on the output head (tied to the input embeddings in most models, and
+    left out by all-linear), or on a layer whose smaller side is below the rank (A is r × in and B
+    out × r, so a rank above min(in, out) adds parameters and no expressiveness)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    which = f"train.lora_targets={list(train.lora_targets)}"
+    fix = (f"adapters go on the model's linear layers, named {names}, or [all-linear]" if names else
+           "this model has no linear layer to adapt (but its output head); train every weight with "
+           "train.lora_rank=0")
+    smallest = None
+    for name, layer in model.named_modules():
+        if not isinstance(layer, BaseTunerLayer):
+            continue
+        base = layer.get_base_layer()
+        if head is not None and base is head:
+            raise ConfigError(f"{which} adapts {name}, the model's output head (whose weight most models "
+                              f"share with the input embeddings, and which all-linear leaves out); {fix}")
+        if not isinstance(base, torch.nn.Linear):
+            raise ConfigError(f"{which} adapts {name}, a layer of type {type(base).__name__}, not a linear "
+                              f"one: the engines merge adapters into linear layers' weights alone; {fix}")
+        side = min(base.in_features, base.out_features)
+        if smallest is None or side < smallest[0]:
+            smallest = (side, name, base.in_features, base.out_features)
+    if smallest is not None and train.lora_rank > smallest[0]:
+        side, name, fan_in, fan_out = smallest
+        raise ConfigError(f"train.lora_rank={train.lora_rank} is above the size of {name} ({fan_in} → "
+                          f"{fan_out}): an adapter's rank is at most its layer's smaller side; set "
+                          f"train.lora_rank to {side} or less, or leave that layer out of train.lora_targets")
 
 
 def adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:

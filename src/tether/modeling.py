@@ -5,13 +5,17 @@ Shared by the rollout engine, the learner and warm start, so none of them depend
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import warnings
 from pathlib import Path
 
 import torch
 
 from tether.errors import ConfigError
+
+log = logging.getLogger("tether.modeling")
 
 
 def is_model_dir(path: str | Path) -> bool:
@@ -35,19 +39,52 @@ def model_config(path: str | Path) -> dict:
         raise ConfigError(f"{path / 'config.json'} cannot be read as JSON: {exc}") from exc
 
 
+CONTENT = "sha256:"
+"""How a fingerprint of a folder's contents begins; one without it (recorded before fingerprints
+hashed a base's weights) covers its files' sizes alone."""
+
+
+def _files(folder: Path, skip: tuple[str, ...]) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).parts[0] not in skip)
+
+
 def fingerprint(folder: str | Path, *, skip: tuple[str, ...] = ()) -> str:
-    """What identifies a model directory without reading its weights: every file's path and size
-    (but those under the top-level folders ``skip``), and the JSON files' contents."""
-    import hashlib
+    """What identifies a model directory: every file's path and the SHA-256 of its contents (but
+    those under the top-level folders ``skip``). Each large file is hashed once, then read from
+    ``tether.filehash``'s cache while its size, times and inode stay the same."""
+    from tether.filehash import hashes
 
     folder = Path(folder)
+    files = _files(folder, skip)
     digest = hashlib.sha256()
-    files = (p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).parts[0] not in skip)
-    for path in sorted(files):
+    for path, sha in hashes(files).items():
+        digest.update(f"{path.relative_to(folder)}:{sha}\n".encode())
+    return CONTENT + digest.hexdigest()[:16]
+
+
+def sizes_fingerprint(folder: str | Path, *, skip: tuple[str, ...] = ()) -> str:
+    """The fingerprint checkpoints recorded before ``fingerprint`` hashed the weights: every
+    file's path and size, and the JSON files' contents."""
+    folder = Path(folder)
+    digest = hashlib.sha256()
+    for path in _files(folder, skip):
         digest.update(f"{path.relative_to(folder)}:{path.stat().st_size}\n".encode())
         if path.suffix == ".json":
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def fingerprint_as(saved: str, folder: str | Path, *, skip: tuple[str, ...] = ()) -> str:
+    """``folder``'s fingerprint of the kind ``saved`` is: of its contents, or, for a record written
+    before contents were hashed, of its files' sizes (then said in a warning: weights replaced by
+    others of the same size go unnoticed until a new checkpoint records their contents)."""
+    if saved.startswith(CONTENT):
+        return fingerprint(folder, skip=skip)
+    log.warning(
+        "the base model %s is checked against a fingerprint of its files' sizes alone (%s, recorded "
+        "before checkpoints recorded their base's contents); the next checkpoint records its contents",
+        folder, saved)
+    return sizes_fingerprint(folder, skip=skip)
 
 
 def check_base(holder: Path, base: Path, saved: str, *, what: str, skip: tuple[str, ...] = ()) -> None:
@@ -56,10 +93,10 @@ def check_base(holder: Path, base: Path, saved: str, *, what: str, skip: tuple[s
     if not base.is_dir():
         raise ConfigError(f"{holder} holds {what} {base}, which is gone; put it back at that path (it is not "
                           "saved with the checkpoint)")
-    now = fingerprint(base, skip=skip)
+    now = fingerprint_as(saved, base, skip=skip)
     if now != saved:
         raise ConfigError(f"{holder} holds {what} {base} with fingerprint {saved}; that folder now has "
-                          f"{now}; restore the one it was trained on")
+                          f"{now} (its files, or their contents, differ); restore the one it was trained on")
 
 
 def context_length(config: dict) -> int | None:

@@ -245,7 +245,7 @@ def test_a_resume_against_another_base_is_refused_naming_both(tiny_model_dir, tm
     assert {name: (tmp_path / "run" / name).read_bytes() for name in kept} == kept
     shutil.copy2(config_file, base / "config.json")  # the same path, another model in it
     again = load_config(tmp_path / "run" / "config.yaml", [f"model.path={base}", "train.num_batches=3"])
-    with pytest.raises(ConfigError, match=r"fingerprint \w+\); this run's base is .*base \(fingerprint"):
+    with pytest.raises(ConfigError, match=r"fingerprint sha256:\w+\); this run's base is .*base \(fingerprint"):
         train(again, tmp_path / "run", resume=True, force=True, progress_plain=True)
 
 
@@ -258,6 +258,7 @@ def test_a_resume_against_another_base_is_refused_naming_both(tiny_model_dir, tm
     (["train.lora_rank=4", "train.world_size=2", "rollout.batch_size=4", "checkpoint.sharded=true"],
      "holds the adapters alone"),
     (["train.lora_rank=4", "train.lora_targets=[]"], "train.lora_targets is empty"),
+    (["train.lora_rank=4", "train.lora_alpha=0"], r"train.lora_alpha=0.0: .*every gradient is 0; set a "),
 ])
 def test_lora_settings_that_cannot_work_are_refused(overrides, says):
     with pytest.raises(ConfigError, match=says):
@@ -265,8 +266,34 @@ def test_lora_settings_that_cannot_work_are_refused(overrides, says):
 
 
 def test_targets_the_model_does_not_have_are_refused_with_its_layer_names(tiny_model_dir):
-    with pytest.raises(ConfigError, match=r"the model's linear layers are named .*q_proj"):
+    with pytest.raises(ConfigError, match=r"the model's linear layers are named .*q_proj") as refused:
         TorchLearner(tiny_model_dir, config(lora_rank=4, lora_targets="[attn_c]"))
+    assert "lm_head" not in str(refused.value)  # named only where adapters can go
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["train.lora_targets=[embed_tokens]"], "adapts model.embed_tokens, a layer of type Embedding, not a"),
+    (["train.lora_targets=[q_proj,lm_head]"], "adapts lm_head, the model's output head"),
+    (["train.lora_rank=48"], r"train.lora_rank=48 is above the size of model.layers.0.self_attn.k_proj "
+                             r"\(64 → 32\).*set train.lora_rank to 32 or less"),
+])
+def test_targets_the_engines_cannot_merge_are_refused_before_a_run_starts(tiny_model_dir, tmp_path, overrides,
+                                                                          says):
+    """Adapters the built-in engine cannot merge (an embedding's, the output head's, whose weight
+    is the embeddings' in this model) or a rank above a targeted layer's smaller side: refused while
+    the run is prepared (the model's skeleton, no weights read), before its directory or any
+    process exists, naming the layers adapters can go on; the learner refuses them too."""
+    from tether.runtime.run import train
+
+    cfg = recipe(tiny_model_dir, *overrides)
+    with pytest.raises(ConfigError, match=says) as refused:
+        train(cfg, tmp_path / "run", progress_plain=True)
+    if "lora_targets" in overrides[0]:
+        assert "linear layers, named ['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', " \
+               "'v_proj'], or [all-linear]" in str(refused.value)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match=says):
+        TorchLearner(tiny_model_dir, cfg)
 
 
 def test_an_adapter_checkpoint_evaluates_and_exports_merged_and_as_peft(tiny_model_dir, tmp_path):
@@ -301,6 +328,130 @@ def test_an_adapter_checkpoint_evaluates_and_exports_merged_and_as_peft(tiny_mod
         assert torch.allclose(model(ids).logits, peft(input_ids=ids).logits, atol=1e-5)
     with pytest.raises(ConfigError, match="not empty"):
         export(tmp_path / "run", tmp_path / "merged", merge=True)
+
+
+@pytest.fixture(scope="module")
+def adapter_run(tiny_model_dir, tmp_path_factory):
+    """(config, base, run directory) of a LoRA run of two batches, a checkpoint after each, on a
+    copy of the tiny model of its own (a test may change that copy's weights, and puts them back)."""
+    from tether.runtime.run import train
+
+    root = tmp_path_factory.mktemp("adapter_run")
+    base = root / "base"
+    shutil.copytree(tiny_model_dir, base)
+    cfg = recipe(base, "train.num_batches=2", "checkpoint.interval=1", "data.num_eval=8",
+                 "eval.num_samples=1")
+    train(cfg, root / "run", progress_plain=True)
+    return cfg, base, root / "run"
+
+
+def test_a_base_whose_weights_changed_at_the_same_size_is_refused(adapter_run, tmp_path):
+    """The base's weights replaced by others of the same size (every file's name, size and JSON as
+    they were): a resume, `tether eval` and `tether export --merge` of the run's adapters refuse
+    them, naming the fingerprint of the contents recorded and the one found; nothing is exported."""
+    from safetensors.torch import load_file, save_file
+
+    from tether.cli.eval_cmd import evaluate_model
+    from tether.cli.export_cmd import export
+    from tether.runtime.run import train
+
+    cfg, base, run = adapter_run
+    weights = base / "model.safetensors"
+    kept = weights.read_bytes()
+    others = {n: t + 0.5 for n, t in load_file(str(weights)).items()}
+    save_file(others, str(weights), metadata={"format": "pt"})
+    assert weights.stat().st_size == len(kept) and weights.read_bytes() != kept
+    checkpoint = run / "checkpoints" / "step-000002" / "learner" / "model"
+    changed = r"with fingerprint sha256:\w+; that folder now has sha256:\w+ \(its files, or their contents"
+    resumed = r"\(fingerprint sha256:\w+\); this run's base is .*base \(fingerprint sha256:\w+\); that"
+    try:
+        with pytest.raises(ConfigError, match=resumed):
+            train(load_config(run / "config.yaml", ["train.num_batches=3"]), run, resume=True,
+                  progress_plain=True)
+        with pytest.raises(ConfigError, match=changed):
+            evaluate_model(cfg, checkpoint, samples=1)
+        with pytest.raises(ConfigError, match=changed):
+            export(run, tmp_path / "merged", merge=True)
+        assert not list(tmp_path.iterdir())
+    finally:
+        weights.write_bytes(kept)
+    assert (export(run, tmp_path / "merged", merge=True) / "config.json").is_file()
+
+
+def test_a_checkpoint_that_recorded_its_bases_sizes_alone_still_resumes(adapter_run, tmp_path, caplog):
+    """Checkpoints written before fingerprints hashed the weights recorded every file's size and
+    the JSON files: a resume compares the base with what they recorded (saying it checks no more),
+    and its next checkpoint records the contents; a base whose recorded sizes or JSON differ is
+    still refused."""
+    from tether.modeling import check_base, sizes_fingerprint
+    from tether.runtime.checkpoint import _sha256
+    from tether.runtime.run import train
+
+    _, base, run = adapter_run
+    old = tmp_path / "run"
+    shutil.copytree(run, old)
+    folder = old / "checkpoints" / "step-000002" / "learner" / "model"
+    record = json.loads((folder / "adapter.json").read_text())
+    assert record["base_fingerprint"].startswith("sha256:")
+    (folder / "adapter.json").write_text(json.dumps({**record, "base_fingerprint": sizes_fingerprint(base)}))
+    manifest_file = folder.parents[1] / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest["learner/model/adapter.json"] = {"bytes": (folder / "adapter.json").stat().st_size,
+                                              "sha256": _sha256(folder / "adapter.json")}
+    manifest_file.write_text(json.dumps(manifest))
+    train(load_config(old / "config.yaml", ["train.num_batches=3"]), old, resume=True, progress_plain=True)
+    assert "a fingerprint of its files' sizes alone" in caplog.text
+    newest = old / "checkpoints" / "step-000003" / "learner" / "model"
+    again = json.loads((newest / "adapter.json").read_text())
+    assert again["base_fingerprint"] == record["base_fingerprint"]
+    other = tmp_path / "other"
+    shutil.copytree(base, other)
+    (other / "config.json").write_text((other / "config.json").read_text().replace("}", ', "x": 1}', 1))
+    with pytest.raises(ConfigError, match="that folder now has"):
+        check_base(folder, other, sizes_fingerprint(base), what="adapters of the base model")
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "/proc", "/sys"])
+def test_export_refuses_an_out_it_cannot_write_and_leaves_nothing(adapter_run, tmp_path, capsys, where):
+    from tether.cli.main import main
+
+    _, _, run = adapter_run
+    (tmp_path / "file").write_text("kept\n")
+    out, says = {"a file": (tmp_path / "file", "exists and is not a folder"),
+                 "under a file": (tmp_path / "file" / "sub" / "out", "which is a file, not a folder"),
+                 "/proc": (Path("/proc/tether-export-test"), "cannot make a folder at --out"),
+                 "/sys": (Path("/sys/tether-export-test"), "cannot make a folder at --out")}[where]
+    before = sorted(p.name for p in run.parent.iterdir())
+    for merge in ([], ["--merge"]):
+        assert main(["export", str(run), "--out", str(out), *merge]) == 2
+        err = capsys.readouterr().err
+        assert f"tether export: error: --out {out}" in err or f"--out {out} (" in err, err
+        assert says in err and "Traceback" not in err
+    assert (tmp_path / "file").read_text() == "kept\n" and [p.name for p in tmp_path.iterdir()] == ["file"]
+    assert sorted(p.name for p in run.parent.iterdir()) == before
+    assert out == tmp_path / "file" or not out.exists()
+
+
+def test_export_of_a_damaged_checkpoint_it_names_is_refused_saying_what_is_wrong(adapter_run, tmp_path,
+                                                                                 capsys):
+    """--checkpoint is verified against its manifest as the newest good one is: a damaged one is
+    refused, naming the file that is wrong and the checkpoints to export instead."""
+    from tether.cli.main import main
+
+    _, _, run = adapter_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    adapters = copy / "checkpoints" / "step-000001" / "learner" / "model" / ADAPTERS
+    damaged = bytearray(adapters.read_bytes())
+    damaged[-1] ^= 0xFF
+    adapters.write_bytes(bytes(damaged))
+    out = tmp_path / "out"
+    assert main(["export", str(copy), "--out", str(out), "--checkpoint", "step-000001"]) == 2
+    err = capsys.readouterr().err
+    assert "--checkpoint step-000001 is damaged" in err and f"{ADAPTERS} does not match its checksum" in err
+    assert "export another (step-000002)" in err and not out.exists()
+    assert main(["export", str(copy), "--out", str(out), "--checkpoint", "step-000002"]) == 0
+    assert (out / "adapter_model.safetensors").is_file()
 
 
 def test_lora_on_ray_actors_trains_the_rows_it_trains_locally(tiny_model_dir, tmp_path):

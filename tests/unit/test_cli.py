@@ -166,6 +166,17 @@ def test_eval_refuses_targets_it_cannot_evaluate(tmp_path, capsys):
     assert "is not a model directory (no config.json, model_index.json or" in capsys.readouterr().err
 
 
+def test_export_of_a_run_without_checkpoints_says_there_is_nothing_to_export(tmp_path, capsys):
+    from tether.cli.main import main
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("train:\n  num_batches: 3\n")
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "tether export: error: nothing to export: " in err and "holds no checkpoint" in err
+    assert "evaluate" not in err and "--model" not in err and not (tmp_path / "out").exists()
+
+
 def test_compare_needs_two_run_directories(tmp_path, capsys):
     from tether.cli.main import main
     from tether.runtime.compare import _moving_mean, format_table

@@ -10,6 +10,7 @@ load like the base.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -32,33 +33,81 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def checkpoint_model(run_dir: Path, name: str | None) -> Path:
-    from tether.cli.eval_cmd import newest_checkpoint_model
+    """The model folder of ``run_dir``'s checkpoint ``name``, or of its newest good one; either
+    verified against its manifest (a damaged one is refused, saying what is wrong)."""
+    from tether.runtime.checkpoint import Checkpointer, DamagedCheckpoint
 
+    checkpoints = Checkpointer(run_dir / "checkpoints")
     if name is None:
-        return newest_checkpoint_model(run_dir)
-    folder = run_dir / "checkpoints" / name / "learner" / "model"
-    if not folder.is_dir():
-        have = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+        _state, path = checkpoints.newest_good(doing="export")
+        return path / "learner" / "model"
+    have = [p.name for p in checkpoints.list()]
+    if name not in have:
         raise ConfigError(f"{run_dir} has no checkpoint {name!r}; it has {', '.join(have) or 'none'}")
-    return folder
+    path = checkpoints.root / name
+    try:
+        checkpoints.verify(path)
+    except DamagedCheckpoint as exc:
+        others = [n for n in have if n != name]
+        raise DamagedCheckpoint(f"--checkpoint {name} is damaged: {exc}; export another "
+                                f"({', '.join(others) or 'the run has no other'})") from exc
+    return path / "learner" / "model"
+
+
+def _writable(out: Path) -> list[Path]:
+    """Refuse an ``--out`` that is not a folder to create (or an empty one), before anything is
+    read; returns the folders above it that are made for it, outermost first (removed again if
+    the export fails)."""
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise ConfigError(f"--out {out} exists and is not a folder; choose a new folder")
+        if any(out.iterdir()):
+            raise ConfigError(f"{out} exists and is not empty; choose another --out")
+    made, above = [], out.parent
+    while not above.exists():
+        made.insert(0, above)
+        above = above.parent
+    if not above.is_dir():
+        raise ConfigError(f"--out {out} is under {above}, which is a file, not a folder; choose another "
+                          "--out")
+    try:
+        for folder in made:
+            folder.mkdir()
+        probe = out.parent / f".{out.name}.exporting"
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as exc:
+        _remove(made)
+        raise ConfigError(f"cannot make a folder at --out {out} ({exc.strerror or exc}); choose a folder "
+                          "you can write to") from exc
+    return made
+
+
+def _remove(made: list[Path]) -> None:
+    for folder in reversed(made):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def export(run_dir: Path, out: Path, *, checkpoint: str | None = None, merge: bool = False) -> Path:
+    """Write the model of ``run_dir``'s checkpoint to ``out``: whole in a staging folder beside
+    it, then renamed into place, so a failure leaves nothing at ``out`` (nor the folders made
+    above it)."""
     from tether.config import load_config
     from tether.train import lora
 
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out} exists and is not empty; choose another --out")
     model_dir = checkpoint_model(run_dir, checkpoint)
+    if not lora.is_adapter_dir(model_dir) and merge:
+        raise ConfigError(f"{model_dir} holds every weight of the model (the run trained without LoRA): "
+                          "there is nothing to merge; drop --merge")
+    made = _writable(out)
     staging = out.parent / f".{out.name}.exporting"
     shutil.rmtree(staging, ignore_errors=True)
+    done = False
     try:
         if not lora.is_adapter_dir(model_dir):
-            if merge:
-                raise ConfigError(f"{model_dir} holds every weight of the model (the run trained without "
-                                  "LoRA): there is nothing to merge; drop --merge")
             shutil.copytree(model_dir, staging)
         elif merge:
             cfg = load_config(run_dir / "config.yaml")
@@ -67,12 +116,16 @@ def export(run_dir: Path, out: Path, *, checkpoint: str | None = None, merge: bo
             policy.save(model, tokenizer, staging)
         else:
             lora.write_peft(model_dir, staging)
-        out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             out.rmdir()
         staging.rename(out)
+        done = True
+    except OSError as exc:
+        raise ConfigError(f"cannot export to --out {out}: {exc}; nothing of it was left behind") from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if not done:
+            _remove(made)
     return out
 
 

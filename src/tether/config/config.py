@@ -223,6 +223,10 @@ class Config:
                 raise ConfigError(f"rollout.lora_apply={self.rollout.lora_apply} has no effect with "
                                   "train.lora_rank=0 (no adapters are published); remove it")
             return
+        if t.lora_alpha <= 0:
+            raise ConfigError(f"train.lora_alpha={t.lora_alpha}: an adapter adds (α/r)·B·A to its layer, so "
+                              "with α = 0 the adapters change nothing and every gradient is 0; set a "
+                              f"positive α (e.g. train.lora_alpha={2 * t.lora_rank}, twice the rank)")
         if not t.lora_targets:
             raise ConfigError("train.lora_targets is empty: name the layers to adapt (e.g. [q_proj, v_proj]) "
                               "or use [all-linear]")

@@ -200,7 +200,7 @@ class TrainSection:
         min=0,
     )
     lora_alpha: float = knob(
-        16.0, "LoRA's α: an adapter adds (α/r)·B·A to its layer's weight.", min=0.0
+        16.0, "LoRA's α, above 0: an adapter adds (α/r)·B·A to its layer's weight.", min=0.0
     )
     lora_dropout: float = knob(
         0.0,

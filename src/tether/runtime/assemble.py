@@ -75,6 +75,10 @@ class Parts:
             with Progress(cfg.warmstart.max_steps, "warm start", fields=family.warmstart_fields,
                           plain=progress_plain, eta_label="at most") as progress:
                 model_path = ensure_model(cfg, progress.update)
+        if cfg.train.lora_rank:  # LoRA's targets, on the model's skeleton (tether.adapters.check)
+            from tether.adapters import check
+
+            check(model_path, cfg.train)
         data = family.data(cfg, model_path)
         if data.skipped_long_prompts:
             log.warning("skipped %d prompts longer than data.max_prompt_tokens=%d", data.skipped_long_prompts,

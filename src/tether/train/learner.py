@@ -29,7 +29,14 @@ import torch
 from tether import registry
 from tether.config import Config
 from tether.errors import ConfigError
-from tether.modeling import disable_dropout, dropout_settings, learner_device, model_config, unique_parameters
+from tether.modeling import (
+    disable_dropout,
+    dropout_settings,
+    fingerprint,
+    learner_device,
+    model_config,
+    unique_parameters,
+)
 from tether.procinfo import peak_rss_mb
 from tether.train import fsdp, lora
 from tether.train.advantages import Advantages, group_advantages, overlong_penalty, per_episode, units_of
@@ -81,8 +88,11 @@ class TorchLearner:
         self.model, self.tokenizer = self.policy.load(model_path)
         self._without_dropout(model_path)
         self.model_path = model_path
+        self.base_fingerprint = None
         if s.lora_rank:  # adapters only train and publish; the reference is the base (lora.disabled)
             self.model = lora.attach(self.model, s)
+            if self.group.rank == 0:  # what checkpoints record: the base as it was loaded
+                self.base_fingerprint = fingerprint(model_path)
             if s.lora_dropout and self.group.rank == 0:
                 log.warning("train.lora_dropout=%g: the adapters' inputs are dropped in the learner's "
                             "forwards, so the ratio's numerator is a random sub-network of the policy the "
@@ -439,7 +449,7 @@ class TorchLearner:
         folder.mkdir(parents=True, exist_ok=True)
         writer = getattr(self.policy, "write_folder", None)  # a model folder laid out otherwise
         if self.s.lora_rank:  # the adapters (sharded checkpoints are refused with LoRA)
-            lora.save(weights, folder, self.s, self.model_path)
+            lora.save(weights, folder, self.s, self.model_path, self.base_fingerprint)
         elif writer is not None:
             writer(self.model, folder, weights)
         else:

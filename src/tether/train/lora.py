@@ -3,8 +3,9 @@
 and the KL reference is the same model with them switched off, not a second copy.
 
 A checkpoint's model folder holds the adapters (``adapter.safetensors``, the learner's names)
-and ``adapter.json``: the settings and the base model's path and fingerprint, so a resume
-against another base is refused, naming both. ``load_merged`` and ``write_peft`` are what
+and ``adapter.json``: the settings and the base model's path and fingerprint (a hash of its
+files' contents), so a resume, an evaluation or an export against another base, or against a base
+whose weights changed, is refused, naming both. ``load_merged`` and ``write_peft`` are what
 ``tether eval`` and ``tether export`` make of such a folder.
 """
 
@@ -23,42 +24,51 @@ ADAPTER_FILE = "adapter.safetensors"
 RECORD_FILE = "adapter.json"
 
 
-def record(train: Any, base: str | Path) -> dict[str, Any]:
-    from tether.modeling import fingerprint
+def record(train: Any, base: str | Path, fingerprint: str | None = None) -> dict[str, Any]:
+    """What ``adapter.json`` says: the settings, and the base by absolute path and the fingerprint
+    of its contents (``fingerprint``, else computed here)."""
+    from tether.modeling import fingerprint as of_folder
 
     return {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": list(train.lora_targets),
-            "dropout": train.lora_dropout,
-            "base": str(Path(base).resolve()), "base_fingerprint": fingerprint(base)}
+            "dropout": train.lora_dropout, "base": str(Path(base).resolve()),
+            "base_fingerprint": fingerprint or of_folder(base)}
 
 
-def save(tensors: dict[str, torch.Tensor], folder: Path, train: Any, base: str | Path) -> None:
+def save(tensors: dict[str, torch.Tensor], folder: Path, train: Any, base: str | Path,
+         fingerprint: str | None = None) -> None:
     """The adapters (``adapters(model)``, or gathered from learner ranks) and what they adapt, in
-    a checkpoint's model folder."""
+    a checkpoint's model folder; ``fingerprint``: the base's, taken when it was loaded."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(folder / ADAPTER_FILE),
               metadata={"format": "pt"})
-    (folder / RECORD_FILE).write_text(json.dumps(record(train, base), indent=2) + "\n")
+    (folder / RECORD_FILE).write_text(json.dumps(record(train, base, fingerprint), indent=2) + "\n")
 
 
 def load(folder: Path, train: Any, base: str | Path) -> dict[str, torch.Tensor]:
-    """The adapters a checkpoint's model folder holds; refuses adapters of another base model, or
-    of other settings than the recipe's."""
+    """The adapters a checkpoint's model folder holds; refuses adapters of another base model (by
+    path, or by contents: ``tether.modeling.fingerprint_as``), or of other settings than the recipe's."""
     from safetensors.torch import load_file
+
+    from tether.modeling import fingerprint_as
 
     if not (folder / RECORD_FILE).is_file():
         raise ConfigError(f"{folder} holds no LoRA adapters ({RECORD_FILE}): the checkpoint trained every "
                           "weight; resume it with train.lora_rank=0")
-    saved, now = json.loads((folder / RECORD_FILE).read_text()), record(train, base)
-    if (saved["base"], saved["base_fingerprint"]) != (now["base"], now["base_fingerprint"]):
+    saved = json.loads((folder / RECORD_FILE).read_text())
+    path, now = str(Path(base).resolve()), fingerprint_as(saved["base_fingerprint"], base)
+    if (saved["base"], saved["base_fingerprint"]) != (path, now):
+        fix = ("point model.path at the base they were trained on" if saved["base"] != path else
+               "that folder's files or their contents changed since; restore the base they were trained on")
         raise ConfigError(f"{folder} holds adapters trained on the base model {saved['base']} (fingerprint "
-                          f"{saved['base_fingerprint']}); this run's base is {now['base']} (fingerprint "
-                          f"{now['base_fingerprint']}); point model.path at the base they were trained on")
-    for key in ("rank", "alpha", "targets"):
-        if saved[key] != now[key]:
+                          f"{saved['base_fingerprint']}); this run's base is {path} (fingerprint {now}); "
+                          f"{fix}")
+    recipe = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": list(train.lora_targets)}
+    for key, value in recipe.items():
+        if saved[key] != value:
             raise ConfigError(f"{folder} holds adapters of LoRA {key} {saved[key]}; the recipe says "
-                              f"{now[key]} (train.lora_{key}); make them agree")
+                              f"{value} (train.lora_{key}); make them agree")
     return load_file(str(folder / ADAPTER_FILE))
 
 

@@ -32,8 +32,8 @@ class EnvSection:
     max_episode_tokens: int = knob(
         0,
         "Tokens of an episode's sequence, observations included (after a history rewrite, of each of its "
-        "samples); an observation that would not fit ends the episode as token_budget (it stays in the "
-        "transcript, not in the sequence). 0 = the model's context.",
+        "samples); an observation that would not fit ends the episode as token_budget (its first 4,096 "
+        "characters stay in the transcript, not in the sequence). 0 = the model's context.",
         min=0,
     )
     turn_stop: str = knob("\n", "Text that ends a model turn, besides EOS ('' = none).")
