@@ -245,7 +245,7 @@ def test_a_resume_against_another_base_is_refused_naming_both(tiny_model_dir, tm
     assert {name: (tmp_path / "run" / name).read_bytes() for name in kept} == kept
     shutil.copy2(config_file, base / "config.json")  # the same path, another model in it
     again = load_config(tmp_path / "run" / "config.yaml", [f"model.path={base}", "train.num_batches=3"])
-    with pytest.raises(ConfigError, match=r"fingerprint sha256:\w+\); this run's base is .*base \(fingerprint"):
+    with pytest.raises(ConfigError, match=r"sha256:\w+\); this run's base is .*base \(fingerprint sha256:"):
         train(again, tmp_path / "run", resume=True, force=True, progress_plain=True)
 
 
