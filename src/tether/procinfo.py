@@ -56,3 +56,20 @@ def stop_signals_deferred():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         for sig in arrived:
             signal.raise_signal(sig)
+
+
+class Sealed:
+    """An object pickled now and unpickled only by ``open()``. A child process's arguments are
+    unpickled before its entry point runs, where an error (a recipe's plug-in that fails to import
+    in that process) would end it with a bare traceback; sealed, they are opened inside the entry
+    point, whose error handling reports the failure to the process that started it."""
+
+    def __init__(self, obj: object) -> None:
+        import pickle
+
+        self.data = pickle.dumps(obj)
+
+    def open(self):
+        import pickle
+
+        return pickle.loads(self.data)

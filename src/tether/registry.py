@@ -237,18 +237,41 @@ def _load_file(spec: str) -> str:
     sys.modules[name] = module  # before running it: its dataclasses look themselves up there
     try:
         loader_spec.loader.exec_module(module)
+    except (KeyboardInterrupt, ConfigError):  # a stop; a plug-in's own clear refusal
+        del sys.modules[name]
+        raise
     except BaseException as exc:
         del sys.modules[name]
-        if isinstance(exc, ConfigError | PluginError):
-            raise
-        raise PluginError(f"run.plugins: {spec} failed to import: {type(exc).__name__}: {exc}") from exc
+        raise import_failure(f"run.plugins: {spec}", exc) from exc
     return name
 
 
 def _load_module(spec: str) -> str:
     try:
         importlib.import_module(spec)
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (spec == exc.name or spec.startswith(f"{exc.name}.")):
+            raise import_failure(f"run.plugins: module {spec!r}", exc) from exc  # it imports what is missing
         raise ConfigError(f"run.plugins: cannot import module {spec!r} ({exc}); give an importable "
                           "module or a path/to/file.py") from exc
+    except (KeyboardInterrupt, ConfigError):
+        raise
+    except BaseException as exc:
+        raise import_failure(f"run.plugins: module {spec!r}", exc) from exc
     return spec
+
+
+def import_failure(what: str, exc: BaseException, error: type[ConfigError] = PluginError) -> ConfigError:
+    """The error for user code (``what``: a plug-in, a reward, dataset or environment file) that
+    raised ``exc`` while it was imported — ``sys.exit()`` included, which would otherwise end the
+    run with that status and no word: what it raised, and the line it came from."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "importlib" not in f.filename
+              and not f.filename.startswith("<frozen")]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    hint = ""
+    if isinstance(exc, SystemExit):
+        hint = (f" (it calls sys.exit({exc.code!r}) when imported: a script's entry point? put that under "
+                "`if __name__ == \"__main__\":`)")
+    return error(f"{what} failed to import: {type(exc).__name__}: {exc}{where}{hint}")

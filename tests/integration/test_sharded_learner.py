@@ -106,6 +106,21 @@ def test_two_ranks_make_the_single_process_update(tiny_model_dir, case):
             assert b.metrics["attribution/memory_mb"] < a.metrics["attribution/memory_mb"]  # shards only
 
 
+def test_a_plugin_that_fails_only_in_the_rank_processes_is_their_failure_to_start_named(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """A recipe's plug-in is imported again in every rank process; one that exits there (but not in
+    the driver) is each rank's failure to start, with what it raised — not a silent exit, and not
+    a rank that 'exited with status 0' after reporting it."""
+    plugin = tmp_path / "not_in_ranks.py"
+    plugin.write_text("import os\nimport sys\n\nif os.environ['DRIVER_PID'] != str(os.getpid()):\n"
+                      "    sys.exit(5)\n")
+    monkeypatch.setenv("DRIVER_PID", str(os.getpid()))
+    says = rf"learner rank \d failed while starting: PluginError: run\.plugins: {plugin} failed to import: "
+    with pytest.raises(LearnerError, match=says + "SystemExit: 5 at ") as info:
+        ranks(config(f"run.plugins=[{plugin}]", world_size=2), tiny_model_dir)
+    assert "Original traceback" not in str(info.value)  # the message says it all
+
+
 def test_ranks_write_their_rows_into_the_channel_and_a_killed_rank_fails_naming_it(tiny_model_dir):
     """A publication with ranks: every rank writes its own rows of each weight into the shared
     block, which then holds exactly what gathering them whole gives. Weights exported before an

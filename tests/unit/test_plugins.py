@@ -146,6 +146,35 @@ def test_bad_plugins_are_clear_errors(plugin, tmp_path):
         load_config(None, [f"run.plugins=[{junk}]"])
 
 
+def test_user_code_that_exits_or_raises_at_import_is_a_clear_error(plugin, tmp_path, monkeypatch):
+    """Every import of a user's code — a plug-in file or module, a reward, dataset or environment
+    file — that raises, sys.exit() included (which would end the run with its status and no word),
+    is a ConfigError naming the file or module, what it raised and where."""
+    from tether.data.pyload import load_python_object
+
+    exits, _ = plugin("import sys\n\nsys.exit(5)\n", "exits.py")
+    with pytest.raises(PluginError, match=r"run\.plugins: .*exits\.py failed to import: SystemExit: 5 at "
+                                          r".*exits\.py:3 \(it calls sys\.exit\(5\) when imported"):
+        load_config(None, [f"run.plugins=[{exits}]"])
+    for what in ("reward function", "env.env_class", "dataset loader"):  # as their loaders name them
+        with pytest.raises(ConfigError, match=rf"{what} file '.*exits\.py' failed to import: SystemExit: 5 "):
+            load_python_object(f"{exits}:make", what=what)
+    package = tmp_path / "site"
+    package.mkdir()
+    (package / "raises_at_import.py").write_text("x = 1\nraise RuntimeError('no network here')\n")
+    (package / "exits_at_import.py").write_text("raise SystemExit('usage: exits_at_import.py ARG')\n")
+    (package / "lacks_a_dependency.py").write_text("import not_installed_anywhere_xyz\n")
+    monkeypatch.syspath_prepend(str(package))
+    with pytest.raises(PluginError, match=r"run\.plugins: module 'raises_at_import' failed to import: "
+                                          r"RuntimeError: no network here at .*raises_at_import\.py:2"):
+        load_config(None, ["run.plugins=[raises_at_import]"])
+    with pytest.raises(PluginError, match=r"module 'exits_at_import' failed to import: SystemExit: usage: "):
+        load_config(None, ["run.plugins=[exits_at_import]"])
+    missing = r"ModuleNotFoundError: No module named 'not_installed_anywhere_xyz' at "
+    with pytest.raises(PluginError, match=r"module 'lacks_a_dependency' failed to import: " + missing):
+        load_config(None, ["run.plugins=[lacks_a_dependency]"])
+
+
 def test_the_same_plugin_file_is_one_module_in_every_process(tmp_path):
     path = tmp_path / "p.py"
     path.write_text("")

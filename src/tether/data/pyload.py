@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tether.errors import ConfigError
+from tether.registry import import_failure
 
 
 def load_python_object(spec: str, *, what: str) -> Any:
@@ -26,9 +27,10 @@ def load_python_object(spec: str, *, what: str) -> Any:
         module = importlib.util.module_from_spec(loader_spec)
         try:
             loader_spec.loader.exec_module(module)
-        except Exception as exc:
-            raise ConfigError(f"{what} file {path_text!r} failed to import: "
-                              f"{type(exc).__name__}: {exc}") from exc
+        except (KeyboardInterrupt, ConfigError):  # a stop; the file's own clear refusal
+            raise
+        except BaseException as exc:  # sys.exit() too: it would end the run with no word
+            raise import_failure(f"{what} file {path_text!r}", exc, ConfigError) from exc
         sys.modules[module_name] = module
     if not hasattr(module, name):
         defined = sorted(n for n in vars(module) if not n.startswith("_") and callable(vars(module)[n]))

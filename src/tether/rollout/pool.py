@@ -29,7 +29,7 @@ import torch
 
 from tether.control import BatchQueue
 from tether.errors import QueueTimeoutError, RolloutError
-from tether.procinfo import stop_signals_deferred
+from tether.procinfo import Sealed, stop_signals_deferred
 from tether.rollout.channel import WeightChannel
 from tether.rollout.dispatch import DispatchingPool, PoolSettings, WorkerSlot
 from tether.rollout.worker import worker_main
@@ -110,8 +110,8 @@ class ProcessPool(DispatchingPool):
             res_recv, res_send = ctx.Pipe(duplex=False)
             spec = s.worker_spec(i, self.version, channel_name=self.channel.name,
                                  channel_layout=self.channel.layout)
-            proc = ctx.Process(target=worker_main, args=(spec, req_recv, res_send, lifeline_r), daemon=True,
-                               name=f"tether-rollout-{i}")
+            proc = ctx.Process(target=worker_main, args=(Sealed(spec), req_recv, res_send, lifeline_r),
+                               daemon=True, name=f"tether-rollout-{i}")
             proc.start()
             req_recv.close()
             res_send.close()

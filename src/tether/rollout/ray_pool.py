@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from tether.errors import ConfigError, RolloutError
+from tether.procinfo import Sealed
 from tether.rollout.channel import Layout, Snapshot, open_snapshot
 from tether.rollout.dispatch import DispatchingPool, PoolSettings, WorkerSlot
 from tether.rollout.worker import WorkerSpec
@@ -207,8 +208,9 @@ class _RolloutActor:
     ``offer`` verifies a newer snapshot while ``generate`` runs, and the engine binds it at its next
     decode step (object-store snapshots are immutable: nothing can tear them)."""
 
-    def __init__(self, spec: WorkerSpec, layout: Layout) -> None:
-        self.spec = spec
+    def __init__(self, sealed: Sealed, layout: Layout) -> None:
+        self.sealed = sealed  # the WorkerSpec, opened by ``start``: a failure there is its answer
+        self.spec: WorkerSpec | None = None
         self.layout = layout
         self.rollout = None
         self._offered: tuple[dict, int] | None = None  # (views, version), verified, not yet bound
@@ -218,11 +220,13 @@ class _RolloutActor:
         try:
             from tether.rollout.worker import Rollout
 
+            self.spec = self.sealed.open()
             self.rollout = Rollout(self.spec)
             if self.spec.inflight_update != "drain":
                 self.rollout.watch(self._take_offered)
-        except BaseException as exc:
-            return ("error", None, f"failed to start: {type(exc).__name__}: {exc}", traceback.format_exc())
+        except BaseException as exc:  # a recipe's mistake (a plug-in that fails here) says it all
+            return ("error", None, f"failed to start: {type(exc).__name__}: {exc}",
+                    "" if isinstance(exc, ConfigError) else traceback.format_exc())
         import ray
 
         return ("ready", os.getpid(), ray.get_runtime_context().get_node_id())
@@ -336,7 +340,7 @@ class RayPool(DispatchingPool):
             handle = remote.options(num_cpus=o.cpus_per_worker, num_gpus=o.gpus_per_worker, max_restarts=0,
                                     name=f"tether-rollout-{i}-{os.getpid()}-{id(self):x}",
                                     max_concurrency=1 if s.inflight_update == "drain" else 2,
-                                    ).remote(spec, self.layout)
+                                    ).remote(Sealed(spec), self.layout)
             self._workers.append(_Actor(i, handle))
         pending = {w.handle.start.remote(): w for w in self._workers}
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=s.startup_timeout_s)

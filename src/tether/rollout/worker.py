@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
-from tether.errors import RolloutError
-from tether.procinfo import exit_when_closed
+from tether.errors import ConfigError, RolloutError
+from tether.procinfo import Sealed, exit_when_closed
 from tether.vocabulary import Payload, WorkItem
 
 if TYPE_CHECKING:
@@ -56,19 +56,20 @@ class WorkerSpec:
         return self.settings.inflight_update
 
 
-def worker_main(spec: WorkerSpec, requests: Connection, results: Connection,
+def worker_main(sealed: Sealed, requests: Connection, results: Connection,
                 lifeline: Connection | None = None) -> None:
-    """Process entry point. Stop signals are the driver's to handle: workers ignore SIGINT and
+    """Process entry point; ``sealed`` holds the ``WorkerSpec``, opened here so that a failure to
+    rebuild it (a plug-in of the recipe that fails to import in this process) is reported as the
+    worker's failure to start. Stop signals are the driver's to handle: workers ignore SIGINT and
     SIGTERM, and exit when the driver's ``lifeline`` closes (the driver stopped or died)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if lifeline is not None:  # exit when the driver is gone, even mid-batch; at once if it already is
         exit_when_closed(lifeline.fileno())
     try:
-        worker = _ChannelWorker(spec)
+        worker = _ChannelWorker(sealed.open())
     except BaseException as exc:
-        results.send(("error", None, f"worker {spec.worker_id} failed to start: {type(exc).__name__}: {exc}",
-                      traceback.format_exc()))
+        results.send(("error", None, f"failed to start: {type(exc).__name__}: {exc}", _traceback_of(exc)))
         return
     results.send(("ready", os.getpid()))
     worker.on_switch = lambda version: results.send(("took", version))
@@ -91,6 +92,12 @@ def worker_main(spec: WorkerSpec, requests: Connection, results: Connection,
                 raise AssertionError(f"unknown message {kind!r}")
         except BaseException as exc:
             results.send(("error", index, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+
+
+def _traceback_of(exc: BaseException) -> str:
+    """What a failure's report carries besides its message: the traceback, except for a recipe's
+    mistake (``ConfigError``: a plug-in that fails to import here), whose message says it all."""
+    return "" if isinstance(exc, ConfigError) else traceback.format_exc()
 
 
 class Rollout:

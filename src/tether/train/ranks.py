@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tether.config import Config
-from tether.errors import LearnerError, LearnerLostError
+from tether.errors import ConfigError, LearnerError, LearnerLostError
+from tether.procinfo import Sealed
 from tether.vocabulary import DataBundle, RolloutBatch, TrainResult
 
 START_TIMEOUT_S = 600.0
@@ -278,8 +279,10 @@ class RankSpec:
     run_dir: str | None
 
 
-def rank_main(spec: RankSpec, conn: Connection, lifeline: Connection) -> None:
-    """A rank's process: join the group, build the rank, answer the driver's calls."""
+def rank_main(sealed: Sealed, conn: Connection, lifeline: Connection) -> None:
+    """A rank's process: join the group, build the rank, answer the driver's calls. ``sealed``
+    holds its ``RankSpec``, opened here so that a failure to rebuild it (a plug-in of the recipe
+    that fails to import in this process) is reported as the rank's failure to start."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from tether.procinfo import exit_when_closed
@@ -288,9 +291,10 @@ def rank_main(spec: RankSpec, conn: Connection, lifeline: Connection) -> None:
     import torch
     import torch.distributed as dist
 
-    server = RankServer(spec.cfg, spec.model_path, spec.eval_data, rank=spec.rank, world=spec.world,
-                        run_dir=spec.run_dir)
     try:
+        spec: RankSpec = sealed.open()
+        server = RankServer(spec.cfg, spec.model_path, spec.eval_data, rank=spec.rank, world=spec.world,
+                            run_dir=spec.run_dir)
         from tether.train.collective import Ranks
 
         backend = "nccl" if spec.cfg.train.device.startswith("cuda") else "gloo"
@@ -299,8 +303,9 @@ def rank_main(spec: RankSpec, conn: Connection, lifeline: Connection) -> None:
         dist.init_process_group(backend, init_method=f"file://{spec.init_file}", rank=spec.rank,
                                 world_size=spec.world)
         server.build(Ranks())
-    except BaseException as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    except BaseException as exc:  # a recipe's mistake (a plug-in that fails here) says it all
+        conn.send(("error", f"{type(exc).__name__}: {exc}",
+                   "" if isinstance(exc, ConfigError) else traceback.format_exc()))
         return
     conn.send(("ok", None))
     try:
@@ -343,7 +348,7 @@ class ProcessRanks:
                 ours, theirs = ctx.Pipe()
                 spec = RankSpec(rank, self.world, init_file, cfg, str(model_path), eval_data,
                                 None if run_dir is None else str(run_dir))
-                proc = ctx.Process(target=rank_main, args=(spec, theirs, lifeline_r), daemon=True,
+                proc = ctx.Process(target=rank_main, args=(Sealed(spec), theirs, lifeline_r), daemon=True,
                                    name=f"tether-learner-{rank}")
                 proc.start()
                 theirs.close()
@@ -386,8 +391,8 @@ class ProcessRanks:
     def dead_among(self, ranks: list[int], wait_s: float = 2.0) -> Outcome | None:
         deadline = time.monotonic() + wait_s
         while True:
-            for rank in ranks:
-                if self._procs[rank].exitcode is not None:
+            for rank in ranks:  # status 0: it ended on its own, having reported its failure to start
+                if self._procs[rank].exitcode not in (None, 0):
                     return Outcome(rank, died=self._how(rank))
             if time.monotonic() > deadline:
                 return None
