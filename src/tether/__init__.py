@@ -54,6 +54,7 @@ _EXPORTS = {
     "CheckpointError": "tether.errors",
     "DataError": "tether.errors",
     "RewardError": "tether.errors",
+    "LossError": "tether.errors",
     "NativeDecoderError": "tether.errors",
     "StopRequested": "tether.errors",
 }

@@ -16,6 +16,7 @@
     ├── CheckpointError           a checkpoint could not be written; the last good one is kept
     ├── DataError                 a dataset file, row or column is unusable; names file, row, expectation
     ├── RewardError               a reward function is missing, has the wrong signature, or returned junk
+    ├── LossError                 a plug-in's loss returned the wrong shape, no gradient, junk or NaN
     └── NativeDecoderError        rollout.decoder=native, and the native decoder cannot run; says why
 
     KeyboardInterrupt
@@ -116,6 +117,11 @@ class DataError(TetherError, ValueError):
 
 class RewardError(TetherError):
     """A reward function could not be loaded, or returned something other than a finite number."""
+
+
+class LossError(TetherError):
+    """A loss a plug-in registered (``tether.register_loss``) returned per-column losses of the
+    wrong shape or without a gradient, metrics that are not numbers, or non-finite values."""
 
 
 class RunBusyError(TetherError):

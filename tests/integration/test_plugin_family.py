@@ -90,3 +90,55 @@ def test_a_plugin_familys_limits_are_refused_from_what_it_declares(tmp_path):
     broken.write_text("raise RuntimeError('no')\n")
     out = tether("train", recipe, f"run.plugins=[{broken}]", check=False)
     assert out.returncode == 2 and "failed to import: RuntimeError: no" in out.stderr
+
+
+WORKERS_ONLY = """
+import os
+import sys
+
+# the driver imports this first and marks itself; the processes it starts import it again
+if os.environ.setdefault("TETHER_TEST_DRIVER_PID", str(os.getpid())) != str(os.getpid()):
+    sys.exit(5)
+"""
+
+LOSSES = """
+import tether
+
+
+@tether.register_loss("mean_only")
+def mean_only(x, s):  # reduced: it would train, on a scalar broadcast over every column
+    return (-x.advantages[:, None] * x.logp * x.mask).mean(), {}
+
+
+@tether.register_loss("nan_loss")
+def nan_loss(x, s):
+    return -x.advantages[:, None] * x.logp * float("nan"), {}
+"""
+
+
+def test_a_plugin_failing_in_a_worker_or_a_loss_breaking_its_contract_stops_the_run_naming_it(tmp_path):
+    """A plug-in that imports in the driver and exits in the rollout worker is the worker's failure
+    to start, named (not a silent exit); a plug-in's loss that returns one number, or NaN, stops
+    the run at its first call, naming the loss and what to change."""
+    recipe = write_recipe(tmp_path)
+    (tmp_path / "workers_only.py").write_text(WORKERS_ONLY)
+    (tmp_path / "losses.py").write_text(LOSSES)
+    out = tether("train", recipe, f"run.plugins=[{PLUGIN}, {tmp_path / 'workers_only.py'}]", "--run-dir",
+                 tmp_path / "exits", "--plain", "--no-report", check=False)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert (f"worker rollout-0: failed to start: PluginError: run.plugins: {tmp_path / 'workers_only.py'} "
+            "failed to import: SystemExit: 5 at ") in out.stderr
+    assert "Traceback" not in out.stderr
+    plugins = f"run.plugins=[{PLUGIN}, {tmp_path / 'losses.py'}]"
+    out = tether("train", recipe, plugins, "train.loss=mean_only", "--run-dir", tmp_path / "mean",
+                 "--plain", "--no-report", check=False)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "train.loss=mean_only (a plug-in's loss, " in out.stderr
+    assert "returned a tensor of shape () as its losses; it must return one loss per column" in out.stderr
+    out = tether("train", recipe, plugins, "train.loss=nan_loss", "--run-dir", tmp_path / "nan",
+                 "--plain", "--no-report", check=False)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "train.loss=nan_loss (a plug-in's loss, " in out.stderr
+    assert "returned non-finite losses: NaN or infinite in 32 of its 32 values" in out.stderr
+    assert rows(tmp_path / "nan" / "metrics.jsonl") == []  # stopped in its first batch, not after all 12
+    assert "Traceback" not in out.stderr

@@ -7,9 +7,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tether import registry  # noqa: E402
-from tether.errors import ConfigError, PluginError  # noqa: E402
+from tether.errors import ConfigError, LossError, PluginError  # noqa: E402
 from tether.train.advantages import group_advantages, overlong_penalty  # noqa: E402
-from tether.train.losses import LossInputs, LossSettings, aggregate  # noqa: E402
+from tether.train.losses import CheckedLoss, LossInputs, LossSettings, aggregate, loss_for  # noqa: E402
 
 get_loss = registry.losses.get
 
@@ -52,6 +52,54 @@ def test_a_registered_loss_is_a_valid_train_loss_until_it_is_removed():
         assert loss.tolist() == [[-0.0, -0.0]]
     finally:
         registry.losses.unregister("mine")
+
+
+def reinforce(x, s):
+    return -x.advantages[:, None] * x.logp, {"mine/adv": x.advantages.mean(), "mine/n": 3}
+
+
+@pytest.mark.parametrize(("loss", "says"), [
+    (lambda x, s: (reinforce(x, s)[0].mean(), {}),
+     r"returned a tensor of shape \(\) as its losses; it must return one loss per column of x\.logp, "
+     r"shape \(2, 2\) .*unreduced.*not its mean"),
+    (lambda x, s: reinforce(x, s)[0].sum(dim=1), r"returned Tensor; it must return a pair"),
+    (lambda x, s: (reinforce(x, s)[0].detach(), {}), r"returned losses without a gradient \(detached"),
+    (lambda x, s: (reinforce(x, s)[0], {"mine/note": "high"}),
+     r"returned metric 'mine/note' = 'high'; each metric must be a name \(str\) and a number"),
+    (lambda x, s: (reinforce(x, s)[0], {"mine/all": x.logp.detach()}),
+     r"returned metric 'mine/all' = tensor"),
+    (lambda x, s: (reinforce(x, s)[0], [1.0]), r"returned list as its metrics; return a dict"),
+    (lambda x, s: (reinforce(x, s)[0] * float("nan"), {}),
+     r"returned non-finite losses: NaN or infinite in 4 of its 4 values \(1 outside the loss mask.*\)\. "
+     r"A plug-in's loss must be finite everywhere"),
+    (lambda x, s: (reinforce(x, s)[0] / x.mask, {}),  # 1/0 outside the mask: NaN × 0 is NaN in the aggregate
+     r"returned non-finite losses: NaN or infinite in 1 of its 4 values \(1 outside the loss mask, which "
+     r"poison the aggregate"),
+])
+def test_a_plugin_loss_is_checked_and_refused_naming_it_and_what_to_change(loss, says):
+    """A plug-in's loss is held to the contract Tether's own keep: the shape of x.logp, a gradient,
+    numeric metrics (first call), finite values (every call: a plug-in's NaN stops the run)."""
+    registry.register_loss("checked")(loss)
+    try:
+        checked = loss_for("checked")
+        who = r"train\.loss=checked \(a plug-in's loss, .*test_losses\.py:\d+\) "
+        with pytest.raises(LossError, match=who + says):
+            checked(inputs([[1.0, 1.0], [1.0, 1.0]], [1.0, -1.0], mask=[[1, 1], [1, 0]]), LossSettings())
+    finally:
+        registry.losses.unregister("checked")
+
+
+def test_tethers_own_losses_are_not_wrapped_and_a_good_plugin_loss_passes_through():
+    assert loss_for("ppo_clip") is registry.losses.get("ppo_clip")
+    checked = CheckedLoss("reinforce", reinforce)
+    x = inputs([[1.0, 1.0]], [2.0])
+    loss, metrics = checked(x, LossSettings())
+    assert loss.requires_grad and loss.tolist() == [[-0.0, -0.0]] and metrics["mine/n"] == 3
+    with torch.no_grad():  # the ranks' whole-batch figures: no gradient there, and none asked for
+        checked(x, LossSettings())
+    x = inputs([[1.0, 1.0]], [float("nan")])  # finiteness is checked at every call, not only the first
+    with pytest.raises(LossError, match="non-finite losses"):
+        checked(x, LossSettings())
 
 
 def test_ppo_clip_hand_computed():

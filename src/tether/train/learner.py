@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from tether import registry
 from tether.config import Config
 from tether.errors import ConfigError
 from tether.modeling import (
@@ -42,7 +41,7 @@ from tether.train import fsdp, lora
 from tether.train.advantages import Advantages, group_advantages, overlong_penalty, per_episode, units_of
 from tether.train.collective import Solo
 from tether.train.corrections import correct
-from tether.train.losses import LossInputs, LossSettings, aggregate
+from tether.train.losses import LossInputs, LossSettings, aggregate, loss_for
 from tether.train.schedule import lr_factor
 from tether.vocabulary import RolloutBatch, TrainResult
 
@@ -79,7 +78,7 @@ class TorchLearner:
         self.cfg = cfg
         self.s = s = cfg.train
         self.group = group or Solo()
-        self.loss_fn = registry.losses.get(s.loss)
+        self.loss_fn = loss_for(s.loss)  # a plug-in's checked (losses.CheckedLoss)
         self.norm_constant = cfg.family().norm_constant(cfg)
         """L_max: Dr. GRPO's normalising constant for ``seq_mean_token_sum_norm``."""
         torch.manual_seed(cfg.run.seed)

@@ -16,13 +16,13 @@ range, sg[·] stop-gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from tether.errors import ConfigError
+from tether.errors import ConfigError, LossError
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
@@ -52,6 +52,90 @@ class LossSettings:
 LossFn = Callable[[LossInputs, LossSettings], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """A policy loss: per-column losses (N, T), unreduced, and metrics. Registered by name in
 ``tether.registry.losses`` (``train.loss``; ``tether.register_loss`` adds one)."""
+
+
+def loss_for(name: str) -> LossFn:
+    """The loss ``train.loss`` names: Tether's own as it is; a plug-in's checked (``CheckedLoss``)."""
+    from tether import registry
+
+    fn = registry.losses.get(name)
+    return fn if registry.losses.canonical(name) in registry.losses.builtins else CheckedLoss(name, fn)
+
+
+class CheckedLoss:
+    """A loss a plug-in registered, held to the contract Tether's own keep by construction. On its
+    first call: a pair (per-column losses, metrics), the losses of the shape of ``logp`` (N, T),
+    unreduced, with a gradient, and the metrics a mapping of names to numbers. On every call:
+    finite losses — a plug-in's NaN is a bug, so the run stops at the first one, naming the loss,
+    instead of skipping the update as a non-finite gradient of Tether's own losses is skipped."""
+
+    def __init__(self, name: str, fn: LossFn) -> None:
+        self.name = name
+        self.fn = fn
+        self.checked = False
+
+    def __call__(self, x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        out = self.fn(x, s)
+        if not self.checked:
+            self._check(out, x)
+            self.checked = True
+        per_column, metrics = out
+        bad = ~torch.isfinite(per_column.detach())
+        if bool(bad.any()):
+            outside = int((bad & (x.mask <= 0)).sum())
+            poison = (f" ({outside} outside the loss mask, which poison the aggregate all the same: NaN × 0 "
+                      "is NaN)" if outside else "")
+            raise LossError(
+                f"{self._who()} returned non-finite losses: NaN or infinite in {int(bad.sum())} of its "
+                f"{bad.numel()} values{poison}. A plug-in's loss must be finite everywhere: look for a log, "
+                "a division or an exp that can meet 0 or overflow, and clamp it (the run stops at its first "
+                "non-finite loss instead of skipping the update)")
+        return per_column, metrics
+
+    def _who(self) -> str:
+        return f"train.loss={self.name} (a plug-in's loss, {_where(self.fn)})"
+
+    def _check(self, out: object, x: LossInputs) -> None:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise LossError(f"{self._who()} returned {type(out).__name__}; it must return a pair "
+                            "(per-column losses (N, T), metrics dict): e.g. `return loss, {}`")
+        per_column, metrics = out
+        want = tuple(x.logp.shape)
+        if not isinstance(per_column, torch.Tensor) or tuple(per_column.shape) != want:
+            got = (f"a tensor of shape {tuple(per_column.shape)}" if isinstance(per_column, torch.Tensor)
+                   else type(per_column).__name__)
+            raise LossError(
+                f"{self._who()} returned {got} as its losses; it must return one loss per column of "
+                f"x.logp, shape {want} (N rows, T columns), unreduced: Tether masks and aggregates them "
+                "itself (train.aggregation), so return e.g. `-x.advantages[:, None] * x.logp`, not its mean")
+        if torch.is_grad_enabled() and x.logp.requires_grad and not per_column.requires_grad:
+            raise LossError(
+                f"{self._who()} returned losses without a gradient (detached, computed under "
+                "torch.no_grad(), or rebuilt from .item()/.tolist()/NumPy), so no update could learn from "
+                "them; compute them from x.logp with torch operations")
+        if not isinstance(metrics, Mapping):
+            raise LossError(f"{self._who()} returned {type(metrics).__name__} as its metrics; return a dict "
+                            "of metric name → number (or {})")
+        for key, value in metrics.items():
+            if not isinstance(key, str) or not _is_number(value):
+                raise LossError(
+                    f"{self._who()} returned metric {key!r} = {value!r:.60}; each metric must be a name "
+                    "(str) and a number: a float or int, or a one-element tensor")
+
+
+def _is_number(value: object) -> bool:
+    if isinstance(value, str | bytes) or (isinstance(value, torch.Tensor) and value.numel() != 1):
+        return False
+    try:
+        float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _where(fn: object) -> str:
+    code = getattr(fn, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else repr(fn)
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
