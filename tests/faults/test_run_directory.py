@@ -195,3 +195,35 @@ def test_a_second_stop_during_the_final_save_abandons_it_and_says_so(tiny_model_
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert not [e for e in events if e["kind"] == "save"]
+
+
+def test_a_start_that_failed_before_its_first_batch_is_no_dead_end(tiny_model_dir, tmp_path, capsys, caplog):
+    """A run directory whose start failed before any batch trained (no metrics row, no checkpoint) is
+    not a run to resume: `--resume` says so, and starting the run again in it reuses it, keeping
+    its starts.jsonl (and the lock rules: it is cleared only under the lock)."""
+    broken = tmp_path / "broken_reward.py"
+    broken.write_text("def reward(prompt, completion, answer, fields):\n"
+                      "    raise ValueError('service down')\n")
+    run_dir = tmp_path / "run"
+    assert train_cli("--run-dir", run_dir, *short(tiny_model_dir, f"reward.function={broken}:reward")) == 2
+    err = capsys.readouterr().err
+    assert "service down" in err
+    assert ("it trained no batch, so there is nothing to resume: start the run again with "
+            f"--run-dir {run_dir} to reuse it") in err
+    assert rows(run_dir / "metrics.jsonl") == []
+    assert train_cli("--resume", run_dir) == 2
+    assert f"nothing to resume: {run_dir} never trained a batch" in capsys.readouterr().err
+    from tether.runtime.rundir import RunLock
+
+    with RunLock(run_dir):  # a start in it that still holds it is refused at once, as ever
+        assert train_cli("--run-dir", run_dir, *short(tiny_model_dir)) == 2
+    assert "is in use by another process" in capsys.readouterr().err
+    with caplog.at_level(logging.INFO, logger="tether.run"):
+        assert train_cli("--run-dir", run_dir, *short(tiny_model_dir)) == 0
+    assert f"reusing run directory {run_dir}: its earlier start trained no batch" in caplog.text
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [s["resumed_from"] for s in rows(run_dir / "starts.jsonl")] == [None, None]
+    assert load_config(run_dir / "config.yaml").reward.function.endswith("varied_reward.py:reward")
+    # once it has trained, it is a run: a new start in it is refused as before
+    assert train_cli("--run-dir", run_dir, *short(tiny_model_dir)) == 2
+    assert "already exists and is not empty; pass --resume" in capsys.readouterr().err

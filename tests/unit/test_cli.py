@@ -184,7 +184,7 @@ def test_compare_needs_two_run_directories(tmp_path, capsys):
     assert main(["compare", str(tmp_path)]) == 2
     assert "at least two run directories" in capsys.readouterr().err
     assert main(["compare", str(tmp_path), str(tmp_path)]) == 2
-    assert "is not a run directory with metrics" in capsys.readouterr().err
+    assert "is not a run directory (it has no config.yaml)" in capsys.readouterr().err
     # a mean over the last n values, fewer at the start: [1, 3, 5, 7] with n = 2 → 1, 2, 4, 6
     assert _moving_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     text = format_table([{"run": "a (S=0, U=1)", "batches": 6, "wall_s": 12.0, "samples_per_s": 8.0,
@@ -192,6 +192,36 @@ def test_compare_needs_two_run_directories(tmp_path, capsys):
                           "pass_at_1_last": 0.5}])
     assert text.splitlines()[1].split() == ["a", "(S=0,", "U=1)", "6", "12", "8", "0.00", "/", "0",
                                             "25.0%", "→", "50.0%"]
+
+
+def _run_dir(path, batches: int):
+    """A run directory as `tether train` leaves it: its config, and one metrics row per trained
+    batch (none: started, or stopped or failed before its first batch)."""
+    import json
+
+    path.mkdir()
+    (path / "config.yaml").write_text("async:\n  max_staleness: 1\ntrain:\n  updates_per_batch: 1\n"
+                                      "rollout:\n  batch_size: 2\n  group_size: 4\n")
+    (path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i, "wall_s": 2.0 * i, "staleness/batches": i % 2, "reward/mean": 0.1 * i}) + "\n"
+        for i in range(1, batches + 1)))
+    return path
+
+
+def test_compare_leaves_out_a_run_that_has_trained_no_batch_yet_and_says_so(tmp_path, capsys):
+    from tether.cli.main import main
+
+    a, b, empty = _run_dir(tmp_path / "a", 3), _run_dir(tmp_path / "b", 2), _run_dir(tmp_path / "killed", 0)
+    out = tmp_path / "c.png"
+    assert main(["compare", str(a), str(empty), str(b), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert f"{empty} is left out: it has trained no batch yet (no row in its metrics.jsonl)" in captured.err
+    assert [line.split()[0] for line in captured.out.splitlines()[1:3]] == ["a", "b"] and out.is_file()
+    # with fewer than two runs left there is nothing to compare: refused, naming the run and why
+    assert main(["compare", str(a), str(empty), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"fewer than two runs to compare: {empty} has trained no batch yet" in err
+    assert "not a run directory" not in err and "Traceback" not in err
 
 
 def test_the_plan_says_where_dynamic_sampling_draws_from(capsys):

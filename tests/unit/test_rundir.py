@@ -6,7 +6,16 @@ import pytest
 
 from tether.config import load_config
 from tether.errors import ConfigError, RunBusyError
-from tether.runtime.rundir import RunLock, check_resume, clean_leftovers, record_start, resume_changes
+from tether.runtime.rundir import (
+    RunLock,
+    check_resume,
+    clean_leftovers,
+    first_fingerprint,
+    never_trained,
+    record_start,
+    resume_changes,
+    reuse_untrained,
+)
 
 
 def test_a_locked_run_directory_is_refused_naming_the_holder_and_freed_on_release(tmp_path):
@@ -64,3 +73,45 @@ def test_a_model_build_left_by_a_dead_process_is_removed_and_a_live_one_kept(tmp
         (folder / "init").mkdir(parents=True)
     _clean_stale_builds(tmp_path / "model")
     assert not dead.exists() and live.exists()
+
+
+def _failed_start(run_dir):
+    """What a start that failed before its first batch leaves: its record, config, events, an
+    evaluation at step 0, an empty metrics file, TensorBoard's folder, an empty checkpoints folder."""
+    run_dir.mkdir()
+    record_start(run_dir, overrides=[], resumed_from=None, fingerprint="a" * 64)
+    for name, text in [("config.yaml", "run:\n  seed: 0\n"), ("events.jsonl", '{"kind": "launch"}\n'),
+                       ("eval.jsonl", '{"step": 0}\n'), ("metrics.jsonl", ""), (".lock", "")]:
+        (run_dir / name).write_text(text)
+    (run_dir / "tensorboard").mkdir()
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "ray").mkdir()  # a local Ray instance's logs
+    return run_dir
+
+
+def test_a_run_directory_that_never_trained_is_reused_keeping_its_starts_and_rays_logs(tmp_path):
+    run_dir = _failed_start(tmp_path / "run")
+    assert never_trained(run_dir)
+    removed = reuse_untrained(run_dir)
+    assert removed == ["checkpoints", "config.yaml", "eval.jsonl", "events.jsonl", "metrics.jsonl",
+                       "tensorboard"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "ray", "starts.jsonl"]
+    # the run's data are those of its latest new start: the data the reused start trains on
+    record_start(run_dir, overrides=[], resumed_from=None, fingerprint="b" * 64)
+    assert first_fingerprint(run_dir) == "b" * 64
+    record_start(run_dir, overrides=[], resumed_from="step-000002", fingerprint="c" * 64)
+    assert first_fingerprint(run_dir) == "b" * 64
+
+
+@pytest.mark.parametrize("case", ["a metrics row", "a checkpoint", "a file of someone else's", "no record"])
+def test_a_run_directory_that_trained_or_is_not_a_runs_is_not_reused(tmp_path, case):
+    run_dir = _failed_start(tmp_path / "run")
+    if case == "a metrics row":
+        (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    elif case == "a checkpoint":
+        (run_dir / "checkpoints" / "step-000002").mkdir()
+    elif case == "a file of someone else's":
+        (run_dir / "notes.txt").write_text("mine")
+    else:
+        (run_dir / "starts.jsonl").unlink()
+    assert not never_trained(run_dir)

@@ -139,9 +139,13 @@ def cfg_backend_supervised(cfg) -> bool:
 def _where_to_resume(run_dir: Path) -> str:
     """What a stopped run leaves: the command that continues it, if a checkpoint exists."""
     from tether.runtime.checkpoint import Checkpointer
+    from tether.runtime.rundir import never_trained
 
     if Checkpointer(run_dir / "checkpoints").list():
         return f"the run directory is {run_dir} (resume with `tether train --resume {run_dir}`)"
+    if run_dir.is_dir() and never_trained(run_dir):
+        return (f"the run directory is {run_dir}; it trained no batch, so there is nothing to resume: start "
+                f"the run again with --run-dir {run_dir} to reuse it")
     if run_dir.is_dir():
         return (f"the run directory is {run_dir}; it holds no checkpoint to resume from "
                 "(checkpoint.interval=0, or it stopped before the first)")
@@ -188,7 +192,9 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
 def compare(ns: argparse.Namespace) -> int:
     from tether.runtime.compare import format_table, write_comparison
 
-    path, rows = write_comparison([Path(r) for r in ns.runs], Path(ns.out))
+    path, rows, notes = write_comparison([Path(r) for r in ns.runs], Path(ns.out))
+    for note in notes:
+        print(f"tether compare: {note}", file=sys.stderr)
     print(format_table(rows))
     print(f"figure: {path}")
     return 0

@@ -33,10 +33,14 @@ class RunView:
     samples_per_batch: int
 
     @classmethod
-    def read(cls, path: Path) -> RunView:
+    def read(cls, path: Path) -> RunView | None:
+        """The run in ``path``; None when it has trained no batch yet (started, or stopped or failed
+        before its first batch: no row in its metrics.jsonl). Not a run directory: ConfigError."""
+        if not (path / "config.yaml").is_file():
+            raise ConfigError(f"{path} is not a run directory (it has no config.yaml)")
         metrics = _read_jsonl(path / "metrics.jsonl")
-        if not metrics or not (path / "config.yaml").is_file():
-            raise ConfigError(f"{path} is not a run directory with metrics (config.yaml and metrics.jsonl)")
+        if not metrics:
+            return None
         cfg = yaml.safe_load((path / "config.yaml").read_text()) or {}
         s = cfg.get("async", {}).get("max_staleness", "?")
         u = cfg.get("train", {}).get("updates_per_batch", "?")
@@ -56,8 +60,10 @@ class RunView:
                 "pass_at_1_first": first, "pass_at_1_last": last}
 
 
-def write_comparison(run_dirs: list[Path], out: Path) -> tuple[Path, list[dict[str, Any]]]:
-    """Draw ``out`` (a PNG) for ``run_dirs``; returns its path and the table's rows."""
+def write_comparison(run_dirs: list[Path], out: Path) -> tuple[Path, list[dict[str, Any]], list[str]]:
+    """Draw ``out`` (a PNG) for ``run_dirs``; returns its path, the table's rows and notes on the
+    runs left out: a run that has trained no batch yet is left out, named, as long as two runs
+    remain to compare (else the comparison is refused, naming it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -65,7 +71,16 @@ def write_comparison(run_dirs: list[Path], out: Path) -> tuple[Path, list[dict[s
 
     if len(run_dirs) < 2:
         raise ConfigError("tether compare needs at least two run directories")
-    runs = [RunView.read(Path(p)) for p in run_dirs]
+    read = [(Path(p), RunView.read(Path(p))) for p in run_dirs]
+    untrained = [p for p, run in read if run is None]
+    runs = [run for _, run in read if run is not None]
+    if len(runs) < 2:
+        raise ConfigError(
+            f"fewer than two runs to compare: {', '.join(map(str, untrained))} "
+            f"{'has' if len(untrained) == 1 else 'have'} trained no batch yet (no row in metrics.jsonl: "
+            "the run is starting, or stopped or failed before its first batch); compare runs that have "
+            "trained, or wait for the first rows")
+    notes = [f"{p} is left out: it has trained no batch yet (no row in its metrics.jsonl)" for p in untrained]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     (acc_t, acc_b), (rew_t, samples_t) = axes
     for i, run in enumerate(runs):
@@ -88,7 +103,7 @@ def write_comparison(run_dirs: list[Path], out: Path) -> tuple[Path, list[dict[s
     fig.suptitle("Runs compared")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    return _save(fig, out), [run.row() for run in runs]
+    return _save(fig, out), [run.row() for run in runs], notes
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

@@ -24,12 +24,17 @@ from tether.runtime.assemble import Prepared, assemble
 log = logging.getLogger("tether.run")
 
 
-def _refuse_nonempty(run_dir: Path) -> None:
-    from tether.runtime.rundir import LOCK_NAME
+def _refuse_nonempty(run_dir: Path, *, locked: bool = False) -> None:
+    """A new run needs an empty directory, or one whose earlier start never trained a batch (a
+    start that failed or was stopped before its first batch: it is reused, ``rundir.never_trained``)."""
+    from tether.runtime.rundir import LOCK_NAME, RunLock, never_trained
 
-    if run_dir.exists() and any(p.name != LOCK_NAME for p in run_dir.iterdir()):
+    used = run_dir.exists() and any(p.name != LOCK_NAME for p in run_dir.iterdir())
+    if used and not never_trained(run_dir):
         raise ConfigError(f"run directory {run_dir} already exists and is not empty; pass --resume {run_dir} "
                           "to continue it, or choose another --run-dir")
+    if used and not locked:  # a start still before its first batch holds it: refused now, not after preparing
+        RunLock(run_dir).acquire().release()
 
 
 def claim_run_dir(run_dir: Path, cfg: Config, prepared: Prepared, *, resume: bool, force: bool,
@@ -47,7 +52,9 @@ def claim_run_dir(run_dir: Path, cfg: Config, prepared: Prepared, *, resume: boo
         check_resume,
         clean_leftovers,
         data_fingerprint,
+        never_trained,
         record_start,
+        reuse_untrained,
     )
 
     lock, found = RunLock(run_dir).acquire(), None
@@ -60,6 +67,11 @@ def claim_run_dir(run_dir: Path, cfg: Config, prepared: Prepared, *, resume: boo
         clean_leftovers(run_dir)
         fingerprint = data_fingerprint(prepared.data.train)
         if resume:
+            if never_trained(run_dir):
+                raise ConfigError(
+                    f"nothing to resume: {run_dir} never trained a batch (no metrics row, no checkpoint); "
+                    f"start the run again without --resume, with --run-dir {run_dir}: the directory is "
+                    "reused")
             forced = check_resume(run_dir, load_config(run_dir / "config.yaml").to_dict(), cfg.to_dict(),
                                   fingerprint, force=force)
             found = state, ckpt = Checkpointer(run_dir / "checkpoints").newest_good()
@@ -69,7 +81,9 @@ def claim_run_dir(run_dir: Path, cfg: Config, prepared: Prepared, *, resume: boo
                     f"train.num_batches={cfg.train.num_batches}; extend it with "
                     f"train.num_batches=N (N > {state.trained_batches})")
             return lock, found, lambda: begin(resumed_from=ckpt.name, forced=forced)
-        _refuse_nonempty(run_dir)  # again under the lock: another start may have won the race
+        _refuse_nonempty(run_dir, locked=True)  # again under the lock: another start may have won the race
+        if never_trained(run_dir):
+            reuse_untrained(run_dir)
         begin(resumed_from=None)
     except BaseException:
         lock.release()

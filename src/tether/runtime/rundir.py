@@ -10,6 +10,9 @@ silently change what the run is.
 - ``starts.jsonl``: one line per start (new or resumed) with the command line, the overrides,
   the checkpoint resumed from and the data fingerprint; ``config.yaml`` is rewritten on resume
   so it always holds the config the run continues with.
+- ``never_trained`` / ``reuse_untrained``: a directory whose start failed or was stopped before its
+  first batch (no metrics row, no checkpoint) is no run to resume; a new start in it reuses it,
+  under the lock, keeping ``starts.jsonl`` and Ray's logs.
 - ``resume_changes``: the keys a resume changes, sorted into those that are safe and those that
   would change the prompt stream or the schedule already trained (refused without ``--force``).
 """
@@ -108,6 +111,49 @@ def clean_leftovers(run_dir: Path) -> list[Path]:
     return removed
 
 
+# What a start of a run writes in its directory (besides a family's records, NAME.jsonl): a
+# directory holding only these, with no metrics row and no checkpoint, never trained a batch.
+RUN_FILES = frozenset({LOCK_NAME, STARTS_NAME, "config.yaml", "summary.json", "checkpoints", "tensorboard",
+                       "plots", "samples", "ray"})
+KEPT_ON_REUSE = frozenset({LOCK_NAME, STARTS_NAME, "ray"})  # the starts' record; Ray's logs, by session
+
+
+def never_trained(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is a run directory whose start failed or was stopped before its first
+    batch trained: it holds a record of its start, no metrics row, no checkpoint, and nothing a
+    run does not write (a directory with other files is someone's, not to be reused)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / STARTS_NAME).is_file():
+        return False
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.read_text().strip():
+        return False
+    ckpts = run_dir / "checkpoints"
+    if ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir()):
+        return False
+    return all(p.name in RUN_FILES or p.suffix in (".jsonl", ".tmp") for p in run_dir.iterdir())
+
+
+def reuse_untrained(run_dir: Path) -> list[str]:
+    """Clear a directory that ``never_trained`` for a new start in it; call with the lock held.
+    Its ``starts.jsonl`` is kept (the new start is appended) and so are Ray's logs; what else the
+    earlier start wrote (its config, events, an evaluation at step 0, …) is removed. Returns the
+    names removed."""
+    removed = []
+    for path in sorted(Path(run_dir).iterdir()):
+        if path.name in KEPT_ON_REUSE:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        removed.append(path.name)
+    log.info("reusing run directory %s: its earlier start trained no batch and left no checkpoint; "
+             "starting afresh in it (removed %s; kept %s)", run_dir, ", ".join(removed) or "nothing",
+             ", ".join(sorted(n for n in KEPT_ON_REUSE - {LOCK_NAME} if (Path(run_dir) / n).exists())))
+    return removed
+
+
 def data_fingerprint(examples: Iterable[Any]) -> str:
     """SHA-256 over the prompts, answers and fields of ``examples`` in order: any change to the
     dataset file, its loader or the task's generator changes it."""
@@ -129,14 +175,18 @@ def record_start(run_dir: Path, *, overrides: list[str], resumed_from: str | Non
 
 
 def first_fingerprint(run_dir: Path) -> str | None:
-    """The data fingerprint the run was started with (None for runs made before it was kept)."""
+    """The data fingerprint the run was started with: its latest new start's (an earlier one
+    trained nothing: its directory was reused); None for runs made before it was kept."""
     path = Path(run_dir) / STARTS_NAME
     if not path.is_file():
         return None
+    found = None
     for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            return json.loads(line).get("data_fingerprint")
-    return None
+        with contextlib.suppress(json.JSONDecodeError, AttributeError):
+            entry = json.loads(line)
+            if entry.get("resumed_from") is None:
+                found = entry.get("data_fingerprint")
+    return found
 
 
 # What a resume may change. Keys outside SAFE change what the run trains on or how its clock
