@@ -21,6 +21,7 @@ every process of the run, so what they register is there wherever the run needs 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -63,7 +64,9 @@ class Registry(Generic[T]):
         """Add ``obj`` as ``name``; a name already taken (built-in or registered) is refused."""
         if not isinstance(name, str) or not name.isidentifier():
             raise PluginError(f"a {self.kind} name must be an identifier (letters, digits, _), got {name!r}")
-        if name in self or name in self.aliases:
+        if name in self._loaded and same_definition(self._loaded[name], obj):
+            pass  # one file run twice (a script, and the same file as a plug-in): its newer run counts
+        elif name in self or name in self.aliases:
             raise PluginError(f"a {self.kind} named {name!r} is already registered; choose another name")
         self._loaded[name] = obj
         self._meta[name] = dict(meta)
@@ -203,6 +206,55 @@ def register_reward(name: str) -> Callable[[Any], Any]:
     return _decorator(rewards, name)
 
 
+def same_definition(old: Any, new: Any) -> bool:
+    """Whether ``old`` and ``new`` come from the same source: the same qualified name in the same
+    file (a script registers as ``__main__`` and again when Tether imports it as a plug-in)."""
+    def where(obj: Any) -> tuple[str, str] | None:
+        target = obj if callable(obj) and hasattr(obj, "__qualname__") else type(obj)
+        try:
+            import inspect
+
+            return target.__qualname__, str(Path(inspect.getfile(target)).resolve())
+        except (TypeError, OSError):
+            return None
+    found = where(old)
+    return found is not None and found == where(new)
+
+
+# -- user code: a script Tether imports ---------------------------------------------------------------
+
+class ScriptReentered(BaseException):  # not an error: the end of a script's import
+    """Raised by ``tether.train`` when it is called while Tether imports the user's file (a worker
+    loading the script that named its own reward or environment, or the script as a plug-in): the
+    import ends there, with what the file defined above the call, and the run is not started again."""
+
+
+_user_imports = 0
+
+
+@contextlib.contextmanager
+def importing_user_code() -> Iterator[None]:
+    """Marks Tether importing a user's file (``tether.train`` then ends the import, not a new run)."""
+    global _user_imports
+    _user_imports += 1
+    try:
+        yield
+    finally:
+        _user_imports -= 1
+
+
+def in_user_import() -> bool:
+    return _user_imports > 0
+
+
+def running_script(path: Path) -> Any:
+    """The ``__main__`` module when it is the file ``path`` (a script Tether is asked to import:
+    it is not run a second time in the process that runs it), else None."""
+    main = sys.modules.get("__main__")
+    file = getattr(main, "__file__", None)
+    return main if file and Path(file).resolve() == path.resolve() else None
+
+
 # -- plug-ins -------------------------------------------------------------------------------------
 
 _loaded_plugins: dict[str, str] = {}  # the spec as given → the module it became
@@ -231,12 +283,19 @@ def _load_file(spec: str) -> str:
     name = plugin_module_name(path)
     if name in sys.modules:
         return name
+    main = running_script(path)
+    if main is not None:  # the script that is running names itself: it has registered already
+        sys.modules[name] = main
+        return name
     loader_spec = importlib.util.spec_from_file_location(name, path.resolve())
     assert loader_spec is not None and loader_spec.loader is not None
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[name] = module  # before running it: its dataclasses look themselves up there
     try:
-        loader_spec.loader.exec_module(module)
+        with importing_user_code():
+            loader_spec.loader.exec_module(module)
+    except ScriptReentered:
+        pass  # a script that calls tether.train: what it defined above the call is the plug-in
     except (KeyboardInterrupt, ConfigError):  # a stop; a plug-in's own clear refusal
         del sys.modules[name]
         raise
@@ -248,7 +307,10 @@ def _load_file(spec: str) -> str:
 
 def _load_module(spec: str) -> str:
     try:
-        importlib.import_module(spec)
+        with importing_user_code():
+            importlib.import_module(spec)
+    except ScriptReentered:
+        pass  # a script that calls tether.train, imported as a plug-in: its registrations are made
     except ModuleNotFoundError as exc:
         if exc.name is None or not (spec == exc.name or spec.startswith(f"{exc.name}.")):
             raise import_failure(f"run.plugins: module {spec!r}", exc) from exc  # it imports what is missing
