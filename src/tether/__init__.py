@@ -2,10 +2,13 @@
 
 The public API — everything else is internal and may move:
 
-    train, load_config, Config                 run a recipe (as ``tether train`` does)
+    train, load_config, Config                 run a recipe (as ``tether train`` does), with your own
+                                               reward, environment and plug-ins as Python objects
     register_family, register_task,            plug-ins: what a recipe can name
     register_reward, register_loss,            (``run.plugins`` imports them in every process)
     register_advantage, register_kl, batched   (``batched``: a reward function that scores a whole batch)
+    register_engine, register_backend,         an engine or a rollout backend, declared as
+    EnginePlugin, BackendPlugin                (``tether.plugins``) what it owns, supports and checks
     Family, FamilyBase, Capabilities, ...      the vocabulary a plug-in is written in
     TetherError, ConfigError, ...              the errors (``tether.errors``)
 
@@ -20,7 +23,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "train": "tether.runtime.run",
+    "train": "tether.api",
     "load_config": "tether.config",
     "Config": "tether.config",
     "register_family": "tether.registry",
@@ -29,6 +32,10 @@ _EXPORTS = {
     "register_loss": "tether.registry",
     "register_advantage": "tether.registry",
     "register_kl": "tether.registry",
+    "register_engine": "tether.registry",
+    "register_backend": "tether.registry",
+    "EnginePlugin": "tether.plugins",
+    "BackendPlugin": "tether.plugins",
     "batched": "tether.data.rewards",
     "FamilyBase": "tether.families.base",
     "Capabilities": "tether.vocabulary",

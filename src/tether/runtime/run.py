@@ -91,14 +91,20 @@ def claim_run_dir(run_dir: Path, cfg: Config, prepared: Prepared, *, resume: boo
     return lock, found, lambda: None
 
 
-def train(cfg: Config, run_dir: Path, *, resume: bool = False, force: bool = False,
+def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool = False,
           overrides: Sequence[str] = (), progress_plain: bool | None = None) -> dict:
     """Run (or resume) training into ``run_dir``; returns the summary it also writes.
+    (``tether.train``, ``tether.api``, is this with Python objects and recipes in any form.)
 
     SIGINT and SIGTERM stop it at the next safe point with a final checkpoint
     (``tether.runtime.stopping``); the run directory is locked for the whole call."""
     from tether.runtime.stopping import StopSignals
     from tether.runtime.supervise import supervised
+
+    if not isinstance(cfg, Config):
+        raise ConfigError(f"train: cfg must be a Config (tether.load_config), got {type(cfg).__name__}; "
+                          "tether.train takes a recipe path or mapping too")
+    run_dir = Path(run_dir)
 
     with StopSignals(repeat_window_s=1.0 if supervised() else 0.0) as stop:
         return _train(cfg, run_dir, stop, resume=resume, force=force, overrides=overrides,
