@@ -37,65 +37,67 @@ def _changed(cfg: Any, keys: Iterable[str]) -> str | None:
         value = getattr(cfg.section(section), name)
         default = getattr(type(cfg.section(section))(), name)
         if value != default:
-            return f"{key}={value}"
+            return f"{key}={_yaml(value)}"
     return None
 
 
-def _when(cond: bool, text: str) -> str | None:
-    return text if cond else None
+def _yaml(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _by_keys(feature: str) -> Callable[[Any], str | None]:
+    """Asked by setting any key whose definition names ``feature`` (``knob(feature=...)``) away
+    from its default."""
+    from tether.config.keys import table
+
+    return lambda cfg: _changed(cfg, [k.key for k in table().values() if k.feature == feature])
 
 
 FEATURES: tuple[Feature, ...] = (
-    Feature("token_sampling", "sampling tokens", lambda c: _changed(
-        c, ("rollout.max_new_tokens", "rollout.temperature", "rollout.top_k", "rollout.top_p"))),
-    Feature("decoder", "a choice of token decoder", lambda c: _changed(c, ("rollout.decoder",))),
-    Feature("dynamic_sampling", "DAPO's dynamic sampling",
-            lambda c: _when(c.rollout.dynamic_sampling, "rollout.dynamic_sampling=true")),
-    Feature("truncation", "completions cut off at a length", lambda c: _changed(
-        c, ("reward.overlong_buffer", "train.mask_truncated"))),
-    Feature("shared_prefix", "a prompt prefix shared by each group's samples",
-            lambda c: _changed(c, ("train.shared_prefix",))),
-    Feature("datasets", "text datasets (data.dataset)",
-            lambda c: _when(bool(c.data.dataset), f"data.dataset={c.data.dataset}")),
-    Feature("attribution", "the staleness/numerics split of each log-ratio",
-            lambda c: _when(c.metrics.attribution, "metrics.attribution=true")),
-    Feature("learner_ranks", "learner ranks (FSDP2 over several processes)",
-            lambda c: _when(c.train.world_size > 1, f"train.world_size={c.train.world_size}")),
-    Feature("lora", "LoRA adapters",
-            lambda c: _when(c.train.lora_rank > 0, f"train.lora_rank={c.train.lora_rank}")),
+    Feature("token_sampling", "sampling tokens", _by_keys("token_sampling")),
+    Feature("decoder", "a choice of token decoder", _by_keys("decoder")),
+    Feature("dynamic_sampling", "DAPO's dynamic sampling", _by_keys("dynamic_sampling")),
+    Feature("truncation", "completions cut off at a length", _by_keys("truncation")),
+    Feature("shared_prefix", "a prompt prefix shared by each group's samples", _by_keys("shared_prefix")),
+    Feature("datasets", "text datasets (data.dataset)", _by_keys("datasets")),
+    Feature("attribution", "the staleness/numerics split of each log-ratio", _by_keys("attribution")),
+    Feature("learner_ranks", "learner ranks (FSDP2 over several processes)", _by_keys("learner_ranks")),
+    Feature("lora", "LoRA adapters", _by_keys("lora")),
     Feature("learner_actor", "the learner in a Ray actor",
-            lambda c: _when(c.ray.learner == "actor", "ray.learner=actor")),
+            lambda c: "ray.learner=actor" if c.section("ray").learner == "actor" else None),
 )
 FEATURE_NAMES = frozenset(f.name for f in FEATURES)
 
 
-def _is_default(value: Any) -> bool:
-    return value == type(value)()
-
-
 def check_ownership(cfg: Any) -> None:
     """Refuse a section or key set for an engine, backend or family that is not chosen (a key the
-    chosen one declares too is its own)."""
+    chosen one reads too is its own), as the key table says who reads each (``tether.config.keys``)."""
+    from tether.config.keys import KINDS, table
+
+    keys = table()
     chosen = {"engines": cfg.rollout.engine, "backends": cfg.rollout.backend, "families": cfg.model.family}
     for kind, name in chosen.items():
         reg = getattr(registry, kind)
-        own = set(getattr(reg.get(name), "keys", ()))  # keys it shares with another plug-in are its own too
         for other in reg.names():
             if other == name:
                 continue
-            plugin = reg.get(other)
-            section = _section_name(plugin)
+            section = _section_name(reg.get(other))
             if section is not None and cfg.has_section(section) and not _is_default(cfg.section(section)):
                 raise ConfigError(f"the {section} section is set, but it is read only with {reg.key}={other} "
                                   f"({reg.key} is {name!r}); set {reg.key}={other} to use it, or remove "
                                   f"the {section} keys")
-            for key in getattr(plugin, "keys", ()):
-                if key in own:
+            for entry in keys.values():
+                if (entry.owner != KINDS[kind] or entry.section == section or other not in entry.readers
+                        or name in entry.readers):
                     continue
-                asked = _changed(cfg, (key,))
+                asked = _changed(cfg, (entry.key,))
                 if asked is not None:
                     raise ConfigError(f"{asked} is read only with {reg.key}={other} ({reg.key} is "
-                                      f"{name!r}); remove {key}, or set {reg.key}={other}")
+                                      f"{name!r}); remove {entry.key}, or set {reg.key}={other}")
+
+
+def _is_default(value: Any) -> bool:
+    return value == type(value)()
 
 
 def _section_name(plugin: Any) -> str | None:

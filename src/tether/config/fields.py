@@ -1,7 +1,10 @@
 """Typed, documented config fields and the strict checks every section shares.
 
 A section is a frozen dataclass whose fields are declared with ``knob(...)``: a default, one
-sentence of help, and the allowed range or choices. ``build_section`` turns a plain mapping into
+sentence of help, the allowed range or choices, and what the key is to the rest of Tether: who
+reads it (``owner``), what a resume does when it changes (``resume``), and the optional feature
+a family must have for it to be set (``feature``). ``tether.config.keys`` gathers them into one
+table per key. ``build_section`` turns a plain mapping into
 a section, refusing unknown keys (naming the closest valid one) and values of the wrong type or
 range (saying what is allowed).
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import math
 import types
 import typing
@@ -21,14 +25,55 @@ from tether.errors import ConfigError
 _MISSING = dataclasses.MISSING
 
 
+class Resume(enum.Enum):
+    """What a resume (``tether train --resume``) does when it changes a key: accept it, or refuse
+    it (``--force`` accepts it anyway) for the reason given."""
+
+    ACCEPTED = "accepted"
+    PROMPTS = "changes the prompt stream (which prompts each batch holds)"
+    HELD_OUT = "changes the held-out set the run's evaluations are measured on"
+    SCHEDULE = "changes the staleness schedule and version clock already trained"
+    TRAINING = "changes how training continues from the checkpoint"
+
+    @property
+    def refused(self) -> bool:
+        return self is not Resume.ACCEPTED
+
+    @property
+    def why(self) -> str:
+        """Why a change is refused (the reason a refusal gives)."""
+        return self.value
+
+    @property
+    def label(self) -> str:
+        """A few words for the reference's "on resume" column."""
+        return {"ACCEPTED": "accepted", "PROMPTS": "refused: the prompt stream",
+                "HELD_OUT": "refused: the held-out set", "SCHEDULE": "refused: the staleness schedule",
+                "TRAINING": "refused: how training continues"}[self.name]
+
+
+OWNER_KINDS = ("core", "family", "engine", "backend")
+"""Who reads a key of a shared section: Tether itself, or the families (engines, backends) that
+name it in their ``keys``; any other is refused when set (``tether.config.features``)."""
+
+
 def knob(default: Any, help: str, *, min: float | None = None, max: float | None = None,
-         choices: Iterable[str] | None = None) -> Any:
+         choices: Iterable[str] | None = None, resume: Resume | None = None, owner: str = "core",
+         feature: str | None = None, dropped: str | None = None) -> Any:
     """Declare a config field with its default, help text and allowed values. ``choices`` may be
     a ``tether.registry.Registry``: its names are read when a value is checked (plug-ins add
-    names), and a former name it still knows is replaced by the current one."""
+    names), and a former name it still knows is replaced by the current one.
+
+    ``resume``: what a resume does when it changes the key (None: the section's ``RESUME``, else
+    ``Resume.TRAINING``). ``owner``: the kind of plug-in that reads it when not Tether itself
+    (the plug-ins of that kind that do name it in their ``keys``). ``feature``: the optional
+    family feature that setting it away from its default asks for. ``dropped``: when a resume
+    drops the recorded value because the move to a smaller set-up leaves it nothing to act on."""
     if choices is not None and not hasattr(choices, "names"):
         choices = tuple(choices)
-    meta = {"help": help, "min": min, "max": max, "choices": choices}
+    assert owner in OWNER_KINDS, owner
+    meta = {"help": help, "min": min, "max": max, "choices": choices, "resume": resume, "owner": owner,
+            "feature": feature, "dropped": dropped}
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

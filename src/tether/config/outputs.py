@@ -4,13 +4,16 @@ checkpoints (``checkpoint``), and the samples and extra figures it records (``me
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from tether.config.fields import knob
+from tether.config.fields import Resume, knob
 
 
 @dataclass(frozen=True)
 class EvalSection:
     """Held-out evaluation at hard boundaries."""
+
+    RESUME: ClassVar[Resume] = Resume.ACCEPTED
 
     interval: int = knob(
         0,
@@ -31,6 +34,8 @@ class EvalSection:
 class CheckpointSection:
     """Checkpoints at hard boundaries."""
 
+    RESUME: ClassVar[Resume] = Resume.ACCEPTED
+
     interval: int = knob(
         0,
         "Save every this many trained batches, and at the end (0 = off). Each save is a hard "
@@ -44,12 +49,15 @@ class CheckpointSection:
         "(torch.distributed.checkpoint), so no process ever holds the whole state; a resume at any "
         "world size reshards them, and `tether eval` and model.path read them. false = gathered "
         "whole on rank 0 into the single-process format.",
+        dropped="with train.world_size=1 (from ranks to one process)",
     )
 
 
 @dataclass(frozen=True)
 class MetricsSection:
     """What a run records beyond its per-batch metrics."""
+
+    RESUME: ClassVar[Resume] = Resume.ACCEPTED
 
     record_every: int = knob(
         1,
@@ -66,4 +74,5 @@ class MetricsSection:
         "attribution/* (means, maxima, the staleness share). The learner keeps a copy of its weights "
         "for each version a batch can still hold (at most S·U + 1; attribution/memory_mb) and runs one "
         "more forward per older version in a batch. With learner ranks each keeps copies of its own shards.",
+        feature="attribution",
     )

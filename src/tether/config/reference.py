@@ -7,6 +7,7 @@ import typing
 from tether import registry
 from tether.config.config import plugin_section_classes
 from tether.config.fields import describe_type, section_fields
+from tether.config.keys import resume_of, table
 from tether.config.schema import SECTIONS
 
 
@@ -30,6 +31,11 @@ def _allowed(field, tp) -> str:
     return ", ".join(parts)
 
 
+def _on_resume(keys: dict, key: str) -> str:
+    entry = keys.get(key)
+    return entry.on_resume if entry is not None else resume_of(key, keys).label
+
+
 def reference_markdown() -> str:
     """The whole reference as Markdown."""
     lines = [
@@ -42,19 +48,24 @@ def reference_markdown() -> str:
         "",
         "Set keys in a YAML recipe (`section:` then `key: value`) or on the command line as",
         "`section.key=value`. An unknown or misspelled key is an error naming the closest valid",
-        "one; a value of the wrong type or range says what is allowed.",
+        "one; a value of the wrong type or range says what is allowed. \"On resume\" is what",
+        "`tether train --resume` does when it changes the key (docs/guide.md §6): a refused change",
+        "passes with `--force`; a dropped key's recorded value is left out when the resume moves to a",
+        "smaller set-up, unless the resume sets it.",
         "",
     ]
+    keys = table()
     for name, cls in {**SECTIONS, **plugin_section_classes(registry.families.builtins)}.items():
         hints = typing.get_type_hints(cls)
         lines += [f"## `{name}`", "", (cls.__doc__ or "").strip(), "",
-                  "| key | type | default | allowed | meaning |",
-                  "|---|---|---|---|---|"]
+                  "| key | type | default | allowed | meaning | on resume |",
+                  "|---|---|---|---|---|---|"]
         for key, field in section_fields(cls).items():
             help_text = field.metadata["help"].replace("|", "\\|")
             lines.append(
                 f"| `{name}.{key}` | {describe_type(hints[key]).replace('|', '/')} | "
-                f"{_default(field)} | {_allowed(field, hints[key])} | {help_text} |"
+                f"{_default(field)} | {_allowed(field, hints[key])} | {help_text} | "
+                f"{_on_resume(keys, f'{name}.{key}')} |"
             )
         lines.append("")
     return "\n".join(lines)

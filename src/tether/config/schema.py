@@ -11,11 +11,11 @@ the two in step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from tether import registry
 from tether.config.backends import RaySection, VllmSection
-from tether.config.fields import knob
+from tether.config.fields import Resume, knob
 from tether.config.outputs import CheckpointSection, EvalSection, MetricsSection
 from tether.config.support import PlanSection, WarmstartSection
 
@@ -24,7 +24,10 @@ from tether.config.support import PlanSection, WarmstartSection
 class RunSection:
     """The run as a whole."""
 
-    seed: int = knob(0, "Seed for every random choice Tether makes (data order, sampling, init).", min=0)
+    seed: int = knob(
+        0, "Seed for every random choice Tether makes (data order, sampling, init).", min=0,
+        resume=Resume.PROMPTS,
+    )
     plugins: list[str] = knob(
         [],
         "Plug-ins imported before the rest of the recipe is read, in every process of the run: "
@@ -35,6 +38,7 @@ class RunSection:
         "",
         "Also log to Weights & Biases under this project (needs `pip install wandb`; set "
         "WANDB_MODE=offline where there is no network). Empty = off.",
+        resume=Resume.ACCEPTED,
     )
 
 
@@ -48,23 +52,27 @@ class AsyncSection:
         "be when that batch trains. 0 is synchronous (exactly on-policy); the budget in updates is "
         "S × train.updates_per_batch and S + 1 batches may be outstanding per published snapshot.",
         min=0,
+        resume=Resume.SCHEDULE,
     )
     max_inflight: int = knob(
         2,
         "Generations (rollout batches) that may run concurrently. More than max_staleness + 1 is "
         "never used.",
         min=1,
+        resume=Resume.SCHEDULE,
     )
     on_stale: Literal["error", "drop"] = knob(
         "error",
         "What to do with a batch above the staleness budget when it reaches the trainer: 'error' "
         "fails closed; 'drop' drops it, counts it (async/dropped_batches) and logs it.",
+        resume=Resume.SCHEDULE,
     )
     max_consecutive_drops: int = knob(
         16,
         "With on_stale=drop: fail the run after this many stale batches in a row instead of "
         "dropping forever (admission makes stale batches impossible unless something is broken).",
         min=1,
+        resume=Resume.ACCEPTED,
     )
     sync_when_idle: bool = knob(
         False,
@@ -72,6 +80,7 @@ class AsyncSection:
         "has new weights (sync reason 'idle'), not only when the budget or an eval/save forces it. "
         "It never waits for generation and lowers staleness; at S >= 1 with training the slower "
         "side it keeps the generator busy (see docs/concepts.md). Costs one publication per such step.",
+        resume=Resume.SCHEDULE,
     )
     inflight_update: Literal["drain", "keep", "recompute", "abort"] = knob(
         "drain",
@@ -85,6 +94,7 @@ class AsyncSection:
         "step the trainer is ahead, and admission bounds each launch by the oldest version still "
         "generating, so no batch exceeds the budget (docs/concepts.md). Eval and checkpoint boundaries "
         "always drain. Either engine (torch, vllm), either backend.",
+        resume=Resume.SCHEDULE,
     )
     wait_timeout_s: float = knob(
         600.0,
@@ -92,6 +102,7 @@ class AsyncSection:
         "failing the run with an error that names the worker and the batch; outstanding work is then "
         "abandoned at once.",
         min=0.001,
+        resume=Resume.ACCEPTED,
     )
 
 
@@ -102,11 +113,15 @@ FROM_PRESET = "null = from train.algorithm"
 class TrainSection:
     """The learner: schedule, algorithm, optimizer."""
 
-    num_batches: int = knob(20, "Rollout batches to train on in the whole run.", min=1)
+    num_batches: int = knob(
+        20, "Rollout batches to train on in the whole run.", min=1,
+        resume=Resume.ACCEPTED,
+    )
     updates_per_batch: int = knob(
         1,
         "U: optimizer updates made from one rollout batch (it is split into U mini-batches).",
         min=1,
+        resume=Resume.SCHEDULE,
     )
     algorithm: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo", "flow_grpo"] = knob(
         "dapo",
@@ -140,6 +155,7 @@ class TrainSection:
         False,
         "Leave completions cut off at rollout.max_new_tokens out of the loss (DAPO's overlong "
         "filtering, TRL's mask_truncated_completions); they still count in their group's baseline.",
+        feature="truncation",
     )
     adv_scope: Literal["group", "batch"] | None = knob(
         None, "With train.advantage=grpo: whose std normalises advantages, each prompt group's or "
@@ -181,7 +197,8 @@ class TrainSection:
         0, "Sequences per forward/backward inside a mini-batch (gradient accumulation); 0 = all.", min=0
     )
     threads: int = knob(
-        1, "torch threads in the trainer process (in each rank's, with world_size > 1).", min=1
+        1, "torch threads in the trainer process (in each rank's, with world_size > 1).", min=1,
+        resume=Resume.ACCEPTED,
     )
     world_size: int = knob(
         1,
@@ -191,6 +208,7 @@ class TrainSection:
         "by whole prompt groups, with the single-process update (docs/distributed.md); every mini-batch "
         "needs at least N prompt groups.",
         min=1,
+        resume=Resume.ACCEPTED, feature="learner_ranks",
     )
     lora_rank: int = knob(
         0,
@@ -198,6 +216,7 @@ class TrainSection:
         "weight, publish only the adapters, and use the base with the adapters off as the KL reference "
         "(no second copy). 0 = train every weight (docs/lora.md).",
         min=0,
+        feature="lora",
     )
     lora_alpha: float = knob(
         16.0, "LoRA's α, above 0: an adapter adds (α/r)·B·A to its layer's weight.", min=0.0
@@ -222,6 +241,7 @@ class TrainSection:
         "Where the learner trains and evaluates: 'cpu', or 'cuda' / 'cuda:N' (a CUDA build of torch "
         "and a GPU; float32). Each publication copies the weights to host memory for the workers. "
         "With ray.learner=actor the actor requests one GPU.",
+        resume=Resume.ACCEPTED,
     )
     shared_prefix: bool = knob(
         True,
@@ -229,6 +249,7 @@ class TrainSection:
         "prompt's keys and values) instead of once per sample: same log-probs and gradients, the "
         "prompt's work divided by the group size. Llama/Qwen2/Qwen3 models, learner ranks too "
         "(train.world_size > 1); others use their own forward (logged at start).",
+        feature="shared_prefix",
     )
 
 
@@ -258,18 +279,23 @@ class CorrectionSection:
 class RolloutSection:
     """What one rollout batch is and who generates it."""
 
-    batch_size: int = knob(8, "Prompts per rollout batch.", min=1)
+    batch_size: int = knob(8, "Prompts per rollout batch.", min=1, resume=Resume.PROMPTS)
     group_size: int = knob(4, "Samples per prompt; advantages are relative within a group.", min=1)
-    num_workers: int = knob(1, "Rollout workers (engines) generating concurrently.", min=1)
+    num_workers: int = knob(
+        1, "Rollout workers (engines) generating concurrently.", min=1,
+        resume=Resume.ACCEPTED,
+    )
     backend: str = knob(
         "local",
         "Where rollout workers run: 'local' = worker processes on this machine, weights through "
         "shared memory; 'ray' = Ray actors (see the ray section and docs/distributed.md), weights "
         "through Ray's object store. The learner runs in the driver process unless ray.learner=actor.",
         choices=registry.backends,
+        resume=Resume.ACCEPTED,
     )
     threads_per_worker: int = knob(
-        1, "torch threads in each rollout worker (on 2 cores: 1 for generation, 1 for training).", min=1
+        1, "torch threads in each rollout worker (on 2 cores: 1 for generation, 1 for training).", min=1,
+        resume=Resume.ACCEPTED,
     )
     engine: str = knob(
         "torch",
@@ -278,6 +304,7 @@ class RolloutSection:
         "needs vLLM installed: `make vllm` on CPU, `pip install 'tether[vllm]'` on GPUs; see the vllm "
         "section and docs/rollout.md). Both return the log-probs of the distribution they sample from.",
         choices=registry.engines,
+        resume=Resume.ACCEPTED,
     )
     lora_apply: Literal["merge", "terms"] = knob(
         "merge",
@@ -286,6 +313,7 @@ class RolloutSection:
         "at full speed; 'terms' = as PEFT's low-rank terms in the model's own forward, x·W₀ᵀ + "
         "(α/r)·(x·Aᵀ)·Bᵀ for every token, nothing merged (docs/lora.md).",
         choices=("merge", "terms"),
+        owner="engine",
     )
     decoder: Literal["auto", "native", "python"] = knob(
         "auto",
@@ -296,6 +324,7 @@ class RolloutSection:
         "in the log why the library could not be had; 'native' = the native decoder or an error that "
         "says why it cannot run; 'python' = the Python path. Both give the same log-probs to float32 "
         "rounding.",
+        resume=Resume.ACCEPTED, owner="engine", feature="decoder",
     )
     dynamic_sampling: bool = knob(
         False,
@@ -303,6 +332,7 @@ class RolloutSection:
         "groups whose rewards are not all equal; the worker draws further prompts (from the batch's "
         "own slice of a second pass over the data, so resume stays exact) until it does. Reported as "
         "rollout/prompts_drawn and rollout/filtered_groups.",
+        feature="dynamic_sampling",
     )
     dynamic_sampling_max_draws: int = knob(
         3,
@@ -317,13 +347,18 @@ class RolloutSection:
         "With dynamic_sampling, when the draws run out first: 'error' fails the run naming the batch; "
         "'partial' completes the batch with zero-variance groups it drew (rollout/short_groups).",
     )
-    max_new_tokens: int = knob(32, "Most tokens sampled per completion.", min=1)
+    max_new_tokens: int = knob(32, "Most tokens sampled per completion.", min=1, feature="token_sampling")
     temperature: float = knob(
-        1.0, "Sampling temperature (> 0); the trainer's log-probs use the same temperature.", min=1e-6
+        1.0, "Sampling temperature (> 0); the trainer's log-probs use the same temperature.", min=1e-6,
+        feature="token_sampling",
     )
-    top_k: int = knob(0, "Sample from the k most likely tokens only (0 = off).", min=0)
+    top_k: int = knob(
+        0, "Sample from the k most likely tokens only (0 = off).", min=0,
+        feature="token_sampling",
+    )
     top_p: float = knob(
-        1.0, "Sample from the smallest set of tokens whose probability reaches p (1 = off).", min=1e-6, max=1
+        1.0, "Sample from the smallest set of tokens whose probability reaches p (1 = off).", min=1e-6, max=1,
+        feature="token_sampling",
     )
 
 
@@ -349,16 +384,20 @@ class ModelSection:
         "model.init_size) and warm-start it on the recipe's data (the warmstart section).",
     )
     init_arch: Literal["qwen3", "llama"] = knob(
-        "qwen3", "Architecture of a model built by create_if_missing."
+        "qwen3", "Architecture of a model built by create_if_missing.",
+        owner="family",
     )
     init_size: Literal["tiny", "small", "base"] = knob(
-        "small", "Size preset of a built model: tiny ≈ 0.1M, small ≈ 3M, base ≈ 25M parameters."
+        "small", "Size preset of a built model: tiny ≈ 0.1M, small ≈ 3M, base ≈ 25M parameters.",
+        owner="family",
     )
 
 
 @dataclass(frozen=True)
 class DataSection:
     """Prompts and reference answers: a built-in task or a local dataset."""
+
+    RESUME: ClassVar[Resume] = Resume.PROMPTS
 
     task: str = knob(
         "arithmetic",
@@ -371,11 +410,13 @@ class DataSection:
         "Local dataset instead of a task: a .jsonl, .json, .parquet or .csv file, a folder written "
         "by datasets' save_to_disk (FOLDER#SPLIT picks a split), or path/to/file.py:function "
         "returning rows.",
+        feature="datasets",
     )
     eval_dataset: str = knob(
         "",
         "Held-out dataset in the same forms. Empty with data.dataset set: the last data.num_eval "
         "rows (after a seeded shuffle) are held out.",
+        resume=Resume.HELD_OUT,
     )
     prompt_column: str = knob("prompt", "Dataset column holding the prompt text.")
     answer_column: str = knob("answer", "Dataset column holding the reference answer.")
@@ -389,7 +430,7 @@ class DataSection:
         "skip", "A prompt over max_prompt_tokens is skipped and counted ('skip'), or fails the run ('error')."
     )
     num_train: int = knob(5000, "Training examples to generate from a built-in task.", min=1)
-    num_eval: int = knob(200, "Held-out examples to evaluate on.", min=1)
+    num_eval: int = knob(200, "Held-out examples to evaluate on.", min=1, resume=Resume.HELD_OUT)
 
 
 @dataclass(frozen=True)
@@ -400,19 +441,23 @@ class RewardSection:
         "task",
         "'task' (the built-in task's verifier), exact_match, numeric_match, math (needs the math "
         "extra), or path/to/file.py:function with signature (prompt, completion, answer, fields) -> float.",
+        owner="family",
     )
     functions: list[str] = knob(
         [],
         "Several rewards summed with reward.weights, instead of reward.function (TRL's reward_funcs): "
         "each a name reward.function accepts. Each one's batch mean is logged as reward/part_<i>_mean.",
+        owner="family",
     )
     weights: list[float] = knob(
-        [], "The weight of each of reward.functions (default: 1 each); the reward is Σ wᵢ·rᵢ."
+        [], "The weight of each of reward.functions (default: 1 each); the reward is Σ wᵢ·rᵢ.",
+        owner="family",
     )
     on_error: Literal["raise", "zero"] = knob(
         "raise",
         "A reward function that raises or returns a non-finite value: fail the batch and the run "
         "('raise'), or score that sample 0 and count it in reward/errors ('zero').",
+        owner="family",
     )
     overlong_buffer: int = knob(
         0,
@@ -420,6 +465,7 @@ class RewardSection:
         "rollout.max_new_tokens, a completion's reward falls linearly by up to "
         "reward.overlong_penalty (added by the learner before advantages). 0 = off.",
         min=0,
+        feature="truncation",
     )
     overlong_penalty: float = knob(
         1.0, "The punishment at rollout.max_new_tokens, with reward.overlong_buffer set.", min=0

@@ -4,13 +4,16 @@ model (``warmstart``) and the timings of ``tether plan``'s simulation (``plan``)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from tether.config.fields import knob
+from tether.config.fields import Resume, knob
 
 
 @dataclass(frozen=True)
 class WarmstartSection:
     """Supervised warm start on demonstrations, so RL starts from a non-trivial pass rate."""
+
+    RESUME: ClassVar[Resume] = Resume.ACCEPTED
 
     target_pass_rate: float = knob(
         0.3, "Stop once held-out greedy pass@1 reaches this (leaves room for RL to show).", min=0, max=1
@@ -31,6 +34,8 @@ class WarmstartSection:
 @dataclass(frozen=True)
 class PlanSection:
     """Timings for `tether plan`'s virtual-time simulation (not used by training)."""
+
+    RESUME: ClassVar[Resume] = Resume.ACCEPTED
 
     gen_time: float = knob(1.0, "Seconds to generate and score one rollout batch on one engine.", min=0)
     gen_jitter: float = knob(
@@ -68,10 +73,12 @@ class PlanSection:
         "Agent family: the turns a rollout batch of episodes takes (its longest episode's: each is one "
         "wave of environment calls); with env_time, a batch takes gen_time + turns × env_time.",
         min=0,
+        owner="family",
     )
     env_time: float = knob(
         0.0,
         "Agent family: seconds a rollout batch waits on its environment per turn (the slowest call of "
         "each wave); gen_time is then the engine's part alone.",
         min=0,
+        owner="family",
     )

@@ -14,7 +14,8 @@ silently change what the run is.
   first batch (no metrics row, no checkpoint) is no run to resume; a new start in it reuses it,
   under the lock, keeping ``starts.jsonl`` and Ray's logs.
 - ``resume_changes``: the keys a resume changes, sorted into those that are safe and those that
-  would change the prompt stream or the schedule already trained (refused without ``--force``).
+  would change the prompt stream or the schedule already trained (refused without ``--force``), as
+  each key's definition declares (``knob(resume=...)``, gathered by ``tether.config.keys``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tether.config.keys import resume_of, table
 from tether.errors import ConfigError, RunBusyError
 
 log = logging.getLogger("tether.run")
@@ -189,23 +191,6 @@ def first_fingerprint(run_dir: Path) -> str | None:
     return found
 
 
-# What a resume may change. Keys outside SAFE change what the run trains on or how its clock
-# and schedule work, so changing them makes the run no longer one run; --force accepts them.
-SAFE = (
-    "train.num_batches",  # extending the run (checked against what is trained)
-    "train.threads", "train.device", "train.world_size", "rollout.threads_per_worker",
-    "rollout.num_workers", "rollout.backend", "rollout.engine", "rollout.decoder", "vllm.", "ray.",
-    "eval.", "checkpoint.",
-    "plan.", "run.wandb_project",
-    "async.wait_timeout_s", "async.max_consecutive_drops", "warmstart.", "metrics.",
-)
-HELD_OUT = ("data.num_eval", "data.eval_dataset")
-DATA_ORDER = ("run.seed", "rollout.batch_size", "data.")
-SCHEDULE = ("async.max_staleness", "async.max_inflight", "async.on_stale", "async.sync_when_idle",
-            "async.inflight_update",
-            "train.updates_per_batch")
-
-
 @dataclass(frozen=True)
 class ResumeChanges:
     safe: list[str]
@@ -216,29 +201,22 @@ def _flatten(d: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     return {f"{section}.{key}": value for section, keys in d.items() for key, value in keys.items()}
 
 
-def _matches(key: str, prefixes: tuple[str, ...]) -> bool:
-    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in prefixes)
-
-
 def resume_changes(old: Mapping[str, Mapping[str, Any]], new: Mapping[str, Mapping[str, Any]]
                    ) -> ResumeChanges:
-    """Sort the keys that differ between the run's config and the resumed one."""
+    """Sort the keys that differ between the run's config and the resumed one, each by what its
+    definition declares a resume does with it (``tether.config.keys``)."""
+    keys = table()
     a, b = _flatten(old), _flatten(new)
     safe, refused = [], []
     for key in sorted(set(a) | set(b)):
         if a.get(key) == b.get(key):
             continue
         change = f"{key}: {a.get(key)!r} → {b.get(key)!r}"
-        if _matches(key, SAFE):
-            safe.append(change)
-        elif _matches(key, HELD_OUT):
-            refused.append((change, "changes the held-out set the run's evaluations are measured on"))
-        elif _matches(key, DATA_ORDER):
-            refused.append((change, "changes the prompt stream (which prompts each batch holds)"))
-        elif _matches(key, SCHEDULE):
-            refused.append((change, "changes the staleness schedule and version clock already trained"))
+        resume = resume_of(key, keys)
+        if resume.refused:
+            refused.append((change, resume.why))
         else:
-            refused.append((change, "changes how training continues from the checkpoint"))
+            safe.append(change)
     return ResumeChanges(safe, refused)
 
 

@@ -1,0 +1,192 @@
+"""One table of every recipe key, core and plug-in sections alike: who reads it, what a resume does
+when it changes, the feature it asks of a family, and its help.
+
+Each entry is read from what its definition declares (``knob(..., resume=, owner=, feature=,
+dropped=)``, a section's ``RESUME``) and from what the plug-ins declare (a family's, engine's or
+backend's own ``section`` and the ``keys`` of shared sections it reads). The resume rules
+(``tether.runtime.rundir.resume_changes``), the checks of who owns a key and which feature a key
+asks for (``tether.config.features``) and the reference's "on resume" column are generated from it;
+``disagreements`` lists where a key's declaration and the plug-ins' disagree (a test keeps it empty).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from tether import registry
+from tether.config.fields import Resume, section_fields
+from tether.config.schema import SECTIONS
+
+KINDS = {"families": "family", "engines": "engine", "backends": "backend"}
+"""The registries whose plug-ins may own a section or keys, and the owner kind each is."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One recipe key."""
+
+    key: str
+    """``section.name``."""
+    section: str
+    owner: str
+    """``core``, or the kind of plug-in that reads it (``family``, ``engine``, ``backend``)."""
+    readers: tuple[str, ...]
+    """The plug-ins of that kind that read it (empty for core): another one chosen refuses it when
+    set."""
+    resume: Resume
+    help: str
+    feature: str | None = None
+    """The optional family feature (``tether.config.features.FEATURES``) setting it asks for."""
+    dropped: str | None = None
+    """When a resume drops the recorded value (a move to a smaller set-up), or None."""
+    declared_owner: str = "core"
+    """The owner its ``knob`` declares (``disagreements`` compares it with the plug-ins' claims)."""
+
+    @property
+    def on_resume(self) -> str:
+        """What a resume does when it changes this key, in words."""
+        return f"{self.resume.label}; dropped {self.dropped}" if self.dropped else self.resume.label
+
+
+def _plugins() -> Iterator[tuple[str, str, object]]:
+    """(registry kind, name, plug-in) of every registered family, engine and backend."""
+    for kind in KINDS:
+        reg = getattr(registry, kind)
+        for name in reg.names():
+            yield kind, name, reg.get(name)
+
+
+def _section_name(plugin: object) -> str | None:
+    section = getattr(plugin, "section", None)
+    return section[0] if isinstance(section, tuple) else section
+
+
+def _section_class(plugin: object, name: str) -> type | None:
+    section = getattr(plugin, "section", None)
+    if isinstance(section, tuple):
+        return section[1]
+    return SECTIONS.get(name)  # a plug-in naming a core-listed section
+
+
+def section_resume(cls: type, owner: str) -> Resume:
+    """What a resume does with a key of section ``cls`` that does not say: the section's
+    ``RESUME``; accepted in an engine's or backend's own section (where and how the work runs, not
+    what is trained); else refused as changing how training continues."""
+    declared = getattr(cls, "RESUME", None)
+    if declared is not None:
+        return declared
+    return Resume.ACCEPTED if owner in ("engine", "backend") else Resume.TRAINING
+
+
+def _dropped_with_plugin(kind: str) -> str:
+    reg = getattr(registry, kind)
+    return f"when the resume sets another {reg.key}"
+
+
+_cache: dict[tuple, dict[str, Key]] = {}
+
+
+def table() -> dict[str, Key]:
+    """Every key of every section (Tether's, then each registered plug-in's own), in order. Built
+    again when the registered plug-ins change."""
+    plugins = tuple((kind, name, id(plugin)) for kind, name, plugin in _plugins())
+    if plugins not in _cache:
+        _cache.clear()
+        _cache[plugins] = _build()
+    return dict(_cache[plugins])
+
+
+def _build() -> dict[str, Key]:
+    claims: dict[str, list[tuple[str, str]]] = {}  # key → (registry kind, plug-in) naming it
+    own_sections: dict[str, tuple[str, str, type]] = {}  # section → (registry kind, plug-in, class)
+    for kind, name, plugin in _plugins():
+        for key in getattr(plugin, "keys", ()):
+            claims.setdefault(key, []).append((kind, name))
+        section = _section_name(plugin)
+        if section is not None:
+            cls = _section_class(plugin, section)
+            if cls is not None:
+                own_sections.setdefault(section, (kind, name, cls))
+    sections: dict[str, tuple[type, str | None, str | None]] = {
+        name: (cls, None, None) for name, cls in SECTIONS.items() if name not in own_sections}
+    for section, (kind, name, cls) in own_sections.items():
+        sections[section] = (cls, kind, name)
+    out: dict[str, Key] = {}
+    for section, (cls, kind, plugin) in sections.items():
+        owner = KINDS[kind] if kind else "core"
+        default_resume = section_resume(cls, owner)
+        for name, field in section_fields(cls).items():
+            key = f"{section}.{name}"
+            meta = field.metadata
+            declared = meta.get("owner", "core")
+            if kind:  # a plug-in's own section: every key is its own
+                key_owner, readers, with_kind = owner, (plugin,), kind
+            else:
+                theirs = claims.get(key, [])
+                kinds = sorted({k for k, _ in theirs})
+                with_kind = kinds[0] if len(kinds) == 1 else None
+                key_owner = KINDS[with_kind] if with_kind else "core"
+                readers = tuple(n for _, n in theirs)
+            dropped = meta.get("dropped")
+            if dropped is None and with_kind in ("engines", "backends"):
+                dropped = _dropped_with_plugin(with_kind)
+            out[key] = Key(key=key, section=section, owner=key_owner, readers=readers,
+                           resume=meta.get("resume") or default_resume, help=meta.get("help", ""),
+                           feature=meta.get("feature"), dropped=dropped,
+                           declared_owner=owner if kind else declared)
+    return out
+
+
+def disagreements(keys: dict[str, Key] | None = None) -> list[str]:
+    """Where a key's declaration and the plug-ins' claims disagree: a key of a shared section
+    claimed by plug-ins of more than one kind, by plug-ins while its ``knob`` says ``core``, or by
+    none while its ``knob`` names a kind of plug-in; a key claimed that no section has; a feature no
+    family can have."""
+    from tether.config.features import FEATURE_NAMES
+
+    keys = table() if keys is None else keys
+    problems = []
+    claimed: dict[str, list[str]] = {}
+    for kind, name, plugin in _plugins():
+        for key in getattr(plugin, "keys", ()):
+            claimed.setdefault(key, []).append(f"{KINDS[kind]} {name}")
+            if key not in keys:
+                problems.append(f"{KINDS[kind]} {name} names {key}, which no section has")
+    for entry in keys.values():
+        who = claimed.get(entry.key, [])
+        if len({w.split()[0] for w in who}) > 1:
+            problems.append(f"{entry.key} is claimed by plug-ins of more than one kind: {', '.join(who)}")
+        elif entry.owner != entry.declared_owner:
+            problems.append(f"{entry.key}: its knob says owner={entry.declared_owner!r}, but "
+                            + (f"{', '.join(who)} read(s) it" if who else "no plug-in names it in its keys"))
+        if entry.feature is not None and entry.feature not in FEATURE_NAMES:
+            problems.append(f"{entry.key} asks for feature {entry.feature!r}, which is not a feature")
+    return problems
+
+
+def resume_of(key: str, keys: dict[str, Key] | None = None) -> Resume:
+    """What a resume does when it changes ``key`` (``section.name``); a key no section has now (a
+    plug-in's that is not loaded, a run recorded by another version) takes its section's rule when
+    the section is known, else is refused as changing how training continues."""
+    keys = table() if keys is None else keys
+    if key in keys:
+        return keys[key].resume
+    section = key.split(".", 1)[0]
+    for entry in keys.values():
+        if entry.section == section:
+            cls = _class_of(section)
+            return section_resume(cls, entry.owner) if cls is not None else Resume.TRAINING
+    return Resume.TRAINING
+
+
+def _class_of(section: str) -> type | None:
+    if section in SECTIONS:
+        return SECTIONS[section]
+    for _, _, plugin in _plugins():
+        if _section_name(plugin) == section:
+            return _section_class(plugin, section)
+    return None
+
+
+__all__ = ["KINDS", "Key", "disagreements", "resume_of", "section_resume", "table"]

@@ -1,0 +1,182 @@
+"""One table per key (``tether.config.keys``): every key of every section, plug-in sections
+included, has one owner and one resume class; the resume rules, the ownership and feature checks
+and the guide's table of what a resume may change are what the table says."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+import tether
+from tether import registry
+from tether.config import load_config
+from tether.config.config import plugin_section_classes
+from tether.config.features import FEATURES
+from tether.config.fields import OWNER_KINDS, Resume, knob, section_fields
+from tether.config.keys import disagreements, resume_of, table
+from tether.config.schema import SECTIONS
+from tether.errors import ConfigError
+from tether.runtime.rundir import resume_changes
+
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guide.md"
+
+
+@dataclasses.dataclass(frozen=True)
+class CoinSection:
+    """A test family's own knobs."""
+
+    sides: int = knob(2, "Sides of the coin.", min=2)
+    label: str = knob("", "A name for the log only.", resume=Resume.ACCEPTED)
+
+
+class Coin(tether.FamilyBase):
+    name = "coin_keys"
+    section = ("coin_keys", CoinSection)
+    keys = ("reward.function", "plan.turns")  # shared keys it reads too
+
+
+@pytest.fixture
+def coin():
+    registry.register_family(Coin())
+    try:
+        yield
+    finally:
+        registry.families.unregister("coin_keys")
+
+
+def _every_section() -> dict[str, type]:
+    return {**SECTIONS, **plugin_section_classes()}
+
+
+def test_every_key_of_every_section_has_one_owner_and_one_resume_class(coin):
+    keys = table()
+    expected = {f"{section}.{name}" for section, cls in _every_section().items()
+                for name in section_fields(cls)}
+    assert set(keys) == expected  # plug-in sections included: flow, env, vllm, ray, coin_keys
+    for entry in keys.values():
+        assert entry.owner in OWNER_KINDS, entry
+        assert isinstance(entry.resume, Resume), entry
+        assert entry.help, entry
+        assert (entry.owner == "core") == (not entry.readers), entry  # a plug-in's key names who reads it
+    assert disagreements(keys) == []
+    # a plug-in's own section is its own; a shared key it names is read by it and the others naming it
+    assert keys["coin_keys.sides"].readers == ("coin_keys",)
+    assert keys["coin_keys.sides"].resume is Resume.TRAINING  # undeclared: refused
+    assert keys["coin_keys.label"].resume is Resume.ACCEPTED  # as its knob declares
+    assert set(keys["reward.function"].readers) == {"text", "flow", "coin_keys"}
+    assert set(keys["plan.turns"].readers) == {"agent", "coin_keys"}
+
+
+def test_a_key_claimed_against_its_declaration_is_a_disagreement(coin):
+    class Greedy(tether.FamilyBase):
+        name = "greedy_keys"
+        keys = ("train.lr", "rollout.decoder")  # a core key, and the torch engine's
+
+    registry.register_family(Greedy())
+    try:
+        problems = disagreements()
+    finally:
+        registry.families.unregister("greedy_keys")
+    assert any(p.startswith("train.lr: its knob says owner='core'") for p in problems), problems
+    assert any(p.startswith("rollout.decoder is claimed by plug-ins of more than one kind") for p in problems)
+
+
+# The resume rules as runtime/rundir.py kept them before they were declared per key: the table must
+# decide every key as they did.
+_SAFE = ("train.num_batches", "train.threads", "train.device", "train.world_size",
+         "rollout.threads_per_worker", "rollout.num_workers", "rollout.backend", "rollout.engine",
+         "rollout.decoder", "vllm.", "ray.",
+         "eval.", "checkpoint.", "plan.", "run.wandb_project", "async.wait_timeout_s",
+         "async.max_consecutive_drops", "warmstart.", "metrics.")
+_HELD_OUT = ("data.num_eval", "data.eval_dataset")
+_DATA_ORDER = ("run.seed", "rollout.batch_size", "data.")
+_SCHEDULE = ("async.max_staleness", "async.max_inflight", "async.on_stale", "async.sync_when_idle",
+             "async.inflight_update", "train.updates_per_batch")
+
+
+def _formerly(key: str) -> Resume:
+    def matches(prefixes):
+        return any(key == p or (p.endswith(".") and key.startswith(p)) for p in prefixes)
+
+    for prefixes, resume in ((_SAFE, Resume.ACCEPTED), (_HELD_OUT, Resume.HELD_OUT),
+                             (_DATA_ORDER, Resume.PROMPTS), (_SCHEDULE, Resume.SCHEDULE)):
+        if matches(prefixes):
+            return resume
+    return Resume.TRAINING
+
+
+def test_the_resume_rules_decide_every_key_as_before():
+    keys = table()
+    assert {k: e.resume for k, e in keys.items()} == {k: _formerly(k) for k in keys}
+    assert resume_of("vllm.a_key_of_another_version") is Resume.ACCEPTED  # its section's rule
+    assert resume_of("data.a_key_of_another_version") is Resume.PROMPTS
+    assert resume_of("nosuch.key") is Resume.TRAINING
+
+
+def test_resume_changes_follow_the_declarations():
+    def cfg(*overrides):
+        return load_config(None, ["data.task=arithmetic", *overrides]).to_dict()
+
+    for key, value in (("train.world_size", 2), ("rollout.decoder", "python"), ("plan.turns", 2.0)):
+        assert resume_changes(cfg(), {**cfg(), key.split(".")[0]: {**cfg()[key.split(".")[0]],
+                                                                    key.split(".")[1]: value}}).refused == []
+    refused = resume_changes(cfg(), cfg("rollout.lora_apply=terms", "train.lora_rank=2")).refused
+    assert [c.split(":")[0] for c, _ in refused] == ["rollout.lora_apply", "train.lora_rank"]
+
+
+# docs/guide.md §6, "What a resume may change": the keys each row names, by the class it gives them.
+_ROWS = {"accepted, logged": Resume.ACCEPTED, "refused: it changes which prompts": Resume.PROMPTS,
+         "refused: it changes the held-out set": Resume.HELD_OUT,
+         "refused: it changes the staleness schedule": Resume.SCHEDULE}
+NOT_YET_IN_GUIDE = {"train.world_size"}
+"""Accepted keys the guide's first row does not name yet (the guide is updated separately)."""
+
+
+def _guide_rows() -> dict[Resume, list[str]]:
+    text = GUIDE.read_text()
+    table_text = text[text.index("What a resume may change."):]
+    rows: dict[Resume, list[str]] = {}
+    for line in table_text.splitlines()[5:]:  # the rows, after the header and its rule
+        if not line.startswith("| "):
+            break
+        change, verdict = line.strip("|").rsplit(" | ", 1)
+        for start, resume in _ROWS.items():
+            if verdict.strip().startswith(start):  # the keys it names, not those in its asides
+                rows[resume] = re.findall(r"`([a-z_]+\.(?:[a-z_]+|\*))`", re.sub(r"\([^)]*\)", "", change))
+    return rows
+
+
+def test_the_guide_s_table_of_what_a_resume_may_change_agrees_with_the_key_table():
+    keys = table()
+    rows = _guide_rows()
+    assert set(rows) == set(_ROWS.values())
+    exact = {p for patterns in rows.values() for p in patterns if not p.endswith(".*")}
+    named: set[str] = set()
+    for resume, patterns in rows.items():
+        for pattern in patterns:  # a key named itself in one row is not in another row's section.*
+            matched = [k for k in keys if k == pattern
+                       or (pattern.endswith(".*") and k.startswith(pattern[:-1]) and k not in exact)]
+            assert matched, f"the guide names {pattern}, which no section has"
+            wrong = [k for k in matched if keys[k].resume is not resume]
+            assert not wrong, f"the guide says {pattern} is {resume.name}; the table disagrees for {wrong}"
+            named.update(matched)
+    accepted = {k for k, e in keys.items() if e.resume is Resume.ACCEPTED}
+    assert accepted - named == NOT_YET_IN_GUIDE  # when the guide names them, empty NOT_YET_IN_GUIDE
+
+
+def test_the_feature_checks_are_the_keys_that_declare_a_feature():
+    keys = table()
+    for feature in FEATURES:
+        if feature.name == "learner_actor":  # asked by a value (ray.learner=actor), not by any change
+            continue
+        declaring = [k for k, e in keys.items() if e.feature == feature.name]
+        assert declaring, feature.name
+        default = load_config(None, ["data.task=arithmetic"])
+        assert feature.asked(default) is None
+
+
+def test_a_key_of_a_feature_the_family_lacks_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"rollout\.dynamic_sampling=true asks for DAPO's dynamic sampling, "
+                                          r"which model\.family=flow does not have"):
+        load_config(None, ["model.family=flow", "data.task=shapes", "rollout.dynamic_sampling=true"])
