@@ -6,8 +6,8 @@ adds an object at once. A name registered twice is refused; an unknown name is a
 that lists the valid ones and the closest spelling.
 
     families          model.family          a policy family (``tether.vocabulary.Family``)
-    engines           rollout.engine        what samples in a rollout worker (``tether.rollout.engines``)
-    backends          rollout.backend       where rollout workers run (``tether.rollout.backends``)
+    engines           rollout.engine        what samples in a rollout worker (``tether.plugins.EnginePlugin``)
+    backends          rollout.backend       where rollout workers run (``tether.plugins.BackendPlugin``)
     learner_layouts   (derived)             one process, ranks, or Ray actors (``tether.runtime.assemble``)
     losses            train.loss            fn(LossInputs, LossSettings) -> (per-column loss, metrics)
     advantages        train.advantage       fn(rewards (B, G), std_norm, scope, eps) -> (B, G)
@@ -168,6 +168,49 @@ def register_family(family: Any) -> Any:
         raise PluginError(f"{family!r} is not a tether Family (missing: {', '.join(missing) or '?'}); "
                           "see tether.vocabulary.Family and tether.families.base.FamilyBase")
     return families.register(family.name, family)
+
+
+def register_engine(engine: Any) -> Any:
+    """Add an engine (``tether.plugins.EnginePlugin``: its section, keys, what it supports, its
+    checks, ``build``) under its ``name``; ``rollout.engine`` then accepts it. Returns it."""
+    from tether.plugins import ENGINE_KINDS, EnginePlugin
+
+    if not isinstance(engine, EnginePlugin):
+        raise PluginError(f"{engine!r} is not a tether engine: declare it as a tether.EnginePlugin "
+                          "(docs/architecture.md, 'Adding an engine')")
+    if not engine.kinds or not set(engine.kinds) <= set(ENGINE_KINDS):
+        raise PluginError(f"engine {engine.name!r} declares kinds {sorted(engine.kinds)}; each must be one "
+                          f"of {', '.join(ENGINE_KINDS)}")
+    _check_section(engine)
+    return engines.register(engine.name, engine)
+
+
+def register_backend(backend: Any) -> Any:
+    """Add a rollout backend (``tether.plugins.BackendPlugin``: its section, keys, weight channel,
+    checks, ``pool``) under its ``name``; ``rollout.backend`` then accepts it. Returns it."""
+    from tether.plugins import WEIGHT_CHANNELS, BackendPlugin
+
+    if not isinstance(backend, BackendPlugin):
+        raise PluginError(f"{backend!r} is not a tether backend: declare it as a tether.BackendPlugin "
+                          "(docs/architecture.md)")
+    if backend.weight_channel not in WEIGHT_CHANNELS:
+        raise PluginError(f"backend {backend.name!r} declares weight_channel={backend.weight_channel!r}; "
+                          f"it must be one of {', '.join(WEIGHT_CHANNELS)}")
+    _check_section(backend)
+    return backends.register(backend.name, backend)
+
+
+def _check_section(plugin: Any) -> None:
+    """A plug-in's own section is (name, frozen dataclass); a name another section has is refused
+    when the recipe is read (``tether.config.config.plugin_section_classes``)."""
+    import dataclasses
+
+    if plugin.section is None:
+        return
+    name, cls = plugin.section
+    if not (isinstance(name, str) and name.isidentifier() and dataclasses.is_dataclass(cls)):
+        raise PluginError(f"{plugin.name!r} declares section={plugin.section!r}; give (name, a frozen "
+                          "dataclass of tether knob fields)")
 
 
 def _decorator(registry: Registry[Any], name: str, **meta: Any) -> Callable[[Any], Any]:

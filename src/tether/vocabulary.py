@@ -371,17 +371,18 @@ class Capabilities:
     """What a family can run with. A recipe asking for anything else is refused at load, with a
     message generated from this (``tether.config.features``)."""
 
-    engines: tuple[str, ...] = ("torch",)
-    """``rollout.engine`` values its sampler can use."""
-    backends: tuple[str, ...] = ("local", "ray")
-    """``rollout.backend`` values."""
+    engine_kind: str = "token"
+    """The kind of engine its sampler uses (``tether.plugins.ENGINE_KINDS``): any ``rollout.engine``
+    that declares that kind runs it."""
+    backends: tuple[str, ...] | None = None
+    """``rollout.backend`` values it is limited to; None: any backend."""
     inflight_updates: tuple[str, ...] = ("drain",)
     """``async.inflight_update`` values: anything but drain needs a sampler whose engine switches
-    weights between steps and stamps each action's version."""
+    weights between steps and stamps each action's version (the engine must declare them too)."""
     features: frozenset[str] = frozenset()
     """Optional features it supports, by name (``tether.config.features.FEATURES``)."""
     notes: Mapping[str, str] = field(default_factory=dict)
-    """Why something is not supported, by feature name or axis (``engines``, ``backends``,
+    """Why something is not supported, by feature name or axis (``engine_kind``, ``backends``,
     ``inflight_updates``): added to the refusal."""
 
 
@@ -415,6 +416,8 @@ class Family(Protocol):
     description: str
     section: tuple[str, type] | None
     """Its own recipe section (name, frozen dataclass of ``knob`` fields), or None."""
+    keys: tuple[str, ...]
+    """Keys of shared sections only it reads (``section.key``; refused with another family)."""
     capabilities: Capabilities
     warmstart_fields: tuple[str, ...]
     """The figures a warm start reports, shown by its progress display."""

@@ -202,7 +202,7 @@ class Greedy:
 class BanditFamily(tether.FamilyBase):
     name = "bandit"
     description = "a contextual bandit: a sample is one pull"
-    capabilities = Capabilities(engines=("torch",), backends=("local",), inflight_updates=("drain",))
+    capabilities = Capabilities(engine_kind="step", backends=("local",), inflight_updates=("drain",))
 
     def norm_constant(self, cfg) -> int:
         return 1

@@ -137,8 +137,9 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
          "model.init_arch=llama is read only with model.family=text (model.family is 'flow')"),
         (["flow.steps=4"], "the flow section is set, but it is read only with model.family=flow"),
         (["model.family=flow", "data.task=shapes", "rollout.engine=vllm"],
-         "rollout.engine=vllm: model.family=flow runs with rollout.engine torch only (vLLM serves language "
-         "models)"),
+         "rollout.engine=vllm: model.family=flow needs a step engine (its sampler runs the flow model's own "
+         "denoising steps), and vllm is a token engine (vLLM serves language models); use "
+         "rollout.engine torch"),
         (["model.family=flow", "data.task=shapes", "flow.noise_level=0"], "flow.noise_level must be >= 0.01"),
         (["model.family=flow", "data.task=shapes", "flow.noise_level=1e-6"],
          "flow.noise_level must be >= 0.01"),

@@ -3,7 +3,7 @@
 import pytest
 
 from tether.errors import ConfigError
-from tether.rollout.vllm_engine import _require_processed_logprobs
+from tether.rollout.engines import require_processed_logprobs as _require_processed_logprobs
 
 
 @pytest.mark.parametrize("version", ["0.10.2", "0.10.2.dev5+g1234abc", "0.32.0", "1.0.0rc1"])

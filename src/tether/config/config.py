@@ -1,10 +1,10 @@
 """The whole configuration: recipe YAML plus dotted overrides, validated once, strictly.
 
-The core sections are fields of ``Config``; a family's own section (``Family.section``, e.g.
-``flow``) is a plug-in section, read as ``cfg.section(name)`` or ``cfg.<name>``. A recipe's
-``run.plugins`` are imported first, so a plug-in family, loss or task is known while the rest is
-read. A ``Config`` pickles as its recipe, rebuilt (and checked) on arrival, so it crosses into
-rollout workers, learner ranks and Ray actors however its plug-ins were loaded.
+The core sections are fields of ``Config``; the own section of a family, an engine or a backend
+(``section``: ``flow``, ``vllm``, ``ray``) is a plug-in section, read as ``cfg.section(name)`` or
+``cfg.<name>``. A recipe's ``run.plugins`` are imported first, so a plug-in family, engine, loss or
+task is known while the rest is read. A ``Config`` pickles as its recipe, rebuilt (and checked) on
+arrival, so it crosses into rollout workers, learner ranks and Ray actors however its plug-ins were loaded.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import yaml
 
 from tether import registry
 from tether.config import features
-from tether.config.backends import RaySection, VllmSection
 from tether.config.fields import build_section, closest, section_fields
 from tether.config.schema import (
     SECTIONS,
@@ -39,7 +38,7 @@ from tether.config.schema import (
     WarmstartSection,
 )
 from tether.control import BudgetSettings
-from tether.errors import ConfigError
+from tether.errors import ConfigError, PluginError
 from tether.vocabulary import DynamicSampling, SamplingParams
 
 
@@ -51,8 +50,6 @@ class Config:
     async_: AsyncSection = dataclasses.field(default_factory=AsyncSection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
-    ray: RaySection = dataclasses.field(default_factory=RaySection)
-    vllm: VllmSection = dataclasses.field(default_factory=VllmSection)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     correction: CorrectionSection = dataclasses.field(default_factory=CorrectionSection)
@@ -63,7 +60,7 @@ class Config:
     plan: PlanSection = dataclasses.field(default_factory=PlanSection)
     metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
     plugin_sections: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """The chosen family's own section, by name (empty when it has none)."""
+    """The own sections of the chosen family, engine and backend, by name."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> Config:
@@ -124,11 +121,12 @@ class Config:
         return registry.families.get(self.model.family)
 
     def _own_sections_only(self) -> Config:
-        """The chosen family's section (defaults when unset); other families' (all at their
-        defaults, or the check refused them) dropped."""
-        own = self.family().section
-        sections = {own[0]: self.section(own[0])} if own is not None else {}
-        return dataclasses.replace(self, plugin_sections=sections)
+        """The sections of the chosen family, engine and backend (defaults when unset); the others'
+        (all at their defaults, or the check refused them) dropped."""
+        chosen = (self.family(), registry.engines.get(self.rollout.engine),
+                  registry.backends.get(self.rollout.backend))
+        own = [plugin.section[0] for plugin in chosen if plugin.section is not None]
+        return dataclasses.replace(self, plugin_sections={name: self.section(name) for name in own})
 
     def check(self) -> None:
         """Rules that span keys: each refuses a combination that cannot run or a key that would
@@ -288,6 +286,7 @@ class Config:
                 raise ConfigError(f"data.task={self.data.task} is a task of model.family={task.family}; "
                                   f"model.family={family.name} has: "
                                   f"{', '.join(theirs) or 'none built in (use data.dataset)'}")
+        registry.engines.get(self.rollout.engine).check(self)
         registry.backends.get(self.rollout.backend).check(self)
         family.check(self)
 
@@ -336,15 +335,41 @@ def _rebuild(data: dict[str, Any]) -> Config:
     return Config.from_dict(data)
 
 
-def plugin_section_classes(families: Sequence[str] | None = None) -> dict[str, type]:
-    """Section name → class of each family (default: every one registered) that has a section
-    of its own."""
-    out = {}
-    for name in registry.families.names() if families is None else families:
-        section = registry.families.get(name).section
-        if section is not None:
-            out[section[0]] = section[1]
+PLUGIN_KINDS = ("backends", "engines", "families")
+"""The registries whose entries may own a recipe section (``section``: name, class)."""
+
+
+def plugin_section_classes(builtin_only: bool = False) -> dict[str, type]:
+    """Section name → class of each backend, engine and family (every one registered, or Tether's
+    own) that has a section of its own."""
+    out: dict[str, type] = {}
+    owners: dict[str, str] = {}
+    for kind in PLUGIN_KINDS:
+        reg = getattr(registry, kind)
+        for name in reg.builtins if builtin_only else reg.names():
+            section = reg.get(name).section
+            if section is None:
+                continue
+            if section[0] in SECTIONS or section[0] in out:
+                raise PluginError(f"{reg.key}={name} declares a section {section[0]!r}, which "
+                                  f"{owners.get(section[0], 'Tether')} has too; rename one of them")
+            out[section[0]], owners[section[0]] = section[1], f"{reg.key}={name}"
     return out
+
+
+def section_class(name: str) -> type:
+    """The class of the section called ``name``: a core one or a plug-in's."""
+    return SECTIONS[name] if name in SECTIONS else plugin_section_classes()[name]
+
+
+def _unknown_section(name: str, sections: Mapping[str, type], home: Mapping[str, list[str]]) -> str:
+    hint = closest(name, sections)
+    if hint:
+        return f"unknown section {name!r}; did you mean {hint!r}?"
+    if name in home:
+        homes = " or ".join(f"{h}.{name}" for h in home[name])
+        return f"unknown section {name!r}; {name} is a key: {homes}"
+    return f"unknown section {name!r}; valid sections are: {', '.join(sections)}"
 
 
 def _unknown_section(name: str, sections: Mapping[str, type], home: Mapping[str, list[str]]) -> str:
@@ -456,7 +481,7 @@ def load_resumed(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Confi
             if f"{section}.{k}" in given or k not in (data.get(section) or {}):
                 continue
             value = data[section].pop(k)
-            if value != getattr(SECTIONS[section](), k, value):  # a default says nothing
+            if value != getattr(section_class(section)(), k, value):  # a default says nothing
                 dropped.append(f"{section}.{k}={value} ({why})")
 
     chosen = {"engines": ("rollout", "engine", "torch"), "backends": ("rollout", "backend", "local")}
@@ -468,9 +493,9 @@ def load_resumed(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Confi
                 continue
             plugin = reg.get(other)
             why = f"read only with {reg.key}={other}, and the resume sets {reg.key}={name}"
-            if getattr(plugin, "section", None):
-                drop(plugin.section, None, why)
-            for owned in getattr(plugin, "keys", ()):
+            if plugin.section is not None:
+                drop(plugin.section[0], None, why)
+            for owned in plugin.keys:
                 drop(*owned.split("."), why)
     train, ray = data.get("train") or {}, data.get("ray") or {}
     if train.get("world_size", 1) == 1:

@@ -106,24 +106,72 @@ def _section_name(plugin: Any) -> str | None:
 
 
 def check_capabilities(cfg: Any, family: Any) -> None:
-    """Refuse what the chosen family cannot run with, saying what it supports."""
+    """Refuse what the chosen family, engine and backend cannot run together, saying what they
+    support: the kind of engine the family asks for, the in-flight mode, LoRA, the workers' device
+    and weight channel (each as the plug-ins declare it), and the family's optional features."""
     caps = family.capabilities
     unknown = set(caps.features) - FEATURE_NAMES
     assert not unknown, f"family {family.name} declares unknown features {sorted(unknown)}"
-    axes = (("engines", "rollout.engine", cfg.rollout.engine),
-            ("backends", "rollout.backend", cfg.rollout.backend),
-            ("inflight_updates", "async.inflight_update", cfg.async_.inflight_update))
-    for axis, key, value in axes:
-        allowed = getattr(caps, axis)
-        if value not in allowed:
-            raise ConfigError(f"{key}={value}: model.family={family.name} runs with {key} "
-                              f"{' or '.join(allowed)} only" + _why(caps, axis))
+    engine, backend = registry.engines.get(cfg.rollout.engine), registry.backends.get(cfg.rollout.backend)
+    check_engine(cfg, family, engine, backend)
+    if caps.backends is not None and backend.name not in caps.backends:
+        raise ConfigError(f"rollout.backend={backend.name}: model.family={family.name} runs with "
+                          f"rollout.backend {' or '.join(caps.backends)} only" + _why(caps, "backends"))
+    mode = cfg.async_.inflight_update
+    if mode not in caps.inflight_updates:
+        raise ConfigError(f"async.inflight_update={mode}: model.family={family.name} runs with "
+                          f"async.inflight_update {' or '.join(caps.inflight_updates)} only"
+                          + _why(caps, "inflight_updates"))
     for feature in FEATURES:
         asked = feature.asked(cfg)
         if asked is not None and feature.name not in caps.features:
             raise ConfigError(f"{asked} asks for {feature.what}, which model.family={family.name} does not "
                               "have" + _why(caps, feature.name) + "; remove it (docs/architecture.md lists "
                               "what each family supports)")
+
+
+def check_engine(cfg: Any, family: Any, engine: Any, backend: Any) -> None:
+    """What the chosen engine declares it supports (``tether.plugins.EnginePlugin``), against what
+    the family, the recipe and the backend ask of it."""
+    key = f"rollout.engine={engine.name}"
+    kind = family.capabilities.engine_kind
+    if kind not in engine.kinds:
+        raise ConfigError(f"{key}: model.family={family.name} needs a {kind} engine"
+                          + _why(family.capabilities, "engine_kind") + f", and {engine.name} is a "
+                          f"{' and '.join(sorted(engine.kinds))} engine" + _note(engine, "kinds")
+                          + f"; use rollout.engine {_those(lambda e: kind in e.kinds)}")
+    mode = cfg.async_.inflight_update
+    if mode not in engine.inflight_updates:
+        raise ConfigError(f"async.inflight_update={mode}: {key} runs with async.inflight_update "
+                          f"{' or '.join(engine.inflight_updates)} only" + _note(engine, "inflight_updates")
+                          + f"; set one of them, or rollout.engine "
+                          f"{_those(lambda e: mode in e.inflight_updates and kind in e.kinds)}")
+    if cfg.train.lora_rank and not engine.lora:
+        raise ConfigError(f"train.lora_rank={cfg.train.lora_rank}: {key} does not sample from LoRA "
+                          "adapters" + _note(engine, "lora") + "; set train.lora_rank=0, or rollout.engine "
+                          f"{_those(lambda e: e.lora and kind in e.kinds)}")
+    device = backend.worker_device(cfg)
+    if device not in engine.devices:
+        fit = _those(lambda e: device in e.devices and kind in e.kinds)
+        raise ConfigError(f"rollout.backend={backend.name} puts its workers on {device}, and {key} samples "
+                          f"on {' or '.join(engine.devices)} only" + _note(engine, "devices")
+                          + f"; use rollout.engine {fit}")
+    if backend.weight_channel not in engine.weight_channels:
+        raise ConfigError(f"rollout.backend={backend.name} publishes weights through "
+                          f"{backend.weight_channel.replace('_', ' ')}, which {key} cannot take"
+                          + _note(engine, "weight_channels") + f"; it takes "
+                          f"{' or '.join(c.replace('_', ' ') for c in engine.weight_channels)}")
+
+
+def _those(fits: Callable[[Any], bool]) -> str:
+    """The registered engines that ``fits`` accepts, for a refusal ('none registered' when none)."""
+    names = [n for n in registry.engines.names() if fits(registry.engines.get(n))]
+    return " or ".join(names) if names else "(none registered does)"
+
+
+def _note(plugin: Any, axis: str) -> str:
+    note = plugin.notes.get(axis)
+    return f" ({note})" if note else ""
 
 
 def _why(caps: Any, name: str) -> str:

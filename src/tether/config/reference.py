@@ -31,6 +31,19 @@ def _allowed(field, tp) -> str:
     return ", ".join(parts)
 
 
+def _sections() -> dict[str, type]:
+    """Tether's sections in order, the built-in backends' and engines' after ``rollout``, the
+    built-in families' last."""
+    runners = [registry.backends.get(n).section for n in registry.backends.builtins]
+    runners += [registry.engines.get(n).section for n in registry.engines.builtins]
+    out: dict[str, type] = {}
+    for name, cls in SECTIONS.items():
+        out[name] = cls
+        if name == "rollout":
+            out.update(s for s in runners if s is not None)
+    return {**out, **plugin_section_classes(builtin_only=True)}
+
+
 def _on_resume(keys: dict, key: str) -> str:
     entry = keys.get(key)
     return entry.on_resume if entry is not None else resume_of(key, keys).label
@@ -42,9 +55,9 @@ def reference_markdown() -> str:
         "# Recipe reference",
         "",
         "Every key a recipe may set, with its default and meaning. Generated from",
-        "`src/tether/config/schema.py` (with `backends.py`, `outputs.py` and `support.py` beside it;",
-        "a family's own section: its folder under `src/tether/families/`) by `tether config",
-        "reference`; do not edit by hand.",
+        "`src/tether/config/schema.py` (with `outputs.py` and `support.py` beside it; the own",
+        "section of an engine, a backend or a family: its plug-in under `src/tether/rollout/` or",
+        "`src/tether/families/`) by `tether config reference`; do not edit by hand.",
         "",
         "Set keys in a YAML recipe (`section:` then `key: value`) or on the command line as",
         "`section.key=value`. An unknown or misspelled key is an error naming the closest valid",
@@ -55,7 +68,7 @@ def reference_markdown() -> str:
         "",
     ]
     keys = table()
-    for name, cls in {**SECTIONS, **plugin_section_classes(registry.families.builtins)}.items():
+    for name, cls in _sections().items():
         hints = typing.get_type_hints(cls)
         lines += [f"## `{name}`", "", (cls.__doc__ or "").strip(), "",
                   "| key | type | default | allowed | meaning | on resume |",

@@ -1,8 +1,9 @@
 """Every recipe key: sections, defaults, allowed values, and one sentence on what each does.
-The sections of the optional backends (Ray, vLLM) are in ``tether.config.backends``, those of what
-a run writes (evaluations, checkpoints, recorded samples) in ``tether.config.outputs``, and those
-of the work around a run (warm start, plan) in ``tether.config.support``; ``SECTIONS`` lists them
-all.
+Those of what a run writes (evaluations, checkpoints, recorded samples) are in
+``tether.config.outputs``, those of the work around a run (warm start, plan) in
+``tether.config.support``; ``SECTIONS`` lists them all. The sections of engines and backends
+(``vllm``, ``ray``) and of families (``flow``, ``env``) are their plug-ins' own
+(``tether.config.config.plugin_section_classes``).
 
 ``docs/reference.md`` is generated from this file (``tether config reference``); a test keeps
 the two in step.
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from tether import registry
-from tether.config.backends import RaySection, VllmSection
 from tether.config.fields import Resume, knob
 from tether.config.outputs import CheckpointSection, EvalSection, MetricsSection
 from tether.config.support import PlanSection, WarmstartSection
@@ -477,8 +477,6 @@ SECTIONS: dict[str, type] = {
     "async": AsyncSection,
     "train": TrainSection,
     "rollout": RolloutSection,
-    "ray": RaySection,
-    "vllm": VllmSection,
     "eval": EvalSection,
     "checkpoint": CheckpointSection,
     "correction": CorrectionSection,

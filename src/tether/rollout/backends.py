@@ -1,8 +1,8 @@
-"""Where rollout workers run (``rollout.backend``), as plug-ins.
+"""Where rollout workers run (``rollout.backend``), as plug-ins (``tether.plugins.BackendPlugin``).
 
-A backend plug-in says which recipe section is its own, checks its own keys, opens what the run
-needs of it for its whole length (a Ray session), and builds the ``RolloutPool``. Importing this
-module loads neither torch nor Ray.
+A backend plug-in declares its section and keys, how its workers get weights and where they sample,
+checks its own keys, opens what the run needs of it for its whole length (a Ray session), and
+builds the ``RolloutPool``. Importing this module loads neither torch nor Ray.
 
     local   worker processes of this machine, weights through shared memory (``ProcessPool``)
     ray     Ray actors, weights through Ray's object store (``RayPool``); its section ``ray``
@@ -11,41 +11,53 @@ module loads neither torch nor Ray.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from tether.config.fields import knob
 from tether.errors import ConfigError
+from tether.plugins import BackendPlugin
 
 
 @dataclass(frozen=True)
-class BackendPlugin:
-    """One ``rollout.backend`` choice."""
+class RaySection:
+    """The Ray backend (used when rollout.backend=ray)."""
 
-    name: str
-    section: str | None = None
-    """The recipe section only this backend reads."""
-    keys: tuple[str, ...] = ()
-    supervised: bool = False
-    """Train in a child process with ``tether train`` as its parent, which reports an end the run
-    could not (``tether.runtime.supervise``)."""
-    local_workers: bool = True
-    """Its workers run this Python on this machine, so what they need is checked here at once."""
-
-    def check(self, cfg: Any) -> None:
-        """Rules of its own keys (config time)."""
-
-    def check_here(self, cfg: Any) -> None:
-        """Refuse at once, before anything starts, a backend this Python cannot drive."""
-
-    def session(self, cfg: Any, run_dir: Path) -> contextlib.AbstractContextManager[Any]:
-        """What the run holds open for this backend; yields it (or None) to ``pool``."""
-        return contextlib.nullcontext()
-
-    def pool(self, settings: Any, batches: Callable[[int], Sequence[Any]], weights: Any, session: Any, *,
-             initial_version: int, extras: Callable[[int], Sequence[Any]] | None) -> Any:
-        raise NotImplementedError
+    address: str = knob(
+        "",
+        "Ray cluster to connect to ('auto', 'host:6379' or 'ray://host:10001'); empty = start a "
+        "local Ray instance for this run (no dashboard, no usage reporting, temp dir in the run "
+        "directory) and shut it down at the end.",
+    )
+    local_cpus: int = knob(
+        0, "CPUs the local Ray instance offers (0 = all of this machine's). Ignored with ray.address.",
+        min=0,
+    )
+    cpus_per_worker: float = knob(
+        0.0, "CPUs each rollout actor requests (0 = rollout.threads_per_worker).", min=0
+    )
+    learner: Literal["driver", "actor"] = knob(
+        "driver",
+        "Where the learner (and held-out evaluation) runs: 'driver' = in the `tether train` "
+        "process; 'actor' = in a Ray actor of its own requesting train.threads CPUs, its weights "
+        "going straight from it to the object store. With 'actor' on a cluster, the run directory "
+        "must be on a filesystem the learner's node sees (it writes the checkpoints).",
+    )
+    learner_placement: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = knob(
+        "PACK",
+        "With ray.learner=actor and train.world_size > 1: the Ray placement group strategy of the "
+        "ranks' bundles (train.threads CPUs each, plus one GPU when train.device is CUDA), reserved "
+        "together before any rank starts. PACK = as few nodes as fit (one node's fast links when it "
+        "has room); STRICT_PACK = one node or refuse; SPREAD / STRICT_SPREAD = across nodes.",
+    )
+    gpus_per_worker: float = knob(
+        0.0,
+        "GPUs each rollout actor requests; above 0 the actor's engine samples on its GPU (CUDA, "
+        "float32 weights copied in at every publication; fractions share a GPU). 0 = sample on "
+        "CPUs. The learner trains where train.device says.",
+        min=0,
+    )
 
 
 class _Local(BackendPlugin):
@@ -56,6 +68,9 @@ class _Local(BackendPlugin):
 
 
 class _Ray(BackendPlugin):
+    def worker_device(self, cfg: Any) -> str:
+        return "cuda" if cfg.ray.gpus_per_worker > 0 else "cpu"
+
     def check_here(self, cfg: Any) -> None:
         from tether.rollout.ray_pool import require_ray
 
@@ -85,5 +100,6 @@ class _Ray(BackendPlugin):
                        initial_version=initial_version, extras=extras)
 
 
-LOCAL = _Local("local")
-RAY = _Ray("ray", section="ray", supervised=True, local_workers=False)
+LOCAL = _Local("local", weight_channel="shared_memory")
+RAY = _Ray("ray", section=("ray", RaySection), weight_channel="object_store", supervised=True,
+           local_workers=False)

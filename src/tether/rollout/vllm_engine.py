@@ -40,9 +40,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tether.config.backends import VllmSection
 from tether.errors import ConfigError, RolloutError
-from tether.rollout.engines import VLLM_INSTALL_HINT, check_context
+from tether.rollout.engines import (
+    VLLM_INSTALL_HINT,
+    VLLM_LORA_RANKS,
+    VllmSection,
+    check_context,
+    require_processed_logprobs,
+)
 from tether.vocabulary import Completion, SamplingParams
 
 
@@ -111,18 +116,6 @@ def _prepare_environment(device: str, options: VllmSection, threads: int) -> Non
         torch.set_num_threads(threads)  # before vLLM replaces set_num_threads with a no-op
 
 
-def _require_processed_logprobs(version: str) -> None:
-    """Refuse a vLLM that cannot return the log-probs of the distribution it samples from."""
-    import re
-
-    numbers = tuple(int(x) for x in re.findall(r"\d+", version)[:3])
-    if numbers < (0, 10, 2):
-        raise ConfigError(
-            f"vLLM {version} cannot return the log-probs of the distribution it samples from "
-            "(logprobs_mode='processed_logprobs' arrived in 0.10.2), without which the importance "
-            f"ratios would silently compare different distributions; {VLLM_INSTALL_HINT}")
-
-
 @dataclass
 class _Row:
     """One sample being generated step by step: its prompt, seed and what it has so far."""
@@ -163,7 +156,7 @@ class VLLMEngine:
         self.tied = tied_names(model_path)
         with open(os.path.join(model_path, "config.json")) as f:
             self.max_positions = json.load(f).get("max_position_embeddings")
-        _require_processed_logprobs(vllm.__version__)
+        require_processed_logprobs(vllm.__version__)
         self.adapters = _Adapters(lora_rank) if lora_rank else None
         self.llm = vllm.LLM(
             model=model_path, skip_tokenizer_init=True, seed=seed, dtype=options.dtype,
@@ -346,8 +339,7 @@ class _Adapters:
     (``adapter_config.json``, ``adapter_model.safetensors``) under a temporary folder, with an id of
     its own, so vLLM loads it fresh; older directories are removed once no request can use them."""
 
-    RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-    """The ``max_lora_rank`` values vLLM accepts."""
+    RANKS = VLLM_LORA_RANKS
 
     def __init__(self, rank: int) -> None:
         import tempfile

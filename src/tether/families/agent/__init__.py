@@ -36,7 +36,7 @@ class AgentFamily(TextFamily):
     section = ("env", EnvSection)
     keys = ("model.init_arch", "model.init_size", "plan.turns", "plan.env_time")
     capabilities = Capabilities(
-        engines=("torch", "vllm"),
+        engine_kind="token",
         inflight_updates=("drain", "keep", "recompute", "abort"),
         features=frozenset(
             {

@@ -37,9 +37,10 @@ class FlowFamily(FamilyBase):
     section = ("flow", FlowSection)
     keys = ("reward.function", "reward.functions", "reward.weights", "reward.on_error")
     capabilities = Capabilities(
-        engines=("torch",), inflight_updates=("drain",),
+        engine_kind="step", inflight_updates=("drain",),
         features=frozenset({"learner_ranks", "learner_actor", "datasets", "lora"}),
-        notes={"engines": "vLLM serves language models", "inflight_updates": NOT_YET,
+        notes={"engine_kind": "its sampler runs the flow model's own denoising steps",
+               "inflight_updates": NOT_YET,
                "token_sampling": "a flow model's sampling is the flow section",
                "decoder": "a flow model's sampler has no native form",
                "dynamic_sampling": NOT_YET,

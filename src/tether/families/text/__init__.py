@@ -29,7 +29,7 @@ class TextFamily(FamilyBase):
     description = "causal language models: a sample is a completion, an action a token"
     keys = ("model.init_arch", "model.init_size", "reward.function", "reward.functions", "reward.weights",
             "reward.on_error")
-    capabilities = Capabilities(engines=("torch", "vllm"),
+    capabilities = Capabilities(engine_kind="token",
                                 inflight_updates=("drain", "keep", "recompute", "abort"),
                                 features=ALL_FEATURES)
     warmstart_fields = ("loss", "pass_at_1")

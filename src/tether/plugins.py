@@ -1,0 +1,115 @@
+"""What an engine (``rollout.engine``) or a rollout backend (``rollout.backend``) declares about
+itself: its recipe section and keys, what it supports, its checks, and how it is built.
+
+A recipe is checked against these declarations when it is read (``tether.config.features``), the
+same way for a built-in plug-in and a registered one (``tether.register_engine``,
+``tether.register_backend``); nothing asks an engine or backend by name. Importing this module
+loads no torch.
+
+Kinds of engine a family asks for (``Capabilities.engine_kind``):
+
+    token   token ids in, completions with per-token log-probs and versions out
+            (``tether.vocabulary.TokenEngine``): the text and agent families
+    step    the family builds its own engine over its model (``tether.rollout.model_engine``),
+            e.g. a flow model's denoising steps; the engine plug-in lends it the worker's torch
+
+Weight channels a backend delivers published weights through (an engine declares those it can
+sample from):
+
+    shared_memory   a file in /dev/shm the worker maps (local workers)
+    object_store    Ray's object store (Ray actors)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENGINE_KINDS = ("token", "step")
+WEIGHT_CHANNELS = ("shared_memory", "object_store")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EnginePlugin:
+    """One ``rollout.engine`` choice. Subclass it for ``check``, ``check_here`` and ``build``."""
+
+    name: str
+    kinds: frozenset[str] = frozenset({"token"})
+    """The kinds of engine it is (``ENGINE_KINDS``): a family runs with it when its
+    ``Capabilities.engine_kind`` is among them."""
+    section: tuple[str, type] | None = None
+    """Its own recipe section (name, frozen dataclass of ``knob`` fields), read only when it is
+    chosen; None when it has none."""
+    keys: tuple[str, ...] = ()
+    """Keys of shared sections only it reads (``section.key``)."""
+    inflight_updates: tuple[str, ...] = ("drain",)
+    """``async.inflight_update`` modes it runs: anything but drain needs ``watch`` (switch weights
+    between steps and stamp each token's version)."""
+    lora: bool = False
+    """Whether it samples from published LoRA adapters (``train.lora_rank``; ``use_adapter``)."""
+    devices: tuple[str, ...] = ("cpu",)
+    """Device types it samples on (a backend says where its workers run)."""
+    weight_channels: tuple[str, ...] = WEIGHT_CHANNELS
+    """Channels it can take published weights from (``WEIGHT_CHANNELS``)."""
+    notes: Mapping[str, str] = field(default_factory=dict)
+    """Why something is not supported, by axis (``inflight_updates``, ``lora``, ``devices``,
+    ``weight_channels``): added to the refusal."""
+
+    def check(self, cfg: Any) -> None:
+        """Rules of its own keys, at config load (any Python)."""
+
+    def check_here(self, cfg: Any) -> None:
+        """With local workers (which run this Python): refuse at once what cannot run here."""
+
+    def build(self, cfg: Any, model_path: str, tokenizer: Any, stop_ids: Sequence[int], *, device: Any,
+              threads: int, seed: int) -> Any:
+        """A ``tether.vocabulary.TokenEngine`` inside a rollout worker (token engines)."""
+        raise NotImplementedError(f"engine {self.name!r} builds no token engine")
+
+
+@dataclass(frozen=True)
+class BackendPlugin:
+    """One ``rollout.backend`` choice. Subclass it for ``check``, ``check_here``, ``session``
+    and ``pool``."""
+
+    name: str
+    section: tuple[str, type] | None = None
+    """Its own recipe section (name, frozen dataclass of ``knob`` fields), or None."""
+    keys: tuple[str, ...] = ()
+    """Keys of shared sections only it reads (``section.key``)."""
+    weight_channel: str = "shared_memory"
+    """How its workers receive published weights (``WEIGHT_CHANNELS``)."""
+    supervised: bool = False
+    """Train in a child process with ``tether train`` as its parent, which reports an end the run
+    could not (``tether.runtime.supervise``)."""
+    local_workers: bool = True
+    """Its workers run this Python on this machine, so what they need is checked here at once."""
+
+    def worker_device(self, cfg: Any) -> str:
+        """The device type its workers sample on (``DEVICES``)."""
+        return "cpu"
+
+    def check(self, cfg: Any) -> None:
+        """Rules of its own keys (config time)."""
+
+    def check_here(self, cfg: Any) -> None:
+        """Refuse at once, before anything starts, a backend this Python cannot drive."""
+
+    def session(self, cfg: Any, run_dir: Path) -> contextlib.AbstractContextManager[Any]:
+        """What the run holds open for this backend; yields it (or None) to ``pool``."""
+        return contextlib.nullcontext()
+
+    def pool(self, settings: Any, batches: Callable[[int], Sequence[Any]], weights: Any, session: Any, *,
+             initial_version: int, extras: Callable[[int], Sequence[Any]] | None) -> Any:
+        """The ``tether.vocabulary.RolloutPool`` of the run."""
+        raise NotImplementedError
+
+
+def section_name(plugin: Any) -> str | None:
+    """The name of a plug-in's own section (an engine, backend or family), or None."""
+    section = plugin.section
+    return section[0] if section is not None else None

@@ -1,0 +1,144 @@
+"""Engines and backends are plug-ins that declare themselves: ``tether.register_engine`` and
+``tether.register_backend`` add them through ``run.plugins``; their sections are theirs; every
+refusal of an engine or backend at config load comes from what it declares (vLLM's included)."""
+
+import pickle
+import textwrap
+
+import pytest
+
+import tether
+from tether import registry
+from tether.config import load_config
+from tether.errors import ConfigError, PluginError
+
+ENGINES = '''
+from dataclasses import dataclass
+
+import tether
+from tether.config.fields import knob
+
+
+@dataclass(frozen=True)
+class EchoSection:
+    """The echo engine's own knobs."""
+
+    beams: int = knob(1, "Beams.", min=1)
+
+
+class Echo(tether.EnginePlugin):
+    def check(self, cfg):
+        if cfg.section("echo_{tag}").beams == 7:
+            raise tether.ConfigError("echo_{tag}.beams=7: seven beams are too many; choose fewer")
+
+
+tether.register_engine(Echo("echo_{tag}", section=("echo_{tag}", EchoSection), keys=("rollout.top_k",)))
+tether.register_engine(tether.EnginePlugin("stepper_{tag}", kinds=frozenset({{"step"}})))
+tether.register_engine(tether.EnginePlugin("cpu_only_{tag}", inflight_updates=("drain", "keep"),
+                                           notes={{"lora": "it has no adapters"}}))
+tether.register_backend(tether.BackendPlugin("threads_{tag}"))
+'''
+
+
+@pytest.fixture
+def plugin(tmp_path, request):
+    """Write the plug-in file; what it registers is removed afterwards."""
+    tag = request.node.name.split("[")[0][-12:].replace("-", "_")
+    path = tmp_path / "engines.py"
+    path.write_text(textwrap.dedent(ENGINES.format(tag=tag)))
+    before = {kind: set(getattr(registry, kind).names()) for kind in ("engines", "backends")}
+    yield f"run.plugins=[{path}]", tag
+    for kind, names in before.items():
+        reg = getattr(registry, kind)
+        for name in set(reg.names()) - names:
+            reg.unregister(name)
+
+
+def test_the_registrations_are_public():
+    for name in ("register_engine", "register_backend", "EnginePlugin", "BackendPlugin"):
+        assert name in tether.__all__ and getattr(tether, name) is not None
+
+
+def test_a_registered_engine_and_backend_are_chosen_by_kind_not_by_name(plugin):
+    plugins, tag = plugin
+    cfg = load_config(None, [plugins, f"rollout.engine=echo_{tag}", f"rollout.backend=threads_{tag}",
+                             f"echo_{tag}.beams=3", "rollout.top_k=5"])
+    assert (cfg.rollout.engine, cfg.rollout.backend, cfg.section(f"echo_{tag}").beams) == (
+        f"echo_{tag}", f"threads_{tag}", 3)
+    assert cfg.to_dict()[f"echo_{tag}"] == {"beams": 3}
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # rebuilt from its recipe, plug-ins first
+    with pytest.raises(ConfigError, match="seven beams are too many"):  # its own check
+        load_config(None, [plugins, f"rollout.engine=echo_{tag}", f"echo_{tag}.beams=7"])
+    # what is its own is refused with another engine
+    with pytest.raises(ConfigError, match=f"the echo_{tag} section is set, but it is read only with "
+                                          f"rollout.engine=echo_{tag}"):
+        load_config(None, [plugins, f"echo_{tag}.beams=3"])
+    with pytest.raises(ConfigError, match=f"rollout.top_k=5 is read only with rollout.engine=echo_{tag}"):
+        load_config(None, [plugins, f"rollout.engine=cpu_only_{tag}", "rollout.top_k=5"])
+
+
+def test_what_an_engine_does_not_declare_is_refused_at_load(plugin):
+    plugins, tag = plugin
+    with pytest.raises(ConfigError, match=f"rollout.engine=stepper_{tag}: model.family=text needs a token "
+                                          f"engine, and stepper_{tag} is a step engine; use rollout.engine "
+                                          "torch or vllm or echo_"):
+        load_config(None, [plugins, f"rollout.engine=stepper_{tag}"])
+    with pytest.raises(ConfigError, match=f"async.inflight_update=abort: rollout.engine=echo_{tag} runs with "
+                                          "async.inflight_update drain only; set one of them, or "
+                                          "rollout.engine torch or vllm"):
+        load_config(None, [plugins, f"rollout.engine=echo_{tag}", "async.inflight_update=abort"])
+    with pytest.raises(ConfigError, match=rf"train.lora_rank=4: rollout.engine=cpu_only_{tag} does not "
+                                          r"sample from LoRA adapters \(it has no adapters\); set "
+                                          "train.lora_rank=0, or rollout.engine torch or vllm"):
+        load_config(None, [plugins, f"rollout.engine=cpu_only_{tag}", "train.lora_rank=4"])
+    with pytest.raises(ConfigError, match=f"rollout.backend=ray puts its workers on cuda, and "
+                                          f"rollout.engine=echo_{tag} samples on cpu only"):
+        load_config(None, [plugins, f"rollout.engine=echo_{tag}", "rollout.backend=ray",
+                           "ray.gpus_per_worker=1"])
+    load_config(None, [plugins, f"rollout.engine=cpu_only_{tag}", "async.inflight_update=keep"])
+
+
+def test_the_flow_family_asks_for_a_step_engine():
+    with pytest.raises(ConfigError, match="model.family=flow needs a step engine .* vllm is a token engine "
+                                          r"\(vLLM serves language models\); use rollout.engine torch"):
+        load_config(None, ["model.family=flow", "data.task=shapes", "rollout.engine=vllm"])
+
+
+def test_vllms_limits_are_its_declarations_checked_at_load():
+    with pytest.raises(ConfigError, match=r"train.lora_rank=1024 is above the largest rank vLLM serves "
+                                          r"\(512\)"):
+        load_config(None, ["rollout.engine=vllm", "train.lora_rank=1024"])
+    cfg = load_config(None, ["rollout.engine=vllm", "train.lora_rank=64", "vllm.dtype=bfloat16"])
+    assert cfg.vllm.dtype == "bfloat16" and "vllm" in cfg.to_dict() and "ray" not in cfg.to_dict()
+    with pytest.raises(ConfigError, match=r"the vllm section is set, but it is read only with "
+                                          r"rollout\.engine=vllm"):
+        load_config(None, ["vllm.dtype=bfloat16"])
+    with pytest.raises(ConfigError, match=r"the ray section is set, but it is read only with "
+                                          r"rollout\.backend=ray"):
+        load_config(None, ["ray.local_cpus=2"])
+    assert load_config(None, []).ray.learner == "driver"  # an engine's or backend's section at its defaults
+
+
+def test_a_plugin_that_is_not_declared_as_one_is_refused(plugin):
+    with pytest.raises(PluginError, match=r"is not a tether engine: declare it as a tether\.EnginePlugin"):
+        tether.register_engine(object())
+    with pytest.raises(PluginError, match="declares kinds"):
+        tether.register_engine(tether.EnginePlugin("odd_kind", kinds=frozenset({"image"})))
+    with pytest.raises(PluginError, match="declares weight_channel='carrier_pigeon'"):
+        tether.register_backend(tether.BackendPlugin("birds", weight_channel="carrier_pigeon"))
+    with pytest.raises(PluginError, match="engine named 'vllm' is already registered"):
+        tether.register_engine(tether.EnginePlugin("vllm"))
+
+
+def test_a_section_name_taken_twice_is_refused(plugin):
+    _, tag = plugin
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Other:
+        pass
+
+    tether.register_backend(tether.BackendPlugin(f"clash_{tag}", section=("vllm", Other)))
+    with pytest.raises(PluginError, match=f"declares a section 'vllm', which (rollout.engine=vllm|"
+                                          f"rollout.backend=clash_{tag}) has too; rename one of them"):
+        load_config(None, [])
