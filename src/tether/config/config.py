@@ -149,7 +149,7 @@ class Config:
             raise ConfigError("data.eval_dataset is set but data.dataset is not; built-in tasks have "
                               "their own held-out split")
         # a family that does not declare reward.function scores samples its own way (agent: the env)
-        scored = "reward.function" in getattr(self.family(), "keys", ())
+        scored = "reward.function" in self.family().keys
         rw = self.reward
         if rw.functions and rw.function != "task":
             raise ConfigError(f"reward.function={rw.function} and reward.functions={rw.functions} are both "
@@ -162,6 +162,9 @@ class Config:
             raise ConfigError("reward.function=task scores with a built-in task's verifier, but "
                               "data.task is empty; choose "
                               f"{', '.join(registry.rewards.names())} or path/to/file.py:function")
+        if scored:
+            for spec in named:
+                _check_reward_name(spec, "reward.functions" if rw.functions else "reward.function")
         r, default = self.rollout, RolloutSection()
         if not r.dynamic_sampling and (r.dynamic_sampling_max_draws, r.dynamic_sampling_on_short) != (
                 default.dynamic_sampling_max_draws, default.dynamic_sampling_on_short):
@@ -372,14 +375,21 @@ def _unknown_section(name: str, sections: Mapping[str, type], home: Mapping[str,
     return f"unknown section {name!r}; valid sections are: {', '.join(sections)}"
 
 
-def _unknown_section(name: str, sections: Mapping[str, type], home: Mapping[str, list[str]]) -> str:
-    hint = closest(name, sections)
-    if hint:
-        return f"unknown section {name!r}; did you mean {hint!r}?"
-    if name in home:
-        homes = " or ".join(f"{h}.{name}" for h in home[name])
-        return f"unknown section {name!r}; {name} is a key: {homes}"
-    return f"unknown section {name!r}; valid sections are: {', '.join(sections)}"
+def _check_reward_name(spec: str, key: str) -> None:
+    """A reward a recipe names exists: ``task``, a registered name, or a function in a file (or
+    module) — the file is imported now, as a plug-in is (it is in every process of the run anyway)."""
+    if spec == "task" or spec in registry.rewards:
+        return
+    if ":" in spec:
+        from tether.data.pyload import load_python_object
+
+        load_python_object(spec, what=key)
+        return
+    valid = ["task", *registry.rewards.names()]
+    hint = closest(spec, valid)
+    raise ConfigError(f"unknown reward {spec!r} for {key}" + (f" (did you mean {hint!r}?)" if hint else "")
+                      + f"; valid: {', '.join(valid)}, or path/to/file.py:function (plug-ins register more: "
+                      "run.plugins)")
 
 
 def _resolve_preset(train: TrainSection) -> TrainSection:
@@ -387,14 +397,18 @@ def _resolve_preset(train: TrainSection) -> TrainSection:
     from tether.config.presets import preset
 
     p = preset(train.algorithm)
-    # A resolved config holds adv_std_norm: false for such an estimator, and every process of a
-    # run resolves its config again: false is what resolution writes, so only true is refused.
-    if train.advantage != "grpo" and train.adv_std_norm:
+    # Whether the estimator reads train.adv_std_norm is what it declared (register_advantage's
+    # std_norm). A resolved config holds adv_std_norm: false for one that does not, and every
+    # process of a run resolves its config again: false is what resolution writes, so only true
+    # is refused.
+    std_norm = bool(registry.advantages.meta(train.advantage).get("std_norm"))
+    if not std_norm and train.adv_std_norm:
+        readers = [n for n in registry.advantages.names() if registry.advantages.meta(n).get("std_norm")]
         raise ConfigError(f"train.adv_std_norm has no effect with train.advantage={train.advantage} (its "
                           "normalisation is part of the estimator); leave train.adv_std_norm unset, or "
-                          "use train.advantage=grpo")
+                          f"use an estimator that reads it: train.advantage={' or '.join(readers)}")
     filled = {key: getattr(p, key) for key in p.__dataclass_fields__ if getattr(train, key) is None}
-    if train.advantage != "grpo":
+    if not std_norm:
         filled["adv_std_norm"] = False  # the estimator defines its own scale, not the preset
         if train.adv_scope is None:
             filled["adv_scope"] = "group"
