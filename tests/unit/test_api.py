@@ -177,3 +177,17 @@ def test_importing_tether_api_loads_no_torch():
     out = subprocess.run([sys.executable, "-c", "import sys, tether.api; print('torch' in sys.modules)"],
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_docs_show_the_example_scripts_as_they_are():
+    # docs/api.md's examples are the scripts tests/integration/test_api.py runs, verbatim
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    blocks = re.findall(r"```python\n# (examples/api/\S+\.py)\n(.*?)```", (root / "docs/api.md").read_text(),
+                        re.DOTALL)
+    assert sorted(name for name, _ in blocks) == sorted(
+        f"examples/api/{p.name}" for p in (root / "examples/api").glob("*.py"))
+    for name, text in blocks:
+        assert text == (root / name).read_text(), f"docs/api.md's copy of {name} differs from the file"
