@@ -274,33 +274,27 @@ class TorchLearner:
             return self._skip(stats, "train/skipped_no_signal")
         start = int(rows[0])  # rows are contiguous: row r of the batch is r − start of the mini-batch
         behavior = tb.behavior_logp[rows]
-        # With π_old known, the corrections (and so the mini-batch's loss denominators) are fixed
-        # before any forward pass; otherwise (U = 1, one micro-batch) the forward provides π_old.
-        corr_all = None if old is None else correct(old[rows], behavior, mask[rows], self.cfg.correction,
-                                                    weigh=weigh, same_weights=same[rows])
-        if corr_all is not None:
-            total_tokens, total_seqs = _denominators(corr_all.keep)
-            for key, value in corr_all.metrics.items():
-                stats.add(key, value)
-            if not corr_all.keep.any():  # the correction masked every token
+        # π_old of the mini-batch's rows fixes the corrections and so the loss denominators. It is
+        # known before any forward pass, or (U = 1, one micro-batch: ``old`` is None) it is the one
+        # forward's log-probs, gathered from every rank (the identity in one process).
+        old_rows = corr = None
+        if old is not None:
+            old_rows = old[rows]
+            corr = self._corrections(old_rows, behavior, mask[rows], same[rows], weigh, stats)
+            if corr is None:
                 return self._skip(stats, "train/skipped_no_signal")
         for part in self._micro(mine):
             mb = tb.rows(self._runnable(part, mine))
             logp, entropy, own = self.policy.forward(self.model, mb, with_entropy=True, forward=self.forward)
             logp, entropy, own = logp[: len(part)], entropy[: len(part)], own[: len(part)]
             local = part - start
-            if corr_all is None:  # the whole mini-batch's π_old, from every rank's forward
+            if old_rows is None:
                 old_rows = self.group.gather(logp.detach(), local, len(rows))
-                corr = correct(old_rows, behavior, mask[rows], self.cfg.correction, weigh=weigh,
-                               same_weights=same[rows])
-                total_tokens, total_seqs = _denominators(corr.keep)
-                for key, value in corr.metrics.items():
-                    stats.add(key, value)
-                if not corr.keep.any():  # the correction masked every token: nothing to learn from
+                corr = self._corrections(old_rows, behavior, mask[rows], same[rows], weigh, stats)
+                if corr is None:
                     return self._skip(stats, "train/skipped_no_signal")
-                old_mb, weights, keep = logp.detach(), corr.weights[local], corr.keep[local]
-            else:
-                old_mb, weights, keep = old[part], corr_all.weights[local], corr_all.keep[local]
+            total_tokens, total_seqs = _denominators(corr.keep)
+            old_mb, weights, keep = old_rows[local], corr.weights[local], corr.keep[local]
             anchor = old_mb if weigh else tb.behavior_logp[part]
             inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[part], mask=keep)
             per_token, loss_metrics = self.loss_fn(inputs, settings)
@@ -342,6 +336,15 @@ class TorchLearner:
         self.scheduler.step()
         self.committed += 1
         return 1
+
+    def _corrections(self, old: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor, same: torch.Tensor,
+                     weigh: bool, stats: _Stats) -> Any:
+        """The corrections of a mini-batch from its π_old (every rank's rows), their metrics
+        counted; None when they mask every token (nothing to learn from)."""
+        corr = correct(old, behavior, mask, self.cfg.correction, weigh=weigh, same_weights=same)
+        for key, value in corr.metrics.items():
+            stats.add(key, value)
+        return corr if corr.keep.any() else None
 
     def _whole(self, part, logp, entropy, anchor, adv, keep, weights, kl_cols, total_tokens, total_seqs,
                settings):
