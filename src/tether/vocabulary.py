@@ -17,6 +17,7 @@ Tensors appear as ``Any``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -277,7 +278,20 @@ class Engine(Protocol):
     def watch(self, poll: Callable[[], int | None], inflight_update: str) -> None:
         """Without draining: call ``poll`` before every step of a generation (it binds newer
         weights when there are some and returns their version); ``inflight_update`` says what
-        happens to the sequences then."""
+        happens to the sequences then. Called only with a mode its plug-in declares
+        (``EnginePlugin.inflight_updates``)."""
+
+    def take_up(self) -> int | None:
+        """A safe point of the family's own (an agent's turn boundary): with ``watch`` set, take up
+        the newest weights the worker holds now; their version, or None (nothing newer, no watch)."""
+
+    def holding(self) -> AbstractContextManager[None]:
+        """Inside, no weights are taken up mid-generation: every sequence sampled is one version's."""
+
+    def use_adapter(self, scale: float, terms: Any | None = None) -> None:
+        """Published weights are LoRA adapters from now on (``train.lora_rank``): applied at
+        ``scale`` = α/r, merged into the weights, or with ``terms`` (the ``train`` section) as
+        low-rank terms in the model's forward. Called only when its plug-in declares ``lora``."""
 
     def close(self) -> None:
         """Release what the engine holds (another process, a device)."""
@@ -325,6 +339,10 @@ class Sampler(Protocol):
     engine: Engine
 
     def generate(self, item: WorkItem) -> Payload: ...
+
+    def close(self) -> None:
+        """Release what it holds besides its engine (environment threads); the worker then closes
+        the engine."""
 
 
 # -- the learner ----------------------------------------------------------------------------------

@@ -114,6 +114,9 @@ class BanditSampler:
         self.engine = BanditEngine(BanditModel.from_pretrained(Path(model_path)))
         self.score = cfg.family().scorer(cfg)
 
+    def close(self) -> None:
+        """Nothing to release besides the engine."""
+
     def generate(self, item: WorkItem) -> Pulls:
         t0 = time.perf_counter()
         g = item.group_size

@@ -8,23 +8,21 @@ the old weights (the native decoder's packed matrices).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 
-from tether.errors import ConfigError
 from tether.modeling import bind_into, load_into
+from tether.rollout.watch import Watched
 
 
-class ModelEngine:
+class ModelEngine(Watched):
     """A ``tether.vocabulary.Engine`` over ``model``, stamping ``version`` on what it samples."""
 
     def __init__(self, model: torch.nn.Module, *, version: int = 0) -> None:
         self.model = model.eval()
         self._version = version
         self.device = next(self.model.parameters()).device
-        self.poll: Callable[[], int | None] | None = None
-        self.inflight_update = "keep"  # read only once a poll is set (watch)
         self.adapter = None
         """With LoRA (``use_adapter``): what merges published adapters into the weights."""
 
@@ -71,14 +69,6 @@ class ModelEngine:
         bfloat16 engine of a float32 learner): they are cast on the way in, never bound."""
         return any(p.dtype != weights[name].dtype for name, p in self.model.named_parameters()
                    if name in weights)
-
-    def watch(self, poll: Callable[[], int | None], inflight_update: str) -> None:
-        """Switch weights mid-generation: before every step ``poll`` puts newer weights in place
-        (through ``bind``) and returns their version, or returns None; ``inflight_update`` (keep,
-        recompute, abort) says what happens to the sequences then."""
-        if inflight_update not in ("keep", "recompute", "abort"):
-            raise ConfigError(f"unknown in-flight update mode {inflight_update!r}")
-        self.poll, self.inflight_update = poll, inflight_update
 
     def close(self) -> None:
         """Nothing outside this process to release."""

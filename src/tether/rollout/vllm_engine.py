@@ -48,6 +48,7 @@ from tether.rollout.engines import (
     check_context,
     require_processed_logprobs,
 )
+from tether.rollout.watch import Watched
 from tether.vocabulary import Completion, SamplingParams
 
 
@@ -132,7 +133,7 @@ class _Row:
     """The weights its request was added under (with LoRA, the adapter it samples with to the end)."""
 
 
-class VLLMEngine:
+class VLLMEngine(Watched):
     """A vLLM ``LLM`` on a local model directory; stamps its version on every token."""
 
     def __init__(self, model_path: str, *, stop_ids: Sequence[int], device: str = "cpu",
@@ -148,8 +149,6 @@ class VLLMEngine:
         self.stop_ids = list(stop_ids)
         self._version = version
         self._cached_version = version  # the weights the prefix cache's blocks were computed under
-        self.poll = None
-        self.inflight_update = "keep"
         self.wasted_tokens = 0  # by abort, since the last ``take_counts``
         self.switches = 0
         self._batches = 0
@@ -170,14 +169,6 @@ class VLLMEngine:
     @property
     def version(self) -> int:
         return self._version
-
-    def watch(self, poll, inflight_update: str) -> None:
-        """Switch weights mid-generation: before every scheduler step ``poll`` puts newer weights
-        in place (through ``bind``) and returns their version, or returns None;
-        ``inflight_update`` (keep, recompute, abort) says what happens to the running requests."""
-        if inflight_update not in ("keep", "recompute", "abort"):
-            raise ConfigError(f"unknown in-flight update mode {inflight_update!r}")
-        self.poll, self.inflight_update = poll, inflight_update
 
     def report(self) -> dict[str, float]:
         return {}
@@ -316,7 +307,7 @@ class VLLMEngine:
 
     def _poll_now(self) -> bool:
         """Put newer weights in place if the worker has them; True if it did."""
-        if self.poll is None or self.poll() is None:
+        if self.take_up() is None:
             return False
         self.switches += 1
         return True

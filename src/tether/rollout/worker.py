@@ -131,9 +131,7 @@ class Rollout:
         self.engine.bind(weights, version)
 
     def close(self) -> None:
-        close = getattr(self.sampler, "close", None)  # what a sampler holds besides its engine
-        if close is not None:
-            close()
+        self.sampler.close()  # what it holds besides its engine
         self.engine.close()
 
     def watch(self, poll) -> None:

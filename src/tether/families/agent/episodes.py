@@ -461,24 +461,19 @@ class Player:
         """The next turn of every ready episode: one engine call per distinct token room (the
         room is the per-turn budget, or what the episode budget leaves when that is less)."""
         lim = self.limits
-        poll = getattr(self.engine, "poll", None)
         self._boundary()
         by_room: dict[int, list[Episode]] = {}
         for ep in ready:
             by_room.setdefault(min(lim.max_turn_tokens, lim.max_episode_tokens - len(ep.ids)), []).append(ep)
         for room, eps in sorted(by_room.items()):
-            if self.whole_turns:  # no switch inside a turn: the engine does not poll while it samples
-                self.engine.poll = None
-            try:
+            # no switch inside a turn (env.switch_at=turn): the engine takes nothing up while it samples
+            with self.engine.holding() if self.whole_turns else contextlib.nullcontext():
                 sampled = self.engine.generate(
                     [ep.ids for ep in eps],
                     samples_per_prompt=1,
                     params=replace(params, max_new_tokens=room),
                     seed=seed + room,
                 )
-            finally:
-                if self.whole_turns:
-                    self.engine.poll = poll
             if self.whole_turns:
                 self._boundary()  # the turns just sampled are done: take up what was published meanwhile
             for ep, (c,) in zip(eps, sampled, strict=True):
@@ -499,8 +494,7 @@ class Player:
     def _boundary(self) -> None:
         """A turn boundary, a safe point: the engine takes up the newest weights the worker holds,
         if newer (``poll`` is set without draining, and when draining at turns)."""
-        poll = getattr(self.engine, "poll", None)
-        if poll is not None and poll() is not None:
+        if self.engine.take_up() is not None:
             self.turn_switches += 1
 
     def _close(self, episodes: list[Episode]) -> None:

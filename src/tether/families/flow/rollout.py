@@ -117,6 +117,9 @@ class FlowSampler:
         self.engine = FlowEngine(model, self.sampling, negative_prompt=cfg.flow.negative_prompt)
         self.score = cfg.family().scorer(cfg)
 
+    def close(self) -> None:
+        """Nothing to release besides the engine."""
+
     def generate(self, item: WorkItem) -> FlowBatch:
         t0 = time.perf_counter()
         g = item.group_size

@@ -27,6 +27,9 @@ class TextSampler:
             cfg, model_path, self.tokenizer, stop_ids, device=device, threads=threads, seed=seed)
         self.score = cfg.family().scorer(cfg)
 
+    def close(self) -> None:
+        """Nothing to release besides the engine."""
+
     def generate(self, item: WorkItem) -> ScoredBatch:
         t0 = time.perf_counter()
         self._score_s, self._errors = 0.0, 0
