@@ -165,18 +165,54 @@ def test_the_guide_s_table_of_what_a_resume_may_change_agrees_with_the_key_table
     assert accepted - named == NOT_YET_IN_GUIDE  # when the guide names them, empty NOT_YET_IN_GUIDE
 
 
+class _Recipe:
+    """Sections by name, as ``Config.section`` gives them (unchecked: any value away from the default)."""
+
+    def __init__(self, sections):
+        self.sections = sections
+
+    def section(self, name):
+        return self.sections[name]
+
+
 def test_the_feature_checks_are_the_keys_that_declare_a_feature():
     keys = table()
+    sections = _every_section()
+    default = load_config(None, ["data.task=arithmetic"])
     for feature in FEATURES:
-        if feature.name == "learner_actor":  # asked by a value (ray.learner=actor), not by any change
-            continue
         declaring = [k for k, e in keys.items() if e.feature == feature.name]
         assert declaring, feature.name
-        default = load_config(None, ["data.task=arithmetic"])
         assert feature.asked(default) is None
+        for key in declaring:  # each one set away from its default asks for the feature, by name
+            section, name = key.split(".")
+            value = getattr(sections[section](), name)
+            other = (not value if isinstance(value, bool) else value / 2 if isinstance(value, float)
+                     else value + 1 if isinstance(value, int) else value + "x")
+            changed = {n: cls() for n, cls in sections.items()}
+            changed[section] = dataclasses.replace(changed[section], **{name: other})
+            asked = feature.asked(_Recipe(changed))
+            assert asked is not None and asked.startswith(f"{key}="), (key, asked)
 
 
 def test_a_key_of_a_feature_the_family_lacks_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"rollout\.dynamic_sampling=true asks for DAPO's dynamic sampling, "
                                           r"which model\.family=flow does not have"):
         load_config(None, ["model.family=flow", "data.task=shapes", "rollout.dynamic_sampling=true"])
+
+
+@pytest.mark.parametrize(("recorded", "resume"), [
+    (("rollout.engine=vllm", "vllm.dtype=bfloat16", "rollout.backend=ray", "ray.learner=actor",
+      "ray.learner_placement=SPREAD", "ray.address=auto", "train.world_size=2", "checkpoint.sharded=true"),
+     ("train.world_size=1", "rollout.backend=local", "rollout.engine=torch")),
+    (("rollout.decoder=python", "rollout.lora_apply=terms", "train.lora_rank=2"), ("rollout.engine=vllm",)),
+])
+def test_what_a_resume_drops_moving_smaller_is_what_the_keys_declare(tmp_path, recorded, resume):
+    from tether.config.config import load_resumed
+
+    path = tmp_path / "config.yaml"
+    path.write_text(load_config(None, ["data.task=arithmetic", *recorded]).to_yaml())
+    _, dropped = load_resumed(path, resume)
+    keys = table()
+    names = [d.split("=")[0] for d in dropped]
+    assert names and all(keys[n].dropped for n in names), dropped
+    assert set(names) == {o.split("=")[0] for o in recorded if keys[o.split("=")[0]].dropped}

@@ -129,8 +129,8 @@ def _build() -> dict[str, Key]:
                 key_owner = KINDS[with_kind] if with_kind else "core"
                 readers = tuple(n for _, n in theirs)
             dropped = meta.get("dropped")
-            if dropped is None and with_kind in ("engines", "backends"):
-                dropped = _dropped_with_plugin(with_kind)
+            if with_kind in ("engines", "backends"):  # read by an engine or backend: another drops it
+                dropped = ", or ".join(filter(None, (_dropped_with_plugin(with_kind), dropped)))
             out[key] = Key(key=key, section=section, owner=key_owner, readers=readers,
                            resume=meta.get("resume") or default_resume, help=meta.get("help", ""),
                            feature=meta.get("feature"), dropped=dropped,

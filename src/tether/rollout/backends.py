@@ -43,6 +43,7 @@ class RaySection:
         "process; 'actor' = in a Ray actor of its own requesting train.threads CPUs, its weights "
         "going straight from it to the object store. With 'actor' on a cluster, the run directory "
         "must be on a filesystem the learner's node sees (it writes the checkpoints).",
+        feature="learner_actor",
     )
     learner_placement: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = knob(
         "PACK",
@@ -50,6 +51,7 @@ class RaySection:
         "ranks' bundles (train.threads CPUs each, plus one GPU when train.device is CUDA), reserved "
         "together before any rank starts. PACK = as few nodes as fit (one node's fast links when it "
         "has room); STRICT_PACK = one node or refuse; SPREAD / STRICT_SPREAD = across nodes.",
+        dropped="with train.world_size=1, or ray.learner other than actor",
     )
     gpus_per_worker: float = knob(
         0.0,
