@@ -29,7 +29,7 @@ from tether.decoding.sampling import stop_ids_for
 from tether.families.agent.env import Step, factory
 from tether.families.agent.episodes import EnvThreads, Limits, Player
 from tether.modeling import load_causal_lm
-from tether.rollout.torch_engine import TorchEngine
+from tether.rollout.engines.torch.engine import TorchEngine
 from tether.vocabulary import SamplingParams
 
 

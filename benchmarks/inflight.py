@@ -93,7 +93,7 @@ def measure_prefill_cost(model_dir: Path, max_new: int, repeats: int = 5) -> flo
     import torch
 
     from tether.modeling import load_causal_lm, unique_parameters
-    from tether.rollout.torch_engine import TorchEngine
+    from tether.rollout.engines.torch.engine import TorchEngine
     from tether.vocabulary import SamplingParams
 
     torch.set_num_threads(1)

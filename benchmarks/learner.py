@@ -45,7 +45,7 @@ def setup():
     from tether.data.tiny_model import init_model
     from tether.families.text.payload import ScoredBatch
     from tether.modeling import load_causal_lm
-    from tether.rollout.torch_engine import TorchEngine
+    from tether.rollout.engines.torch.engine import TorchEngine
     from tether.vocabulary import RolloutBatch, SamplingParams
 
     hf_logging.disable_progress_bar()

@@ -36,7 +36,7 @@ def _timed(fn, repeats: int) -> float:
 def measure(size: str, rank: int, repeats: int) -> dict:
     from tether.data.tiny_model import build_model
     from tether.decoding.sampling import transformers_stepper
-    from tether.rollout.torch_engine import TorchEngine
+    from tether.rollout.engines.torch.engine import TorchEngine
     from tether.train import lora
     from tether.vocabulary import SamplingParams
 

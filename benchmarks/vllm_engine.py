@@ -111,14 +111,14 @@ def measure_on_device(size: str, batches: int, publishes: int, new_tokens: int, 
     """Both engines in this process on ``device``: tokens/s, weight-load time, vLLM's log-prob Δ."""
     import torch
 
-    from tether.config.backends import VllmSection
     from tether.data.stream import PromptStream
     from tether.data.tasks import get_task
     from tether.data.tiny_model import init_model
     from tether.decoding.sampling import SamplingParams, stop_ids_for
     from tether.modeling import load_causal_lm, unique_parameters
-    from tether.rollout.torch_engine import TorchEngine
-    from tether.rollout.vllm_engine import VLLMEngine
+    from tether.rollout.engines.torch.engine import TorchEngine
+    from tether.rollout.engines.vllm.engine import VLLMEngine
+    from tether.rollout.engines.vllm.section import VllmSection
 
     path = tempfile.mkdtemp() + "/model"
     init_model(path, size=size, seed=0)

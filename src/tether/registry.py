@@ -121,7 +121,7 @@ families: Registry[Any] = Registry(
     aliases={"lm": "text"})
 engines: Registry[Any] = Registry(
     "engine", "rollout.engine",
-    {"torch": "tether.rollout.engines:TORCH", "vllm": "tether.rollout.engines:VLLM"})
+    {"torch": "tether.rollout.engines.torch:TORCH", "vllm": "tether.rollout.engines.vllm:VLLM"})
 backends: Registry[Any] = Registry(
     "rollout backend", "rollout.backend",
     {"local": "tether.rollout.backends:LOCAL", "ray": "tether.rollout.backends:RAY"})

@@ -13,7 +13,7 @@ from tether.families.agent.chat import ChatTurns, NotAppendOnly
 from tether.families.agent.env import factory
 from tether.families.agent.episodes import EnvThreads, Limits, Player
 from tether.modeling import load_causal_lm
-from tether.rollout.torch_engine import TorchEngine
+from tether.rollout.engines.torch.engine import TorchEngine
 from tether.vocabulary import SamplingParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -143,7 +143,7 @@ def test_a_real_skyrl_gym_environment_plays_through_the_adapter(tiny_model_dir):
     from tether.decoding.sampling import stop_ids_for
     from tether.families.agent.episodes import EnvThreads, Limits, Player
     from tether.modeling import load_causal_lm
-    from tether.rollout.torch_engine import TorchEngine
+    from tether.rollout.engines.torch.engine import TorchEngine
     from tether.vocabulary import SamplingParams
 
     assert kind_of(GSM8kMultiTurnEnv) == "skyrl"

@@ -20,7 +20,7 @@ from tether.decoding import native  # noqa: E402
 from tether.decoding.fast_decoder import supports  # noqa: E402
 from tether.families.text.payload import ScoredBatch  # noqa: E402
 from tether.modeling import load_causal_lm  # noqa: E402
-from tether.rollout.torch_engine import TorchEngine  # noqa: E402
+from tether.rollout.engines.torch.engine import TorchEngine  # noqa: E402
 from tether.train.learner import TorchLearner  # noqa: E402
 from tether.vocabulary import RolloutBatch  # noqa: E402
 

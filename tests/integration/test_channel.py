@@ -7,7 +7,7 @@ pytest.importorskip("transformers")
 
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
 from tether.rollout.channel import ChannelError, WeightChannel, WeightReader  # noqa: E402
-from tether.rollout.torch_engine import TorchEngine  # noqa: E402
+from tether.rollout.engines.torch.engine import TorchEngine  # noqa: E402
 from tether.vocabulary import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -18,7 +18,7 @@ from tether.config import load_config  # noqa: E402
 from tether.errors import ConfigError  # noqa: E402
 from tether.families.text.batch import to_train_batch, token_logprobs  # noqa: E402
 from tether.modeling import load_causal_lm  # noqa: E402
-from tether.rollout.torch_engine import TorchEngine  # noqa: E402
+from tether.rollout.engines.torch.engine import TorchEngine  # noqa: E402
 from tether.train.learner import TorchLearner  # noqa: E402
 from tether.vocabulary import SamplingParams  # noqa: E402
 

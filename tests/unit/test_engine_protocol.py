@@ -51,8 +51,8 @@ def test_the_engine_protocol_covers_in_flight_switches_and_adapters():
 
 def test_the_built_in_engines_have_every_member_declared():
     from tether.families.flow.rollout import FlowEngine
-    from tether.rollout.torch_engine import TorchEngine
-    from tether.rollout.vllm_engine import VLLMEngine  # imports vLLM only when one is built
+    from tether.rollout.engines.torch.engine import TorchEngine
+    from tether.rollout.engines.vllm.engine import VLLMEngine  # imports vLLM only when one is built
 
     for engine, protocol in ((TorchEngine, TokenEngine), (VLLMEngine, TokenEngine), (FlowEngine, Engine)):
         absent = sorted(m for m in declared(protocol) if not hasattr(engine, m) and m not in

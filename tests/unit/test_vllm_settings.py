@@ -3,7 +3,7 @@
 import pytest
 
 from tether.errors import ConfigError
-from tether.rollout.engines import require_processed_logprobs as _require_processed_logprobs
+from tether.rollout.engines.vllm.section import require_processed_logprobs as _require_processed_logprobs
 
 
 @pytest.mark.parametrize("version", ["0.10.2", "0.10.2.dev5+g1234abc", "0.32.0", "1.0.0rc1"])
@@ -18,6 +18,6 @@ def test_an_older_vllm_is_refused_saying_why(version):
 
 
 def test_tied_output_layers_are_named_after_the_tensor_they_share(tiny_model_dir):
-    from tether.rollout.vllm_engine import tied_names
+    from tether.rollout.engines.vllm.engine import tied_names
 
     assert tied_names(str(tiny_model_dir)) == {"lm_head.weight": "model.embed_tokens.weight"}

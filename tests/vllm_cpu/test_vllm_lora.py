@@ -26,7 +26,7 @@ def test_vllm_samples_at_the_adapters_the_learner_trained(demo_model):
     from tether.families.text.batch import to_train_batch, token_logprobs
     from tether.families.text.payload import ScoredBatch
     from tether.modeling import load_tokenizer
-    from tether.rollout.vllm_engine import VLLMEngine
+    from tether.rollout.engines.vllm.engine import VLLMEngine
     from tether.train.learner import TorchLearner
     from tether.vocabulary import RolloutBatch, SamplingParams
 
@@ -67,7 +67,7 @@ def test_lora_on_vllm_through_tether_train_follows_plan_and_its_merged_export_se
     plain model, which samples what vLLM serving the adapters samples, with the same log-probs."""
     from tether.cli.export_cmd import export
     from tether.modeling import load_tokenizer
-    from tether.rollout.vllm_engine import VLLMEngine
+    from tether.rollout.engines.vllm.engine import VLLMEngine
     from tether.train import lora
     from tether.vocabulary import SamplingParams
 

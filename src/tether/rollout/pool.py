@@ -40,7 +40,7 @@ __all__ = ["PoolSettings", "ProcessPool"]
 log = logging.getLogger("tether.rollout")
 
 
-_PRELOAD = ["torch", "transformers", "tether.rollout.worker", "tether.rollout.torch_engine",
+_PRELOAD = ["torch", "transformers", "tether.rollout.worker", "tether.rollout.engines.torch.engine",
             "tether.data.rewards"]
 
 

@@ -23,7 +23,7 @@ def eval_engine(model, tokenizer, cfg: Any, decoder: str = "auto"):
     """The built-in engine over ``model`` as it is now (held-out episodes, the warm start's
     checks); build one per set of weights: it packs them once."""
     from tether.decoding.sampling import stop_ids_for
-    from tether.rollout.torch_engine import TorchEngine
+    from tether.rollout.engines.torch.engine import TorchEngine
 
     return TorchEngine(model, pad_id=tokenizer.pad_token_id,
                        stop_ids=stop_ids_for(tokenizer, cfg.env.turn_stop), decoder=decoder)

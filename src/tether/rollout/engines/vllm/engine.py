@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tether.errors import ConfigError, RolloutError
-from tether.rollout.engines import (
+from tether.rollout.engines import check_context
+from tether.rollout.engines.vllm.section import (
     VLLM_INSTALL_HINT,
     VLLM_LORA_RANKS,
     VllmSection,
-    check_context,
     require_processed_logprobs,
 )
 from tether.rollout.watch import Watched
