@@ -15,7 +15,7 @@ def config(*overrides: str, **train: Any) -> Config:
 
 def pool_settings(model_dir, *overrides: str, stop_text: str = "\n", startup_timeout_s: float = 300.0):
     """A rollout pool's settings: the arithmetic task's recipe with ``overrides``, for ``model_dir``."""
-    from tether.rollout.dispatch import PoolSettings
+    from tether.rollout.settings import PoolSettings
 
     return PoolSettings(config("data.task=arithmetic", *overrides), str(model_dir), stop_text=stop_text,
                         startup_timeout_s=startup_timeout_s)

@@ -12,8 +12,8 @@ pytest.importorskip("torch")
 
 from tether.config.config import load_config
 from tether.modeling import load_causal_lm, unique_parameters
-from tether.rollout.dispatch import PoolSettings
 from tether.rollout.pool import ProcessPool
+from tether.rollout.settings import PoolSettings
 from tether.vocabulary import Example, GenerationRequest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

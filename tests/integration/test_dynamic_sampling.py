@@ -12,7 +12,8 @@ from configs import pool_settings
 from tether.data.stream import PromptStream
 from tether.data.tasks import get_task
 from tether.rollout.dynamic import DynamicSampling, ShortBatchError, informative
-from tether.rollout.worker import Rollout, WorkerSpec
+from tether.rollout.settings import WorkerSpec
+from tether.rollout.worker import Rollout
 from tether.vocabulary import SamplingParams, WorkItem
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

@@ -20,7 +20,8 @@ from tether.decoding.sampling import SamplingParams, sample  # noqa: E402
 from tether.errors import ConfigError  # noqa: E402
 from tether.modeling import load_causal_lm  # noqa: E402
 from tether.rollout.engines.torch.engine import TorchEngine  # noqa: E402
-from tether.rollout.worker import Rollout, WorkerSpec  # noqa: E402
+from tether.rollout.settings import WorkerSpec  # noqa: E402
+from tether.rollout.worker import Rollout  # noqa: E402
 from tether.train.learner import TorchLearner  # noqa: E402
 from tether.vocabulary import WorkItem  # noqa: E402
 

@@ -15,54 +15,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from tether.config import Config
 from tether.control import BatchQueue
 from tether.errors import QueueTimeoutError, RolloutError
+from tether.rollout.settings import PoolSettings
 from tether.vocabulary import Example, GenerationRequest, Payload, RolloutBatch, WorkItem
-
-
-@dataclass(frozen=True)
-class PoolSettings:
-    """What a pool and its workers are told: the recipe, and what preparing the run found (the
-    model directory, the task's stop text)."""
-
-    cfg: Config
-    model_path: str
-    stop_text: str = "\n"
-    startup_timeout_s: float = 300.0
-
-    @property
-    def num_workers(self) -> int:
-        return self.cfg.rollout.num_workers
-
-    @property
-    def threads_per_worker(self) -> int:
-        return self.cfg.rollout.threads_per_worker
-
-    @property
-    def group_size(self) -> int:
-        return self.cfg.rollout.group_size
-
-    @property
-    def drain_at_turns(self) -> bool:
-        """Publications drain only the turns in flight (``Family.drains_at_turns``)."""
-        return self.cfg.family().drains_at_turns(self.cfg)
-
-    @property
-    def inflight_update(self) -> str:
-        """How the engines meet a publication: ``async.inflight_update``, except that draining at
-        turn boundaries runs them as ``keep`` (each takes new weights up between turns only)."""
-        return "keep" if self.drain_at_turns else self.cfg.async_.inflight_update
-
-    def worker_spec(self, worker_id: int, version: int, **where: Any):
-        """The ``WorkerSpec`` of worker ``worker_id`` starting at ``version``; ``where`` adds the
-        backend's fields (its weight channel, its device)."""
-        from tether.rollout.worker import WorkerSpec
-
-        return WorkerSpec(worker_id=worker_id, settings=self, initial_version=version, **where)
 
 
 class WorkerSlot:

@@ -31,7 +31,8 @@ from tether.control import BatchQueue
 from tether.errors import QueueTimeoutError, RolloutError
 from tether.procinfo import Sealed, stop_signals_deferred
 from tether.rollout.channel import WeightChannel
-from tether.rollout.dispatch import DispatchingPool, PoolSettings, WorkerSlot
+from tether.rollout.dispatch import DispatchingPool, WorkerSlot
+from tether.rollout.settings import PoolSettings
 from tether.rollout.worker import worker_main
 from tether.vocabulary import Example, WorkItem
 

@@ -39,8 +39,8 @@ from typing import Any, Protocol, runtime_checkable
 from tether.errors import ConfigError, RolloutError
 from tether.procinfo import Sealed
 from tether.rollout.channel import Layout, Snapshot, open_snapshot
-from tether.rollout.dispatch import DispatchingPool, PoolSettings, WorkerSlot
-from tether.rollout.worker import WorkerSpec
+from tether.rollout.dispatch import DispatchingPool, WorkerSlot
+from tether.rollout.settings import PoolSettings, WorkerSpec
 from tether.vocabulary import Example, WorkItem
 
 log = logging.getLogger("tether.rollout")

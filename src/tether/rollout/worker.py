@@ -24,7 +24,6 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -33,27 +32,7 @@ from tether.procinfo import Sealed, exit_when_closed
 from tether.vocabulary import Payload, WorkItem
 
 if TYPE_CHECKING:
-    from tether.rollout.channel import Layout
-    from tether.rollout.dispatch import PoolSettings
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker needs to start, picklable for a spawned process: the pool's settings
-    (the recipe among them) and where this worker gets its weights."""
-
-    worker_id: int
-    settings: PoolSettings
-    initial_version: int = 0
-    channel_name: str | None = None
-    """The shared-memory weight channel (process workers); None where weights come otherwise."""
-    channel_layout: Layout | None = None
-    device: str = "cpu"
-    """Where the engine samples: ``cpu``, or ``cuda`` for a Ray actor given a GPU."""
-
-    @property
-    def inflight_update(self) -> str:
-        return self.settings.inflight_update
+    from tether.rollout.settings import WorkerSpec
 
 
 def worker_main(sealed: Sealed, requests: Connection, results: Connection,

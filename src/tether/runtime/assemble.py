@@ -119,7 +119,7 @@ class Parts:
     def pool(self, prepared: Prepared, batches: Any, weights: Any, session: Any, *,
              initial_version: int = 0) -> Any:
         """The rollout pool (its workers started, holding ``weights`` as ``initial_version``)."""
-        from tether.rollout.dispatch import PoolSettings
+        from tether.rollout.settings import PoolSettings
 
         settings = PoolSettings(self.cfg, str(prepared.model_path), prepared.data.stop_text)
         return self.backend.pool(settings, batches, weights, session, initial_version=initial_version,

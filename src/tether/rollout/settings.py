@@ -1,0 +1,71 @@
+"""What a rollout pool and each of its workers are told, whatever the backend: the pool's settings
+(the recipe, and what preparing the run found) and one worker's start (``WorkerSpec``), picklable
+for a spawned process or a Ray actor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tether.config import Config
+
+if TYPE_CHECKING:
+    from tether.rollout.channel import Layout
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """What a pool and its workers are told: the recipe, and what preparing the run found (the
+    model directory, the task's stop text)."""
+
+    cfg: Config
+    model_path: str
+    stop_text: str = "\n"
+    startup_timeout_s: float = 300.0
+
+    @property
+    def num_workers(self) -> int:
+        return self.cfg.rollout.num_workers
+
+    @property
+    def threads_per_worker(self) -> int:
+        return self.cfg.rollout.threads_per_worker
+
+    @property
+    def group_size(self) -> int:
+        return self.cfg.rollout.group_size
+
+    @property
+    def drain_at_turns(self) -> bool:
+        """Publications drain only the turns in flight (``Family.drains_at_turns``)."""
+        return self.cfg.family().drains_at_turns(self.cfg)
+
+    @property
+    def inflight_update(self) -> str:
+        """How the engines meet a publication: ``async.inflight_update``, except that draining at
+        turn boundaries runs them as ``keep`` (each takes new weights up between turns only)."""
+        return "keep" if self.drain_at_turns else self.cfg.async_.inflight_update
+
+    def worker_spec(self, worker_id: int, version: int, **where: Any):
+        """The ``WorkerSpec`` of worker ``worker_id`` starting at ``version``; ``where`` adds the
+        backend's fields (its weight channel, its device)."""
+        return WorkerSpec(worker_id=worker_id, settings=self, initial_version=version, **where)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to start, picklable for a spawned process: the pool's settings
+    (the recipe among them) and where this worker gets its weights."""
+
+    worker_id: int
+    settings: PoolSettings
+    initial_version: int = 0
+    channel_name: str | None = None
+    """The shared-memory weight channel (process workers); None where weights come otherwise."""
+    channel_layout: Layout | None = None
+    device: str = "cpu"
+    """Where the engine samples: ``cpu``, or ``cuda`` for a Ray actor given a GPU."""
+
+    @property
+    def inflight_update(self) -> str:
+        return self.settings.inflight_update
