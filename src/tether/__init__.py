@@ -17,7 +17,10 @@ Importing ``tether`` loads neither torch nor the parts of a run: each name is im
 
 from __future__ import annotations
 
+import functools
 import importlib
+import sys
+import types
 from typing import Any
 
 __version__ = "0.1.0"
@@ -69,9 +72,50 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
+class _Train:
+    """``tether.train``: the function (``tether.api.train``) under the name of a subpackage. Called,
+    it trains; an attribute is the subpackage's (``import tether.train.learner as m`` works)."""
+
+    def __init__(self, fn: Any) -> None:
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        try:
+            return importlib.import_module(f"tether.train.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"tether.train.{name}":
+                raise
+            raise AttributeError(f"tether.train has no attribute {name!r}") from exc
+
+    def __repr__(self) -> str:
+        return f"<function tether.train {self._fn.__module__}.{self._fn.__qualname__}>"
+
+
+class _Package(types.ModuleType):
+    """Importing the subpackage ``tether.train`` (a learner does) would bind the module over the
+    function, and a script's ``tether.train(...)`` would then call a module: the name keeps
+    ``_Train``; the subpackage stays in ``sys.modules`` and behind ``_Train``'s attributes."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "train" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        if name == "train":
+            value = _Train(value)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'tether' has no attribute {name!r}")

@@ -54,8 +54,7 @@ def train(cfg: Any = None, overrides: Sequence[str] = (), *, reward: Any = None,
     (default ``runs/<script or recipe>-<time>``); with ``resume=True`` the run to continue."""
     if registry.in_user_import():  # Tether is importing the calling script (a worker, a plug-in)
         raise registry.ScriptReentered
-    caller = sys._getframe(1).f_globals.get("__name__")
-    if caller == "__mp_main__":
+    if _caller_module() == "__mp_main__":
         raise ConfigError(
             "tether.train was called while a child process re-ran this script as its __main__ (a "
             "multiprocessing process this script started, not one of Tether's); put the call under "
@@ -85,6 +84,15 @@ def train(cfg: Any = None, overrides: Sequence[str] = (), *, reward: Any = None,
         config = Config.from_dict(apply_overrides(data, given))
         where = Path(run_dir) if run_dir is not None else Path("runs") / f"{stem}-{time.strftime(STAMP)}"
         return run_train(config, where, force=force, overrides=given, progress_plain=progress_plain)
+
+
+def _caller_module() -> str | None:
+    """The name of the module that called ``tether.train`` (the first frame outside Tether)."""
+    here = Path(__file__).resolve().parent
+    frame = sys._getframe(1)
+    while frame is not None and here in Path(frame.f_code.co_filename).resolve().parents:
+        frame = frame.f_back
+    return None if frame is None else frame.f_globals.get("__name__")
 
 
 def _recipe(cfg: Any, read_recipe) -> tuple[dict[str, Any], str]:
@@ -136,7 +144,7 @@ def _overrides_text(extra: dict[str, Any], recipe: Mapping[str, Any]) -> list[st
 
 
 def reference(obj: Any, *, what: str) -> str:
-    """A name for ``obj`` that every process of a run can load (``tether.data.pyload``); a string
+    """A name for ``obj`` that every process of a run can load (``tether.pyload``); a string
     is taken as one already."""
     if isinstance(obj, str):
         return obj

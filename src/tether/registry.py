@@ -59,17 +59,21 @@ class Registry(Generic[T]):
         self._meta: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (meta or {}).items()}
         self.aliases: dict[str, str] = dict(aliases or {})
         """Former names that still resolve (a run directory written with one resumes)."""
+        self._origins: dict[str, str] = {}  # name → the file whose code registered it
 
     def register(self, name: str, obj: T, **meta: Any) -> T:
         """Add ``obj`` as ``name``; a name already taken (built-in or registered) is refused."""
         if not isinstance(name, str) or not name.isidentifier():
             raise PluginError(f"a {self.kind} name must be an identifier (letters, digits, _), got {name!r}")
-        if name in self._loaded and same_definition(self._loaded[name], obj):
+        origin = registering_file()
+        if origin is not None and self._origins.get(name) == origin:
             pass  # one file run twice (a script, and the same file as a plug-in): its newer run counts
         elif name in self or name in self.aliases:
             raise PluginError(f"a {self.kind} named {name!r} is already registered; choose another name")
         self._loaded[name] = obj
         self._meta[name] = dict(meta)
+        if origin is not None:
+            self._origins[name] = origin
         return obj
 
     def unregister(self, name: str) -> None:
@@ -77,6 +81,7 @@ class Registry(Generic[T]):
         self._loaded.pop(name, None)
         self._lazy.pop(name, None)
         self._meta.pop(name, None)
+        self._origins.pop(name, None)
 
     def canonical(self, name: str) -> str:
         return self.aliases.get(name, name)
@@ -249,19 +254,16 @@ def register_reward(name: str) -> Callable[[Any], Any]:
     return _decorator(rewards, name)
 
 
-def same_definition(old: Any, new: Any) -> bool:
-    """Whether ``old`` and ``new`` come from the same source: the same qualified name in the same
-    file (a script registers as ``__main__`` and again when Tether imports it as a plug-in)."""
-    def where(obj: Any) -> tuple[str, str] | None:
-        target = obj if callable(obj) and hasattr(obj, "__qualname__") else type(obj)
-        try:
-            import inspect
-
-            return target.__qualname__, str(Path(inspect.getfile(target)).resolve())
-        except (TypeError, OSError):
-            return None
-    found = where(old)
-    return found is not None and found == where(new)
+def registering_file() -> str | None:
+    """The file of the code outside Tether that is registering something (None: Tether itself)."""
+    here = Path(__file__).resolve().parent
+    frame = sys._getframe(1)
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if not file.startswith("<") and here not in Path(file).resolve().parents:
+            return str(Path(file).resolve())
+        frame = frame.f_back
+    return None
 
 
 # -- user code: a script Tether imports ---------------------------------------------------------------

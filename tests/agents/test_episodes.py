@@ -24,7 +24,7 @@ ENVS = Path(__file__).with_name("envs.py")
 
 def loaded_envs():
     """envs.py as ``env.env_class`` loads it (its module state is what the environments see)."""
-    from tether.data.pyload import load_python_object
+    from tether.pyload import load_python_object
 
     return sys.modules[load_python_object(f"{ENVS}:Echo", what="env.env_class").__module__]
 

@@ -13,8 +13,8 @@ import tether
 from tether import registry
 from tether.api import reference
 from tether.config import Config, load_config
-from tether.data.pyload import load_python_object
 from tether.errors import ConfigError
+from tether.pyload import load_python_object
 
 SCRIPT = textwrap.dedent("""
     import tether
@@ -57,27 +57,29 @@ def test_a_script_that_calls_tether_train_is_imported_up_to_the_call(tmp_path):
 def test_a_script_that_names_itself_in_run_plugins_registers_once_per_process(tmp_path):
     path = _script(tmp_path, "api_plugin_script")
     try:
+        # the script run once (as the driver's __main__ is; here: for its reward), then as its own
+        # plug-in: its registrations are made again, from the same file, and accepted
+        load_python_object(f"{path}:score", what="reward.function")
         cfg = load_config(None, [f"run.plugins=[{path}]", "reward.function=api_plugin_script",
                                  "data.task=reverse"])
         assert cfg.reward.function == "api_plugin_script"
-        # the same definition again (the script as __main__, then as its own plug-in) is accepted
-        fn = registry.rewards.get("api_plugin_script")
-        registry.rewards.register("api_plugin_script", fn)
     finally:
         registry.rewards.unregister("api_plugin_script")
 
 
-def test_a_second_definition_under_a_taken_name_is_still_refused():
+def test_a_name_taken_by_another_file_or_by_tether_is_still_refused(tmp_path):
     def first(prompt, completion, answer, fields):
         return 0.0
 
-    def second(prompt, completion, answer, fields):
-        return 1.0
-
     registry.rewards.register("api_taken", first)
+    other = tmp_path / "other.py"
+    other.write_text("import tether\n\n@tether.register_reward('api_taken')\n"
+                     "def second(prompt, completion, answer, fields):\n    return 1.0\n")
     try:
         with pytest.raises(tether.PluginError, match="'api_taken' is already registered"):
-            registry.rewards.register("api_taken", second)
+            load_config(None, [f"run.plugins=[{other}]"])
+        with pytest.raises(tether.PluginError, match="'exact_match' is already registered"):
+            registry.rewards.register("exact_match", first)
     finally:
         registry.rewards.unregister("api_taken")
 

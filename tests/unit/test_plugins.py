@@ -150,7 +150,7 @@ def test_user_code_that_exits_or_raises_at_import_is_a_clear_error(plugin, tmp_p
     """Every import of a user's code — a plug-in file or module, a reward, dataset or environment
     file — that raises, sys.exit() included (which would end the run with its status and no word),
     is a ConfigError naming the file or module, what it raised and where."""
-    from tether.data.pyload import load_python_object
+    from tether.pyload import load_python_object
 
     exits, _ = plugin("import sys\n\nsys.exit(5)\n", "exits.py")
     with pytest.raises(PluginError, match=r"run\.plugins: .*exits\.py failed to import: SystemExit: 5 at "

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from tether import registry
-from tether.config import features
+from tether.config import features, keys
 from tether.config.fields import build_section, closest, section_fields
 from tether.config.schema import (
     SECTIONS,
@@ -381,7 +381,7 @@ def _check_reward_name(spec: str, key: str) -> None:
     if spec == "task" or spec in registry.rewards:
         return
     if ":" in spec:
-        from tether.data.pyload import load_python_object
+        from tether.pyload import load_python_object
 
         load_python_object(spec, what=key)
         return
@@ -483,40 +483,22 @@ def load_resumed(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Confi
     """A run's recorded config with a resume's ``overrides``, and the keys dropped from the record
     because the overrides leave them nothing to act on (moving to a smaller set-up: from ranks to
     one process drops ``checkpoint.sharded``; from Ray to local processes, the ray section; from
-    vLLM to the built-in engine, the vllm section). Keys the overrides set are never dropped."""
+    vLLM to the built-in engine, the vllm section), as each key declares (``knob(dropped=...)``,
+    an engine's or backend's keys: ``tether.config.keys``). Keys the overrides set are never dropped."""
     recorded = read_recipe(path)
     data = apply_overrides(recorded, overrides)
     given = {".".join(parse_override(text)[0]) for text in overrides}
     dropped = []
-
-    def drop(section: str, key: str | None, why: str) -> None:
-        keys = [key] if key is not None else list(data.get(section) or {})
-        for k in keys:
-            if f"{section}.{k}" in given or k not in (data.get(section) or {}):
-                continue
-            value = data[section].pop(k)
-            if value != getattr(section_class(section)(), k, value):  # a default says nothing
-                dropped.append(f"{section}.{k}={value} ({why})")
-
-    chosen = {"engines": ("rollout", "engine", "torch"), "backends": ("rollout", "backend", "local")}
-    for kind, (section, key, default) in chosen.items():
-        reg = getattr(registry, kind)
-        name = reg.canonical(str((data.get(section) or {}).get(key, default)))
-        for other in reg.names():
-            if other == name or other not in reg:
-                continue
-            plugin = reg.get(other)
-            why = f"read only with {reg.key}={other}, and the resume sets {reg.key}={name}"
-            if plugin.section is not None:
-                drop(plugin.section[0], None, why)
-            for owned in plugin.keys:
-                drop(*owned.split("."), why)
-    train, ray = data.get("train") or {}, data.get("ray") or {}
-    if train.get("world_size", 1) == 1:
-        drop("checkpoint", "sharded", "it has no effect with train.world_size=1")
-        drop("ray", "learner_placement", "it places learner ranks, and train.world_size=1")
-    elif ray.get("learner", "driver") != "actor":
-        drop("ray", "learner_placement", "it places learner actors, and ray.learner is not actor")
+    for entry in keys.table().values():  # each key says when a resume drops it (knob(dropped=...))
+        section, name = entry.section, entry.key.split(".", 1)[1]
+        if entry.drop is None or entry.key in given or name not in (data.get(section) or {}):
+            continue
+        why = entry.drop(data)
+        if why is None:
+            continue
+        value = data[section].pop(name)
+        if value != getattr(section_class(section)(), name, value):  # a default says nothing
+            dropped.append(f"{entry.key}={value} ({why})")
     return Config.from_dict(data), dropped
 
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from tether.data.pyload import load_python_object
 from tether.errors import ConfigError, DataError
+from tether.pyload import load_python_object
 from tether.vocabulary import Example
 
 FORMATS = ("jsonl", "json", "parquet", "csv", "txt (one prompt a line)", "save_to_disk folder",

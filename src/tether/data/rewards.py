@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tether import registry
-from tether.data.pyload import load_python_object
 from tether.data.tasks import get_task, strip_answer
 from tether.errors import ConfigError, RewardError
+from tether.pyload import load_python_object
 from tether.vocabulary import Example
 
 RewardFn = Callable[[str, str, str, Mapping[str, Any]], float]

@@ -72,8 +72,8 @@ class AgentFamily(TextFamily):
                 f"env.max_episode_tokens={e.max_episode_tokens}; lower the first or raise the second"
             )
         if e.env_class:
-            from tether.data.pyload import load_python_object
             from tether.families.agent.env import factory
+            from tether.pyload import load_python_object
 
             factory(
                 load_python_object(e.env_class, what="env.env_class"), {}

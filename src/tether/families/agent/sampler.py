@@ -30,9 +30,9 @@ from tether.vocabulary import WorkItem
 def environment_factory(cfg: Any):
     """What makes one environment of the recipe: ``env.env_class``, else the task's own."""
     from tether import registry
-    from tether.data.pyload import load_python_object
     from tether.errors import ConfigError
     from tether.families.agent.env import factory
+    from tether.pyload import load_python_object
 
     if cfg.env.env_class:
         env_class = load_python_object(cfg.env.env_class, what="env.env_class")

@@ -93,7 +93,7 @@ def _image_reward(cfg, spec: str) -> Scorer:
         task = registry.tasks.get(cfg.data.task)
         return Scorer(task.verify, task.name)
     if ":" in spec:
-        from tether.data.pyload import load_python_object
+        from tether.pyload import load_python_object
 
         fn = load_python_object(spec, what="reward function")
         check_signature(fn, spec)
