@@ -17,7 +17,7 @@ import enum
 import math
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 from tether.errors import ConfigError
@@ -52,6 +52,23 @@ class Resume(enum.Enum):
                 "TRAINING": "refused: how training continues"}[self.name]
 
 
+@dataclasses.dataclass(frozen=True)
+class Dropped:
+    """When a resume drops a key's recorded value, because its move to a smaller set-up leaves the
+    key nothing to act on: ``when`` in words (for the reference), and ``why`` of the resumed recipe
+    (a plain mapping of sections), the reason the log gives, or None when it is kept."""
+
+    when: str
+    why: Callable[[Mapping[str, Any]], str | None]
+
+
+def recipe_value(recipe: Mapping[str, Any], key: str, default: Any) -> Any:
+    """``section.name`` of a plain recipe mapping, or ``default`` when it is not set."""
+    section, name = key.split(".")
+    values = recipe.get(section)
+    return values.get(name, default) if isinstance(values, Mapping) else default
+
+
 OWNER_KINDS = ("core", "family", "engine", "backend")
 """Who reads a key of a shared section: Tether itself, or the families (engines, backends) that
 name it in their ``keys``; any other is refused when set (``tether.config.features``)."""
@@ -59,7 +76,7 @@ name it in their ``keys``; any other is refused when set (``tether.config.featur
 
 def knob(default: Any, help: str, *, min: float | None = None, max: float | None = None,
          choices: Iterable[str] | None = None, resume: Resume | None = None, owner: str = "core",
-         feature: str | None = None, dropped: str | None = None) -> Any:
+         feature: str | None = None, dropped: Dropped | None = None) -> Any:
     """Declare a config field with its default, help text and allowed values. ``choices`` may be
     a ``tether.registry.Registry``: its names are read when a value is checked (plug-ins add
     names), and a former name it still knows is replaced by the current one.

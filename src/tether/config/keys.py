@@ -11,11 +11,13 @@ asks for (``tether.config.features``) and the reference's "on resume" column are
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from tether import registry
-from tether.config.fields import Resume, section_fields
+from tether.config.fields import Dropped, Resume, recipe_value, section_fields
 from tether.config.schema import SECTIONS
 
 KINDS = {"families": "family", "engines": "engine", "backends": "backend"}
@@ -39,7 +41,11 @@ class Key:
     feature: str | None = None
     """The optional family feature (``tether.config.features.FEATURES``) setting it asks for."""
     dropped: str | None = None
-    """When a resume drops the recorded value (a move to a smaller set-up), or None."""
+    """When a resume drops the recorded value (a move to a smaller set-up), in words, or None."""
+    drop: Callable[[Mapping[str, Any]], str | None] | None = dataclasses.field(default=None, compare=False,
+                                                                              repr=False)
+    """Of a resumed recipe (a plain mapping): why it drops the recorded value, or None to keep it
+    (``tether.config.config.load_resumed``)."""
     declared_owner: str = "core"
     """The owner its ``knob`` declares (``disagreements`` compares it with the plug-ins' claims)."""
 
@@ -79,9 +85,28 @@ def section_resume(cls: type, owner: str) -> Resume:
     return Resume.ACCEPTED if owner in ("engine", "backend") else Resume.TRAINING
 
 
-def _dropped_with_plugin(kind: str) -> str:
+def _dropped_with_plugin(kind: str, readers: tuple[str, ...]) -> Dropped:
+    """A key read only by some engines (backends) is dropped by a resume that chooses another."""
     reg = getattr(registry, kind)
-    return f"when the resume sets another {reg.key}"
+    section, name = reg.key.split(".")
+    default = getattr(SECTIONS[section](), name)
+
+    def why(recipe: Mapping[str, Any]) -> str | None:
+        chosen = reg.canonical(str(recipe_value(recipe, reg.key, default)))
+        if chosen in readers:
+            return None
+        return f"read only with {reg.key}={readers[0]}, and the resume sets {reg.key}={chosen}"
+
+    return Dropped(f"when the resume sets another {reg.key}", why)
+
+
+def _either(*drops: Dropped | None) -> tuple[str | None, Callable[[Mapping[str, Any]], str | None] | None]:
+    """The words and the reason of several ways to be dropped: the first that applies."""
+    drops = tuple(d for d in drops if d is not None)
+    if not drops:
+        return None, None
+    return ", or ".join(d.when for d in drops), lambda recipe: next(
+        (why for d in drops if (why := d.why(recipe)) is not None), None)
 
 
 _cache: dict[tuple, dict[str, Key]] = {}
@@ -128,12 +153,12 @@ def _build() -> dict[str, Key]:
                 with_kind = kinds[0] if len(kinds) == 1 else None
                 key_owner = KINDS[with_kind] if with_kind else "core"
                 readers = tuple(n for _, n in theirs)
-            dropped = meta.get("dropped")
-            if with_kind in ("engines", "backends"):  # read by an engine or backend: another drops it
-                dropped = ", or ".join(filter(None, (_dropped_with_plugin(with_kind), dropped)))
+            by_plugin = with_kind in ("engines", "backends")  # read by an engine or backend: another drops it
+            dropped, drop = _either(_dropped_with_plugin(with_kind, readers) if by_plugin else None,
+                                    meta.get("dropped"))
             out[key] = Key(key=key, section=section, owner=key_owner, readers=readers,
                            resume=meta.get("resume") or default_resume, help=meta.get("help", ""),
-                           feature=meta.get("feature"), dropped=dropped,
+                           feature=meta.get("feature"), dropped=dropped, drop=drop,
                            declared_owner=owner if kind else declared)
     return out
 

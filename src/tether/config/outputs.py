@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from tether.config.fields import Resume, knob
+from tether.config.fields import Dropped, Resume, knob, recipe_value
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,9 @@ class CheckpointSection:
         "(torch.distributed.checkpoint), so no process ever holds the whole state; a resume at any "
         "world size reshards them, and `tether eval` and model.path read them. false = gathered "
         "whole on rank 0 into the single-process format.",
-        dropped="with train.world_size=1 (from ranks to one process)",
+        dropped=Dropped("with train.world_size=1 (from ranks to one process)", lambda recipe: (
+            "it has no effect with train.world_size=1"
+            if recipe_value(recipe, "train.world_size", 1) == 1 else None)),
     )
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from tether.config.fields import knob
+from tether.config.fields import Dropped, knob, recipe_value
 from tether.errors import ConfigError
 from tether.plugins import BackendPlugin
 
@@ -51,7 +51,11 @@ class RaySection:
         "ranks' bundles (train.threads CPUs each, plus one GPU when train.device is CUDA), reserved "
         "together before any rank starts. PACK = as few nodes as fit (one node's fast links when it "
         "has room); STRICT_PACK = one node or refuse; SPREAD / STRICT_SPREAD = across nodes.",
-        dropped="with train.world_size=1, or ray.learner other than actor",
+        dropped=Dropped("with train.world_size=1, or ray.learner other than actor", lambda recipe: (
+            "it places learner ranks, and train.world_size=1"
+            if recipe_value(recipe, "train.world_size", 1) == 1
+            else "it places learner actors, and ray.learner is not actor"
+            if recipe_value(recipe, "ray.learner", "driver") != "actor" else None)),
     )
     gpus_per_worker: float = knob(
         0.0,
