@@ -42,13 +42,20 @@ def trained(run_dir):
 ])
 def test_the_api_examples_train(tiny_model_dir, tmp_path, example, run_name, key, value):
     script = ROOT / "examples" / "api" / example
-    out = run_script(script, tmp_path, f"model.path={tiny_model_dir}", *SHORT)
+    saves = ["checkpoint.interval=2"] if example == "loss.py" else []  # resumed below
+    out = run_script(script, tmp_path, f"model.path={tiny_model_dir}", *SHORT, *saves)
     run_dir = tmp_path / "runs" / run_name  # run_dir="runs/..." (a str), relative to where it ran
     assert "trained 2 batches" in out.stdout and len(trained(run_dir)) == 2
     section, name = key
     assert recorded(run_dir)[section][name].endswith(value)
-    if example == "loss.py":  # the script registered its loss: the run's plug-ins name the script
+    if example == "loss.py":  # the script registered its loss: the run's plug-ins name the script,
         assert recorded(run_dir)["run"]["plugins"] == [str(script)]
+        # so `tether train --resume` finds it (importing the script ends at its tether.train call)
+        resumed = subprocess.run([sys.executable, "-m", "tether.cli.main", "train", "--resume", str(run_dir),
+                                  "train.num_batches=3", "--plain", "--no-report"], cwd=tmp_path,
+                                 capture_output=True, text=True, timeout=240)
+        assert resumed.returncode == 0, resumed.stderr[-4000:]
+        assert len(trained(run_dir)) == 3
 
 
 SELF_NAMED = textwrap.dedent("""
