@@ -36,7 +36,7 @@ def pools(size: str, new_tokens: int):
     from tether.data.tasks import get_task
     from tether.data.tiny_model import init_model
     from tether.modeling import load_causal_lm, unique_parameters
-    from tether.rollout.pool import ProcessPool
+    from tether.rollout.backends.local.pool import ProcessPool
     from tether.rollout.settings import PoolSettings
 
     path = tempfile.mkdtemp() + "/model"

@@ -18,6 +18,7 @@ sample from):
 
     shared_memory   a file in /dev/shm the worker maps (local workers)
     object_store    Ray's object store (Ray actors)
+    in_process      the learner's own tensors, copied in (workers in the driver's process)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 ENGINE_KINDS = ("token", "step")
-WEIGHT_CHANNELS = ("shared_memory", "object_store")
+WEIGHT_CHANNELS = ("shared_memory", "object_store", "in_process")
 DEVICES = ("cpu", "cuda")
 
 
@@ -83,6 +84,11 @@ class BackendPlugin:
     """Keys of shared sections only it reads (``section.key``)."""
     weight_channel: str = "shared_memory"
     """How its workers receive published weights (``WEIGHT_CHANNELS``)."""
+    inflight_updates: tuple[str, ...] = ("drain",)
+    """``async.inflight_update`` modes its pool runs: anything but drain needs weights that reach
+    workers while they generate."""
+    notes: Mapping[str, str] = field(default_factory=dict)
+    """Why something is not supported, by axis (``inflight_updates``): added to the refusal."""
     supervised: bool = False
     """Train in a child process with ``tether train`` as its parent, which reports an end the run
     could not (``tether.runtime.supervise``)."""

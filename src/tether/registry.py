@@ -129,7 +129,7 @@ engines: Registry[Any] = Registry(
     {"torch": "tether.rollout.engines.torch:TORCH", "vllm": "tether.rollout.engines.vllm:VLLM"})
 backends: Registry[Any] = Registry(
     "rollout backend", "rollout.backend",
-    {"local": "tether.rollout.backends:LOCAL", "ray": "tether.rollout.backends:RAY"})
+    {"local": "tether.rollout.backends.local:LOCAL", "ray": "tether.rollout.backends.ray:RAY"})
 learner_layouts: Registry[Callable[..., Any]] = Registry(
     "learner layout", "train.world_size / ray.learner",
     {"process": "tether.runtime.assemble:in_process", "ranks": "tether.runtime.assemble:local_ranks",

@@ -231,6 +231,11 @@ class RolloutPool(Protocol):
         continue under the new weights."""
         ...
 
+    def published_weights(self) -> Mapping[str, Any]:
+        """A copy of the weights the engines hold now (a checkpoint written between two
+        publications keeps them, so a resume gives the engines those very weights)."""
+        ...
+
 
 @runtime_checkable
 class Learner(Protocol):

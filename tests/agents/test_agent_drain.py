@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 
 from tether.config.config import load_config
 from tether.modeling import load_causal_lm, unique_parameters
-from tether.rollout.pool import ProcessPool
+from tether.rollout.backends.local.pool import ProcessPool
 from tether.rollout.settings import PoolSettings
 from tether.vocabulary import Example, GenerationRequest
 

@@ -191,7 +191,7 @@ def _fake(tiny_model_dir, tmp_path):
 def _process(tiny_model_dir, tmp_path):
     from configs import pool_settings
     from tether.modeling import load_causal_lm
-    from tether.rollout.pool import ProcessPool
+    from tether.rollout.backends.local.pool import ProcessPool
 
     model, _ = load_causal_lm(tiny_model_dir)
     settings = pool_settings(tiny_model_dir, f"rollout.group_size={G}", "rollout.max_new_tokens=4")
@@ -202,7 +202,7 @@ def _ray(tiny_model_dir, tmp_path):
     pytest.importorskip("ray")
     from configs import pool_settings
     from tether.modeling import load_causal_lm
-    from tether.rollout.ray_pool import RayOptions, RayPool
+    from tether.rollout.backends.ray.pool import RayOptions, RayPool
 
     model, _ = load_causal_lm(tiny_model_dir)
     settings = pool_settings(tiny_model_dir, f"rollout.group_size={G}", "rollout.max_new_tokens=4")

@@ -18,7 +18,7 @@ from test_train import recipe, rows  # noqa: E402
 from configs import pool_settings  # noqa: E402
 from tether.config import load_config  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
-from tether.rollout.pool import ProcessPool  # noqa: E402
+from tether.rollout.backends.local.pool import ProcessPool  # noqa: E402
 from tether.runtime.run import train  # noqa: E402
 from tether.vocabulary import GenerationRequest  # noqa: E402
 

@@ -478,7 +478,7 @@ def test_adapters_published_mid_generation_stamp_each_token_with_its_version(tin
     from test_pool import STREAM
 
     from configs import pool_settings
-    from tether.rollout.pool import ProcessPool
+    from tether.rollout.backends.local.pool import ProcessPool
     from tether.train import lora as adapters_of
     from tether.vocabulary import GenerationRequest
 

@@ -18,7 +18,7 @@ from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
 from tether.errors import RolloutError  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
-from tether.rollout.pool import ProcessPool  # noqa: E402
+from tether.rollout.backends.local.pool import ProcessPool  # noqa: E402
 from tether.vocabulary import GenerationRequest  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

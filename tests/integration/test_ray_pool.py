@@ -19,7 +19,7 @@ from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
 from tether.errors import ConfigError, RolloutError  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
-from tether.rollout.ray_pool import RayOptions, RayPool  # noqa: E402
+from tether.rollout.backends.ray.pool import RayOptions, RayPool  # noqa: E402
 from tether.vocabulary import GenerationRequest  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -102,7 +102,7 @@ def test_two_actors_are_both_used_in_completion_order_and_weights_update(tiny_mo
 
 
 def test_same_seed_same_tokens_as_the_local_backend(tiny_model_dir, tmp_path):
-    from tether.rollout.pool import ProcessPool
+    from tether.rollout.backends.local.pool import ProcessPool
 
     model, _ = load_causal_lm(tiny_model_dir)
     settings = pool_settings(tiny_model_dir, "rollout.group_size=2", "rollout.max_new_tokens=6")

@@ -26,7 +26,7 @@ from test_vllm_engine import STREAM, collect  # noqa: E402
 from configs import pool_settings  # noqa: E402
 from procs import wait_gone  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
-from tether.rollout.pool import ProcessPool  # noqa: E402
+from tether.rollout.backends.local.pool import ProcessPool  # noqa: E402
 from tether.vocabulary import GenerationRequest  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

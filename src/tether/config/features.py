@@ -117,6 +117,12 @@ def check_capabilities(cfg: Any, family: Any) -> None:
         raise ConfigError(f"rollout.backend={backend.name}: model.family={family.name} runs with "
                           f"rollout.backend {' or '.join(caps.backends)} only" + _why(caps, "backends"))
     mode = cfg.async_.inflight_update
+    if mode not in backend.inflight_updates:
+        raise ConfigError(f"async.inflight_update={mode}: rollout.backend={backend.name} runs with "
+                          f"async.inflight_update {' or '.join(backend.inflight_updates)} only"
+                          + _note(backend, "inflight_updates") + "; set one of them, or rollout.backend "
+                          + " or ".join(n for n in registry.backends.names()
+                                        if mode in registry.backends.get(n).inflight_updates))
     if mode not in caps.inflight_updates:
         raise ConfigError(f"async.inflight_update={mode}: model.family={family.name} runs with "
                           f"async.inflight_update {' or '.join(caps.inflight_updates)} only"

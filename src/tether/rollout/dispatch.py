@@ -5,8 +5,8 @@ batch at a time. Completed batches are checked whole and go into one completion 
 ``reap``, ``wait`` and ``quiesce`` take them; the first error (a worker's failure, or its death)
 reaches whoever waits next. A backend supplies how an item reaches a worker (``_submit``), how
 weights reach every worker (``_load_all``) and how workers stop (``close``): ``ProcessPool``
-(``tether.rollout.pool``) with pipes and shared memory, ``RayPool`` (``tether.rollout.ray_pool``)
-with actors and the object store.
+(``tether.rollout.backends.local.pool``) with pipes and shared memory, ``RayPool``
+(``tether.rollout.backends.ray.pool``) with actors and the object store.
 """
 
 from __future__ import annotations

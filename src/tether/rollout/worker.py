@@ -1,7 +1,7 @@
 """A rollout worker: a separate OS process hosting one engine and the reward function.
 
 ``Rollout`` (engine + reward: generate and score one batch) is shared with the Ray backend's
-actors (``tether.rollout.ray_pool``); this module adds the process's message loop and its
+actors (``tether.rollout.backends.ray.pool``); this module adds the process's message loop and its
 shared-memory weight reader.
 
 It receives whole rollout batches (prompts, group size, sampling parameters, behavior version),

@@ -8,7 +8,7 @@ once, through here), passes Tether's own exit statuses through, and turns any ot
 error that says what happened and how to continue. The child dies with the parent: it watches a
 pipe whose only write end the parent holds and exits when the pipe closes, so
 ``kill -9`` of ``tether train`` still ends the whole run (a local Ray instance goes with it, see
-``tether.rollout.reaper``).
+``tether.rollout.backends.ray.reaper``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ shows as their environment, so the mark cannot be read from them; while the run 
 therefore also remembers every descendant of a marked process (with its start time, so a reused
 pid is never mistaken for one) and kills those too.
 
-Run as ``python -m tether.rollout.reaper FD MARK``.
+Run as ``python -m tether.rollout.backends.ray.reaper FD MARK``.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class Reaper:
         if not os.path.isdir("/proc"):
             return  # no way to find the processes; Ray's own fate sharing applies
         read, self._write = os.pipe()  # not inherited by anything the run starts
-        subprocess.Popen([sys.executable, "-m", "tether.rollout.reaper", str(read), self.mark],
+        subprocess.Popen([sys.executable, "-m", "tether.rollout.backends.ray.reaper", str(read), self.mark],
                          pass_fds=(read,), start_new_session=True, stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.close(read)

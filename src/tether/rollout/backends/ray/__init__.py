@@ -1,12 +1,6 @@
-"""Where rollout workers run (``rollout.backend``), as plug-ins (``tether.plugins.BackendPlugin``).
-
-A backend plug-in declares its section and keys, how its workers get weights and where they sample,
-checks its own keys, opens what the run needs of it for its whole length (a Ray session), and
-builds the ``RolloutPool``. Importing this module loads neither torch nor Ray.
-
-    local   worker processes of this machine, weights through shared memory (``ProcessPool``)
-    ray     Ray actors, weights through Ray's object store (``RayPool``); its section ``ray``
-"""
+"""The Ray backend's plug-in (``rollout.backend=ray``): its section (``ray``), its rules, the Ray
+session a run holds, and Ray actors as rollout workers (``pool.RayPool``). Importing it loads
+neither torch nor Ray."""
 
 from __future__ import annotations
 
@@ -66,19 +60,12 @@ class RaySection:
     )
 
 
-class _Local(BackendPlugin):
-    def pool(self, settings, batches, weights, session, *, initial_version, extras):
-        from tether.rollout.pool import ProcessPool
-
-        return ProcessPool(settings, batches, weights, initial_version=initial_version, extras=extras)
-
-
 class _Ray(BackendPlugin):
     def worker_device(self, cfg: Any) -> str:
         return "cuda" if cfg.ray.gpus_per_worker > 0 else "cpu"
 
     def check_here(self, cfg: Any) -> None:
-        from tether.rollout.ray_pool import require_ray
+        from tether.rollout.backends.ray.pool import require_ray
 
         require_ray()
 
@@ -91,7 +78,7 @@ class _Ray(BackendPlugin):
 
     @contextlib.contextmanager
     def session(self, cfg: Any, run_dir: Path):
-        from tether.rollout.ray_pool import RayOptions, RaySession
+        from tether.rollout.backends.ray.pool import RayOptions, RaySession
 
         session = RaySession(RayOptions.of(cfg), run_dir)
         try:
@@ -100,12 +87,12 @@ class _Ray(BackendPlugin):
             session.close()
 
     def pool(self, settings, batches, weights, session, *, initial_version, extras):
-        from tether.rollout.ray_pool import RayOptions, RayPool
+        from tether.rollout.backends.ray.pool import RayOptions, RayPool
 
         return RayPool(settings, batches, weights, options=RayOptions.of(settings.cfg), session=session,
                        initial_version=initial_version, extras=extras)
 
 
-LOCAL = _Local("local", weight_channel="shared_memory")
-RAY = _Ray("ray", section=("ray", RaySection), weight_channel="object_store", supervised=True,
+RAY = _Ray("ray", section=("ray", RaySection), weight_channel="object_store",
+           inflight_updates=("drain", "keep", "recompute", "abort"), supervised=True,
            local_workers=False)

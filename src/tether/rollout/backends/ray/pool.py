@@ -178,7 +178,7 @@ class RaySession:
                 link.parent.mkdir(parents=True, exist_ok=True)
                 Path(temp_dir).mkdir(parents=True, exist_ok=True)
                 link.symlink_to(temp_dir)
-        from tether.rollout.reaper import Reaper
+        from tether.rollout.backends.ray.reaper import Reaper
 
         self.reaper = Reaper()  # the instance's processes die with this run, even a killed one
         try:

@@ -1,0 +1,17 @@
+"""The local backend's plug-in (``rollout.backend=local``): worker processes of this machine,
+weights through shared memory (``pool.ProcessPool``). Importing it loads no torch."""
+
+from __future__ import annotations
+
+from tether.plugins import BackendPlugin
+
+
+class _Local(BackendPlugin):
+    def pool(self, settings, batches, weights, session, *, initial_version, extras):
+        from tether.rollout.backends.local.pool import ProcessPool
+
+        return ProcessPool(settings, batches, weights, initial_version=initial_version, extras=extras)
+
+
+LOCAL = _Local("local", weight_channel="shared_memory",
+               inflight_updates=("drain", "keep", "recompute", "abort"))
