@@ -168,7 +168,10 @@ def test_prompt_longer_than_the_context_is_a_clear_error(tiny_model_dir):
 
 def test_a_worker_that_cannot_start_fails_the_pool_and_leaves_nothing(tmp_path, tiny_model_dir):
     model, _ = load_causal_lm(tiny_model_dir)
-    settings = pool_settings(tiny_model_dir, "reward.function=nope.py:reward")
+    reward = tmp_path / "gone.py"  # there when the recipe is loaded, gone when the worker starts
+    reward.write_text("def reward(prompt, completion, answer, fields):\n    return 1.0\n")
+    settings = pool_settings(tiny_model_dir, f"reward.function={reward}:reward")
+    reward.unlink()
     with pytest.raises(RolloutError, match="failed to start") as info:
         ProcessPool(settings, STREAM.batch, unique_parameters(model))
     assert "does not exist" in str(info.value)
