@@ -1,14 +1,17 @@
 """Contract tests: every implementation of a seam passes the same checks.
 
-- every rollout pool (the fake, local processes, Ray actors): launches at the held version only,
-  counts what is in flight, returns each batch once, refuses to publish over running work, and
-  generates under what it last published;
+- every rollout pool (the fake, and each backend's: local processes, Ray actors, and a plug-in's —
+  tests/plugins/thread_backend.py's threads), built as a run builds it: launches at the held
+  version only, counts what is in flight, returns each batch once, refuses to publish over running
+  work, and generates under what it last published;
 - every learner layout (one process, local ranks, Ray actors), as assembled for a run: trains,
   exports the model's weights, saves and loads them exactly, evaluates;
 - every policy family (text, flow, agent, and a plug-in's): its declarations are well formed, its
   sampler's payload is whole, and its learner scores the sampled actions as its engine did;
-- every token engine (here the built-in one; vLLM's in tests/vllm_cpu): the same seed gives the
-  same tokens, per-token log-probs and versions, and the figures a batch logs.
+- every token engine (the built-in one and a plug-in's — tests/plugins/hf_engine.py; vLLM's in
+  tests/vllm_cpu), built as a worker builds it: the same seed gives the same tokens, per-token
+  log-probs of the distribution sampled (the model's own, recomputed here) and versions, and the
+  figures a batch logs.
 """
 
 import dataclasses
@@ -29,7 +32,9 @@ from tether.modeling import unique_parameters  # noqa: E402
 from tether.vocabulary import Family, GenerationRequest, WorkItem  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "bandit.py"
+PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
+PLUGIN = PLUGINS / "bandit.py"
+ENGINE_PLUGIN, BACKEND_PLUGIN = PLUGINS / "hf_engine.py", PLUGINS / "thread_backend.py"
 B, G = 2, 4
 STREAM = PromptStream(registry.tasks.get("arithmetic").examples("train", 100, seed=0), batch_size=B)
 
@@ -45,6 +50,19 @@ def bandit_plugin():
         reg.unregister(name)
     sys.modules.pop(registry.plugin_module_name(PLUGIN), None)
     registry._loaded_plugins.pop(str(PLUGIN), None)
+
+
+@pytest.fixture(scope="module")
+def runner_plugins():
+    """The test suite's own engine and backend, loaded as a recipe loads them, and unloaded after."""
+    plugins = f"run.plugins=[{ENGINE_PLUGIN}, {BACKEND_PLUGIN}]"
+    load_config(None, [plugins])
+    yield plugins
+    for reg, name in ((registry.engines, "hf"), (registry.backends, "threads")):
+        reg.unregister(name)
+    for path in (ENGINE_PLUGIN, BACKEND_PLUGIN):
+        sys.modules.pop(registry.plugin_module_name(path), None)
+        registry._loaded_plugins.pop(str(path), None)
 
 
 @pytest.fixture(scope="module", params=["text", "flow", "agent", "bandit"])
@@ -151,32 +169,51 @@ def test_a_familys_model_saves_loads_and_evaluates(family_run, tmp_path):
 # -- token engines --------------------------------------------------------------------------------
 
 
-def check_token_engine(engine, prompts, params):
-    """What every ``TokenEngine`` guarantees (tests/vllm_cpu runs it on vLLM)."""
+def check_token_engine(engine, prompts, params, model=None):
+    """What every ``TokenEngine`` guarantees (tests/vllm_cpu runs it on vLLM); with ``model`` (at
+    the engine's weights), each token's log-prob is the model's at ``params.temperature``."""
     a = engine.generate(prompts, samples_per_prompt=3, params=params, seed=7)
     b = engine.generate(prompts, samples_per_prompt=3, params=params, seed=7)
     assert len(a) == len(prompts) and all(len(group) == 3 for group in a)
     assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
-    for group in a:
+    for prompt, group in zip(prompts, a, strict=True):
         for c in group:
             assert len(c.token_ids) == len(c.logprobs) == len(c.versions) <= params.max_new_tokens
             assert all(v == engine.version for v in c.versions) and all(lp <= 0 for lp in c.logprobs)
             assert c.finish_reason in ("stop", "length")
+            if model is not None and c.token_ids:
+                with torch.no_grad():
+                    logits = model(torch.tensor([[*prompt, *c.token_ids]])).logits[0, len(prompt) - 1:-1]
+                logp = torch.log_softmax(logits.float() / params.temperature, -1)
+                mine = logp.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+                assert torch.allclose(mine, torch.tensor(c.logprobs), atol=1e-4), (mine, c.logprobs)
     assert engine.take_counts() == (0, 0)  # nothing wasted, no switch: no publication meanwhile
     assert all(isinstance(v, float) for v in engine.report().values())
 
 
-def test_the_built_in_engine_keeps_the_token_engine_contract(tiny_model_dir):
+@pytest.mark.parametrize("name", ["torch", "hf"])  # Tether's own, and a plug-in's (vLLM: tests/vllm_cpu)
+def test_a_token_engine_keeps_the_token_engine_contract(tiny_model_dir, runner_plugins, name):
     from tether.decoding.sampling import stop_ids_for
-    from tether.modeling import load_tokenizer
+    from tether.modeling import load_causal_lm, load_tokenizer
 
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "rollout.max_new_tokens=6"])
+    cfg = load_config(None, [runner_plugins, f"model.path={tiny_model_dir}", f"rollout.engine={name}",
+                             "rollout.max_new_tokens=6", "rollout.temperature=0.7"])
+    plugin = registry.engines.get(name)
+    assert "token" in plugin.kinds and "drain" in plugin.inflight_updates
     tokenizer = load_tokenizer(tiny_model_dir)
-    engine = registry.engines.get("torch").build(cfg, str(tiny_model_dir), tokenizer,
-                                                 stop_ids_for(tokenizer, "\n"), device=torch.device("cpu"),
-                                                 threads=1, seed=0)
-    prompts = [tokenizer(p, add_special_tokens=False).input_ids for p in ("1+2=", "33+4=")]
-    check_token_engine(engine, prompts, cfg.sampling())
+    engine = plugin.build(cfg, str(tiny_model_dir), tokenizer, stop_ids_for(tokenizer, "\n"),
+                          device=torch.device("cpu"), threads=1, seed=0)
+    try:
+        prompts = [tokenizer(p, add_special_tokens=False).input_ids for p in ("1+2=", "33+4=")]
+        model, _ = load_causal_lm(tiny_model_dir)
+        check_token_engine(engine, prompts, cfg.sampling(), model)
+        weights = {k: v + 0.01 for k, v in unique_parameters(model).items()}
+        engine.load_weights(weights, 1)  # a publication: the next samples carry it
+        assert engine.version == 1
+        (group,) = engine.generate(prompts[:1], samples_per_prompt=2, params=cfg.sampling(), seed=1)
+        assert all(v == 1 for c in group for v in c.versions)
+    finally:
+        engine.close()
 
 
 # -- rollout pools --------------------------------------------------------------------------------
@@ -188,52 +225,57 @@ def _fake(tiny_model_dir, tmp_path):
     return FakePool(num_groups=B, group_size=G, gen_time=0.05), lambda v: {"version": v}
 
 
-def _process(tiny_model_dir, tmp_path):
-    from configs import pool_settings
-    from tether.modeling import load_causal_lm
-    from tether.rollout.backends.local.pool import ProcessPool
+def _backend(name, *overrides):
+    """A backend's pool, built as a run builds it: through its plug-in, inside its session."""
+    def make(tiny_model_dir, tmp_path, stack, plugins):
+        from configs import pool_settings
+        from tether.modeling import load_causal_lm
 
-    model, _ = load_causal_lm(tiny_model_dir)
-    settings = pool_settings(tiny_model_dir, f"rollout.group_size={G}", "rollout.max_new_tokens=4")
-    return ProcessPool(settings, STREAM.batch, unique_parameters(model)), lambda v: unique_parameters(model)
+        model, _ = load_causal_lm(tiny_model_dir)
+        settings = pool_settings(tiny_model_dir, plugins, f"rollout.backend={name}",
+                                 f"rollout.group_size={G}", "rollout.max_new_tokens=4", *overrides)
+        plugin = registry.backends.get(name)
+        session = stack.enter_context(plugin.session(settings.cfg, tmp_path / "run"))
+        pool = plugin.pool(settings, STREAM.batch, unique_parameters(model), session, initial_version=0,
+                           extras=None)
+        return pool, lambda v: unique_parameters(model)
+    return make
 
 
-def _ray(tiny_model_dir, tmp_path):
+def _ray(tiny_model_dir, tmp_path, stack, plugins):
     pytest.importorskip("ray")
-    from configs import pool_settings
-    from tether.modeling import load_causal_lm
-    from tether.rollout.backends.ray.pool import RayOptions, RayPool
-
-    model, _ = load_causal_lm(tiny_model_dir)
-    settings = pool_settings(tiny_model_dir, f"rollout.group_size={G}", "rollout.max_new_tokens=4")
-    pool = RayPool(settings, STREAM.batch, unique_parameters(model), options=RayOptions(local_cpus=2),
-                   run_dir=tmp_path / "run")
-    return pool, lambda v: unique_parameters(model)
+    return _backend("ray", "ray.local_cpus=2")(tiny_model_dir, tmp_path, stack, plugins)
 
 
-@pytest.mark.parametrize("make", [_fake, _process, _ray], ids=["fake", "processes", "ray"])
-def test_a_rollout_pool_keeps_the_pool_contract(tiny_model_dir, tmp_path, make):
-    pool, weights = make(tiny_model_dir, tmp_path)
-    try:
-        with pytest.raises(TetherError):
-            pool.launch(GenerationRequest(index=0, version=5))  # the engines hold version 0
-        assert pool.inflight == 0 and pool.reap() == []
-        for i in range(3):
-            pool.launch(GenerationRequest(index=i, version=0))
-        assert pool.inflight == 3
-        with pytest.raises(TetherError, match="in flight"):  # a draining pool publishes when quiesced
-            pool.publish(weights(1), 1)
-        got = pool.wait(120)
-        assert got and pool.inflight == 3 - len(got)
-        got += pool.quiesce(120)
-        assert pool.inflight == 0 and sorted(b.index for b in got) == [0, 1, 2]
-        assert all(b.behavior_version == 0 and b.num_groups == B and b.group_size == G for b in got)
+@pytest.mark.parametrize("make", [lambda d, t, s, p: _fake(d, t), _backend("local"), _ray,
+                                  _backend("threads")], ids=["fake", "local", "ray", "threads"])
+def test_a_rollout_pool_keeps_the_pool_contract(tiny_model_dir, tmp_path, runner_plugins, make):
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        pool, weights = make(tiny_model_dir, tmp_path, stack, runner_plugins)
+        stack.callback(pool.close)
+        check_pool(pool, weights)
+
+
+def check_pool(pool, weights):
+    with pytest.raises(TetherError):
+        pool.launch(GenerationRequest(index=0, version=5))  # the engines hold version 0
+    assert pool.inflight == 0 and pool.reap() == []
+    for i in range(3):
+        pool.launch(GenerationRequest(index=i, version=0))
+    assert pool.inflight == 3
+    with pytest.raises(TetherError, match="in flight"):  # a draining pool publishes when quiesced
         pool.publish(weights(1), 1)
-        pool.launch(GenerationRequest(index=3, version=1))
-        (fresh,) = pool.quiesce(120)
-        assert (fresh.index, fresh.behavior_version) == (3, 1)
-    finally:
-        pool.close()
+    got = pool.wait(120)
+    assert got and pool.inflight == 3 - len(got)
+    got += pool.quiesce(120)
+    assert pool.inflight == 0 and sorted(b.index for b in got) == [0, 1, 2]
+    assert all(b.behavior_version == 0 and b.num_groups == B and b.group_size == G for b in got)
+    pool.publish(weights(1), 1)
+    pool.launch(GenerationRequest(index=3, version=1))
+    (fresh,) = pool.quiesce(120)
+    assert (fresh.index, fresh.behavior_version) == (3, 1)
 
 
 # -- learner layouts ------------------------------------------------------------------------------
