@@ -168,8 +168,8 @@ def register_family(family: Any) -> Any:
     from tether.vocabulary import Family
 
     if not isinstance(family, Family):
-        missing = [m for m in ("name", "capabilities", "sampler", "policy", "evaluator", "data", "scorer")
-                   if not hasattr(family, m)]
+        missing = [m for m in ("name", "section", "keys", "capabilities", "sampler", "policy", "evaluator",
+                               "data", "scorer") if not hasattr(family, m)]
         raise PluginError(f"{family!r} is not a tether Family (missing: {', '.join(missing) or '?'}); "
                           "see tether.vocabulary.Family and tether.families.base.FamilyBase")
     return families.register(family.name, family)
