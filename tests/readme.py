@@ -146,7 +146,7 @@ class Workspace:
         """``runs/<name>`` of a train line: its recipe's stem, then its overrides, readable."""
         recipe = next((w for w in words[1:] if w.endswith(".yaml")), "run")
         name = Path(recipe).stem
-        shortening = {w for ws in SMALL_EVAL.values() for w in ws}
+        shortening = {*SHORT, *(w for ws in SMALL_EVAL.values() for w in ws)}
         rest = [w for w in words[1:] if "=" in w and w not in shortening and not w.startswith("warmstart.")]
         if rest:
             name += "-" + "-".join(re.sub(r"[^A-Za-z0-9]+", "_", w) for w in rest)
