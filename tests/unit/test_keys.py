@@ -216,3 +216,32 @@ def test_what_a_resume_drops_moving_smaller_is_what_the_keys_declare(tmp_path, r
     names = [d.split("=")[0] for d in dropped]
     assert names and all(keys[n].dropped for n in names), dropped
     assert set(names) == {o.split("=")[0] for o in recorded if keys[o.split("=")[0]].dropped}
+
+
+@dataclasses.dataclass(frozen=True)
+class EchoSection:
+    """A test engine's own knobs."""
+
+    beams: int = knob(1, "Beams.", min=1)
+    seed_offset: int = knob(0, "Changes what is sampled.", resume=Resume.TRAINING)
+
+
+def test_an_engine_and_a_backend_registered_from_outside_own_their_sections_in_the_table():
+    tether.register_engine(tether.EnginePlugin("echo_keys", section=("echo_keys", EchoSection)))
+    tether.register_backend(tether.BackendPlugin("threads_keys", section=("threads_keys", CoinSection)))
+    try:
+        keys = table()
+        assert disagreements(keys) == []
+        beams, offset = keys["echo_keys.beams"], keys["echo_keys.seed_offset"]
+        sides = keys["threads_keys.sides"]
+        assert (beams.owner, beams.readers, beams.resume) == ("engine", ("echo_keys",), Resume.ACCEPTED)
+        assert offset.resume is Resume.TRAINING  # as its knob declares
+        assert (sides.owner, sides.readers, sides.resume) == ("backend", ("threads_keys",), Resume.ACCEPTED)
+        assert beams.dropped == "when the resume sets another rollout.engine"
+        recipe = {"rollout": {"engine": "torch"}}
+        assert beams.drop(recipe) == ("read only with rollout.engine=echo_keys, and the resume sets "
+                                      "rollout.engine=torch")
+        assert beams.drop({"rollout": {"engine": "echo_keys"}}) is None
+    finally:
+        registry.engines.unregister("echo_keys")
+        registry.backends.unregister("threads_keys")
