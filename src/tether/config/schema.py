@@ -149,7 +149,8 @@ class TrainSection:
         choices=registry.advantages,
     )
     adv_std_norm: bool | None = knob(
-        None, f"With train.advantage=grpo: divide advantages by the reward std ({FROM_PRESET})."
+        None, "With an advantage estimator registered with std_norm=True (grpo): divide advantages by the "
+        f"reward std ({FROM_PRESET}); refused with the others, whose normalisation is their own."
     )
     mask_truncated: bool = knob(
         False,
@@ -158,7 +159,8 @@ class TrainSection:
         feature="truncation",
     )
     adv_scope: Literal["group", "batch"] | None = knob(
-        None, "With train.advantage=grpo: whose std normalises advantages, each prompt group's or "
+        None, "With an estimator registered with std_norm=True (grpo): whose std normalises advantages, each "
+        "prompt group's or "
         f"the whole batch's ('batch' is REINFORCE++-baseline; {FROM_PRESET})."
     )
     adv_clip: float | None = knob(
