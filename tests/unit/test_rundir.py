@@ -115,3 +115,14 @@ def test_a_run_directory_that_trained_or_is_not_a_runs_is_not_reused(tmp_path, c
     else:
         (run_dir / "starts.jsonl").unlink()
     assert not never_trained(run_dir)
+
+
+def test_a_section_one_config_leaves_out_at_its_defaults_is_no_change():
+    # A run recorded with every plug-in's section (ray, vllm at their defaults) resumed by a
+    # config that holds only the chosen engine's and backend's: nothing to log. A key set away
+    # from its default in the section the other leaves out is still a change.
+    recorded = _cfg()
+    recorded["ray"] = {"address": "", "local_cpus": 0}
+    assert resume_changes(recorded, _cfg()) == resume_changes(_cfg(), _cfg())
+    recorded["ray"]["address"] = "auto"
+    assert [c.split(":")[0] for c in resume_changes(recorded, _cfg()).safe] == ["ray.address"]

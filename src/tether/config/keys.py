@@ -205,6 +205,23 @@ def resume_of(key: str, keys: dict[str, Key] | None = None) -> Resume:
     return Resume.TRAINING
 
 
+_NO_DEFAULT = object()
+
+
+def default_of(key: str) -> Any:
+    """The value ``key`` (``section.name``) has when a recipe leaves it unset, in recipe form (a
+    tuple as a list), or ``_NO_DEFAULT`` for a key no known section has."""
+    section, _, name = key.partition(".")
+    cls = _class_of(section)
+    if cls is None:
+        return _NO_DEFAULT
+    try:
+        value = dataclasses.asdict(cls()).get(name, _NO_DEFAULT)
+    except TypeError:  # a section whose keys have no defaults
+        return _NO_DEFAULT
+    return list(value) if isinstance(value, tuple) else value
+
+
 def _class_of(section: str) -> type | None:
     if section in SECTIONS:
         return SECTIONS[section]
@@ -214,4 +231,4 @@ def _class_of(section: str) -> type | None:
     return None
 
 
-__all__ = ["KINDS", "Key", "disagreements", "resume_of", "section_resume", "table"]
+__all__ = ["KINDS", "Key", "default_of", "disagreements", "resume_of", "section_resume", "table"]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tether.config.keys import resume_of, table
+from tether.config.keys import default_of, resume_of, table
 from tether.errors import ConfigError, RunBusyError
 
 log = logging.getLogger("tether.run")
@@ -211,6 +211,9 @@ def resume_changes(old: Mapping[str, Mapping[str, Any]], new: Mapping[str, Mappi
     for key in sorted(set(a) | set(b)):
         if a.get(key) == b.get(key):
             continue
+        if (key in a) != (key in b) and (a if key in a else b)[key] == default_of(key):
+            continue  # a section one config records and the other leaves out (an engine's or
+            # backend's not chosen), at its default: nothing changes
         change = f"{key}: {a.get(key)!r} → {b.get(key)!r}"
         resume = resume_of(key, keys)
         if resume.refused:
