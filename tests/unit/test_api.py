@@ -182,7 +182,7 @@ def test_importing_tether_api_loads_no_torch():
 
 
 def test_the_docs_show_the_example_scripts_as_they_are():
-    # docs/api.md's examples are the scripts tests/integration/test_api.py runs, verbatim
+    # docs/api.md's examples are the scripts tests/integration/test_api_scripts.py runs, verbatim
     import re
     from pathlib import Path
 
