@@ -383,8 +383,8 @@ def test_a_checkpoint_that_recorded_its_bases_sizes_alone_still_resumes(adapter_
     the JSON files: a resume compares the base with what they recorded (saying it checks no more),
     and its next checkpoint records the contents; a base whose recorded sizes or JSON differ is
     still refused."""
+    from tether.filehash import sha256_of
     from tether.modeling import check_base, sizes_fingerprint
-    from tether.runtime.checkpoint import _sha256
     from tether.runtime.run import train
 
     _, base, run = adapter_run
@@ -397,7 +397,7 @@ def test_a_checkpoint_that_recorded_its_bases_sizes_alone_still_resumes(adapter_
     manifest_file = folder.parents[1] / "manifest.json"
     manifest = json.loads(manifest_file.read_text())
     manifest["learner/model/adapter.json"] = {"bytes": (folder / "adapter.json").stat().st_size,
-                                              "sha256": _sha256(folder / "adapter.json")}
+                                              "sha256": sha256_of(folder / "adapter.json")}
     manifest_file.write_text(json.dumps(manifest))
     train(load_config(old / "config.yaml", ["train.num_batches=3"]), old, resume=True, progress_plain=True)
     assert "a fingerprint of its files' sizes alone" in caplog.text

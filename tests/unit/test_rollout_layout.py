@@ -5,6 +5,8 @@ under TYPE_CHECKING count: a cycle dodged by a late import is still a cycle)."""
 import ast
 from pathlib import Path
 
+from test_architecture import cycle  # the same search for a cycle, over rollout's modules
+
 from tether import registry
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -32,28 +34,6 @@ def imports(path: Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.Import):
             out |= {alias.name for alias in node.names}
     return out & known
-
-
-def cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return [*stack[stack.index(nxt):], nxt]
-            if nxt not in state and (found := visit(nxt)):
-                return found
-        state[node] = 2
-        stack.pop()
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (found := visit(node)):
-            return found
-    return None
 
 
 def test_no_circle_of_imports_inside_rollout():

@@ -16,7 +16,6 @@ one is used instead.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tether.errors import CheckpointError, ConfigError, LearnerLostError
+from tether.filehash import sha256_of
 from tether.vocabulary import LoopState
 
 log = logging.getLogger("tether.checkpoint")
@@ -33,12 +33,6 @@ TMP_PREFIX = ".tmp-"
 PUBLISHED = "published.safetensors"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_tree(root: Path) -> None:
@@ -96,7 +90,7 @@ class Checkpointer:
                           metadata={"version": str(state.rollout_version)})
             (tmp / "state.json").write_text(json.dumps({"step": step, **asdict(state)}, indent=2) + "\n")
             files = sorted(p for p in tmp.rglob("*") if p.is_file())
-            manifest = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            manifest = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
                         for p in files}
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
             _fsync_tree(tmp)
@@ -153,7 +147,7 @@ class Checkpointer:
             if f.stat().st_size != expected["bytes"]:
                 raise DamagedCheckpoint(f"checkpoint {path}: {rel} has {f.stat().st_size} bytes, "
                                         f"expected {expected['bytes']} (truncated or overwritten)")
-            if _sha256(f) != expected["sha256"]:
+            if sha256_of(f) != expected["sha256"]:
                 raise DamagedCheckpoint(f"checkpoint {path}: {rel} does not match its checksum (corrupted)")
         try:
             data = json.loads((path / "state.json").read_text())
