@@ -14,12 +14,12 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from tether.control.inflight import InflightMode, inflight_mode
 from tether.errors import ConfigError
 
 OnStale = Literal["error", "drop"]
 ON_STALE_CHOICES: tuple[str, ...] = ("error", "drop")
 InflightUpdate = Literal["drain", "keep", "recompute", "abort"]
-INFLIGHT_UPDATE_CHOICES: tuple[str, ...] = ("drain", "keep", "recompute", "abort")
 
 
 def _require_int(name: str, value: object, minimum: int) -> None:
@@ -73,10 +73,8 @@ class BudgetSettings:
         _require_int("eval.interval", self.eval_interval, 0)
         _require_int("checkpoint.interval", self.save_interval, 0)
         _require_int("async.max_consecutive_drops", self.max_consecutive_drops, 1)
-        if self.inflight_update not in INFLIGHT_UPDATE_CHOICES:
-            raise ConfigError(f"async.inflight_update must be one of {', '.join(INFLIGHT_UPDATE_CHOICES)}, "
-                              f"got {self.inflight_update!r}")
-        if self.drain_at_turns and self.inflight_update != "drain":
+        declared = inflight_mode(self.inflight_update)  # refuses an unknown name
+        if self.drain_at_turns and not declared.drains:
             raise ConfigError("draining at turn boundaries needs async.inflight_update=drain")
         if self.sync_when_idle and not self.drains:
             how = "drains only the turns in flight" if self.drain_at_turns else "publishes without waiting"
@@ -90,10 +88,17 @@ class BudgetSettings:
     # -- derived quantities -------------------------------------------------------------------
 
     @property
+    def mode(self) -> InflightMode:
+        """The in-flight mode the control rules run (``tether.control.inflight``):
+        ``async.inflight_update``, or what it runs as at turn safe points with ``drain_at_turns``."""
+        declared = inflight_mode(self.inflight_update)
+        return declared.at_turns() if self.drain_at_turns else declared
+
+    @property
     def drains(self) -> bool:
-        """Every publication waits for the generations in flight to finish (``inflight_update=drain``,
+        """Every publication waits for the generations in flight to finish (``InflightMode.drains``,
         whole batches)."""
-        return self.inflight_update == "drain" and not self.drain_at_turns
+        return self.mode.drains
 
     @property
     def staleness_budget(self) -> int:

@@ -1,0 +1,126 @@
+"""The in-flight modes (``async.inflight_update``) as one declared policy: what each does at a
+publication, at a launch and to the KV cache of a sequence being generated.
+
+This is the one place that says what a mode does. The control rules (``BudgetSettings``), the
+pools and workers, the engines, the agent family and the planner read these attributes; none of
+them compares the mode's name (``tests/unit/test_architecture.py`` checks). The config key stays a
+string, and plug-ins declare the modes they run by name (``EnginePlugin.inflight_updates``).
+
+=========  ======  =================  ===============  =============  ============  =========
+mode       drains  bounds_by_oldest   on_switch        spans_versions wastes_tokens turn_mode
+=========  ======  =================  ===============  =============  ============  =========
+drain      yes     no                 cannot           no             no            keep
+keep       no      yes                keep_cache       yes            no            keep
+recompute  no      yes                recompute_cache  yes            no            —
+abort      no      yes                restart          no             yes           —
+=========  ======  =================  ===============  =============  ============  =========
+
+Pure Python, like the rest of ``tether.control``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from tether.errors import ConfigError
+
+OnSwitch = Literal["cannot", "keep_cache", "recompute_cache", "restart"]
+
+
+@dataclass(frozen=True)
+class InflightMode:
+    """What one ``async.inflight_update`` mode does."""
+
+    name: str
+    """The value of ``async.inflight_update`` (and of ``EnginePlugin.inflight_updates``)."""
+    drains: bool
+    """A publication first waits for every generation in flight to finish (docs/architecture.md §2
+    rule 5 as written). Why it matters: then every outstanding batch was launched at the published
+    version, so the sync rule may publish lazily, and the engines load weights only between
+    batches (one thread a worker)."""
+    bounds_by_oldest: bool
+    """Admission takes the launch bound from the oldest version still generating, not the
+    published one (``AsyncControl.freshness``, docs/architecture.md §2 rule 2). Why: generations
+    outlive publications, so a batch launched now may train alongside one launched several
+    versions ago; bounding by the oldest keeps every action within the budget. The sync rule then
+    publishes after every step the trainer is ahead (``eager``), since publishing waits for nothing."""
+    on_switch: OnSwitch
+    """What new weights arriving mid-generation do to a sequence. ``cannot``: it never happens (the
+    publication waited); ``keep_cache``: the sequence goes on with its KV cache as it is (the prefix
+    was computed under the old weights); ``recompute_cache``: the prefix's KV cache is computed again
+    under the new weights before the next token (a prefill of the whole prefix: extra work, no
+    tokens lost); ``restart``: the sequence is thrown away and sampled again from its prompt under
+    the new weights."""
+    spans_versions: bool
+    """A finished sequence may hold tokens sampled under more than one version. Why: its
+    behaviour log-probs then come from several policies; the trainer's importance ratio uses them
+    token by token, and the planner counts such sequences (``spanning``)."""
+    wastes_tokens: bool
+    """Tokens sampled may be thrown away (a restarted sequence's): work the planner counts as
+    wasted and needs ``plan.mean_length`` to estimate."""
+    turn_mode: str | None
+    """With ``env.switch_at=turn`` (an agent takes weights up only between its turns): the mode
+    the engines and the control rules then run, or None when turn safe points do not fit the mode
+    (it switches inside a sequence by definition). ``drain`` with turn safe points waits only for
+    the turns in flight (``BudgetSettings.drain_at_turns``): whole episodes outlive publications,
+    so they run as ``keep`` does, each taking new weights up at its next turn; ``keep`` keeps."""
+
+    @property
+    def switches(self) -> bool:
+        """The engines watch for weights published while they generate (``InflightEngine.watch``)
+        and a worker loads them on a second thread."""
+        return self.on_switch != "cannot"
+
+    @property
+    def recomputes_prefix(self) -> bool:
+        """A switch costs a prefill of the prefix so far (``plan.prefill_cost``)."""
+        return self.on_switch == "recompute_cache"
+
+    @property
+    def restarts(self) -> bool:
+        """A switch restarts every unfinished sequence from its prompt."""
+        return self.on_switch == "restart"
+
+    @property
+    def extra_work(self) -> bool:
+        """A switch costs work beyond the tokens kept (a prefill again, or tokens thrown away):
+        the planner needs sequence lengths (``plan.mean_length``) to estimate it."""
+        return self.recomputes_prefix or self.wastes_tokens
+
+    def at_turns(self) -> InflightMode:
+        """The mode run with turn safe points (``turn_mode``); refuses a mode they do not fit."""
+        if self.turn_mode is None:
+            raise ConfigError(f"async.inflight_update={self.name} switches inside a sequence; turn safe "
+                              f"points need one of {', '.join(TURN_SAFE)}")
+        return MODES[self.turn_mode]
+
+
+DRAIN = InflightMode("drain", drains=True, bounds_by_oldest=False, on_switch="cannot",
+                     spans_versions=False, wastes_tokens=False, turn_mode="keep")
+KEEP = InflightMode("keep", drains=False, bounds_by_oldest=True, on_switch="keep_cache",
+                    spans_versions=True, wastes_tokens=False, turn_mode="keep")
+RECOMPUTE = InflightMode("recompute", drains=False, bounds_by_oldest=True, on_switch="recompute_cache",
+                         spans_versions=True, wastes_tokens=False, turn_mode=None)
+ABORT = InflightMode("abort", drains=False, bounds_by_oldest=True, on_switch="restart",
+                     spans_versions=False, wastes_tokens=True, turn_mode=None)
+
+MODES: dict[str, InflightMode] = {m.name: m for m in (DRAIN, KEEP, RECOMPUTE, ABORT)}
+"""Every mode by name, in the order the config lists them."""
+INFLIGHT_UPDATE_CHOICES: tuple[str, ...] = tuple(MODES)
+TURN_SAFE: tuple[str, ...] = tuple(n for n, m in MODES.items() if m.turn_mode is not None)
+"""The modes ``env.switch_at=turn`` runs with."""
+SWITCHING: tuple[str, ...] = tuple(n for n, m in MODES.items() if m.switches)
+"""The modes an engine's ``watch`` takes."""
+
+
+def inflight_mode(name: str | InflightMode) -> InflightMode:
+    """The mode called ``name`` (a mode is returned as it is); refuses an unknown name, listing
+    the valid ones."""
+    if isinstance(name, InflightMode):
+        return name
+    try:
+        return MODES[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"async.inflight_update must be one of {', '.join(MODES)}, "
+                          f"got {name!r}") from None
