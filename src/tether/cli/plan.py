@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 
 from tether.config import Config, load_config
+from tether.control import MODES, inflight_mode
 from tether.errors import ConfigError
 from tether.loop.virtual import Simulation, Timings, plan_document, simulate
 
@@ -50,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-inflight", type=int, help="concurrent generations (async.max_inflight)")
     p.add_argument("--sync-when-idle", action="store_const", const="true",
                    help="also publish whenever no generation is in flight (async.sync_when_idle)")
-    p.add_argument("--inflight-update", choices=["drain", "keep", "recompute", "abort"],
+    p.add_argument("--inflight-update", choices=list(MODES),
                    help="whether a publication waits for generations in flight (async.inflight_update); "
                    "recompute and abort need --mean-length")
     p.add_argument("--eval-interval", type=int, help="eval every N batches, 0 = off (eval.interval)")
@@ -116,7 +117,7 @@ def timings_of(cfg: Config) -> Timings:
 
 def run(ns: argparse.Namespace) -> int:
     cfg = config_from_args(ns)
-    if cfg.async_.inflight_update in ("recompute", "abort") and cfg.plan.mean_length <= 0:
+    if inflight_mode(cfg.async_.inflight_update).extra_work and cfg.plan.mean_length <= 0:
         raise ConfigError(f"the extra work of async.inflight_update={cfg.async_.inflight_update} (a prefix "
                           "run again, or sequences sampled again) depends on each sequence's length: set "
                           "plan.mean_length (--mean-length, the mean completion length in tokens, e.g. "

@@ -28,6 +28,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from tether.control.inflight import InflightMode, inflight_mode
 from tether.errors import ConfigError
 
 
@@ -86,10 +87,11 @@ class Replay:
     """Switches it made (publications that reached the same poll count once)."""
 
 
-def replay(lengths: Lengths, batch: int, version: int, mode: str, switches: list[tuple[float, int]],
-           start: float, step_s: float, prefill_cost: float) -> Replay:
+def replay(lengths: Lengths, batch: int, version: int, mode: str | InflightMode,
+           switches: list[tuple[float, int]], start: float, step_s: float, prefill_cost: float) -> Replay:
     """Decode batch ``batch`` launched at ``version``, starting at ``start``, through the
-    publications ``switches`` ((time, version), in order) under ``mode``."""
+    publications ``switches`` ((time, version), in order) under ``mode`` (its ``on_switch``)."""
+    mode = inflight_mode(mode)
     begin = [0] * lengths.rows
     length = [lengths.draw(batch, i, 0) for i in range(lengths.rows)]
     attempt = [0] * lengths.rows
@@ -112,7 +114,7 @@ def replay(lengths: Lengths, batch: int, version: int, mode: str, switches: list
         if not again:
             last, last_poll = j, start + j * step_s + pause
         switched.add(j)
-        if mode == "abort":
+        if mode.restarts:
             for i in range(lengths.rows):
                 if again and begin[i] == j:
                     row_version[i] = v  # restarted at this boundary: it starts under the newest
@@ -122,7 +124,7 @@ def replay(lengths: Lengths, batch: int, version: int, mode: str, switches: list
                     begin[i], length[i], row_version[i] = j, lengths.draw(batch, i, attempt[i]), v
         else:
             cuts[j] = v
-            if mode == "recompute" and not again:
+            if mode.recomputes_prefix and not again:
                 pause += prefill_cost * j * step_s
     tokens: dict[int, int] = {}
     spanning = 0

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tether.control import AsyncControl, BudgetSettings, admission_notes
+from tether.control import AsyncControl, BudgetSettings, admission_notes, inflight_mode
 from tether.errors import ConfigError, ControlError
 from tether.loop.driver import Driver
 from tether.loop.observe import LoopObserver, Observers, TraceRecorder
@@ -118,7 +118,7 @@ class SimPool:
                  group_size: int = 1, drains: bool = True, inflight_update: str = "drain") -> None:
         self.clock = clock
         self.drains = drains
-        self.mode = inflight_update
+        self.mode = inflight_mode(inflight_update)
         self.lengths = None
         self.step_s = 0.0
         self.wasted_tokens = 0
