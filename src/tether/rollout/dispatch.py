@@ -137,7 +137,7 @@ class DispatchingPool:
     def publish(self, weights: Mapping[str, Any], version: int) -> Mapping[str, float]:
         """Have every worker verify and load ``weights`` as ``version``: while quiesced, or —
         without draining — as they generate (they switch between decode steps)."""
-        if self.settings.inflight_update != "drain":
+        if not self.settings.inflight.drains:
             metrics = self._put_inflight(weights, version)
             self.version = version
             seconds = metrics["sync/publish_s"]

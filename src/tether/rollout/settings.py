@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tether.config import Config
+from tether.control.inflight import InflightMode, inflight_mode
 
 if TYPE_CHECKING:
     from tether.rollout.channel import Layout
@@ -41,10 +42,17 @@ class PoolSettings:
         return self.cfg.family().drains_at_turns(self.cfg)
 
     @property
+    def inflight(self) -> InflightMode:
+        """How the engines meet a publication (``tether.control.inflight``): the mode of
+        ``async.inflight_update``, or, draining at turn boundaries, the one it runs at turn safe
+        points (``InflightMode.turn_mode``: each takes new weights up between turns only)."""
+        declared = inflight_mode(self.cfg.async_.inflight_update)
+        return declared.at_turns() if self.drain_at_turns else declared
+
+    @property
     def inflight_update(self) -> str:
-        """How the engines meet a publication: ``async.inflight_update``, except that draining at
-        turn boundaries runs them as ``keep`` (each takes new weights up between turns only)."""
-        return "keep" if self.drain_at_turns else self.cfg.async_.inflight_update
+        """The name of ``inflight``: what an engine's ``watch`` is told."""
+        return self.inflight.name
 
     def worker_spec(self, worker_id: int, version: int, **where: Any):
         """The ``WorkerSpec`` of worker ``worker_id`` starting at ``version``; ``where`` adds the
@@ -65,6 +73,10 @@ class WorkerSpec:
     channel_layout: Layout | None = None
     device: str = "cpu"
     """Where the engine samples: ``cpu``, or ``cuda`` for a Ray actor given a GPU."""
+
+    @property
+    def inflight(self) -> InflightMode:
+        return self.settings.inflight
 
     @property
     def inflight_update(self) -> str:

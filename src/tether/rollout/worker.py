@@ -152,7 +152,7 @@ class _ChannelWorker(Rollout):
 
         assert spec.channel_name is not None and spec.channel_layout is not None
         self.reader = WeightReader(spec.channel_name, spec.channel_layout)
-        if spec.inflight_update == "drain":
+        if spec.inflight.drains:
             self.use_weights(self.reader.views())
             self.load(spec.initial_version)
             return
@@ -192,6 +192,6 @@ class _ChannelWorker(Rollout):
         return taken
 
     def generate(self, item: WorkItem) -> Payload:
-        if self.spec.inflight_update != "drain":
+        if not self.spec.inflight.drains:
             self.start_at(item.version, self.WAIT_S)
         return super().generate(item)

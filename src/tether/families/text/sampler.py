@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 
+from tether.control.inflight import inflight_mode
 from tether.data.rewards import score_all
 from tether.families.text.payload import ScoredBatch
 from tether.procinfo import peak_rss_mb
@@ -58,7 +59,7 @@ class TextSampler:
         n = len(batch.rewards)  # the pool checks the batch is whole when it arrives
         mean = sum(batch.rewards) / n
         tokens = sum(len(t) for t in batch.completion_ids)
-        if self.cfg.async_.inflight_update != "drain":
+        if inflight_mode(self.cfg.async_.inflight_update).switches:
             wasted, switches = self.engine.take_counts()
             batch.metrics.update({
                 "rollout/weight_switches": float(switches),

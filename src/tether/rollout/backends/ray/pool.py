@@ -222,7 +222,7 @@ class _RolloutActor:
 
             self.spec = self.sealed.open()
             self.rollout = Rollout(self.spec)
-            if self.spec.inflight_update != "drain":
+            if not self.spec.inflight.drains:
                 self.rollout.watch(self._take_offered)
         except BaseException as exc:  # a recipe's mistake (a plug-in that fails here) says it all
             return ("error", None, f"failed to start: {type(exc).__name__}: {exc}",
@@ -271,7 +271,7 @@ class _RolloutActor:
 
     def generate(self, item: WorkItem) -> tuple:
         try:
-            if self.spec.inflight_update != "drain":
+            if not self.spec.inflight.drains:
                 self.rollout.start_at(item.version)
             batch = self.rollout.generate(item)
             return ("batch", item.batch_index, batch, time.time())
@@ -339,7 +339,7 @@ class RayPool(DispatchingPool):
             spec = s.worker_spec(i, self.version, device="cuda" if o.gpus_per_worker > 0 else "cpu")
             handle = remote.options(num_cpus=o.cpus_per_worker, num_gpus=o.gpus_per_worker, max_restarts=0,
                                     name=f"tether-rollout-{i}-{os.getpid()}-{id(self):x}",
-                                    max_concurrency=1 if s.inflight_update == "drain" else 2,
+                                    max_concurrency=1 if s.inflight.drains else 2,
                                     ).remote(Sealed(spec), self.layout)
             self._workers.append(_Actor(i, handle))
         pending = {w.handle.start.remote(): w for w in self._workers}
