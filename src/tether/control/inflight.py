@@ -73,6 +73,11 @@ class InflightMode:
         return self.on_switch != "cannot"
 
     @property
+    def keeps_cache(self) -> bool:
+        """A switch leaves the sequences in flight as they are (their KV cache too)."""
+        return self.on_switch == "keep_cache"
+
+    @property
     def recomputes_prefix(self) -> bool:
         """A switch costs a prefill of the prefix so far (``plan.prefill_cost``)."""
         return self.on_switch == "recompute_cache"

@@ -262,8 +262,8 @@ class VLLMEngine(Watched):
         def add(row: _Row) -> None:
             row.attempt += 1
             rid = f"tether-{self._batches}-{row.index}-{row.attempt}"
-            prefix = row.tokens if self.inflight_update == "recompute" else []
-            if self.inflight_update == "abort":
+            prefix = row.tokens if self.inflight.recomputes_prefix else []
+            if self.inflight.restarts:
                 self.wasted_tokens += len(row.tokens)
                 row.tokens, row.logprobs, row.versions = [], [], []
             request = VSamplingParams(
@@ -280,7 +280,7 @@ class VLLMEngine(Watched):
         for row in rows:
             add(row)
         while running:
-            if self._poll_now() and self.inflight_update != "keep":
+            if self._poll_now() and not self.inflight.keeps_cache:
                 again = list(running.values())
                 engine.abort_request(list(running))
                 running.clear()
