@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tether.control.inflight import TURN_SAFE, inflight_mode
 from tether.errors import ConfigError
 from tether.families.agent.options import EnvSection
 from tether.families.text import TextFamily
@@ -62,9 +63,9 @@ class AgentFamily(TextFamily):
                 "model.family=agent needs an environment: set env.env_class to path/to/file.py:Class "
                 "(with data.dataset for its task rows), or data.task to kv_lookup or guess_number"
             )
-        if e.switch_at == "turn" and cfg.async_.inflight_update not in ("drain", "keep"):
+        if e.switch_at == "turn" and inflight_mode(cfg.async_.inflight_update).turn_mode is None:
             raise ConfigError("env.switch_at=turn takes up published weights between turns, which needs "
-                              "async.inflight_update=drain or keep (it is "
+                              f"async.inflight_update={' or '.join(TURN_SAFE)} (it is "
                               f"{cfg.async_.inflight_update}); set one, or env.switch_at=token")
         if e.max_episode_tokens and e.max_turn_tokens and e.max_turn_tokens >= e.max_episode_tokens:
             raise ConfigError(
@@ -80,8 +81,9 @@ class AgentFamily(TextFamily):
             )  # refuses a non-environment now
 
     def drains_at_turns(self, cfg: Any) -> bool:
-        """``drain`` with ``env.switch_at=turn``: a publication waits for the turns in flight."""
-        return cfg.async_.inflight_update == "drain" and cfg.env.switch_at == "turn"
+        """``drain`` with ``env.switch_at=turn`` (``InflightMode.turn_mode``): a publication waits
+        for the turns in flight."""
+        return inflight_mode(cfg.async_.inflight_update).drains and cfg.env.switch_at == "turn"
 
     def norm_constant(self, cfg: Any) -> int:
         """The most model tokens an episode can have."""
