@@ -171,15 +171,17 @@ class AsyncControl:
 
     def freshness(self, oldest_generating: int | None = None) -> int:
         """Batches that may be outstanding, given the oldest launch version of the generations
-        still running (``oldest_generating``; None when none is, or when syncs drain and so every
-        one was launched at the published version)."""
+        still running (``oldest_generating``; None when none is). It sets the bound where the mode
+        says so (``InflightMode.bounds_by_oldest``); where syncs drain, every generation running
+        was launched at the published version, and the bound is the publish lag."""
         budget = self.settings.staleness_budget
         lag = self.publish_lag
         if oldest_generating is not None:
             if oldest_generating > self._rollout_version:
                 raise ControlError(f"a generation launched at version {oldest_generating} is ahead of "
                                    f"the published version {self._rollout_version}")
-            lag = self._train_version - oldest_generating
+            if self.settings.mode.bounds_by_oldest:
+                lag = self._train_version - oldest_generating
         if self.publish_required or lag > budget:
             return 0
         return (budget - lag) // self.settings.updates_per_batch + 1
