@@ -126,3 +126,42 @@ def test_the_literal_check_finds_what_it_looks_for(tmp_path):
     source.write_text('if cfg.model.family == "flow": pass\nif spec.engine in ("vllm",): pass\n'
                       'if task.family != family.name: pass\nif backend == "nccl": pass\n')
     assert literal_choices(source) == ['1: cfg.model.family == "flow"', '2: spec.engine in ("vllm",)']
+
+
+MODE_WORDS = {"drain", "keep", "recompute", "abort", "cannot", "keep_cache", "recompute_cache", "restart"}
+MAY_NAME_MODES = ("control/inflight.py",)  # the one module that says what an in-flight mode does
+
+
+def literal_modes(path: Path) -> list[str]:
+    """``line: source`` of each comparison with an in-flight mode's name or an ``on_switch`` value
+    as a string literal (or a collection of them): ``async.inflight_update == "keep"``."""
+    def is_mode_literal(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in MODE_WORDS
+        return (isinstance(node, ast.Tuple | ast.List | ast.Set) and bool(node.elts)
+                and all(map(is_mode_literal, node.elts)))
+
+    text = path.read_text()
+    return [f"{node.lineno}: {ast.get_source_segment(text, node)}" for node in ast.walk(ast.parse(text))
+            if isinstance(node, ast.Compare) and any(map(is_mode_literal, [node.left, *node.comparators]))]
+
+
+def test_only_the_inflight_policy_compares_mode_names():
+    """Every other module reads ``tether.control.inflight``'s declared attributes."""
+    offenders = {}
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        if rel in MAY_NAME_MODES:
+            continue
+        if found := literal_modes(path):
+            offenders[rel] = found
+    assert offenders == {}
+
+
+def test_the_mode_check_finds_what_it_looks_for(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text('if cfg.async_.inflight_update != "drain": pass\n'
+                      'if mode in ("recompute", "abort"): pass\n'
+                      'if m.on_switch == "keep_cache": pass\nif reason == "eval": pass\nemit("drain")\n')
+    assert literal_modes(source) == ['1: cfg.async_.inflight_update != "drain"',
+                                     '2: mode in ("recompute", "abort")', '3: m.on_switch == "keep_cache"']
