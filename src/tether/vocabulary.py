@@ -282,8 +282,9 @@ class Engine(Protocol):
 
     def watch(self, poll: Callable[[], int | None], inflight_update: str) -> None:
         """Without draining: call ``poll`` before every step of a generation (it binds newer
-        weights when there are some and returns their version); ``inflight_update`` says what
-        happens to the sequences then. Called only with a mode its plug-in declares
+        weights when there are some and returns their version); ``inflight_update`` names the
+        mode, whose declared ``on_switch`` (``tether.control.inflight``) says what happens to the
+        sequences then. Called only with a mode its plug-in declares
         (``EnginePlugin.inflight_updates``)."""
 
     def take_up(self) -> int | None:

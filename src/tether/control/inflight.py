@@ -68,7 +68,7 @@ class InflightMode:
 
     @property
     def switches(self) -> bool:
-        """The engines watch for weights published while they generate (``InflightEngine.watch``)
+        """The engines watch for weights published while they generate (``Engine.watch``)
         and a worker loads them on a second thread."""
         return self.on_switch != "cannot"
 
