@@ -315,7 +315,7 @@ class RolloutSection:
         "at full speed; 'terms' = as PEFT's low-rank terms in the model's own forward, x·W₀ᵀ + "
         "(α/r)·(x·Aᵀ)·Bᵀ for every token, nothing merged (docs/lora.md).",
         choices=("merge", "terms"),
-        owner="engine",
+        owner="engine", resume=Resume.ACCEPTED,  # the same distribution, other numerics: as rollout.decoder
     )
     decoder: Literal["auto", "native", "python"] = knob(
         "auto",
