@@ -208,6 +208,7 @@ def _run_dir(path, batches: int):
     return path
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # runs without evaluations still get a legend
 def test_compare_leaves_out_a_run_that_has_trained_no_batch_yet_and_says_so(tmp_path, capsys):
     from tether.cli.main import main
 

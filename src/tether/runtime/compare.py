@@ -87,10 +87,10 @@ def write_comparison(run_dirs: list[Path], out: Path) -> tuple[Path, list[dict[s
         color = f"C{i}"
         wall = _col(run.metrics, "wall_s")
         if run.evals:
-            acc_t.plot(_col(run.evals, "wall_s"), _col(run.evals, "eval/pass_at_1"), "o-", ms=3, color=color,
-                       label=run.label)
+            acc_t.plot(_col(run.evals, "wall_s"), _col(run.evals, "eval/pass_at_1"), "o-", ms=3, color=color)
             acc_b.plot(_col(run.evals, "step"), _col(run.evals, "eval/pass_at_1"), "o-", ms=3, color=color)
-        rew_t.plot(wall, _moving_mean(_col(run.metrics, "reward/mean"), SMOOTH), lw=1, color=color)
+        rew_t.plot(wall, _moving_mean(_col(run.metrics, "reward/mean"), SMOOTH), lw=1, color=color,
+                   label=run.label)  # every run has trained batches; not every one evaluated
         samples_t.plot(wall, [m["step"] * run.samples_per_batch for m in run.metrics], lw=1, color=color)
     for ax, title, xlabel in ((acc_t, "held-out pass@1", "wall time (s)"),
                               (acc_b, "held-out pass@1", "trained batches"),
@@ -99,7 +99,7 @@ def write_comparison(run_dirs: list[Path], out: Path) -> tuple[Path, list[dict[s
         ax.set_title(title)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
-    acc_t.legend(loc="lower right", fontsize=8)
+    rew_t.legend(loc="lower right", fontsize=8)
     fig.suptitle("Runs compared")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
