@@ -11,7 +11,8 @@ pytest.importorskip("torch")
 from tether.decoding.sampling import stop_ids_for
 from tether.families.agent.chat import ChatTurns, NotAppendOnly
 from tether.families.agent.env import factory
-from tether.families.agent.episodes import EnvThreads, Limits, Player
+from tether.families.agent.envthreads import EnvThreads
+from tether.families.agent.episodes import Limits, Player
 from tether.modeling import load_causal_lm
 from tether.rollout.engines.torch.engine import TorchEngine
 from tether.vocabulary import SamplingParams

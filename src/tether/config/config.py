@@ -21,6 +21,8 @@ import yaml
 from tether import registry
 from tether.config import features, keys
 from tether.config.fields import build_section, closest, section_fields
+from tether.config.presets import resolve_preset
+from tether.config.recipe import apply_overrides, parse_override, read_recipe
 from tether.config.schema import (
     SECTIONS,
     AsyncSection,
@@ -82,7 +84,7 @@ class Config:
             else:
                 plugins[name] = section
         config = cls(**built, plugin_sections=plugins)
-        config = dataclasses.replace(config, train=_resolve_preset(config.train))
+        config = dataclasses.replace(config, train=resolve_preset(config.train))
         config.check()
         return config._own_sections_only()
 
@@ -392,29 +394,6 @@ def _check_reward_name(spec: str, key: str) -> None:
                       "run.plugins)")
 
 
-def _resolve_preset(train: TrainSection) -> TrainSection:
-    """Fill every key left null from the ``train.algorithm`` preset."""
-    from tether.config.presets import preset
-
-    p = preset(train.algorithm)
-    # Whether the estimator reads train.adv_std_norm is what it declared (register_advantage's
-    # std_norm). A resolved config holds adv_std_norm: false for one that does not, and every
-    # process of a run resolves its config again: false is what resolution writes, so only true
-    # is refused.
-    std_norm = bool(registry.advantages.meta(train.advantage).get("std_norm"))
-    if not std_norm and train.adv_std_norm:
-        readers = [n for n in registry.advantages.names() if registry.advantages.meta(n).get("std_norm")]
-        raise ConfigError(f"train.adv_std_norm has no effect with train.advantage={train.advantage} (its "
-                          "normalisation is part of the estimator); leave train.adv_std_norm unset, or "
-                          f"use an estimator that reads it: train.advantage={' or '.join(readers)}")
-    filled = {key: getattr(p, key) for key in p.__dataclass_fields__ if getattr(train, key) is None}
-    if not std_norm:
-        filled["adv_std_norm"] = False  # the estimator defines its own scale, not the preset
-        if train.adv_scope is None:
-            filled["adv_scope"] = "group"
-    return dataclasses.replace(train, **filled)
-
-
 def _attr(section: str) -> str:
     return "async_" if section == "async" else section
 
@@ -426,51 +405,6 @@ def _key_homes(sections: Mapping[str, type]) -> dict[str, list[str]]:
         for key in section_fields(cls):
             seen.setdefault(key, []).append(section)
     return seen
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``'async.max_staleness=3'`` → ``(['async', 'max_staleness'], 3)`` (value parsed as YAML)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like section.key=value")
-    path, _, raw = text.partition("=")
-    parts = path.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(
-            f"override {text!r}: the key must be section.key (e.g. async.max_staleness=3)"
-        )
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override {text!r}: cannot parse value {raw!r}: {exc}") from exc
-    return parts, value
-
-
-def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Set each ``section.key=value`` into a copy of ``data``."""
-    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
-    for text in overrides:
-        (section, key), value = parse_override(text)
-        current = out.setdefault(section, {})
-        if not isinstance(current, dict):
-            raise ConfigError(f"override {text!r}: section {section!r} in the recipe is not a mapping")
-        current[key] = value
-    return out
-
-
-def read_recipe(path: str | Path) -> dict[str, Any]:
-    """Read a YAML recipe into a plain mapping, with errors that name the file."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"recipe {str(p)!r} does not exist (give a path to a YAML file)")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"recipe {str(p)!r} is not valid YAML: {exc}") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"recipe {str(p)!r} must be a mapping of sections, got {type(data).__name__}")
-    return data
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:

@@ -26,9 +26,15 @@ DAPO's overlong reward shaping is not part of the preset either.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from tether import registry
 from tether.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tether.config.schema import TrainSection
 
 
 @dataclass(frozen=True)
@@ -61,3 +67,24 @@ def preset(name: str) -> Preset:
         return PRESETS[name]
     except KeyError:
         raise ConfigError(f"unknown algorithm {name!r}; valid ones are: {', '.join(PRESETS)}") from None
+
+
+def resolve_preset(train: TrainSection) -> TrainSection:
+    """Fill every key left null from the ``train.algorithm`` preset."""
+    p = preset(train.algorithm)
+    # Whether the estimator reads train.adv_std_norm is what it declared (register_advantage's
+    # std_norm). A resolved config holds adv_std_norm: false for one that does not, and every
+    # process of a run resolves its config again: false is what resolution writes, so only true
+    # is refused.
+    std_norm = bool(registry.advantages.meta(train.advantage).get("std_norm"))
+    if not std_norm and train.adv_std_norm:
+        readers = [n for n in registry.advantages.names() if registry.advantages.meta(n).get("std_norm")]
+        raise ConfigError(f"train.adv_std_norm has no effect with train.advantage={train.advantage} (its "
+                          "normalisation is part of the estimator); leave train.adv_std_norm unset, or "
+                          f"use an estimator that reads it: train.advantage={' or '.join(readers)}")
+    filled = {key: getattr(p, key) for key in p.__dataclass_fields__ if getattr(train, key) is None}
+    if not std_norm:
+        filled["adv_std_norm"] = False  # the estimator defines its own scale, not the preset
+        if train.adv_scope is None:
+            filled["adv_scope"] = "group"
+    return dataclasses.replace(train, **filled)

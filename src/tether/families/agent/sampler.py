@@ -13,11 +13,11 @@ import time
 from typing import Any
 
 from tether.errors import RolloutError
+from tether.families.agent.envthreads import EnvThreads
 from tether.families.agent.episodes import (
     BUDGET_ENDINGS,
     ENDINGS,
     FAILURES,
-    EnvThreads,
     Episode,
     Limits,
     Player,
