@@ -37,7 +37,7 @@ from tether.modeling import (
     unique_parameters,
 )
 from tether.procinfo import peak_rss_mb
-from tether.train import fsdp, lora
+from tether.train import fsdp, learner_state, lora
 from tether.train.advantages import Advantages, group_advantages, overlong_penalty, per_episode, units_of
 from tether.train.collective import Solo
 from tether.train.corrections import correct
@@ -414,90 +414,12 @@ class TorchLearner:
             out["train/entropy"] = float(torch.cat(stats.entropy).mean())
         return out
 
-    # -- state --------------------------------------------------------------------------------
+    # -- state: the checkpoint format is tether.train.learner_state's ------------------------------
 
     def save(self, path: str | Path) -> None:
-        """Model (safetensors) and tokenizer, optimizer, scheduler, RNG and counters. With ranks,
-        either gathered whole and written by rank 0 in the single-process format (any world size
-        resumes from it), or (``sharded_checkpoints``) each rank's own shards, the model folder
-        then holding the config, the tokenizer and a marker saying where its weights are."""
-        path = Path(path)
-        extra = {"scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
-                 "committed": self.committed, "skipped": self.skipped}
-        weights = None
-        if self.group.world == 1:
-            if self.s.lora_rank:  # written below as the ranks' gathered adapters are
-                weights = lora.adapters(self.model)
-            else:
-                self.policy.save(self.model, self.tokenizer, path / "model")
-            extra["optimizer"] = self.optimizer.state_dict()
-        elif self.cfg.checkpoint.sharded:
-            fsdp.save_shards(self.model, self.optimizer, path / "sharded")
-            extra.update(format="sharded", world_size=self.group.world)
-        else:
-            weights, extra["optimizer"] = fsdp.gather_state(self.model, self.optimizer, self.names)
-        if self.group.rank != 0:
-            return
-        if self.group.world > 1 or self.s.lora_rank:
-            self._write_model_folder(path / "model", weights)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(path / "model")
-        torch.save(extra, path / "learner.pt")
-
-    def _write_model_folder(self, folder: Path, weights: dict[str, torch.Tensor] | None) -> None:
-        """The model folder of ``weights`` (gathered whole; None: sharded, a marker says where)."""
-        from tether.modeling import SHARDED_MARKER
-
-        folder.mkdir(parents=True, exist_ok=True)
-        writer = getattr(self.policy, "write_folder", None)  # a model folder laid out otherwise
-        if self.s.lora_rank:  # the adapters (sharded checkpoints are refused with LoRA)
-            lora.save(weights, folder, self.s, self.model_path, self.base_fingerprint)
-        elif writer is not None:
-            writer(self.model, folder, weights)
-        else:
-            self.model.config.save_pretrained(folder)
-            if weights is not None:
-                from safetensors.torch import save_file
-
-                save_file({name: t.contiguous() for name, t in weights.items()},
-                          str(folder / "model.safetensors"), metadata={"format": "pt"})
-        if weights is None:
-            (folder / SHARDED_MARKER).write_text(
-                "This model's weights are shards in ../sharded (torch.distributed.checkpoint), written "
-                f"by {self.group.world} learner ranks. Tether reads them as a model directory.\n")
+        """Model (safetensors) and tokenizer, optimizer, scheduler, RNG and counters."""
+        learner_state.save(self, Path(path))
 
     def load(self, path: str | Path) -> None:
         """Continue from a checkpoint written at any world size, whole or sharded."""
-        path = Path(path)
-        # onto the CPU first: the optimizer moves its state to each parameter's device, so a
-        # checkpoint loads wherever this learner trains
-        extra = torch.load(path / "learner.pt", weights_only=False, map_location="cpu")
-        if extra.get("format") == "sharded":
-            fsdp.load_shards(self.model, self.optimizer, path / "sharded",
-                             single_process=self.group.world == 1)
-        else:
-            self._load_whole(path, extra["optimizer"])
-        self.scheduler.load_state_dict(extra["scheduler"])
-        torch.set_rng_state(extra["torch_rng"])
-        self.committed, self.skipped = extra["committed"], extra["skipped"]
-
-    def _load_whole(self, path: Path, optimizer: dict) -> None:
-        from safetensors.torch import load_file
-
-        reader = getattr(self.policy, "read_weights", None)  # a model folder laid out otherwise
-        if self.s.lora_rank:
-            state = lora.load(path / "model", self.s, self.model_path)
-        else:
-            state = reader(path / "model") if reader else load_file(str(path / "model" / "model.safetensors"))
-        buffers = {name for name, _ in self.model.named_buffers()}  # saved by some, never trained
-        state = {name: tensor for name, tensor in state.items() if name not in buffers}
-        expected = set(self.names)
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or unexpected:
-            raise ConfigError(f"checkpoint {path} does not match the model: missing "
-                              f"{missing[:3]}, unexpected {unexpected[:3]}")
-        if self.group.world == 1:
-            self.model.load_state_dict(state, strict=False)  # a tied head follows its embedding
-            self.optimizer.load_state_dict(optimizer)
-        else:
-            fsdp.scatter_state(self.model, self.optimizer, state, optimizer)
+        learner_state.load(self, Path(path))

@@ -1,0 +1,103 @@
+"""What a ``TorchLearner`` checkpoint holds and how it is read back: the model folder (safetensors
+and tokenizer, a LoRA run's adapters, or a family's own layout), optimizer, scheduler, RNG and the
+learner's counters in ``learner.pt``. With ranks, either gathered whole and written by rank 0 in
+the single-process format (any world size resumes from it) or each rank's own shards
+(``checkpoint.sharded``), the model folder then holding a marker saying where its weights are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tether.errors import ConfigError
+from tether.train import fsdp, lora
+
+if TYPE_CHECKING:
+    from tether.train.learner import TorchLearner
+
+
+def save(learner: TorchLearner, path: Path) -> None:
+    """``learner``'s checkpoint in ``path`` (every rank calls it; rank 0 writes what is whole)."""
+    extra = {"scheduler": learner.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+             "committed": learner.committed, "skipped": learner.skipped}
+    weights = None
+    if learner.group.world == 1:
+        if learner.s.lora_rank:  # written below as the ranks' gathered adapters are
+            weights = lora.adapters(learner.model)
+        else:
+            learner.policy.save(learner.model, learner.tokenizer, path / "model")
+        extra["optimizer"] = learner.optimizer.state_dict()
+    elif learner.cfg.checkpoint.sharded:
+        fsdp.save_shards(learner.model, learner.optimizer, path / "sharded")
+        extra.update(format="sharded", world_size=learner.group.world)
+    else:
+        weights, extra["optimizer"] = fsdp.gather_state(learner.model, learner.optimizer, learner.names)
+    if learner.group.rank != 0:
+        return
+    if learner.group.world > 1 or learner.s.lora_rank:
+        _write_model_folder(learner, path / "model", weights)
+        if learner.tokenizer is not None:
+            learner.tokenizer.save_pretrained(path / "model")
+    torch.save(extra, path / "learner.pt")
+
+
+def _write_model_folder(learner: TorchLearner, folder: Path, weights: dict[str, torch.Tensor] | None) -> None:
+    """The model folder of ``weights`` (gathered whole; None: sharded, a marker says where)."""
+    from tether.modeling import SHARDED_MARKER
+
+    folder.mkdir(parents=True, exist_ok=True)
+    writer = getattr(learner.policy, "write_folder", None)  # a model folder laid out otherwise
+    if learner.s.lora_rank:  # the adapters (sharded checkpoints are refused with LoRA)
+        lora.save(weights, folder, learner.s, learner.model_path, learner.base_fingerprint)
+    elif writer is not None:
+        writer(learner.model, folder, weights)
+    else:
+        learner.model.config.save_pretrained(folder)
+        if weights is not None:
+            from safetensors.torch import save_file
+
+            save_file({name: t.contiguous() for name, t in weights.items()},
+                      str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if weights is None:
+        (folder / SHARDED_MARKER).write_text(
+            "This model's weights are shards in ../sharded (torch.distributed.checkpoint), written "
+            f"by {learner.group.world} learner ranks. Tether reads them as a model directory.\n")
+
+
+def load(learner: TorchLearner, path: Path) -> None:
+    """Continue from a checkpoint written at any world size, whole or sharded."""
+    # onto the CPU first: the optimizer moves its state to each parameter's device, so a
+    # checkpoint loads wherever this learner trains
+    extra = torch.load(path / "learner.pt", weights_only=False, map_location="cpu")
+    if extra.get("format") == "sharded":
+        fsdp.load_shards(learner.model, learner.optimizer, path / "sharded",
+                         single_process=learner.group.world == 1)
+    else:
+        _load_whole(learner, path, extra["optimizer"])
+    learner.scheduler.load_state_dict(extra["scheduler"])
+    torch.set_rng_state(extra["torch_rng"])
+    learner.committed, learner.skipped = extra["committed"], extra["skipped"]
+
+
+def _load_whole(learner: TorchLearner, path: Path, optimizer: dict) -> None:
+    from safetensors.torch import load_file
+
+    reader = getattr(learner.policy, "read_weights", None)  # a model folder laid out otherwise
+    if learner.s.lora_rank:
+        state = lora.load(path / "model", learner.s, learner.model_path)
+    else:
+        state = reader(path / "model") if reader else load_file(str(path / "model" / "model.safetensors"))
+    buffers = {name for name, _ in learner.model.named_buffers()}  # saved by some, never trained
+    state = {name: tensor for name, tensor in state.items() if name not in buffers}
+    expected = set(learner.names)
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ConfigError(f"checkpoint {path} does not match the model: missing "
+                          f"{missing[:3]}, unexpected {unexpected[:3]}")
+    if learner.group.world == 1:
+        learner.model.load_state_dict(state, strict=False)  # a tied head follows its embedding
+        learner.optimizer.load_state_dict(optimizer)
+    else:
+        fsdp.scatter_state(learner.model, learner.optimizer, state, optimizer)
