@@ -73,3 +73,14 @@ class Sealed:
         import pickle
 
         return pickle.loads(self.data)
+
+
+def failure_traceback(exc: BaseException) -> str:
+    """What a process's failure report carries besides its message, called in its ``except``: the
+    traceback, except for a recipe's mistake (``ConfigError``: a plug-in that fails to import in a
+    worker, a rank or an actor), whose message says it all."""
+    import traceback
+
+    from tether.errors import ConfigError
+
+    return "" if isinstance(exc, ConfigError) else traceback.format_exc()

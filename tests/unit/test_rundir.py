@@ -128,13 +128,15 @@ def test_a_section_one_config_leaves_out_at_its_defaults_is_no_change():
     assert [c.split(":")[0] for c in resume_changes(recorded, _cfg()).safe] == ["ray.address"]
 
 
-def test_a_run_ended_without_a_word_is_told_how_to_go_on_from_what_its_directory_holds(tmp_path):
-    # supervise.py's note after Ray ends the training process: resume only where a checkpoint is
-    from tether.runtime.supervise import how_to_go_on
+def test_a_stopped_run_is_told_how_to_go_on_from_what_its_directory_holds(tmp_path):
+    # after a stop, an error, or Ray ending the training process: resume only where a checkpoint is
+    from tether.runtime.rundir import where_to_resume
 
     (tmp_path / "starts.jsonl").write_text('{"command": "tether train"}\n')
-    assert "the same `tether train` command" in how_to_go_on(tmp_path)  # never trained: reused
+    assert f"start the run again with --run-dir {tmp_path}" in where_to_resume(tmp_path)  # reused
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    assert "nothing to resume" in how_to_go_on(tmp_path) and "--resume" not in how_to_go_on(tmp_path)
+    assert "no checkpoint to resume from" in where_to_resume(tmp_path)
+    assert "--resume" not in where_to_resume(tmp_path)
     (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
-    assert f"tether train --resume {tmp_path}`" in how_to_go_on(tmp_path)
+    (tmp_path / "checkpoints" / "step-000001" / "manifest.json").write_text("{}")
+    assert f"tether train --resume {tmp_path}`" in where_to_resume(tmp_path)

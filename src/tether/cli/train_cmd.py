@@ -86,20 +86,21 @@ def run(ns: argparse.Namespace) -> int:
     _logging()
     from tether.errors import NothingLearnedError, RunBusyError, StopRequested, TetherError
     from tether.runtime.run import train
+    from tether.runtime.rundir import where_to_resume
 
     try:
         summary = train(cfg, run_dir, resume=bool(ns.resume), force=ns.force, overrides=overrides,
                         progress_plain=True if ns.plain else None)
     except KeyboardInterrupt as exc:
         stopped = exc if isinstance(exc, StopRequested) else StopRequested("SIGINT")
-        print(f"tether train: stopped by {stopped.signal_name}; {_where_to_resume(run_dir)}", file=sys.stderr)
+        print(f"tether train: stopped by {stopped.signal_name}; {where_to_resume(run_dir)}", file=sys.stderr)
         return stopped.exit_code
     except NothingLearnedError:
         _report(ns, run_dir)  # the run is complete: its plots show why
         raise
     except TetherError as exc:
         if not isinstance(exc, ConfigError | RunBusyError):  # a run that failed while running
-            exc.add_note(_where_to_resume(run_dir))
+            exc.add_note(where_to_resume(run_dir))
         raise
     _report(ns, run_dir)
     first, last = summary["eval_pass_at_1_first"], summary["eval_pass_at_1_last"]
@@ -134,22 +135,6 @@ def cfg_backend_supervised(cfg) -> bool:
     from tether import registry
 
     return registry.backends.get(cfg.rollout.backend).supervised
-
-
-def _where_to_resume(run_dir: Path) -> str:
-    """What a stopped run leaves: the command that continues it, if a checkpoint exists."""
-    from tether.runtime.checkpoint import Checkpointer
-    from tether.runtime.rundir import never_trained
-
-    if Checkpointer(run_dir / "checkpoints").list():
-        return f"the run directory is {run_dir} (resume with `tether train --resume {run_dir}`)"
-    if run_dir.is_dir() and never_trained(run_dir):
-        return (f"the run directory is {run_dir}; it trained no batch, so there is nothing to resume: start "
-                f"the run again with --run-dir {run_dir} to reuse it")
-    if run_dir.is_dir():
-        return (f"the run directory is {run_dir}; it holds no checkpoint to resume from "
-                "(checkpoint.interval=0, or it stopped before the first)")
-    return "nothing was written"
 
 
 def add_report_parser(sub: argparse._SubParsersAction) -> None:

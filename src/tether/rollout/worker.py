@@ -27,8 +27,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
-from tether.errors import ConfigError, RolloutError
-from tether.procinfo import Sealed, exit_when_closed
+from tether.errors import RolloutError
+from tether.procinfo import Sealed, exit_when_closed, failure_traceback
 from tether.vocabulary import Payload, WorkItem
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def worker_main(sealed: Sealed, requests: Connection, results: Connection,
     try:
         worker = _ChannelWorker(sealed.open())
     except BaseException as exc:
-        results.send(("error", None, f"failed to start: {type(exc).__name__}: {exc}", _traceback_of(exc)))
+        results.send(("error", None, f"failed to start: {type(exc).__name__}: {exc}", failure_traceback(exc)))
         return
     results.send(("ready", os.getpid()))
     worker.on_switch = lambda version: results.send(("took", version))
@@ -71,12 +71,6 @@ def worker_main(sealed: Sealed, requests: Connection, results: Connection,
                 raise AssertionError(f"unknown message {kind!r}")
         except BaseException as exc:
             results.send(("error", index, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-
-
-def _traceback_of(exc: BaseException) -> str:
-    """What a failure's report carries besides its message: the traceback, except for a recipe's
-    mistake (``ConfigError``: a plug-in that fails to import here), whose message says it all."""
-    return "" if isinstance(exc, ConfigError) else traceback.format_exc()
 
 
 class Rollout:

@@ -136,6 +136,22 @@ def never_trained(run_dir: Path) -> bool:
     return all(p.name in RUN_FILES or p.suffix in (".jsonl", ".tmp") for p in run_dir.iterdir())
 
 
+def where_to_resume(run_dir: Path) -> str:
+    """What a stopped run leaves: the command that continues it, if a checkpoint exists (told by
+    ``tether train`` after a stop or an error, and after Ray ended its process without a word)."""
+    from tether.runtime.checkpoint import Checkpointer
+
+    if Checkpointer(run_dir / "checkpoints").list():
+        return f"the run directory is {run_dir} (resume with `tether train --resume {run_dir}`)"
+    if run_dir.is_dir() and never_trained(run_dir):
+        return (f"the run directory is {run_dir}; it trained no batch, so there is nothing to resume: start "
+                f"the run again with --run-dir {run_dir} to reuse it")
+    if run_dir.is_dir():
+        return (f"the run directory is {run_dir}; it holds no checkpoint to resume from "
+                "(checkpoint.interval=0, or it stopped before the first)")
+    return "nothing was written"
+
+
 def reuse_untrained(run_dir: Path) -> list[str]:
     """Clear a directory that ``never_trained`` for a new start in it; call with the lock held.
     Its ``starts.jsonl`` is kept (the new start is appended) and so are Ray's logs; what else the

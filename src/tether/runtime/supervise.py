@@ -59,26 +59,13 @@ def supervise(argv: list[str], run_dir: Path) -> int:
         os.close(write)
     if code in OWN_STATUSES:
         return code
+    from tether.runtime.rundir import where_to_resume
+
     how = (f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
            else f"ended with status {code}")
     print(f"tether train: error: the run's process (pid {child.pid}) {how} without a Tether error. With "
           "rollout.backend=ray this is how Ray ends a driver whose raylet died (the node's Ray processes "
           f"were killed, or ran out of memory); Ray's logs are in {run_dir / 'ray'} for a local instance. "
-          f"{how_to_go_on(run_dir)}", file=sys.stderr)
+          f"For this run, {where_to_resume(run_dir)}.", file=sys.stderr)
     return 2
 
-
-def how_to_go_on(run_dir: Path) -> str:
-    """What a run that ended without a word leaves to do: resume from its checkpoints, start again in
-    the same directory (it never trained a batch), or start anew (it trained but saved nothing)."""
-    from tether.runtime.rundir import never_trained
-
-    checkpoints = Path(run_dir) / "checkpoints"
-    if checkpoints.is_dir() and any(p.name.startswith("step-") for p in checkpoints.iterdir()):
-        return (f"Checkpoints up to the last boundary are intact: `tether train --resume {run_dir}` "
-                "continues the run.")
-    if never_trained(run_dir):
-        return (f"It trained no batch: the same `tether train` command with --run-dir {run_dir} starts it "
-                "again, reusing the directory.")
-    return (f"It wrote no checkpoint (checkpoint.interval), so there is nothing to resume: start a new run "
-            f"with another --run-dir (the metrics of this one stay in {run_dir}).")

@@ -283,6 +283,7 @@ class TorchLearner:
             corr = self._corrections(old_rows, behavior, mask[rows], same[rows], weigh, stats)
             if corr is None:
                 return self._skip(stats, "train/skipped_no_signal")
+            total_tokens, total_seqs = _denominators(corr.keep)
         for part in self._micro(mine):
             mb = tb.rows(self._runnable(part, mine))
             logp, entropy, own = self.policy.forward(self.model, mb, with_entropy=True, forward=self.forward)
@@ -293,7 +294,7 @@ class TorchLearner:
                 corr = self._corrections(old_rows, behavior, mask[rows], same[rows], weigh, stats)
                 if corr is None:
                     return self._skip(stats, "train/skipped_no_signal")
-            total_tokens, total_seqs = _denominators(corr.keep)
+                total_tokens, total_seqs = _denominators(corr.keep)  # once per mini-batch, as above
             old_mb, weights, keep = old_rows[local], corr.weights[local], corr.keep[local]
             anchor = old_mb if weigh else tb.behavior_logp[part]
             inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[part], mask=keep)

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tether.config import Config
-from tether.errors import ConfigError, LearnerError, LearnerLostError
-from tether.procinfo import Sealed
+from tether.errors import LearnerError, LearnerLostError
+from tether.procinfo import Sealed, failure_traceback
 from tether.vocabulary import DataBundle, RolloutBatch, TrainResult
 
 START_TIMEOUT_S = 600.0
@@ -305,7 +305,7 @@ def rank_main(sealed: Sealed, conn: Connection, lifeline: Connection) -> None:
         server.build(Ranks())
     except BaseException as exc:  # a recipe's mistake (a plug-in that fails here) says it all
         conn.send(("error", f"{type(exc).__name__}: {exc}",
-                   "" if isinstance(exc, ConfigError) else traceback.format_exc()))
+                   failure_traceback(exc)))
         return
     conn.send(("ok", None))
     try:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tether.control.inflight import TURN_SAFE, inflight_mode
+from tether.control.inflight import INFLIGHT_UPDATE_CHOICES, TURN_SAFE, inflight_mode
 from tether.errors import ConfigError
 from tether.families.agent.options import EnvSection
 from tether.families.text import TextFamily
@@ -38,7 +38,7 @@ class AgentFamily(TextFamily):
     keys = ("model.init_arch", "model.init_size", "plan.turns", "plan.env_time")
     capabilities = Capabilities(
         engine_kind="token",
-        inflight_updates=("drain", "keep", "recompute", "abort"),
+        inflight_updates=INFLIGHT_UPDATE_CHOICES,
         features=frozenset(
             {
                 "token_sampling",

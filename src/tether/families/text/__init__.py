@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tether.control.inflight import INFLIGHT_UPDATE_CHOICES
 from tether.families.base import FamilyBase
 from tether.vocabulary import Capabilities, DataBundle, Progress
 
@@ -30,7 +31,7 @@ class TextFamily(FamilyBase):
     keys = ("model.init_arch", "model.init_size", "reward.function", "reward.functions", "reward.weights",
             "reward.on_error")
     capabilities = Capabilities(engine_kind="token",
-                                inflight_updates=("drain", "keep", "recompute", "abort"),
+                                inflight_updates=INFLIGHT_UPDATE_CHOICES,
                                 features=ALL_FEATURES)
     warmstart_fields = ("loss", "pass_at_1")
 

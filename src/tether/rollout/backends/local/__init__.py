@@ -3,6 +3,7 @@ weights through shared memory (``pool.ProcessPool``). Importing it loads no torc
 
 from __future__ import annotations
 
+from tether.control.inflight import INFLIGHT_UPDATE_CHOICES
 from tether.plugins import BackendPlugin
 
 
@@ -14,4 +15,4 @@ class _Local(BackendPlugin):
 
 
 LOCAL = _Local("local", weight_channel="shared_memory",
-               inflight_updates=("drain", "keep", "recompute", "abort"))
+               inflight_updates=INFLIGHT_UPDATE_CHOICES)

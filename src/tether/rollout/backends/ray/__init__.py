@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tether.config.fields import Dropped, knob, recipe_value
+from tether.control.inflight import INFLIGHT_UPDATE_CHOICES
 from tether.errors import ConfigError
 from tether.plugins import BackendPlugin
 
@@ -94,5 +95,5 @@ class _Ray(BackendPlugin):
 
 
 RAY = _Ray("ray", section=("ray", RaySection), weight_channel="object_store",
-           inflight_updates=("drain", "keep", "recompute", "abort"), supervised=True,
+           inflight_updates=INFLIGHT_UPDATE_CHOICES, supervised=True,
            local_workers=False)

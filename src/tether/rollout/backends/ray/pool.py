@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from tether.errors import ConfigError, RolloutError
-from tether.procinfo import Sealed
+from tether.procinfo import Sealed, failure_traceback
 from tether.rollout.channel import Layout, Snapshot, open_snapshot
 from tether.rollout.dispatch import DispatchingPool, WorkerSlot
 from tether.rollout.settings import PoolSettings, WorkerSpec
@@ -226,7 +226,7 @@ class _RolloutActor:
                 self.rollout.watch(self._take_offered)
         except BaseException as exc:  # a recipe's mistake (a plug-in that fails here) says it all
             return ("error", None, f"failed to start: {type(exc).__name__}: {exc}",
-                    "" if isinstance(exc, ConfigError) else traceback.format_exc())
+                    failure_traceback(exc))
         import ray
 
         return ("ready", os.getpid(), ray.get_runtime_context().get_node_id())

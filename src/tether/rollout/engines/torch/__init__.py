@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tether.control.inflight import INFLIGHT_UPDATE_CHOICES
 from tether.errors import ConfigError
 from tether.plugins import EnginePlugin
 
@@ -34,4 +35,4 @@ class _Torch(EnginePlugin):
 
 
 TORCH = _Torch("torch", kinds=frozenset({"token", "step"}), keys=("rollout.decoder", "rollout.lora_apply"),
-               inflight_updates=("drain", "keep", "recompute", "abort"), lora=True, devices=("cpu", "cuda"))
+               inflight_updates=INFLIGHT_UPDATE_CHOICES, lora=True, devices=("cpu", "cuda"))

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from tether.control.inflight import INFLIGHT_UPDATE_CHOICES
 from tether.errors import ConfigError
 from tether.plugins import EnginePlugin
 from tether.rollout.engines.vllm.section import (
@@ -49,5 +50,5 @@ class _Vllm(EnginePlugin):
 
 
 VLLM = _Vllm("vllm", kinds=frozenset({"token"}), section=("vllm", VllmSection),
-             inflight_updates=("drain", "keep", "recompute", "abort"), lora=True, devices=("cpu", "cuda"),
+             inflight_updates=INFLIGHT_UPDATE_CHOICES, lora=True, devices=("cpu", "cuda"),
              notes={"kinds": "vLLM serves language models"})
