@@ -14,10 +14,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_tasks)
 
-    p = sub.add_parser("init-model", help="build a character-level tokenizer and a tiny model")
+    from tether.data.tiny_model import ARCHES, SIZES
+
+    p = sub.add_parser("init-model", help="build a character-level tokenizer and a model with random weights")
     p.add_argument("out", help="directory to write (must not exist or be empty)")
-    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
-    p.add_argument("--size", default="small", choices=["tiny", "small", "base"])
+    p.add_argument("--arch", default="qwen3", choices=list(ARCHES))
+    p.add_argument("--size", default="small", choices=list(SIZES),
+                   help="tiny ≈ 0.1M, small ≈ 3M, base ≈ 25M parameters; 0.5b and 1.5b: the shapes of "
+                        "Qwen2-0.5B and -1.5B (Qwen2's vocabulary, the tokenizer padded with filler tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty directory")
     p.set_defaults(func=_init_model)

@@ -1,4 +1,5 @@
-"""Tiny models built locally: a character-level tokenizer and a small Qwen3 or Llama model.
+"""Models built locally: a character-level tokenizer and a Qwen3, Llama or Qwen2 model with random
+weights, from tiny (tests) to the shapes of Qwen2-0.5B and Qwen2-1.5B (the scale benchmark).
 
 Both are written with ``save_pretrained`` and load offline through ``AutoTokenizer`` and
 ``AutoModelForCausalLM`` — the same path a user's real checkpoint takes — so nothing downloads
@@ -27,21 +28,38 @@ class ModelSize:
     num_heads: int
     num_kv_heads: int
     intermediate_size: int
+    vocab_size: int | None = None
+    """Pad the tokenizer with filler tokens to this many (a real model's embedding and output
+    head), or None for the tokenizer's own ~100 characters."""
+    max_positions: int = 256
+    rope_theta: float = 10000.0
 
+
+QWEN2_VOCAB = 151936
+"""Qwen2's vocabulary size (Qwen2 technical report, arXiv:2407.10671, and its released configs)."""
 
 SIZES: dict[str, ModelSize] = {
     "tiny": ModelSize(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192),
     "small": ModelSize(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768),
     "base": ModelSize(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536),
+    # the shapes of the released Qwen2-0.5B and Qwen2-1.5B configs (layers, widths, heads, vocabulary,
+    # rope θ), with random weights: what benchmarks/scale.py trains
+    "0.5b": ModelSize(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+                      vocab_size=QWEN2_VOCAB, max_positions=4096, rope_theta=1e6),
+    "1.5b": ModelSize(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960,
+                      vocab_size=QWEN2_VOCAB, max_positions=4096, rope_theta=1e6),
 }
 """Presets: ``tiny`` ≈ 0.1M parameters (tests), ``small`` ≈ 3M (demo, engine benchmark),
-``base`` ≈ 25M (weight-channel benchmark)."""
+``base`` ≈ 25M (weight-channel benchmark); ``0.5b`` ≈ 494M and ``1.5b`` ≈ 1.54B with Qwen2's
+vocabulary of 151,936 (the character tokenizer padded with filler tokens): the scale benchmark."""
 
-ARCHES = ("qwen3", "llama")
+ARCHES = ("qwen3", "llama", "qwen2")
 
 
-def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, *, model_max_length: int = 256):
-    """A character-level fast tokenizer: one token per character, left padding, no chat template."""
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, *, model_max_length: int = 256,
+                         vocab_size: int | None = None):
+    """A character-level fast tokenizer: one token per character, left padding, no chat template;
+    with ``vocab_size``, filler tokens ``<x_N>`` after the characters up to that many."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -49,7 +67,12 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, *, model_max_length: 
     clash = [c for c in chars if c in SPECIAL_TOKENS]
     if clash:
         raise ConfigError(f"alphabet contains special tokens {clash}")
-    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *chars])}
+    tokens = [*SPECIAL_TOKENS, *chars]
+    if vocab_size is not None:
+        if vocab_size < len(tokens):
+            raise ConfigError(f"a vocabulary of {vocab_size} cannot hold the {len(tokens)} characters")
+        tokens += [f"<x_{i}>" for i in range(vocab_size - len(tokens))]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -64,7 +87,7 @@ def build_model(vocab_size: int, *, arch: str = "qwen3", size: str = "small", se
                 eos_token_id: int = 2):
     """A randomly initialised causal LM of a preset size (float32)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     if arch not in ARCHES:
         raise ConfigError(f"unknown architecture {arch!r}; choose one of: {', '.join(ARCHES)}")
@@ -74,11 +97,11 @@ def build_model(vocab_size: int, *, arch: str = "qwen3", size: str = "small", se
     common = dict(
         vocab_size=vocab_size, hidden_size=s.hidden_size, num_hidden_layers=s.num_layers,
         num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
-        intermediate_size=s.intermediate_size, max_position_embeddings=max_positions,
-        head_dim=s.hidden_size // s.num_heads, tie_word_embeddings=True,
+        intermediate_size=s.intermediate_size, max_position_embeddings=max(max_positions, s.max_positions),
+        head_dim=s.hidden_size // s.num_heads, tie_word_embeddings=True, rope_theta=s.rope_theta,
         pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
     )
-    config = Qwen3Config(**common) if arch == "qwen3" else LlamaConfig(**common)
+    config = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen2": Qwen2Config}[arch](**common)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
@@ -100,7 +123,11 @@ def init_model(out: str | Path, *, arch: str = "qwen3", size: str = "small", see
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"{out} already exists and is not empty; choose another path or pass --overwrite")
-    tokenizer = build_char_tokenizer(alphabet)
+    if size not in SIZES:  # before the tokenizer, which reads the size's vocabulary
+        raise ConfigError(f"unknown model size {size!r}; choose one of: {', '.join(SIZES)}")
+    shape = SIZES[size]
+    tokenizer = build_char_tokenizer(alphabet, vocab_size=shape.vocab_size,
+                                     model_max_length=max(256, shape.max_positions))
     model = build_model(len(tokenizer), arch=arch, size=size, seed=seed,
                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                         eos_token_id=tokenizer.eos_token_id)
