@@ -79,12 +79,12 @@ def _from_module(module_name: str, name: str, spec: str, *, what: str) -> Any:
 
 
 def _member(module: Any, name: str, spec: str, where: str, *, what: str) -> Any:
-    if not hasattr(module, name):
+    obj = getattr(module, name, None)  # the name a recipe gave
+    if obj is None:
         defined = sorted(n for n in vars(module) if not n.startswith("_") and callable(vars(module)[n]))
         hint = difflib.get_close_matches(name, defined, n=1, cutoff=0.6)
         raise ConfigError(f"{where} defines no {name!r}; its functions are: {', '.join(defined) or 'none'}"
                           + (f" (did you mean {hint[0]!r}?)" if hint else ""))
-    obj = getattr(module, name)
     if not callable(obj):
         raise ConfigError(f"{what} {spec!r} is not callable")
     return obj

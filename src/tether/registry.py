@@ -168,8 +168,9 @@ def register_family(family: Any) -> Any:
     from tether.vocabulary import Family
 
     if not isinstance(family, Family):
-        missing = [m for m in ("name", "section", "keys", "capabilities", "sampler", "policy", "evaluator",
-                               "data", "scorer") if not hasattr(family, m)]
+        members = {m for cls in Family.__mro__ if cls is not object
+                   for m in [*vars(cls), *vars(cls).get("__annotations__", {})] if not m.startswith("_")}
+        missing = sorted(members - set(dir(family)))
         raise PluginError(f"{family!r} is not a tether Family (missing: {', '.join(missing) or '?'}); "
                           "see tether.vocabulary.Family and tether.families.base.FamilyBase")
     return families.register(family.name, family)

@@ -338,6 +338,10 @@ class Payload(Protocol):
         """version → the share of its actions sampled under it (``version_shares``)."""
         ...
 
+    def sample_lines(self) -> list[dict]:
+        """What to record of each sample (``FamilyBase.recorders``), JSON-ready; [] records nothing."""
+        ...
+
 
 class Sampler(Protocol):
     """A family's side of one rollout worker: its engine, and generating + scoring one batch."""
@@ -369,8 +373,16 @@ class Policy(Protocol):
     def batch(self, payload: Any) -> Any:
         """The payload as training tensors: an object with ``size``, ``group_size``, ``rewards``
         (N,), ``mask``, ``behavior_logp``, ``behavior_versions`` (N, T), ``truncated`` (N,),
-        ``rows(index)`` and ``to(device)``; optionally ``episode`` (N,), the unit each row belongs
-        to when one unit of a group spans several rows (they share its reward and advantage)."""
+        ``rows(index)``, ``to(device)`` and ``episode``: (N,), the unit each row belongs to when one
+        unit of a group spans several rows (they share its reward and advantage), else None."""
+        ...
+
+    def write_folder(self, model: Any, folder: Path, weights: Mapping[str, Any] | None) -> None:
+        """A checkpoint's model folder of ``weights`` gathered from learner ranks (None: sharded,
+        the folder holds what describes the model only). ``PolicyBase``'s: a transformers layout."""
+
+    def read_weights(self, folder: Path) -> Mapping[str, Any]:
+        """The parameters a checkpoint's model folder holds (``write_folder``'s or ``save``'s), by name."""
         ...
 
     def forward(self, model: Any, batch: Any, *, with_entropy: bool = False,
@@ -475,6 +487,12 @@ class Family(Protocol):
     def build_model(self, cfg: Any, out: Path, on_progress: Progress | None) -> str:
         """Create a new model directory at ``out`` (and warm-start it); returns one line saying
         how it went, for the log."""
+        ...
+
+    def warmstart(self, cfg: Any, model_dir: Path, out: Path, on_progress: Progress | None) -> Any:
+        """``tether warmstart``: fine-tune the model in ``model_dir`` on the recipe's data into
+        ``out``; a ``WarmstartResult``. ``FamilyBase``'s refuses (a family that builds and
+        warm-starts its models itself)."""
         ...
 
     def build_differences(self, cfg: Any, path: Path) -> list[str]:

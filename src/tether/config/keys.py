@@ -19,6 +19,7 @@ from typing import Any
 from tether import registry
 from tether.config.fields import Dropped, Resume, recipe_value, section_fields
 from tether.config.schema import SECTIONS
+from tether.plugins import section_name
 
 KINDS = {"families": "family", "engines": "engine", "backends": "backend"}
 """The registries whose plug-ins may own a section or keys, and the owner kind each is."""
@@ -55,24 +56,12 @@ class Key:
         return f"{self.resume.label}; dropped {self.dropped}" if self.dropped else self.resume.label
 
 
-def _plugins() -> Iterator[tuple[str, str, object]]:
+def _plugins() -> Iterator[tuple[str, str, Any]]:
     """(registry kind, name, plug-in) of every registered family, engine and backend."""
     for kind in KINDS:
         reg = getattr(registry, kind)
         for name in reg.names():
             yield kind, name, reg.get(name)
-
-
-def _section_name(plugin: object) -> str | None:
-    section = getattr(plugin, "section", None)
-    return section[0] if isinstance(section, tuple) else section
-
-
-def _section_class(plugin: object, name: str) -> type | None:
-    section = getattr(plugin, "section", None)
-    if isinstance(section, tuple):
-        return section[1]
-    return SECTIONS.get(name)  # a plug-in naming a core-listed section
 
 
 def section_resume(cls: type, owner: str) -> Resume:
@@ -126,13 +115,10 @@ def _build() -> dict[str, Key]:
     claims: dict[str, list[tuple[str, str]]] = {}  # key → (registry kind, plug-in) naming it
     own_sections: dict[str, tuple[str, str, type]] = {}  # section → (registry kind, plug-in, class)
     for kind, name, plugin in _plugins():
-        for key in getattr(plugin, "keys", ()):
+        for key in plugin.keys:
             claims.setdefault(key, []).append((kind, name))
-        section = _section_name(plugin)
-        if section is not None:
-            cls = _section_class(plugin, section)
-            if cls is not None:
-                own_sections.setdefault(section, (kind, name, cls))
+        if plugin.section is not None:
+            own_sections.setdefault(plugin.section[0], (kind, name, plugin.section[1]))
     sections: dict[str, tuple[type, str | None, str | None]] = {
         name: (cls, None, None) for name, cls in SECTIONS.items() if name not in own_sections}
     for section, (kind, name, cls) in own_sections.items():
@@ -174,7 +160,7 @@ def disagreements(keys: dict[str, Key] | None = None) -> list[str]:
     problems = []
     claimed: dict[str, list[str]] = {}
     for kind, name, plugin in _plugins():
-        for key in getattr(plugin, "keys", ()):
+        for key in plugin.keys:
             claimed.setdefault(key, []).append(f"{KINDS[kind]} {name}")
             if key not in keys:
                 problems.append(f"{KINDS[kind]} {name} names {key}, which no section has")
@@ -226,8 +212,8 @@ def _class_of(section: str) -> type | None:
     if section in SECTIONS:
         return SECTIONS[section]
     for _, _, plugin in _plugins():
-        if _section_name(plugin) == section:
-            return _section_class(plugin, section)
+        if section_name(plugin) == section:
+            return plugin.section[1]
     return None
 
 

@@ -114,6 +114,11 @@ def stop_ids_for(tokenizer, stop_text: str) -> list[int]:
 class _TransformersStepper:
     """Prefill/decode through the model's own forward and its KV cache (any causal LM)."""
 
+    path = "transformers"
+    """How it decodes (``TorchEngine.decoder_path``)."""
+    samples_natively = False
+    """It has no ``decode_run`` (``FastDecoder``'s native path samples inside its decode calls)."""
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.cache_kw = _cache_kwarg(type(model))
@@ -197,7 +202,7 @@ def sample(
     # the native decoder draws untruncated samples itself, inside its decode calls (one a step,
     # or the whole loop when nothing polls for new weights), from the uniforms this loop would
     # have drawn: the same stream, and no torch sampler operations a step
-    fuse = not params.truncates and hasattr(stepper, "decode_run")
+    fuse = not params.truncates
 
     tokens = torch.empty((batch, params.max_new_tokens), dtype=torch.long, device=device)  # (B, N)
     logps = torch.empty((batch, params.max_new_tokens), dtype=torch.float32, device=device)  # (B, N)

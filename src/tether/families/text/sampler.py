@@ -67,8 +67,7 @@ class TextSampler:
                 "staleness/multi_version_seq_frac": sum(len(set(v)) > 1 for v in batch.versions) / n,
             })
         batch.metrics.update(self.engine.report())
-        if hasattr(self.score, "take_parts"):  # reward.functions: each part's mean
-            batch.metrics.update(self.score.take_parts())
+        batch.metrics.update(self.score.take_parts())  # reward.functions: each part's mean
         batch.metrics.update({
             "reward/mean": mean,
             "reward/std": math.sqrt(sum((r - mean) ** 2 for r in batch.rewards) / n),

@@ -44,7 +44,7 @@ class TorchEngine(ModelEngine):
     def decoder_path(self) -> str:
         """How the last batch was decoded: ``native`` (the native decoder), ``python`` (the lean
         decoder's Python path) or ``transformers`` (the model's own forward)."""
-        return getattr(self.stepper, "path", "transformers")
+        return self.stepper.path
 
     def report(self) -> dict[str, float]:
         """Which decoder sampled the last batch (``rollout.decoder``)."""
