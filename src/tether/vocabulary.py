@@ -20,7 +20,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from tether.control.inflight import InflightMode
 
 # -- data ---------------------------------------------------------------------------------------
 
@@ -280,12 +283,11 @@ class Engine(Protocol):
         """Sample from ``weights`` in place where it can (shared-memory or object-store views on
         the CPU), else copy them in; as ``version`` when given."""
 
-    def watch(self, poll: Callable[[], int | None], inflight_update: str) -> None:
+    def watch(self, poll: Callable[[], int | None], inflight: InflightMode) -> None:
         """Without draining: call ``poll`` before every step of a generation (it binds newer
-        weights when there are some and returns their version); ``inflight_update`` names the
-        mode, whose declared ``on_switch`` (``tether.control.inflight``) says what happens to the
-        sequences then. Called only with a mode its plug-in declares
-        (``EnginePlugin.inflight_updates``)."""
+        weights when there are some and returns their version); ``inflight`` is the mode, whose
+        declared ``on_switch`` (``tether.control.inflight``) says what happens to the sequences
+        then. Called only with a mode its plug-in declares (``EnginePlugin.inflight_updates``)."""
 
     def take_up(self) -> int | None:
         """A safe point of the family's own (an agent's turn boundary): with ``watch`` set, take up

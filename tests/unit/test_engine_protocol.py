@@ -170,4 +170,5 @@ def test_every_scorer_reports_its_parts():
     both = WeightedScorer([one, two], [0.5, 0.5])
     ex = Example("p", "a")
     assert one(ex, "c") == 1.0 and one.take_parts() == {}  # a single function has no parts
-    assert both(ex, "c") == 0.5 and both.take_parts() == {"reward/part_0_mean": 1.0, "reward/part_1_mean": 0.0}
+    assert both(ex, "c") == 0.5
+    assert both.take_parts() == {"reward/part_0_mean": 1.0, "reward/part_1_mean": 0.0}
