@@ -49,9 +49,9 @@ def _yaml(value: Any) -> str:
 def _by_keys(feature: str) -> Callable[[Any], str | None]:
     """Asked by setting any key whose definition names ``feature`` (``knob(feature=...)``) away
     from its default."""
-    from tether.config.keys import table
+    from tether.config.keys import feature_keys
 
-    return lambda cfg: _changed(cfg, [k.key for k in table().values() if k.feature == feature])
+    return lambda cfg: _changed(cfg, feature_keys(feature))
 
 
 FEATURES: tuple[Feature, ...] = (

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from tether import registry
@@ -98,17 +99,22 @@ def _either(*drops: Dropped | None) -> tuple[str | None, Callable[[Mapping[str, 
         (why for d in drops if (why := d.why(recipe)) is not None), None)
 
 
-_cache: dict[tuple, dict[str, Key]] = {}
+_cache: dict[int, dict[str, Key]] = {}
 
 
-def table() -> dict[str, Key]:
+def table() -> Mapping[str, Key]:
     """Every key of every section (Tether's, then each registered plug-in's own), in order. Built
-    again when the registered plug-ins change."""
-    plugins = tuple((kind, name, id(plugin)) for kind, name, plugin in _plugins())
-    if plugins not in _cache:
+    again when the registered plug-ins change (``registry.generation``); not to be changed."""
+    generation = registry.generation()
+    if generation not in _cache:
         _cache.clear()
-        _cache[plugins] = _build()
-    return dict(_cache[plugins])
+        _cache[generation] = _build()
+    return MappingProxyType(_cache[generation])
+
+
+def feature_keys(feature: str) -> tuple[str, ...]:
+    """The keys whose definition names ``feature`` (``knob(feature=...)``)."""
+    return tuple(k.key for k in table().values() if k.feature == feature)
 
 
 def _build() -> dict[str, Key]:
@@ -149,7 +155,7 @@ def _build() -> dict[str, Key]:
     return out
 
 
-def disagreements(keys: dict[str, Key] | None = None) -> list[str]:
+def disagreements(keys: Mapping[str, Key] | None = None) -> list[str]:
     """Where a key's declaration and the plug-ins' claims disagree: a key of a shared section
     claimed by plug-ins of more than one kind, by plug-ins while its ``knob`` says ``core``, or by
     none while its ``knob`` names a kind of plug-in; a key claimed that no section has; a feature no
@@ -176,7 +182,7 @@ def disagreements(keys: dict[str, Key] | None = None) -> list[str]:
     return problems
 
 
-def resume_of(key: str, keys: dict[str, Key] | None = None) -> Resume:
+def resume_of(key: str, keys: Mapping[str, Key] | None = None) -> Resume:
     """What a resume does when it changes ``key`` (``section.name``); a key no section has now (a
     plug-in's that is not loaded, a run recorded by another version) takes its section's rule when
     the section is known, else is refused as changing how training continues."""
