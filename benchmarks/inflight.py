@@ -92,6 +92,7 @@ def measure_prefill_cost(model_dir: Path, max_new: int, repeats: int = 5) -> flo
 
     import torch
 
+    from tether.control.inflight import RECOMPUTE
     from tether.modeling import load_causal_lm, unique_parameters
     from tether.rollout.engines.torch.engine import TorchEngine
     from tether.vocabulary import SamplingParams
@@ -114,7 +115,7 @@ def measure_prefill_cost(model_dir: Path, max_new: int, repeats: int = 5) -> flo
             engine.bind(weights, engine.version + 1)
             return engine.version
 
-        engine.watch(poll, "recompute")
+        engine.watch(poll, RECOMPUTE)
         t0 = time.perf_counter()
         engine.generate(prompts, samples_per_prompt=8, params=params, seed=0)
         return time.perf_counter() - t0

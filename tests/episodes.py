@@ -3,6 +3,8 @@ after each episode's first."""
 
 import torch
 
+from tether.control.inflight import inflight_mode
+
 
 def later_turns(policy, model, batch):
     """(learner log-probs, engine log-probs, versions) of the model tokens of every turn but each
@@ -43,7 +45,7 @@ def publish_at_poll(engine, mode, n, seed):
             return 1
         return None
 
-    engine.watch(poll, mode)
+    engine.watch(poll, inflight_mode(mode))
     return weights, calls
 
 

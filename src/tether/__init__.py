@@ -9,7 +9,7 @@ The public API — everything else is internal and may move:
     register_advantage, register_kl, batched   (``batched``: a reward function that scores a whole batch)
     register_engine, register_backend,         an engine or a rollout backend, declared as
     EnginePlugin, BackendPlugin                (``tether.plugins``) what it owns, supports and checks
-    Family, FamilyBase, Capabilities, ...      the vocabulary a plug-in is written in
+    Family, FamilyBase, PolicyBase, ...        the vocabulary a plug-in is written in
     TetherError, ConfigError, ...              the errors (``tether.errors``)
 
 Importing ``tether`` loads neither torch nor the parts of a run: each name is imported on first use.
@@ -41,6 +41,7 @@ _EXPORTS = {
     "BackendPlugin": "tether.plugins",
     "batched": "tether.data.rewards",
     "FamilyBase": "tether.families.base",
+    "PolicyBase": "tether.families.base",
     "Capabilities": "tether.vocabulary",
     "DataBundle": "tether.vocabulary",
     "Example": "tether.vocabulary",

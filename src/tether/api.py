@@ -88,10 +88,7 @@ def train(cfg: Any = None, overrides: Sequence[str] = (), *, reward: Any = None,
 
 def _caller_module() -> str | None:
     """The name of the module that called ``tether.train`` (the first frame outside Tether)."""
-    here = Path(__file__).resolve().parent
-    frame = sys._getframe(1)
-    while frame is not None and here in Path(frame.f_code.co_filename).resolve().parents:
-        frame = frame.f_back
+    frame = registry.caller_outside_tether()
     return None if frame is None else frame.f_globals.get("__name__")
 
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tether.errors import PluginError
+
 ENGINE_KINDS = ("token", "step")
 WEIGHT_CHANNELS = ("shared_memory", "object_store", "in_process")
 DEVICES = ("cpu", "cuda")
@@ -59,6 +61,12 @@ class EnginePlugin:
     notes: Mapping[str, str] = field(default_factory=dict)
     """Why something is not supported, by axis (``inflight_updates``, ``lora``, ``devices``,
     ``weight_channels``): added to the refusal."""
+
+    def __post_init__(self) -> None:
+        check_declared(self)
+        if not self.kinds or not set(self.kinds) <= set(ENGINE_KINDS):
+            raise PluginError(f"engine {self.name!r} declares kinds {sorted(self.kinds)}; each must be one "
+                              f"of {', '.join(ENGINE_KINDS)}")
 
     def check(self, cfg: Any) -> None:
         """Rules of its own keys, at config load (any Python)."""
@@ -95,6 +103,12 @@ class BackendPlugin:
     local_workers: bool = True
     """Its workers run this Python on this machine, so what they need is checked here at once."""
 
+    def __post_init__(self) -> None:
+        check_declared(self)
+        if self.weight_channel not in WEIGHT_CHANNELS:
+            raise PluginError(f"backend {self.name!r} declares weight_channel={self.weight_channel!r}; "
+                              f"it must be one of {', '.join(WEIGHT_CHANNELS)}")
+
     def worker_device(self, cfg: Any) -> str:
         """The device type its workers sample on (``DEVICES``)."""
         return "cpu"
@@ -119,3 +133,20 @@ def section_name(plugin: Any) -> str | None:
     """The name of a plug-in's own section (an engine, backend or family), or None."""
     section = plugin.section
     return section[0] if section is not None else None
+
+
+def check_declared(plugin: Any) -> None:
+    """What every plug-in that may own a section declares (an engine, a backend, a family): its
+    ``name`` an identifier, its own ``section`` (name, dataclass) or None; a section name another
+    section has is refused when the recipe is read (``tether.config.config.plugin_section_classes``)."""
+    import dataclasses
+
+    if not (isinstance(plugin.name, str) and plugin.name.isidentifier()):
+        raise PluginError(f"a plug-in name must be an identifier (letters, digits, _), got {plugin.name!r}")
+    section = plugin.section
+    if section is None:
+        return
+    if not (isinstance(section, tuple) and len(section) == 2 and isinstance(section[0], str)
+            and section[0].isidentifier() and dataclasses.is_dataclass(section[1])):
+        raise PluginError(f"{plugin.name!r} declares section={section!r}; give (name, a frozen "
+                          "dataclass of tether knob fields)")

@@ -28,6 +28,7 @@ import importlib.util
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
+from types import FrameType
 from typing import Any, Generic, TypeVar
 
 from tether.errors import ConfigError, PluginError
@@ -40,6 +41,20 @@ def _closest(name: str, options: Iterable[str]) -> str | None:
 
     matches = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
     return matches[0] if matches else None
+
+
+_generation = 0  # moved by every registration and removal, in any registry
+
+
+def generation() -> int:
+    """A number that changes whenever a plug-in is registered or removed: what is computed from
+    the registered plug-ins (the key table, the plug-in sections) is cached under it."""
+    return _generation
+
+
+def _changed() -> None:
+    global _generation
+    _generation += 1
 
 
 class Registry(Generic[T]):
@@ -74,6 +89,7 @@ class Registry(Generic[T]):
         self._meta[name] = dict(meta)
         if origin is not None:
             self._origins[name] = origin
+        _changed()
         return obj
 
     def unregister(self, name: str) -> None:
@@ -82,6 +98,7 @@ class Registry(Generic[T]):
         self._lazy.pop(name, None)
         self._meta.pop(name, None)
         self._origins.pop(name, None)
+        _changed()
 
     def canonical(self, name: str) -> str:
         return self.aliases.get(name, name)
@@ -168,54 +185,39 @@ def register_family(family: Any) -> Any:
     from tether.vocabulary import Family
 
     if not isinstance(family, Family):
-        missing = [m for m in ("name", "section", "keys", "capabilities", "sampler", "policy", "evaluator",
-                               "data", "scorer") if not hasattr(family, m)]
+        members = {m for cls in Family.__mro__ if cls is not object
+                   for m in [*vars(cls), *vars(cls).get("__annotations__", {})] if not m.startswith("_")}
+        missing = sorted(members - set(dir(family)))
         raise PluginError(f"{family!r} is not a tether Family (missing: {', '.join(missing) or '?'}); "
                           "see tether.vocabulary.Family and tether.families.base.FamilyBase")
+    from tether.plugins import check_declared
+
+    check_declared(family)  # its section, as an engine's or a backend's
     return families.register(family.name, family)
 
 
 def register_engine(engine: Any) -> Any:
     """Add an engine (``tether.plugins.EnginePlugin``: its section, keys, what it supports, its
-    checks, ``build``) under its ``name``; ``rollout.engine`` then accepts it. Returns it."""
-    from tether.plugins import ENGINE_KINDS, EnginePlugin
+    checks, ``build``) under its ``name``; ``rollout.engine`` then accepts it. Returns it. What it
+    declares was checked when it was made (``EnginePlugin.__post_init__``)."""
+    from tether.plugins import EnginePlugin
 
     if not isinstance(engine, EnginePlugin):
         raise PluginError(f"{engine!r} is not a tether engine: declare it as a tether.EnginePlugin "
                           "(docs/architecture.md, 'Adding an engine')")
-    if not engine.kinds or not set(engine.kinds) <= set(ENGINE_KINDS):
-        raise PluginError(f"engine {engine.name!r} declares kinds {sorted(engine.kinds)}; each must be one "
-                          f"of {', '.join(ENGINE_KINDS)}")
-    _check_section(engine)
     return engines.register(engine.name, engine)
 
 
 def register_backend(backend: Any) -> Any:
     """Add a rollout backend (``tether.plugins.BackendPlugin``: its section, keys, weight channel,
-    checks, ``pool``) under its ``name``; ``rollout.backend`` then accepts it. Returns it."""
-    from tether.plugins import WEIGHT_CHANNELS, BackendPlugin
+    checks, ``pool``) under its ``name``; ``rollout.backend`` then accepts it. Returns it. What it
+    declares was checked when it was made (``BackendPlugin.__post_init__``)."""
+    from tether.plugins import BackendPlugin
 
     if not isinstance(backend, BackendPlugin):
         raise PluginError(f"{backend!r} is not a tether backend: declare it as a tether.BackendPlugin "
                           "(docs/architecture.md)")
-    if backend.weight_channel not in WEIGHT_CHANNELS:
-        raise PluginError(f"backend {backend.name!r} declares weight_channel={backend.weight_channel!r}; "
-                          f"it must be one of {', '.join(WEIGHT_CHANNELS)}")
-    _check_section(backend)
     return backends.register(backend.name, backend)
-
-
-def _check_section(plugin: Any) -> None:
-    """A plug-in's own section is (name, frozen dataclass); a name another section has is refused
-    when the recipe is read (``tether.config.config.plugin_section_classes``)."""
-    import dataclasses
-
-    if plugin.section is None:
-        return
-    name, cls = plugin.section
-    if not (isinstance(name, str) and name.isidentifier() and dataclasses.is_dataclass(cls)):
-        raise PluginError(f"{plugin.name!r} declares section={plugin.section!r}; give (name, a frozen "
-                          "dataclass of tether knob fields)")
 
 
 def _decorator(registry: Registry[Any], name: str, **meta: Any) -> Callable[[Any], Any]:
@@ -254,16 +256,23 @@ def register_reward(name: str) -> Callable[[Any], Any]:
     return _decorator(rewards, name)
 
 
-def registering_file() -> str | None:
-    """The file of the code outside Tether that is registering something (None: Tether itself)."""
+def caller_outside_tether(*, with_file: bool = False) -> FrameType | None:
+    """The innermost frame of code outside Tether in the current call (None: Tether's own, or
+    nothing else); ``with_file``: of code read from a file (not ``<string>``, ``<frozen ...>``)."""
     here = Path(__file__).resolve().parent
     frame = sys._getframe(1)
     while frame is not None:
         file = frame.f_code.co_filename
-        if not file.startswith("<") and here not in Path(file).resolve().parents:
-            return str(Path(file).resolve())
+        if not (with_file and file.startswith("<")) and here not in Path(file).resolve().parents:
+            return frame
         frame = frame.f_back
     return None
+
+
+def registering_file() -> str | None:
+    """The file of the code outside Tether that is registering something (None: Tether itself)."""
+    frame = caller_outside_tether(with_file=True)
+    return None if frame is None else str(Path(frame.f_code.co_filename).resolve())
 
 
 # -- user code: a script Tether imports ---------------------------------------------------------------
@@ -308,8 +317,18 @@ _loaded_plugins: dict[str, str] = {}  # the spec as given → the module it beca
 def plugin_module_name(path: Path) -> str:
     """A plug-in file's module name: the same in every process of a run (so objects it defines
     pickle between them by reference), different for different files."""
+    return _module_name("tether_plugin", path)
+
+
+def user_module_name(path: Path) -> str:
+    """The module name of a file a recipe names an object of (``path/to/file.py:name``), as
+    ``plugin_module_name``."""
+    return _module_name("tether_user", path)
+
+
+def _module_name(prefix: str, path: Path) -> str:
     digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
-    return f"tether_plugin_{path.stem}_{digest}"
+    return f"{prefix}_{path.stem}_{digest}"
 
 
 def load_plugins(specs: Iterable[str]) -> None:
@@ -326,46 +345,64 @@ def _load_file(spec: str) -> str:
     if not path.is_file():
         raise ConfigError(f"run.plugins: {spec!r} does not exist (give a .py file or a module name)")
     name = plugin_module_name(path)
-    if name in sys.modules:
-        return name
-    main = running_script(path)
-    if main is not None:  # the script that is running names itself: it has registered already
-        sys.modules[name] = main
-        return name
-    loader_spec = importlib.util.spec_from_file_location(name, path.resolve())
-    assert loader_spec is not None and loader_spec.loader is not None
-    module = importlib.util.module_from_spec(loader_spec)
-    sys.modules[name] = module  # before running it: its dataclasses look themselves up there
-    try:
-        with importing_user_code():
-            loader_spec.loader.exec_module(module)
-    except ScriptReentered:
-        pass  # a script that calls tether.train: what it defined above the call is the plug-in
-    except (KeyboardInterrupt, ConfigError):  # a stop; a plug-in's own clear refusal
-        del sys.modules[name]
-        raise
-    except BaseException as exc:
-        del sys.modules[name]
-        raise import_failure(f"run.plugins: {spec}", exc) from exc
+    import_user_file(path, name, what=f"run.plugins: {spec}")
     return name
 
 
 def _load_module(spec: str) -> str:
+    import_user_module(spec, what=f"run.plugins: module {spec!r}",
+                       missing=f"run.plugins: cannot import module {spec!r}",
+                       fix="give an importable module or a path/to/file.py")
+    return spec
+
+
+def import_user_file(path: Path, name: str, *, what: str, error: type[ConfigError] = PluginError) -> Any:
+    """The user's file ``path`` imported as module ``name``, once per process: the running script
+    itself when it is that file (it is not run twice), else executed with ``importing_user_code``
+    (a ``tether.train`` call in it ends the import, keeping what it defined above the call). What it
+    raises, ``sys.exit()`` included, becomes ``error`` naming ``what`` (``import_failure``)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    main = running_script(path)
+    if main is not None:  # the script that is running names itself: it has registered already
+        sys.modules[name] = main
+        return main
+    loader_spec = importlib.util.spec_from_file_location(name, path.resolve())
+    assert loader_spec is not None and loader_spec.loader is not None
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module  # before running it: its classes pickle (and dataclasses resolve) by it
     try:
         with importing_user_code():
-            importlib.import_module(spec)
+            loader_spec.loader.exec_module(module)
     except ScriptReentered:
-        pass  # a script that calls tether.train, imported as a plug-in: its registrations are made
+        pass  # a script that calls tether.train: what it defined above the call is there
+    except (KeyboardInterrupt, ConfigError):  # a stop; the file's own clear refusal
+        del sys.modules[name]
+        raise
+    except BaseException as exc:
+        del sys.modules[name]
+        raise import_failure(what, exc, error) from exc
+    return module
+
+
+def import_user_module(module_name: str, *, what: str, missing: str, fix: str,
+                       error: type[ConfigError] = PluginError) -> Any:
+    """The user's module ``module_name``, imported as ``import_user_file`` imports a file; None when
+    it called ``tether.train`` before it was whole. A module that is not there is ``missing`` (a
+    ``ConfigError`` saying ``fix``); one that fails importing something else is ``error``."""
+    try:
+        with importing_user_code():
+            return importlib.import_module(module_name)
+    except ScriptReentered:
+        return sys.modules.get(module_name)  # a script that calls tether.train: its registrations are made
     except ModuleNotFoundError as exc:
-        if exc.name is None or not (spec == exc.name or spec.startswith(f"{exc.name}.")):
-            raise import_failure(f"run.plugins: module {spec!r}", exc) from exc  # it imports what is missing
-        raise ConfigError(f"run.plugins: cannot import module {spec!r} ({exc}); give an importable "
-                          "module or a path/to/file.py") from exc
+        if exc.name is None or not (module_name == exc.name or module_name.startswith(f"{exc.name}.")):
+            raise import_failure(what, exc, error) from exc  # it imports what is missing
+        raise ConfigError(f"{missing} ({exc}); {fix}") from exc
     except (KeyboardInterrupt, ConfigError):
         raise
     except BaseException as exc:
-        raise import_failure(f"run.plugins: module {spec!r}", exc) from exc
-    return spec
+        raise import_failure(what, exc, error) from exc
 
 
 def import_failure(what: str, exc: BaseException, error: type[ConfigError] = PluginError) -> ConfigError:

@@ -20,7 +20,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from tether.control.inflight import InflightMode
 
 # -- data ---------------------------------------------------------------------------------------
 
@@ -280,12 +283,11 @@ class Engine(Protocol):
         """Sample from ``weights`` in place where it can (shared-memory or object-store views on
         the CPU), else copy them in; as ``version`` when given."""
 
-    def watch(self, poll: Callable[[], int | None], inflight_update: str) -> None:
+    def watch(self, poll: Callable[[], int | None], inflight: InflightMode) -> None:
         """Without draining: call ``poll`` before every step of a generation (it binds newer
-        weights when there are some and returns their version); ``inflight_update`` names the
-        mode, whose declared ``on_switch`` (``tether.control.inflight``) says what happens to the
-        sequences then. Called only with a mode its plug-in declares
-        (``EnginePlugin.inflight_updates``)."""
+        weights when there are some and returns their version); ``inflight`` is the mode, whose
+        declared ``on_switch`` (``tether.control.inflight``) says what happens to the sequences
+        then. Called only with a mode its plug-in declares (``EnginePlugin.inflight_updates``)."""
 
     def take_up(self) -> int | None:
         """A safe point of the family's own (an agent's turn boundary): with ``watch`` set, take up
@@ -338,6 +340,10 @@ class Payload(Protocol):
         """version → the share of its actions sampled under it (``version_shares``)."""
         ...
 
+    def sample_lines(self) -> list[dict]:
+        """What to record of each sample (``FamilyBase.recorders``), JSON-ready; [] records nothing."""
+        ...
+
 
 class Sampler(Protocol):
     """A family's side of one rollout worker: its engine, and generating + scoring one batch."""
@@ -369,8 +375,16 @@ class Policy(Protocol):
     def batch(self, payload: Any) -> Any:
         """The payload as training tensors: an object with ``size``, ``group_size``, ``rewards``
         (N,), ``mask``, ``behavior_logp``, ``behavior_versions`` (N, T), ``truncated`` (N,),
-        ``rows(index)`` and ``to(device)``; optionally ``episode`` (N,), the unit each row belongs
-        to when one unit of a group spans several rows (they share its reward and advantage)."""
+        ``rows(index)``, ``to(device)`` and ``episode``: (N,), the unit each row belongs to when one
+        unit of a group spans several rows (they share its reward and advantage), else None."""
+        ...
+
+    def write_folder(self, model: Any, folder: Path, weights: Mapping[str, Any] | None) -> None:
+        """A checkpoint's model folder of ``weights`` gathered from learner ranks (None: sharded,
+        the folder holds what describes the model only). ``PolicyBase``'s: a transformers layout."""
+
+    def read_weights(self, folder: Path) -> Mapping[str, Any]:
+        """The parameters a checkpoint's model folder holds (``write_folder``'s or ``save``'s), by name."""
         ...
 
     def forward(self, model: Any, batch: Any, *, with_entropy: bool = False,
@@ -475,6 +489,12 @@ class Family(Protocol):
     def build_model(self, cfg: Any, out: Path, on_progress: Progress | None) -> str:
         """Create a new model directory at ``out`` (and warm-start it); returns one line saying
         how it went, for the log."""
+        ...
+
+    def warmstart(self, cfg: Any, model_dir: Path, out: Path, on_progress: Progress | None) -> Any:
+        """``tether warmstart``: fine-tune the model in ``model_dir`` on the recipe's data into
+        ``out``; a ``WarmstartResult``. ``FamilyBase``'s refuses (a family that builds and
+        warm-starts its models itself)."""
         ...
 
     def build_differences(self, cfg: Any, path: Path) -> list[str]:

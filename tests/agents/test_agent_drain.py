@@ -41,7 +41,7 @@ def test_a_publication_waits_for_the_turns_in_flight_not_for_the_episodes(tiny_m
     ])
     assert cfg.budget().drain_at_turns and not cfg.budget().drains
     settings = PoolSettings(cfg, str(tiny_model_dir), stop_text="\n")
-    assert settings.inflight_update == "keep"  # the engines run as keep, taking weights between turns
+    assert settings.inflight.name == "keep"  # the engines run as keep, taking weights between turns
 
     def batches(index):
         return [(2 * index + k, Example(prompt=f"task {k}", answer=str(k))) for k in range(2)]

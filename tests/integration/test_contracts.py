@@ -26,6 +26,7 @@ pytest.importorskip("transformers")
 from tether import registry  # noqa: E402
 from tether.config import load_config  # noqa: E402
 from tether.config.features import FEATURE_NAMES  # noqa: E402
+from tether.control.inflight import inflight_mode  # noqa: E402
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.errors import ConfigError, TetherError  # noqa: E402
 from tether.modeling import unique_parameters  # noqa: E402
@@ -148,7 +149,7 @@ def test_a_familys_learner_scores_its_samples_as_its_engine_did(family_run):
     again = sampler.generate(item_of(cfg, data, index=1, version=3))
     assert engine.version == 3 and again.version_shares() == {3: 1.0}
     with pytest.raises(ConfigError):
-        engine.watch(lambda: None, "drain")  # drain is not a mid-generation mode
+        engine.watch(lambda: None, inflight_mode("drain"))  # drain is not a mid-generation mode
 
 
 def test_a_familys_model_saves_loads_and_evaluates(family_run, tmp_path):

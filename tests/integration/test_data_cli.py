@@ -45,3 +45,8 @@ def test_init_model_then_warmstart_from_a_recipe(tmp_path):
     bad = run("warmstart", str(recipe), "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "x"),
               check=False)
     assert bad.returncode == 2 and "not a model directory" in bad.stderr
+    # a family that builds and warm-starts its own models says so (FamilyBase.warmstart)
+    flow = run("warmstart", "model.family=flow", "data.task=shapes", "--model", str(tmp_path / "m"), "--out",
+               str(tmp_path / "f"), check=False)
+    assert flow.returncode == 2
+    assert "model.family=flow builds and warm-starts its models itself" in flow.stderr

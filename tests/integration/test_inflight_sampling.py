@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tether.control.inflight import inflight_mode  # noqa: E402
 from tether.decoding.sampling import (  # noqa: E402  # noqa: E402
     SamplingParams,
     _cache_kwarg,
@@ -65,7 +66,7 @@ def run(models, mode, *, lean=True, switch_at=SWITCH_AT, stop=True, seed=0):
     stepper = stepper_for(model) if lean else _TransformersStepper(model)
     out = sample(model, prompt_ids(tok), PARAMS, stop_ids=[tok.eos_token_id] if stop else [],
                  pad_id=tok.pad_token_id, generator=torch.Generator().manual_seed(seed), stepper=stepper,
-                 samples_per_prompt=2, version=0, poll=poll, inflight_update=mode)
+                 samples_per_prompt=2, version=0, poll=poll, inflight=inflight_mode(mode))
     return out
 
 

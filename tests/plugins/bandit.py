@@ -99,6 +99,10 @@ class Pulls:
     def version_shares(self) -> dict[int, float]:
         return version_shares(self.versions)
 
+    def sample_lines(self) -> list[dict]:
+        return [{"prompt": self.prompts[i // self.group_size], "arm": a, "reward": r}
+                for i, (a, r) in enumerate(zip(self.arms, self.rewards, strict=True))]
+
 
 class BanditEngine(ModelEngine):
     def pull(self, prompts: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,6 +147,7 @@ class PullTensors:
     rewards: torch.Tensor  # (N,)
     truncated: torch.Tensor  # (N,)
     group_size: int
+    episode: None = None  # a sample is one row
 
     @property
     def size(self) -> int:
@@ -158,7 +163,7 @@ class PullTensors:
         return self
 
 
-class BanditPolicy:
+class BanditPolicy(tether.PolicyBase):
     def load(self, path):
         return BanditModel.from_pretrained(Path(path)), None
 

@@ -133,17 +133,27 @@ MAY_NAME_MODES = ("control/inflight.py",)  # the one module that says what an in
 
 
 def literal_modes(path: Path) -> list[str]:
-    """``line: source`` of each comparison with an in-flight mode's name or an ``on_switch`` value
-    as a string literal (or a collection of them): ``async.inflight_update == "keep"``."""
-    def is_mode_literal(node: ast.AST) -> bool:
+    """``line: source`` of each place that tells in-flight modes apart by name (or by ``on_switch``
+    value) as a string literal: a comparison with one or a collection of them
+    (``async.inflight_update == "keep"``), a ``match`` case, or a dict keyed by them (a table of
+    what each mode does, kept outside the policy)."""
+    def is_mode_literal(node: ast.AST | None) -> bool:
         if isinstance(node, ast.Constant):
             return node.value in MODE_WORDS
         return (isinstance(node, ast.Tuple | ast.List | ast.Set) and bool(node.elts)
                 and all(map(is_mode_literal, node.elts)))
 
+    def names_modes(node: ast.AST) -> bool:
+        if isinstance(node, ast.Compare):
+            return any(map(is_mode_literal, [node.left, *node.comparators]))
+        if isinstance(node, ast.MatchValue):
+            return is_mode_literal(node.value)
+        return isinstance(node, ast.Dict) and any(map(is_mode_literal, node.keys))
+
     text = path.read_text()
-    return [f"{node.lineno}: {ast.get_source_segment(text, node)}" for node in ast.walk(ast.parse(text))
-            if isinstance(node, ast.Compare) and any(map(is_mode_literal, [node.left, *node.comparators]))]
+    found = sorted((n for n in ast.walk(ast.parse(text)) if names_modes(n)),
+                   key=lambda n: (n.lineno, n.col_offset))
+    return [f"{node.lineno}: {ast.get_source_segment(text, node)}" for node in found]
 
 
 def test_only_the_inflight_policy_compares_mode_names():
@@ -162,6 +172,9 @@ def test_the_mode_check_finds_what_it_looks_for(tmp_path):
     source = tmp_path / "m.py"
     source.write_text('if cfg.async_.inflight_update != "drain": pass\n'
                       'if mode in ("recompute", "abort"): pass\n'
-                      'if m.on_switch == "keep_cache": pass\nif reason == "eval": pass\nemit("drain")\n')
+                      'if m.on_switch == "keep_cache": pass\nif reason == "eval": pass\nemit("drain")\n'
+                      'match mode:\n    case "abort": pass\n    case _: pass\n'
+                      'cost = {"recompute": 1.0, "other": 0.0}\nrows = {"eval": 1}\n')
     assert literal_modes(source) == ['1: cfg.async_.inflight_update != "drain"',
-                                     '2: mode in ("recompute", "abort")', '3: m.on_switch == "keep_cache"']
+                                     '2: mode in ("recompute", "abort")', '3: m.on_switch == "keep_cache"',
+                                     '7: "abort"', '9: {"recompute": 1.0, "other": 0.0}']

@@ -122,10 +122,13 @@ def test_vllms_limits_are_its_declarations_checked_at_load():
 def test_a_plugin_that_is_not_declared_as_one_is_refused(plugin):
     with pytest.raises(PluginError, match=r"is not a tether engine: declare it as a tether\.EnginePlugin"):
         tether.register_engine(object())
+    # what a plug-in declares is checked when it is made, registered or not (its __post_init__)
     with pytest.raises(PluginError, match="declares kinds"):
-        tether.register_engine(tether.EnginePlugin("odd_kind", kinds=frozenset({"image"})))
+        tether.EnginePlugin("odd_kind", kinds=frozenset({"image"}))
     with pytest.raises(PluginError, match="declares weight_channel='carrier_pigeon'"):
-        tether.register_backend(tether.BackendPlugin("birds", weight_channel="carrier_pigeon"))
+        tether.BackendPlugin("birds", weight_channel="carrier_pigeon")
+    with pytest.raises(PluginError, match=r"'odd_section' declares section=\('odd', <class 'dict'>\)"):
+        tether.BackendPlugin("odd_section", section=("odd", dict))
     with pytest.raises(PluginError, match="engine named 'vllm' is already registered"):
         tether.register_engine(tether.EnginePlugin("vllm"))
 
@@ -145,7 +148,7 @@ def test_a_section_name_taken_twice_is_refused(plugin):
 
 
 def test_a_family_must_declare_its_keys_and_section_too():
-    class Bare:  # every member but the declarations a recipe is checked against
+    class Bare:  # no section, no keys (nor other members: the refusal names every one missing)
         name, description, capabilities, warmstart_fields = "bare", "", tether.Capabilities(), ()
 
         def check(self, cfg): ...
@@ -156,5 +159,55 @@ def test_a_family_must_declare_its_keys_and_section_too():
         def data(self, *a): ...
         def scorer(self, cfg): ...
 
-    with pytest.raises(PluginError, match=r"is not a tether Family \(missing: section, keys"):
+    with pytest.raises(PluginError, match=r"is not a tether Family \(missing: [^)]*\bkeys\b[^)]*\bsection\b"):
         tether.register_family(Bare())
+
+
+def test_a_family_declares_its_section_as_an_engine_does():
+    class Sectioned(tether.FamilyBase):
+        name, section = "sectioned", ("sectioned", dict)  # not a dataclass of knobs
+
+    with pytest.raises(PluginError, match=r"'sectioned' declares section=\('sectioned', <class 'dict'>\); "
+                                          r"give \(name, a frozen dataclass"):
+        tether.register_family(Sectioned())
+    assert "sectioned" not in tether.registry.families
+
+
+def test_what_is_read_from_the_plugins_is_computed_once_until_one_registers(monkeypatch):
+    """The key table and the plug-in sections are built again only when a plug-in registers or
+    is removed (``registry.generation``), not on every config check or section lookup."""
+    from dataclasses import dataclass
+
+    from tether.config import config as config_module
+    from tether.config import keys as keys_module
+
+    builds = {"table": 0, "sections": 0}
+
+    def counting(name, real):
+        def wrapped(*a, **k):
+            builds[name] += 1
+            return real(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(keys_module, "_build", counting("table", keys_module._build))
+    monkeypatch.setattr(config_module, "_find_section_classes",
+                        counting("sections", config_module._find_section_classes))
+    cfg = load_config(None, [])
+    keys_module.table(), config_module.plugin_section_classes()  # built once here, at most
+    before = dict(builds)
+    for _ in range(3):
+        cfg.check()
+        cfg.section("vllm"), cfg.has_section("ray"), keys_module.table()
+    assert builds == before
+
+    @dataclass(frozen=True)
+    class Counted:
+        n: int = 1
+
+    counted = tether.register_backend(tether.BackendPlugin("counted", section=("counted", Counted)))
+    try:
+        assert "counted.n" in keys_module.table() and "counted" in config_module.plugin_section_classes()
+        assert builds == {"table": before["table"] + 1, "sections": before["sections"] + 1}
+    finally:
+        registry.backends.unregister(counted.name)
+    assert "counted.n" not in keys_module.table() and "counted" not in config_module.plugin_section_classes()

@@ -100,8 +100,7 @@ def random_trial(rng: random.Random) -> tuple[BudgetSettings, Timings]:
 
 def check_trial(settings: BudgetSettings, timings: Timings) -> list[str]:
     clock = VirtualClock()
-    pool = SimPool(clock, timings, drains=settings.drains, inflight_update=settings.inflight_update,
-                   num_groups=3, group_size=2)
+    pool = SimPool(clock, timings, inflight=settings.mode, num_groups=3, group_size=2)
     learner = SimLearner(clock, timings, settings.updates_per_batch)
     ref: list = []
     checker = InvariantChecker(pool, ref)

@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 
 from episodes import later_turns, scored  # noqa: E402
 from tether.config import load_config  # noqa: E402
+from tether.control.inflight import KEEP  # noqa: E402
 from tether.families.agent.policy import AgentPolicy  # noqa: E402
 from tether.families.agent.sampler import AgentSampler  # noqa: E402
 from tether.vocabulary import SamplingParams, WorkItem  # noqa: E402
@@ -94,7 +95,7 @@ def test_on_vllm_a_publication_mid_episode_is_stamped_and_later_turns_start_on_i
         return None
 
     engine.generate = counting
-    engine.watch(poll, "keep")
+    engine.watch(poll, KEEP)
     examples = list(enumerate(get_task("kv_lookup").examples("train", 1, seed=0)))
     try:
         batch = sampler.generate(WorkItem(batch_index=0, version=0, examples=examples, group_size=4,

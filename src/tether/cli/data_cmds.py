@@ -98,9 +98,6 @@ def _warmstart(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--out {out} exists and is not empty; choose another path or pass --overwrite")
     cfg = replace(cfg, model=replace(cfg.model, path=str(model)))
     family = cfg.family()
-    if not hasattr(family, "warmstart"):
-        raise ConfigError(f"tether warmstart fine-tunes an existing model; model.family={family.name} builds "
-                          "and warm-starts its models itself (model.create_if_missing=true)")
     with Progress(cfg.warmstart.max_steps, "warmstart", fields=family.warmstart_fields,
                   eta_label="at most") as progress:
         result = family.warmstart(cfg, model, out, progress.update)

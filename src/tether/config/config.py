@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import yaml
@@ -344,9 +345,23 @@ PLUGIN_KINDS = ("backends", "engines", "families")
 """The registries whose entries may own a recipe section (``section``: name, class)."""
 
 
-def plugin_section_classes(builtin_only: bool = False) -> dict[str, type]:
+_section_classes: dict[tuple[int, bool], dict[str, type]] = {}
+
+
+def plugin_section_classes(builtin_only: bool = False) -> Mapping[str, type]:
     """Section name → class of each backend, engine and family (every one registered, or Tether's
-    own) that has a section of its own."""
+    own) that has a section of its own; computed again only when a plug-in registers
+    (``registry.generation``)."""
+    key = (registry.generation(), builtin_only)
+    if key not in _section_classes:
+        out = _find_section_classes(builtin_only)  # a refusal caches nothing
+        for old in [k for k in _section_classes if k[0] != key[0]]:
+            del _section_classes[old]
+        _section_classes[key] = out
+    return MappingProxyType(_section_classes[key])
+
+
+def _find_section_classes(builtin_only: bool) -> dict[str, type]:
     out: dict[str, type] = {}
     owners: dict[str, str] = {}
     for kind in PLUGIN_KINDS:

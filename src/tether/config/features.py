@@ -18,6 +18,7 @@ from typing import Any
 
 from tether import registry
 from tether.errors import ConfigError
+from tether.plugins import section_name
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,9 @@ def _yaml(value: Any) -> str:
 def _by_keys(feature: str) -> Callable[[Any], str | None]:
     """Asked by setting any key whose definition names ``feature`` (``knob(feature=...)``) away
     from its default."""
-    from tether.config.keys import table
+    from tether.config.keys import feature_keys
 
-    return lambda cfg: _changed(cfg, [k.key for k in table().values() if k.feature == feature])
+    return lambda cfg: _changed(cfg, feature_keys(feature))
 
 
 FEATURES: tuple[Feature, ...] = (
@@ -80,7 +81,7 @@ def check_ownership(cfg: Any) -> None:
         for other in reg.names():
             if other == name:
                 continue
-            section = _section_name(reg.get(other))
+            section = section_name(reg.get(other))
             if section is not None and cfg.has_section(section) and not _is_default(cfg.section(section)):
                 raise ConfigError(f"the {section} section is set, but it is read only with {reg.key}={other} "
                                   f"({reg.key} is {name!r}); set {reg.key}={other} to use it, or remove "
@@ -97,11 +98,6 @@ def check_ownership(cfg: Any) -> None:
 
 def _is_default(value: Any) -> bool:
     return value == type(value)()
-
-
-def _section_name(plugin: Any) -> str | None:
-    section = getattr(plugin, "section", None)
-    return section[0] if isinstance(section, tuple) else section
 
 
 def check_capabilities(cfg: Any, family: Any) -> None:

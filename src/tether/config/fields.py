@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 from tether.errors import ConfigError
+from tether.registry import Registry
 
 _MISSING = dataclasses.MISSING
 
@@ -86,7 +87,7 @@ def knob(default: Any, help: str, *, min: float | None = None, max: float | None
     (the plug-ins of that kind that do name it in their ``keys``). ``feature``: the optional
     family feature that setting it away from its default asks for. ``dropped``: when a resume
     drops the recorded value because the move to a smaller set-up leaves it nothing to act on."""
-    if choices is not None and not hasattr(choices, "names"):
+    if choices is not None and not isinstance(choices, Registry):
         choices = tuple(choices)
     assert owner in OWNER_KINDS, owner
     meta = {"help": help, "min": min, "max": max, "choices": choices, "resume": resume, "owner": owner,
@@ -198,14 +199,14 @@ def check_range(key: str, value: Any, meta: Mapping[str, Any]) -> None:
             names = choice_names(choices)
             hint = closest(str(v), names)
             extra = f" (did you mean {hint!r}?)" if hint else ""
-            more = "; plug-ins add more (run.plugins)" if hasattr(choices, "names") else ""
+            more = "; plug-ins add more (run.plugins)" if isinstance(choices, Registry) else ""
             raise ConfigError(f"{key} must be one of {', '.join(repr(n) for n in names)}, got {v!r}{extra}"
                               + more)
 
 
 def choice_names(choices: Any) -> list[str]:
     """The allowed values of a ``choices`` (a tuple, or a registry's names)."""
-    return list(choices.names()) if hasattr(choices, "names") else list(choices)
+    return list(choices.names()) if isinstance(choices, Registry) else list(choices)
 
 
 def section_fields(cls: type) -> dict[str, dataclasses.Field]:
@@ -231,7 +232,7 @@ def build_section(cls: type, data: Mapping[str, Any], prefix: str,
         value = coerce(key, hints[name], value)
         check_range(key, value, fields[name].metadata)
         choices = fields[name].metadata.get("choices")
-        if hasattr(choices, "canonical") and value is not None:
+        if isinstance(choices, Registry) and value is not None:
             value = choices.canonical(value)
         values[name] = value
     return cls(**values)

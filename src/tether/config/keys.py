@@ -14,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from tether import registry
 from tether.config.fields import Dropped, Resume, recipe_value, section_fields
 from tether.config.schema import SECTIONS
+from tether.plugins import section_name
 
 KINDS = {"families": "family", "engines": "engine", "backends": "backend"}
 """The registries whose plug-ins may own a section or keys, and the owner kind each is."""
@@ -55,24 +57,12 @@ class Key:
         return f"{self.resume.label}; dropped {self.dropped}" if self.dropped else self.resume.label
 
 
-def _plugins() -> Iterator[tuple[str, str, object]]:
+def _plugins() -> Iterator[tuple[str, str, Any]]:
     """(registry kind, name, plug-in) of every registered family, engine and backend."""
     for kind in KINDS:
         reg = getattr(registry, kind)
         for name in reg.names():
             yield kind, name, reg.get(name)
-
-
-def _section_name(plugin: object) -> str | None:
-    section = getattr(plugin, "section", None)
-    return section[0] if isinstance(section, tuple) else section
-
-
-def _section_class(plugin: object, name: str) -> type | None:
-    section = getattr(plugin, "section", None)
-    if isinstance(section, tuple):
-        return section[1]
-    return SECTIONS.get(name)  # a plug-in naming a core-listed section
 
 
 def section_resume(cls: type, owner: str) -> Resume:
@@ -109,30 +99,32 @@ def _either(*drops: Dropped | None) -> tuple[str | None, Callable[[Mapping[str, 
         (why for d in drops if (why := d.why(recipe)) is not None), None)
 
 
-_cache: dict[tuple, dict[str, Key]] = {}
+_cache: dict[int, dict[str, Key]] = {}
 
 
-def table() -> dict[str, Key]:
+def table() -> Mapping[str, Key]:
     """Every key of every section (Tether's, then each registered plug-in's own), in order. Built
-    again when the registered plug-ins change."""
-    plugins = tuple((kind, name, id(plugin)) for kind, name, plugin in _plugins())
-    if plugins not in _cache:
+    again when the registered plug-ins change (``registry.generation``); not to be changed."""
+    generation = registry.generation()
+    if generation not in _cache:
         _cache.clear()
-        _cache[plugins] = _build()
-    return dict(_cache[plugins])
+        _cache[generation] = _build()
+    return MappingProxyType(_cache[generation])
+
+
+def feature_keys(feature: str) -> tuple[str, ...]:
+    """The keys whose definition names ``feature`` (``knob(feature=...)``)."""
+    return tuple(k.key for k in table().values() if k.feature == feature)
 
 
 def _build() -> dict[str, Key]:
     claims: dict[str, list[tuple[str, str]]] = {}  # key → (registry kind, plug-in) naming it
     own_sections: dict[str, tuple[str, str, type]] = {}  # section → (registry kind, plug-in, class)
     for kind, name, plugin in _plugins():
-        for key in getattr(plugin, "keys", ()):
+        for key in plugin.keys:
             claims.setdefault(key, []).append((kind, name))
-        section = _section_name(plugin)
-        if section is not None:
-            cls = _section_class(plugin, section)
-            if cls is not None:
-                own_sections.setdefault(section, (kind, name, cls))
+        if plugin.section is not None:
+            own_sections.setdefault(plugin.section[0], (kind, name, plugin.section[1]))
     sections: dict[str, tuple[type, str | None, str | None]] = {
         name: (cls, None, None) for name, cls in SECTIONS.items() if name not in own_sections}
     for section, (kind, name, cls) in own_sections.items():
@@ -163,7 +155,7 @@ def _build() -> dict[str, Key]:
     return out
 
 
-def disagreements(keys: dict[str, Key] | None = None) -> list[str]:
+def disagreements(keys: Mapping[str, Key] | None = None) -> list[str]:
     """Where a key's declaration and the plug-ins' claims disagree: a key of a shared section
     claimed by plug-ins of more than one kind, by plug-ins while its ``knob`` says ``core``, or by
     none while its ``knob`` names a kind of plug-in; a key claimed that no section has; a feature no
@@ -174,7 +166,7 @@ def disagreements(keys: dict[str, Key] | None = None) -> list[str]:
     problems = []
     claimed: dict[str, list[str]] = {}
     for kind, name, plugin in _plugins():
-        for key in getattr(plugin, "keys", ()):
+        for key in plugin.keys:
             claimed.setdefault(key, []).append(f"{KINDS[kind]} {name}")
             if key not in keys:
                 problems.append(f"{KINDS[kind]} {name} names {key}, which no section has")
@@ -190,7 +182,7 @@ def disagreements(keys: dict[str, Key] | None = None) -> list[str]:
     return problems
 
 
-def resume_of(key: str, keys: dict[str, Key] | None = None) -> Resume:
+def resume_of(key: str, keys: Mapping[str, Key] | None = None) -> Resume:
     """What a resume does when it changes ``key`` (``section.name``); a key no section has now (a
     plug-in's that is not loaded, a run recorded by another version) takes its section's rule when
     the section is known, else is refused as changing how training continues."""
@@ -226,8 +218,8 @@ def _class_of(section: str) -> type | None:
     if section in SECTIONS:
         return SECTIONS[section]
     for _, _, plugin in _plugins():
-        if _section_name(plugin) == section:
-            return _section_class(plugin, section)
+        if section_name(plugin) == section:
+            return plugin.section[1]
     return None
 
 

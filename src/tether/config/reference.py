@@ -27,7 +27,7 @@ def _allowed(field, tp) -> str:
         parts.append(f"≤ {meta['max']:g}")
     choices = meta.get("choices")
     if choices is not None:  # a registry's built-in names: plug-ins add to them
-        parts.append(" | ".join(getattr(choices, "builtins", None) or choices))
+        parts.append(" | ".join(choices.builtins if isinstance(choices, registry.Registry) else choices))
     return ", ".join(parts)
 
 

@@ -6,14 +6,17 @@ pools and workers, the engines, the agent family and the planner read these attr
 them compares the mode's name (``tests/unit/test_architecture.py`` checks). The config key stays a
 string, and plug-ins declare the modes they run by name (``EnginePlugin.inflight_updates``).
 
-=========  ======  =================  ===============  =============  ============  =========
-mode       drains  bounds_by_oldest   on_switch        spans_versions wastes_tokens turn_mode
-=========  ======  =================  ===============  =============  ============  =========
-drain      yes     no                 cannot           no             no            keep
-keep       no      yes                keep_cache       yes            no            keep
-recompute  no      yes                recompute_cache  yes            no            —
-abort      no      yes                restart          no             yes           —
-=========  ======  =================  ===============  =============  ============  =========
+=========  ===============  =========  ===================================================
+mode       on_switch        turn_mode  what follows (properties)
+=========  ===============  =========  ===================================================
+drain      cannot           keep       drains
+keep       keep_cache       keep       bounds_by_oldest, switches, keeps_cache
+recompute  recompute_cache  —          bounds_by_oldest, switches, recomputes_prefix, extra_work
+abort      restart          —          bounds_by_oldest, switches, restarts (wastes_tokens), extra_work
+=========  ===============  =========  ===================================================
+
+A mode is parsed once from the recipe's string (``inflight_mode``) and travels as this object:
+through the pools' and workers' settings to the engines' ``watch`` and the sampler.
 
 Pure Python, like the rest of ``tether.control``.
 """
@@ -34,17 +37,6 @@ class InflightMode:
 
     name: str
     """The value of ``async.inflight_update`` (and of ``EnginePlugin.inflight_updates``)."""
-    drains: bool
-    """A publication first waits for every generation in flight to finish (docs/architecture.md §2
-    rule 5 as written). Why it matters: then every outstanding batch was launched at the published
-    version, so the sync rule may publish lazily, and the engines load weights only between
-    batches (one thread a worker)."""
-    bounds_by_oldest: bool
-    """Admission takes the launch bound from the oldest version still generating, not the
-    published one (``AsyncControl.freshness``, docs/architecture.md §2 rule 2). Why: generations
-    outlive publications, so a batch launched now may train alongside one launched several
-    versions ago; bounding by the oldest keeps every action within the budget. The sync rule then
-    publishes after every step the trainer is ahead (``eager``), since publishing waits for nothing."""
     on_switch: OnSwitch
     """What new weights arriving mid-generation do to a sequence. ``cannot``: it never happens (the
     publication waited); ``keep_cache``: the sequence goes on with its KV cache as it is (the prefix
@@ -52,13 +44,6 @@ class InflightMode:
     under the new weights before the next token (a prefill of the whole prefix: extra work, no
     tokens lost); ``restart``: the sequence is thrown away and sampled again from its prompt under
     the new weights."""
-    spans_versions: bool
-    """A finished sequence may hold tokens sampled under more than one version. Why: its
-    behaviour log-probs then come from several policies; the trainer's importance ratio uses them
-    token by token, and the planner counts such sequences (``spanning``)."""
-    wastes_tokens: bool
-    """Tokens sampled may be thrown away (a restarted sequence's): work the planner counts as
-    wasted and needs ``plan.mean_length`` to estimate."""
     turn_mode: str | None
     """With ``env.switch_at=turn`` (an agent takes weights up only between its turns): the mode
     the engines and the control rules then run, or None when turn safe points do not fit the mode
@@ -67,10 +52,28 @@ class InflightMode:
     so they run as ``keep`` does, each taking new weights up at its next turn; ``keep`` keeps."""
 
     @property
+    def drains(self) -> bool:
+        """A publication first waits for every generation in flight to finish (docs/architecture.md
+        §2 rule 5 as written), so nothing can switch mid-generation. Why it matters: then every
+        outstanding batch was launched at the published version, so the sync rule may publish
+        lazily, and the engines load weights only between batches (one thread a worker)."""
+        return self.on_switch == "cannot"
+
+    @property
+    def bounds_by_oldest(self) -> bool:
+        """Admission takes the launch bound from the oldest version still generating, not the
+        published one (``AsyncControl.freshness``, docs/architecture.md §2 rule 2). Why: without a
+        drain generations outlive publications, so a batch launched now may train alongside one
+        launched several versions ago; bounding by the oldest keeps every action within the budget.
+        The sync rule then publishes after every step the trainer is ahead (``eager``), since
+        publishing waits for nothing."""
+        return not self.drains
+
+    @property
     def switches(self) -> bool:
         """The engines watch for weights published while they generate (``Engine.watch``)
-        and a worker loads them on a second thread."""
-        return self.on_switch != "cannot"
+        and a worker loads them on a second thread: whenever a publication does not drain."""
+        return not self.drains
 
     @property
     def keeps_cache(self) -> bool:
@@ -88,6 +91,12 @@ class InflightMode:
         return self.on_switch == "restart"
 
     @property
+    def wastes_tokens(self) -> bool:
+        """Tokens sampled may be thrown away (a restarted sequence's): work the planner counts as
+        wasted and needs ``plan.mean_length`` to estimate."""
+        return self.restarts
+
+    @property
     def extra_work(self) -> bool:
         """A switch costs work beyond the tokens kept (a prefill again, or tokens thrown away):
         the planner needs sequence lengths (``plan.mean_length``) to estimate it."""
@@ -101,14 +110,10 @@ class InflightMode:
         return MODES[self.turn_mode]
 
 
-DRAIN = InflightMode("drain", drains=True, bounds_by_oldest=False, on_switch="cannot",
-                     spans_versions=False, wastes_tokens=False, turn_mode="keep")
-KEEP = InflightMode("keep", drains=False, bounds_by_oldest=True, on_switch="keep_cache",
-                    spans_versions=True, wastes_tokens=False, turn_mode="keep")
-RECOMPUTE = InflightMode("recompute", drains=False, bounds_by_oldest=True, on_switch="recompute_cache",
-                         spans_versions=True, wastes_tokens=False, turn_mode=None)
-ABORT = InflightMode("abort", drains=False, bounds_by_oldest=True, on_switch="restart",
-                     spans_versions=False, wastes_tokens=True, turn_mode=None)
+DRAIN = InflightMode("drain", on_switch="cannot", turn_mode="keep")
+KEEP = InflightMode("keep", on_switch="keep_cache", turn_mode="keep")
+RECOMPUTE = InflightMode("recompute", on_switch="recompute_cache", turn_mode=None)
+ABORT = InflightMode("abort", on_switch="restart", turn_mode=None)
 
 MODES: dict[str, InflightMode] = {m.name: m for m in (DRAIN, KEEP, RECOMPUTE, ABORT)}
 """Every mode by name, in the order the config lists them."""

@@ -142,6 +142,10 @@ class Scorer:
     def batched(self) -> bool:
         return is_batched(self.fn)
 
+    def take_parts(self) -> dict[str, float]:
+        """The parts' means since the last call (``WeightedScorer``'s); one function has none."""
+        return {}
+
     def __call__(self, example: Example, completion: str) -> float:
         if self.batched:  # a batch of one (held-out evaluation scores sample by sample)
             return self.many([example], [completion])[0]
@@ -174,12 +178,12 @@ class Scorer:
         return float(value)
 
 
-def score_all(score: Scorer, pairs: Iterable[tuple[Example, Any]], *,
+def score_all(score: Scorer | WeightedScorer, pairs: Iterable[tuple[Example, Any]], *,
               on_error: str = "raise") -> tuple[list[float], int]:
     """The reward of each (example, completion) pair, and how many failed: with
     ``reward.on_error=zero`` a reward function that raises (or returns junk) scores that sample 0
     and is counted; with ``raise`` the first failure propagates."""
-    if getattr(score, "batched", False):  # one call for the batch: a failure fails all of it
+    if score.batched:  # one call for the batch: a failure fails all of it
         pairs = list(pairs)
         try:
             return score.many([e for e, _ in pairs], [c for _, c in pairs]), 0

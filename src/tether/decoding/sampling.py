@@ -30,7 +30,7 @@ from functools import cache as _memo
 
 import torch
 
-from tether.control.inflight import ABORT, SWITCHING, inflight_mode
+from tether.control.inflight import KEEP, InflightMode
 from tether.errors import ConfigError
 from tether.vocabulary import SamplingParams
 
@@ -114,6 +114,11 @@ def stop_ids_for(tokenizer, stop_text: str) -> list[int]:
 class _TransformersStepper:
     """Prefill/decode through the model's own forward and its KV cache (any causal LM)."""
 
+    path = "transformers"
+    """How it decodes (``TorchEngine.decoder_path``)."""
+    samples_natively = False
+    """It has no ``decode_run`` (``FastDecoder``'s native path samples inside its decode calls)."""
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.cache_kw = _cache_kwarg(type(model))
@@ -170,7 +175,7 @@ def sample(
     samples_per_prompt: int = 1,
     version: int = 0,
     poll: Callable[[], int | None] | None = None,
-    inflight_update: str = "keep",
+    inflight: InflightMode = KEEP,
 ) -> Completions:
     """Sample ``samples_per_prompt`` completions per prompt, prompt-major (prompt 0's samples
     first); each prompt's prefill runs once for its whole group.
@@ -178,13 +183,12 @@ def sample(
     ``stepper`` (from ``stepper_for``) can be reused across calls; after the model's weights
     change, call its ``invalidate()`` (the lean decoder keeps transposed copies of them).
     ``version`` is the weights' version now; ``poll``, asked before each decode step, returns a
-    newer version once it has put newer weights in place (else None), and ``inflight_update``
-    (keep, recompute, abort) says what happens to the sequences then (module docstring).
+    newer version once it has put newer weights in place (else None), and ``inflight`` (keep,
+    recompute, abort: ``tether.control.inflight``) says what happens to the sequences then (module
+    docstring).
     """
-    if inflight_update not in SWITCHING:
-        raise ConfigError(f"inflight_update must be {', '.join(SWITCHING[:-1])} or {SWITCHING[-1]}, "
-                          f"got {inflight_update!r}")
-    mode = inflight_mode(inflight_update)
+    if not inflight.switches:
+        raise ConfigError(f"async.inflight_update={inflight.name} does not switch weights mid-generation")
     stepper = stepper if stepper is not None else stepper_for(model)
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
@@ -197,7 +201,7 @@ def sample(
     # the native decoder draws untruncated samples itself, inside its decode calls (one a step,
     # or the whole loop when nothing polls for new weights), from the uniforms this loop would
     # have drawn: the same stream, and no torch sampler operations a step
-    fuse = not params.truncates and hasattr(stepper, "decode_run")
+    fuse = not params.truncates
 
     tokens = torch.empty((batch, params.max_new_tokens), dtype=torch.long, device=device)  # (B, N)
     logps = torch.empty((batch, params.max_new_tokens), dtype=torch.float32, device=device)  # (B, N)
@@ -243,12 +247,12 @@ def sample(
             continue
         version, switches = newer, switches + 1
         stepper.reload()
-        if mode.restarts:
+        if inflight.restarts:
             return _resample_unfinished(
                 model, prompts, params, tokens[:, :steps], logps[:, :steps], lengths, done, step_versions,
                 switches, stop_ids=stop_ids, pad_id=pad_id, generator=generator, stepper=stepper,
-                samples_per_prompt=samples_per_prompt, version=version, poll=poll)
-        if mode.recomputes_prefix:  # the whole prefix again, under the new weights
+                samples_per_prompt=samples_per_prompt, version=version, poll=poll, inflight=inflight)
+        if inflight.recomputes_prefix:  # the whole prefix again, under the new weights
             prefix = torch.cat([ids.repeat_interleave(samples_per_prompt, 0), tokens[:, :steps]], dim=1)
             prefix_mask = torch.cat([mask.repeat_interleave(samples_per_prompt, 0),
                                      torch.ones_like(tokens[:, :steps], dtype=mask.dtype)], dim=1)
@@ -302,7 +306,7 @@ def _resample_unfinished(model, prompts, params, tokens, logps, lengths, done, s
     redo = [r for r, finished in enumerate(done.tolist()) if not finished]
     wasted = tokens.shape[1] * len(redo)
     fresh = sample(model, [prompts[r // samples_per_prompt] for r in redo], params, samples_per_prompt=1,
-                   inflight_update=ABORT.name, **again)
+                   **again)
     for k, r in enumerate(redo):
         out.tokens[r], out.logprobs[r] = fresh.tokens[k], fresh.logprobs[k]
         out.finish_reasons[r], out.versions[r] = fresh.finish_reasons[k], fresh.versions[k]

@@ -34,15 +34,12 @@ class FamilyBase:
 
     def recorders(self, cfg: Any, run_dir: Path) -> list[Any]:
         """``records`` (``metrics.record_every``) from payloads that say what to record of each
-        sample (``sample_lines()``); nothing for payloads that do not."""
+        sample (``sample_lines()``; [] records nothing)."""
         from tether.loop.observe import Recorder
 
-        def lines(record) -> list[dict]:
-            of = getattr(record.payload, "sample_lines", None)
-            return of() if of is not None else []
-
         every = cfg.metrics.record_every
-        return [Recorder(Path(run_dir) / self.records, every, lines)] if every else []
+        return [Recorder(Path(run_dir) / self.records, every, lambda record: record.payload.sample_lines())
+                ] if every else []
 
     def drains_at_turns(self, cfg: Any) -> bool:
         """Publications drain whole batches (no turns to stop at)."""
@@ -57,6 +54,12 @@ class FamilyBase:
 
         raise ConfigError(f"model.family={self.name} cannot build a model: point model.path at an "
                           "existing model directory and set model.create_if_missing=false")
+
+    def warmstart(self, cfg: Any, model_dir: Path, out: Path, on_progress: Progress | None) -> Any:
+        from tether.errors import ConfigError
+
+        raise ConfigError(f"tether warmstart fine-tunes an existing model; model.family={self.name} builds "
+                          "and warm-starts its models itself (model.create_if_missing=true)")
 
     def build_differences(self, cfg: Any, path: Path) -> list[str]:
         return []
@@ -88,3 +91,22 @@ class FamilyBase:
 
     def __repr__(self) -> str:
         return f"<family {self.name}>"
+
+
+class PolicyBase:
+    """What most policies share (``tether.vocabulary.Policy``): a checkpoint's model folder in the
+    transformers layout (``config.json`` and ``model.safetensors``). ``load``, ``save``, ``batch``,
+    ``forward``, ``kl`` and ``fast_forward`` are the family's own."""
+
+    def write_folder(self, model: Any, folder: Path, weights: Mapping[str, Any] | None) -> None:
+        model.config.save_pretrained(folder)
+        if weights is not None:
+            from safetensors.torch import save_file
+
+            save_file({name: t.contiguous() for name, t in weights.items()},
+                      str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
+
+    def read_weights(self, folder: Path) -> Mapping[str, Any]:
+        from safetensors.torch import load_file
+
+        return load_file(str(Path(folder) / "model.safetensors"))

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tether.control import AsyncControl, BudgetSettings, admission_notes, inflight_mode
+from tether.control import AsyncControl, BudgetSettings, admission_notes
+from tether.control.inflight import DRAIN, InflightMode
 from tether.errors import ConfigError, ControlError
 from tether.loop.driver import Driver
 from tether.loop.observe import LoopObserver, Observers, TraceRecorder
@@ -115,10 +116,10 @@ class SimPool:
     """A pool of ``workers`` simulated engines that stamp their version into the data."""
 
     def __init__(self, clock: VirtualClock, timings: Timings, *, num_groups: int = 1,
-                 group_size: int = 1, drains: bool = True, inflight_update: str = "drain") -> None:
+                 group_size: int = 1, inflight: InflightMode = DRAIN) -> None:
         self.clock = clock
-        self.drains = drains
-        self.mode = inflight_mode(inflight_update)
+        self.mode = inflight
+        self.drains = inflight.drains
         self.lengths = None
         self.step_s = 0.0
         self.wasted_tokens = 0
@@ -311,8 +312,7 @@ def simulate(settings: BudgetSettings, timings: Timings, *, observer: LoopObserv
              num_groups: int = 1, group_size: int = 1, anchor: str | None = None) -> Simulation:
     """Run the real driver loop in virtual time (``anchor``: train.anchor, for its notes)."""
     clock = VirtualClock()
-    pool = SimPool(clock, timings, num_groups=num_groups, group_size=group_size, drains=settings.drains,
-                   inflight_update=settings.inflight_update)
+    pool = SimPool(clock, timings, num_groups=num_groups, group_size=group_size, inflight=settings.mode)
     learner = SimLearner(clock, timings, settings.updates_per_batch)
     trace = TraceRecorder()
     driver = Driver(AsyncControl(settings), pool, learner, hooks=SimHooks(clock, timings),

@@ -4,6 +4,7 @@ for a spawned process or a Ray actor."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,18 +42,14 @@ class PoolSettings:
         """Publications drain only the turns in flight (``Family.drains_at_turns``)."""
         return self.cfg.family().drains_at_turns(self.cfg)
 
-    @property
+    @functools.cached_property
     def inflight(self) -> InflightMode:
-        """How the engines meet a publication (``tether.control.inflight``): the mode of
-        ``async.inflight_update``, or, draining at turn boundaries, the one it runs at turn safe
-        points (``InflightMode.turn_mode``: each takes new weights up between turns only)."""
+        """How the engines meet a publication (``tether.control.inflight``), read once from the
+        recipe: the mode of ``async.inflight_update``, or, draining at turn boundaries, the one it
+        runs at turn safe points (``InflightMode.turn_mode``: each takes new weights up between
+        turns only). What an engine's ``watch`` is told."""
         declared = inflight_mode(self.cfg.async_.inflight_update)
         return declared.at_turns() if self.drain_at_turns else declared
-
-    @property
-    def inflight_update(self) -> str:
-        """The name of ``inflight``: what an engine's ``watch`` is told."""
-        return self.inflight.name
 
     def worker_spec(self, worker_id: int, version: int, **where: Any):
         """The ``WorkerSpec`` of worker ``worker_id`` starting at ``version``; ``where`` adds the
@@ -77,7 +74,3 @@ class WorkerSpec:
     @property
     def inflight(self) -> InflightMode:
         return self.settings.inflight
-
-    @property
-    def inflight_update(self) -> str:
-        return self.settings.inflight_update

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-from tether.control.inflight import SWITCHING, InflightMode, inflight_mode
+from tether.control.inflight import KEEP, InflightMode
 from tether.errors import ConfigError
 
 Poll = Callable[[], "int | None"]
@@ -23,21 +23,17 @@ class Watched:
 
     poll: Poll | None = None
     """Asked before every step of a generation; None: the weights change only between batches."""
-    inflight_update: str = "keep"
-    """The name of the mode a switch follows (keep, recompute, abort); read once ``poll`` is set."""
+    inflight: InflightMode = KEEP
+    """The mode a switch follows (keep, recompute, abort: its ``on_switch`` says what happens to
+    the sequences in flight); read once ``poll`` is set."""
 
-    @property
-    def inflight(self) -> InflightMode:
-        """What a switch does to the sequences in flight (``InflightMode.on_switch``)."""
-        return inflight_mode(self.inflight_update)
-
-    def watch(self, poll: Poll, inflight_update: str) -> None:
+    def watch(self, poll: Poll, inflight: InflightMode) -> None:
         """Switch weights mid-generation: before every step ``poll`` puts newer weights in place
-        (through ``bind``) and returns their version, or returns None; ``inflight_update`` (keep,
+        (through ``bind``) and returns their version, or returns None; ``inflight`` (keep,
         recompute, abort) says what happens to the sequences then."""
-        if inflight_update not in SWITCHING:
-            raise ConfigError(f"unknown in-flight update mode {inflight_update!r}")
-        self.poll, self.inflight_update = poll, inflight_update
+        if not inflight.switches:
+            raise ConfigError(f"async.inflight_update={inflight.name} does not switch weights mid-generation")
+        self.poll, self.inflight = poll, inflight
 
     def take_up(self) -> int | None:
         """A safe point: take up the newest weights the worker holds, if newer; their version, or

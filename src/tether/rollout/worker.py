@@ -111,7 +111,7 @@ class Rollout:
         """Without draining: have the engine call ``poll`` before every decode step (it binds
         newer weights when it has them and returns their version, else None)."""
         self._poll = poll
-        self.engine.watch(poll, self.spec.inflight_update)
+        self.engine.watch(poll, self.spec.inflight)
 
     def start_at(self, version: int, wait_s: float = 60.0) -> None:
         """Without draining, before a batch launched at ``version``: publications reach a worker
@@ -132,7 +132,7 @@ class Rollout:
 
 class _ChannelWorker(Rollout):
     """A process worker. Draining, its parameters are bound to the shared-memory channel's views
-    and it loads a version when told, between batches. Otherwise (``inflight_update``) the
+    and it loads a version when told, between batches. Otherwise (``spec.inflight``) the
     channel is written while it generates, so it samples from a private copy instead: before
     every decode step it looks at the channel's header, and when a newer version is complete it
     copies the block into its spare buffer, verifies the copy (version and checksum: a copy torn

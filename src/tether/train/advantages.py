@@ -51,7 +51,7 @@ def units_of(batch) -> torch.Tensor:
     """(N,) what each row of a training batch is a sample of: itself, or with the batch's
     ``episode`` (an agent episode spanning several rows) that episode. Advantages are computed per
     unit and shared by its rows."""
-    episode = getattr(batch, "episode", None)
+    episode = batch.episode
     return torch.arange(batch.size, device=batch.rewards.device) if episode is None else episode
 
 
@@ -59,7 +59,7 @@ def per_episode(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
     """(rewards, loss tokens, ``batch.episode``): one of each per row, or, when an episode spans
     rows (``episode`` (N,), non-decreasing), one per episode: its return and its tokens summed."""
     rewards, lengths = batch.rewards, batch.mask.sum(dim=1)  # (N,)
-    episode = getattr(batch, "episode", None)
+    episode = batch.episode
     if episode is None:
         return rewards, lengths, None
     first = torch.cat([torch.ones(1, dtype=torch.bool, device=episode.device), episode[1:] != episode[:-1]])

@@ -48,18 +48,10 @@ def _write_model_folder(learner: TorchLearner, folder: Path, weights: dict[str, 
     from tether.modeling import SHARDED_MARKER
 
     folder.mkdir(parents=True, exist_ok=True)
-    writer = getattr(learner.policy, "write_folder", None)  # a model folder laid out otherwise
     if learner.s.lora_rank:  # the adapters (sharded checkpoints are refused with LoRA)
         lora.save(weights, folder, learner.s, learner.model_path, learner.base_fingerprint)
-    elif writer is not None:
-        writer(learner.model, folder, weights)
-    else:
-        learner.model.config.save_pretrained(folder)
-        if weights is not None:
-            from safetensors.torch import save_file
-
-            save_file({name: t.contiguous() for name, t in weights.items()},
-                      str(folder / "model.safetensors"), metadata={"format": "pt"})
+    else:  # the family's layout (PolicyBase's: transformers')
+        learner.policy.write_folder(learner.model, folder, weights)
     if weights is None:
         (folder / SHARDED_MARKER).write_text(
             "This model's weights are shards in ../sharded (torch.distributed.checkpoint), written "
@@ -82,13 +74,10 @@ def load(learner: TorchLearner, path: Path) -> None:
 
 
 def _load_whole(learner: TorchLearner, path: Path, optimizer: dict) -> None:
-    from safetensors.torch import load_file
-
-    reader = getattr(learner.policy, "read_weights", None)  # a model folder laid out otherwise
     if learner.s.lora_rank:
         state = lora.load(path / "model", learner.s, learner.model_path)
     else:
-        state = reader(path / "model") if reader else load_file(str(path / "model" / "model.safetensors"))
+        state = dict(learner.policy.read_weights(path / "model"))
     buffers = {name for name, _ in learner.model.named_buffers()}  # saved by some, never trained
     state = {name: tensor for name, tensor in state.items() if name not in buffers}
     expected = set(learner.names)

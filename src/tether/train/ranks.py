@@ -331,6 +331,10 @@ class ProcessRanks:
     """N rank processes (spawned; gloo on CPU, NCCL on GPUs) meeting through a file; each watches a
     lifeline pipe whose only write end the driver holds."""
 
+    _lifeline: Any = None
+    """The lifeline's write end; None before ``__init__`` opens it (``close`` after a failed start)
+    and once closed."""
+
     def __init__(self, cfg: Config, model_path: str | Path, eval_data: DataBundle | None, *,
                  run_dir: str | Path | None = None) -> None:
         import torch.multiprocessing as mp
@@ -417,7 +421,7 @@ class ProcessRanks:
         for conn in self._conns:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(("stop", ()))
-        if getattr(self, "_lifeline", None) is not None:
+        if self._lifeline is not None:
             self._lifeline.close()
             self._lifeline = None
         deadline = time.monotonic() + grace_s

@@ -30,7 +30,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tether.families.agent.env import REWARD_LIMIT, ActionError, EnvContractError, as_step
+from tether.families.agent.env import REWARD_LIMIT, ActionError, EnvContractError, EnvFactory, as_step
 from tether.families.agent.envthreads import EnvThreads, is_stop
 from tether.vocabulary import SamplingParams
 
@@ -163,7 +163,7 @@ class Player:
         self,
         engine: Any,
         tokenizer: Any,
-        make_env: Callable[[], Any],
+        make_env: EnvFactory,
         limits: Limits,
         threads: EnvThreads,
         *,
@@ -172,7 +172,7 @@ class Player:
         whole_turns: bool = False,
     ) -> None:
         self.engine, self.tokenizer, self.make_env = engine, tokenizer, make_env
-        self.env_name = f"environment {getattr(make_env, 'name', '')}".rstrip()
+        self.env_name = f"environment {make_env.name}"
         """The environment (its class), as the episodes' error messages name it."""
         self.chat = chat
         """Observations as chat turns of the tokenizer's template (``tether.families.agent.chat``)."""
@@ -425,7 +425,7 @@ class Player:
         closing = [
             self.threads.submit(ep.env.close)
             for ep in episodes
-            if ep.env is not None and hasattr(ep.env, "close")
+            if ep.env is not None  # an adapter (``tether.families.agent.env``): each has close
         ]
         if closing:
             _, late = wait(closing, timeout=self.limits.step_timeout_s)

@@ -32,13 +32,14 @@ def environment_factory(cfg: Any):
     from tether import registry
     from tether.errors import ConfigError
     from tether.families.agent.env import factory
+    from tether.families.agent.tasks import AgentTask
     from tether.pyload import load_python_object
 
     if cfg.env.env_class:
         env_class = load_python_object(cfg.env.env_class, what="env.env_class")
     else:
         task = registry.tasks.get(cfg.data.task) if cfg.data.task else None
-        env_class = getattr(task, "environment", None)
+        env_class = task.environment if isinstance(task, AgentTask) else None
         if env_class is None:
             raise ConfigError(
                 "model.family=agent needs an environment: set env.env_class to "

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from tether.errors import ConfigError
+from tether.families.agent.tasks import AgentTask
 from tether.train.supervised import WarmstartResult, warmstart_loop, write_record
 from tether.vocabulary import Progress, SamplingParams
 
@@ -58,7 +59,7 @@ def run_agent_warmstart(
     from tether.families.agent.evaluate import eval_engine, play_tasks
 
     task = registry.tasks.get(cfg.data.task) if cfg.data.task else None
-    if getattr(task, "script", None) is None:
+    if not isinstance(task, AgentTask) or task.script is None:
         raise ConfigError(
             "the agent family's warm start needs scripted transcripts: data.task must be a "
             "built-in agent task (kv_lookup, guess_number); with your own environment, point "

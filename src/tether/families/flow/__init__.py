@@ -147,8 +147,7 @@ class FlowFamily(FamilyBase):
         from tether.families.flow.rollout import sampling_of
 
         k = cfg.eval.num_samples if num_samples is None else num_samples
-        if hasattr(model, "attach_pipeline"):  # the learner's pipeline model is its transformer alone
-            model.attach_pipeline()
+        model.attach_pipeline()  # the learner's pipeline model is its transformer alone
         return FlowEvaluator(model, data.eval, score, eval_steps=cfg.flow.eval_steps,
                              sampling=sampling_of(cfg, model), seed=cfg.run.seed, num_samples=k,
                              images_to=None if run_dir is None else run_dir / "samples",

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from tether.errors import ConfigError, RolloutError
+from tether.families.base import PolicyBase
 from tether.families.flow import conditioning
 from tether.families.flow.model import load_flow_model
 from tether.families.flow.policy import gaussian_entropy, gaussian_kl, step_logprobs
@@ -48,6 +49,7 @@ class FlowTrainBatch:
     noise_level: float
     negative: dict[str, torch.Tensor] | None = None  # the unconditional prompt's (one row), when guided
     guidance_scale: float = 1.0
+    episode: None = None  # a trajectory is one row (``Policy.batch``)
 
     @property
     def size(self) -> int:
@@ -112,7 +114,7 @@ def to_flow_batch(payload, train_steps: int = 0, choice: str = "random") -> Flow
         guidance_scale=payload.guidance_scale)
 
 
-class FlowPolicy:
+class FlowPolicy(PolicyBase):
     """What the learner asks of the flow family (``tether.vocabulary.Policy``)."""
 
     def __init__(self, train_steps: int = 0, choice: str = "random", kl_units: str = "exact", *,

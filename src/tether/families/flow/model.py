@@ -147,6 +147,10 @@ class FlowModel(nn.Module):
 
         return timesteps(steps, shift=shift or 1.0)
 
+    def attach_pipeline(self) -> FlowModel:
+        """Whole already (a pipeline's transformer loaded alone loads its other parts here)."""
+        return self
+
     # -- a model directory ----------------------------------------------------------------------
 
     def save_pretrained(self, folder: str | Path, **_: object) -> None:

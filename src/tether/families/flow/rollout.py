@@ -148,8 +148,7 @@ class FlowSampler:
             "throughput/gen_steps_per_s": n * self.sampling.steps / max(generate_s, 1e-9),
             "memory/rollout_peak_mb": peak_rss_mb(),
         }
-        if hasattr(self.score, "take_parts"):  # reward.functions: each part's mean
-            metrics.update(self.score.take_parts())
+        metrics.update(self.score.take_parts())  # reward.functions: each part's mean
         negative = self.engine.negative
         return FlowBatch(positions=[p for p, _ in item.examples],
                          prompts=[ex.prompt for _, ex in item.examples],

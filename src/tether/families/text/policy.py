@@ -13,13 +13,14 @@ from pathlib import Path
 import torch
 
 from tether import registry
+from tether.families.base import PolicyBase
 from tether.families.text.batch import TrainBatch, to_train_batch, token_logprobs
 from tether.modeling import load_causal_lm
 
 log = logging.getLogger("tether.train")
 
 
-class TextPolicy:
+class TextPolicy(PolicyBase):
     def __init__(self, temperature: float) -> None:
         self.temperature = temperature
         self.pad_id: int | None = None

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import time
 
-from tether.control.inflight import inflight_mode
 from tether.data.rewards import score_all
 from tether.families.text.payload import ScoredBatch
 from tether.procinfo import peak_rss_mb
@@ -27,6 +26,8 @@ class TextSampler:
         self.engine = registry.engines.get(cfg.rollout.engine).build(
             cfg, model_path, self.tokenizer, stop_ids, device=device, threads=threads, seed=seed)
         self.score = cfg.family().scorer(cfg)
+        self.switches = cfg.budget().mode.switches
+        """The engine switches weights mid-generation: each batch reports how often, and its waste."""
 
     def close(self) -> None:
         """Nothing to release besides the engine."""
@@ -59,7 +60,7 @@ class TextSampler:
         n = len(batch.rewards)  # the pool checks the batch is whole when it arrives
         mean = sum(batch.rewards) / n
         tokens = sum(len(t) for t in batch.completion_ids)
-        if inflight_mode(self.cfg.async_.inflight_update).switches:
+        if self.switches:
             wasted, switches = self.engine.take_counts()
             batch.metrics.update({
                 "rollout/weight_switches": float(switches),
@@ -67,8 +68,7 @@ class TextSampler:
                 "staleness/multi_version_seq_frac": sum(len(set(v)) > 1 for v in batch.versions) / n,
             })
         batch.metrics.update(self.engine.report())
-        if hasattr(self.score, "take_parts"):  # reward.functions: each part's mean
-            batch.metrics.update(self.score.take_parts())
+        batch.metrics.update(self.score.take_parts())  # reward.functions: each part's mean
         batch.metrics.update({
             "reward/mean": mean,
             "reward/std": math.sqrt(sum((r - mean) ** 2 for r in batch.rewards) / n),

@@ -44,7 +44,7 @@ class TorchEngine(ModelEngine):
     def decoder_path(self) -> str:
         """How the last batch was decoded: ``native`` (the native decoder), ``python`` (the lean
         decoder's Python path) or ``transformers`` (the model's own forward)."""
-        return getattr(self.stepper, "path", "transformers")
+        return self.stepper.path
 
     def report(self) -> dict[str, float]:
         """Which decoder sampled the last batch (``rollout.decoder``)."""
@@ -59,7 +59,7 @@ class TorchEngine(ModelEngine):
         out = sample(self.model, [list(p) for p in prompts], params, stop_ids=self.stop_ids,
                      pad_id=self.pad_id, generator=generator, stepper=self.stepper,
                      samples_per_prompt=samples_per_prompt, version=self._version, poll=self.poll,
-                     inflight_update=self.inflight_update)
+                     inflight=self.inflight)
         self.wasted_tokens += out.wasted_tokens
         self.switches += out.switches
         completions = [
