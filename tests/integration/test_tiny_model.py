@@ -73,7 +73,7 @@ def test_init_refuses_to_overwrite_and_bad_choices(tmp_path):
     with pytest.raises(ConfigError, match="already exists and is not empty"):
         init_model(tmp_path / "m", size="tiny")
     init_model(tmp_path / "m", size="tiny", overwrite=True)
-    with pytest.raises(ConfigError, match="choose one of: tiny, small, base, 0.5b, 1.5b"):
+    with pytest.raises(ConfigError, match=r"choose one of: tiny, small, base, 0\.5b, 1\.5b"):
         init_model(tmp_path / "x", size="huge")
     with pytest.raises(ConfigError, match="choose one of: qwen3, llama, qwen2"):
         init_model(tmp_path / "y", arch="gpt2")
