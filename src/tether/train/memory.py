@@ -18,10 +18,10 @@ import torch
 from tether.errors import LearnerMemoryError
 
 PHASES = {
-    "old": "computing π_old and the reference (forwards without gradients, before the batch's updates)",
+    "old": "π_old and the reference (forwards without gradients, before the batch's updates)",
     "update": "an update's forward and backward",
     "optimizer": "the optimizer step",
-    "publication": "gathering the weights to publish",
+    "publication": "the publication (the weights gathered for the engines)",
 }
 """Each phase's words, by the name ``phase`` takes."""
 
@@ -49,7 +49,7 @@ def knobs(name: str, train: Any) -> list[str]:
 
 
 def explain(name: str, train: Any) -> str:
-    lines = [f"the learner ran out of memory {PHASES[name]}"]
+    lines = [f"the learner ran out of memory in {PHASES[name]}"]
     if found := knobs(name, train):
         lines.append("what lowers it: " + "; ".join(found))
     return ". ".join(lines)
