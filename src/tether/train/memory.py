@@ -35,7 +35,7 @@ def knobs(name: str, train: Any) -> list[str]:
     lora = "train.lora_rank: train LoRA adapters, not every weight (gradients and AdamW state for them alone)"
     # train.dtype is the bf16 learner's key: named only where this Tether has it
     dtype = getattr(train, "dtype", None)
-    bf16 = ["train.dtype=bfloat16: half the bytes of every activation"] if dtype not in (None, "bfloat16") else []
+    bf16 = [] if dtype in (None, "bfloat16") else ["train.dtype=bfloat16: half the bytes of every activation"]
     out = {
         "old": [micro, *bf16, ranks],
         "update": [micro, *([] if train.activation_checkpointing else [
