@@ -23,6 +23,10 @@ forward then runs as FSDP forward methods (``register_fsdp_forward_method``): th
 one of the root module's, which gathers the embeddings, final norm and head, and each decoder
 layer's part as one of that layer's, which gathers its weights just for it and reduce-scatters
 their gradients after its backward, as the model's own forward would.
+
+A layer marked for recomputation (``tether.recompute``, ``train.activation_checkpointing``) runs
+its part under ``torch.utils.checkpoint`` when gradients are on: inside the layer's FSDP forward
+method on ranks, as the model's own forward is inside the layer's hooks.
 """
 
 from __future__ import annotations
