@@ -195,3 +195,36 @@ def test_a_model_with_no_layers_to_recompute_is_refused_at_load(tmp_path):
             "to recompute") in out.stderr
     assert "set train.activation_checkpointing=false" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_diffusers_transformers_blocks_recompute_with_the_same_gradients(tmp_path, checkpoints):
+    pytest.importorskip("diffusers")
+    from tether.families.flow.learn import FlowPolicy
+    from tether.families.flow.pipeline import DiffusersFlow
+    from tether.families.flow.tiny_sd3 import build_tiny_sd3
+
+    build_tiny_sd3(tmp_path / "sd3")
+
+    def gradients(mark: bool):
+        torch.manual_seed(0)
+        model = DiffusersFlow.from_pretrained(tmp_path / "sd3", whole=False)
+        config = model.transformer.config
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        blocks = FlowPolicy().layers(model)
+        assert len(blocks) == config.num_layers == 2
+        if mark:
+            recompute.recompute(blocks)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(2, config.in_channels, config.sample_size, config.sample_size, generator=g)
+        cond = {"prompt_embeds": torch.randn(2, 8, config.joint_attention_dim, generator=g),
+                "pooled_projections": torch.randn(2, config.pooled_projection_dim, generator=g)}
+        v = model(x, torch.rand(2, generator=g), cond)
+        (v * torch.randn(v.shape, generator=g)).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, marked = gradients(False), gradients(True)
+    assert len(checkpoints) == 2  # build_tiny_sd3's depth: one checkpointed call per block
+    for name, g in plain.items():
+        assert torch.allclose(marked[name], g, rtol=1e-5, atol=1e-7), name
