@@ -61,6 +61,7 @@ _EXPORTS = {
     "RolloutError": "tether.errors",
     "LearnerLostError": "tether.errors",
     "LearnerError": "tether.errors",
+    "LearnerMemoryError": "tether.errors",
     "RunBusyError": "tether.errors",
     "CheckpointError": "tether.errors",
     "DataError": "tether.errors",

@@ -12,6 +12,7 @@
     ├── RolloutError              generation or scoring failed; carries the worker, batch and cause
     ├── LearnerLostError          the learner's Ray actor, or one of its ranks, died or stopped answering
     ├── LearnerError              an exception inside a learner rank; carries the rank's traceback
+    ├── LearnerMemoryError        the learner ran out of memory; says in which phase and what lowers it
     ├── RunBusyError              another process holds the run directory's lock
     ├── CheckpointError           a checkpoint could not be written; the last good one is kept
     ├── DataError                 a dataset file, row or column is unusable; names file, row, expectation
@@ -109,6 +110,12 @@ class LearnerError(TetherError):
         if remote_traceback:
             message = f"{message}\n\nOriginal traceback:\n{remote_traceback.rstrip()}"
         super().__init__(message)
+
+
+class LearnerMemoryError(TetherError):
+    """The learner ran out of memory (``torch.OutOfMemoryError``, ``MemoryError``): the message
+    names the phase (π_old, an update's forward and backward, the optimizer step, a publication)
+    and the keys that lower it (``tether.train.memory``)."""
 
 
 class DataError(TetherError, ValueError):

@@ -400,6 +400,12 @@ class Policy(Protocol):
         """A faster forward of ``model`` when asked for and possible, else None."""
         ...
 
+    def layers(self, model: Any) -> list[Any]:
+        """``model``'s repeated blocks in order (a language model's decoder layers, a transformer's
+        blocks), the units learner ranks shard one by one and ``train.activation_checkpointing``
+        recomputes; empty when it has none."""
+        ...
+
 
 # -- families -------------------------------------------------------------------------------------
 

@@ -143,6 +143,8 @@ def test_a_familys_learner_scores_its_samples_as_its_engine_did(family_run):
     on = batch.mask.bool()
     assert (logp[on] - batch.behavior_logp[on]).abs().mean() <= 1e-5
     assert policy.fast_forward(model, False) is None
+    layers = policy.layers(model)  # the FSDP2 units, and what train.activation_checkpointing recomputes
+    assert isinstance(layers, list) and all(isinstance(layer, torch.nn.Module) for layer in layers)
 
     weights = {k: v + 0.01 for k, v in unique_parameters(model).items()}
     engine.load_weights(weights, 3)

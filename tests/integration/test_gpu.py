@@ -178,6 +178,35 @@ def test_the_learner_on_the_device_takes_the_cpu_learners_steps(tiny_model_dir, 
     assert back.train(batch, train_version=2).committed_updates == 2
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_a_recomputing_learner_on_the_device_takes_the_plain_learners_steps(tiny_model_dir, device,
+                                                                          shared_prefix):
+    """train.activation_checkpointing on the device: the same updates as without it (the model's
+    own forward and the shared-prompt one), and, on CUDA, a lower peak of allocated memory in an
+    update."""
+    batch = rollout_batch(tiny_model_dir)
+    keys = dict(lr=1e-3, updates_per_batch=2, shared_prefix=shared_prefix, kl_coef=0.01, device=device)
+    peaks = {}
+    learners = {}
+    for recompute in (False, True):
+        settings = config(activation_checkpointing=recompute, **keys)
+        learner = learners[recompute] = TorchLearner(tiny_model_dir, settings)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        assert learner.train(batch, train_version=0).committed_updates == 2
+        if device == "cuda":
+            peaks[recompute] = torch.cuda.max_memory_allocated() - base
+    for p, q in zip(learners[False].model.parameters(), learners[True].model.parameters(), strict=True):
+        torch.testing.assert_close(q.detach(), p.detach(), atol=1e-6, rtol=1e-5)
+    if device == "cuda":
+        print(f"\npeak allocated in an update: {peaks[False] / 2**20:.1f} MiB without, "
+              f"{peaks[True] / 2**20:.1f} MiB with checkpointing")
+        assert peaks[True] < peaks[False]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="learner ranks on NCCL need two CUDA devices (two ranks cannot share one)")

@@ -13,6 +13,7 @@ from tether.control import AsyncControl, BudgetSettings  # noqa: E402
 from tether.errors import ConfigError  # noqa: E402
 from tether.families.text.batch import to_train_batch, token_logprobs  # noqa: E402
 from tether.families.text.payload import ScoredBatch  # noqa: E402
+from tether.families.text.policy import TextPolicy  # noqa: E402
 from tether.modeling import load_causal_lm  # noqa: E402
 from tether.rollout.engines.torch.engine import TorchEngine  # noqa: E402
 from tether.train.learner import TorchLearner  # noqa: E402
@@ -277,7 +278,7 @@ def test_shared_prompt_forward_on_a_model_fsdp2_shards(tmp_path):
     model, tok = load_causal_lm(tmp_path / "m")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
-        fsdp.shard(model)
+        fsdp.shard(model, TextPolicy(1.0).layers(model))
         assert SharedPrefixForward(model).sharded
         check_shared_prompt_forward(model.train(), tok)
     finally:

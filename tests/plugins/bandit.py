@@ -193,6 +193,9 @@ class BanditPolicy(tether.PolicyBase):
     def fast_forward(self, model, enabled: bool):
         return None
 
+    def layers(self, model) -> list:
+        return []  # a table of logits: no blocks to shard or recompute
+
 
 class Greedy:
     """Held-out pass@1: the most likely arm of each prompt."""

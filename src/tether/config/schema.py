@@ -238,6 +238,15 @@ class TrainSection:
         "Which linear layers get adapters: PEFT's target_modules, names or name suffixes (q_proj, v_proj) "
         "or all-linear (every linear layer but the output head).",
     )
+    activation_checkpointing: bool = knob(
+        False,
+        "Recompute each layer's activations in the backward (the family's layers: a language model's "
+        "decoder layers, the flow transformer's blocks) instead of keeping them from the forward: the "
+        "update's activation memory falls to each layer's input, for one more forward of every layer. "
+        "Same gradients; forwards without gradients (π_old, the reference, evaluations) are unchanged. "
+        "Learner ranks too (docs/training.md).",
+        resume=Resume.ACCEPTED,
+    )
     device: str = knob(
         "cpu",
         "Where the learner trains and evaluates: 'cpu', or 'cuda' / 'cuda:N' (a CUDA build of torch "

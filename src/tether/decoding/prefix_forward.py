@@ -23,6 +23,10 @@ forward then runs as FSDP forward methods (``register_fsdp_forward_method``): th
 one of the root module's, which gathers the embeddings, final norm and head, and each decoder
 layer's part as one of that layer's, which gathers its weights just for it and reduce-scatters
 their gradients after its backward, as the model's own forward would.
+
+A layer marked for recomputation (``tether.recompute``, ``train.activation_checkpointing``) runs
+its part under ``torch.utils.checkpoint`` when gradients are on: inside the layer's FSDP forward
+method on ranks, as the model's own forward is inside the layer's hooks.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tether import recompute
 from tether.decoding.fast_decoder import FastDecoder, supports
 
 __all__ = ["SharedPrefixForward", "supports"]
@@ -81,7 +86,7 @@ class SharedPrefixForward(FastDecoder):
             from torch.distributed.fsdp import register_fsdp_forward_method
 
             for layer in model.model.layers:
-                setattr(layer, _LAYER_METHOD, functools.partial(self._layer, layer))
+                setattr(layer, _LAYER_METHOD, functools.partial(self._run_layer, layer))
                 register_fsdp_forward_method(layer, _LAYER_METHOD)
             setattr(model, _ROOT_METHOD, self._forward)
             register_fsdp_forward_method(model, _ROOT_METHOD)
@@ -143,7 +148,7 @@ class SharedPrefixForward(FastDecoder):
         xp = F.embedding(u_ids, self.embed).reshape(u * p_max, -1)  # (U·Pmax, hidden)
         xc = F.embedding(tok_t, self.embed)  # (T, hidden)
         for layer in self.model.model.layers:
-            run = getattr(layer, _LAYER_METHOD) if self.sharded else functools.partial(self._layer, layer)
+            run = getattr(layer, _LAYER_METHOD) if self.sharded else functools.partial(self._run_layer, layer)
             xp, xc = run(xp, xc, at)
 
         # completion token 0 is predicted by the prompt's last position, token k by completion
@@ -163,6 +168,13 @@ class SharedPrefixForward(FastDecoder):
                 ent_t = -(logp_all.exp() * logp_all).sum(-1)
                 entropy = ent_t.new_zeros(n, width - 1).index_put((row_of, column), ent_t)
         return logp, entropy
+
+    def _run_layer(self, module: torch.nn.Module, xp: torch.Tensor, xc: torch.Tensor,
+                   at: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_layer``, its activations recomputed in the backward when ``module`` is marked
+        (``tether.recompute``; inside a sharded layer's FSDP forward method, as the model's own
+        forward is inside its hooks)."""
+        return recompute.run(module, self._layer, module, xp, xc, at)
 
     def _layer(self, module: torch.nn.Module, xp: torch.Tensor, xc: torch.Tensor,
                at: _Layout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,14 +14,20 @@ from pathlib import Path
 import torch
 
 
-def shard(model: torch.nn.Module) -> None:
-    """Each decoder layer a unit of its own, the rest (embeddings, final norm, a tied head) the
-    root's. Gradients are summed over ranks, not averaged: each rank's loss is already its part of
-    the mini-batch's (normalised by the whole mini-batch's counts)."""
+def shard(model: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
+    """Each of ``layers`` (the family's, ``Policy.layers``) a unit of its own, the rest
+    (embeddings, final norm, a tied head) the root's. Gradients are summed over ranks, not
+    averaged: each rank's loss is already its part of the mini-batch's (normalised by the whole
+    mini-batch's counts).
+
+    Layers marked for recomputation (``tether.recompute``, ``train.activation_checkpointing``) are
+    marked before this, so FSDP's hooks wrap the checkpointed forward: the order torchtitan's
+    ``parallelize_llama`` uses (``apply_ac``, then ``apply_fsdp``), and the one torch 2.13's
+    ``FSDPState._pre_forward`` is written for ("when composing with module-hook-based activation
+    checkpointing, the pre-backward hook is responsible for the unshard"): the layer's weights are
+    all-gathered again before its recompute, and freed after its backward."""
     from torch.distributed.fsdp import fully_shard
 
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)][:1]
-    layers = list(lists[0]) if lists else []
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)

@@ -37,7 +37,7 @@ from tether.modeling import (
     unique_parameters,
 )
 from tether.procinfo import peak_rss_mb
-from tether.train import fsdp, learner_state, lora
+from tether.train import checkpointing, fsdp, learner_state, lora, memory
 from tether.train.advantages import Advantages, group_advantages, overlong_penalty, per_episode, units_of
 from tether.train.collective import Solo
 from tether.train.corrections import correct
@@ -98,6 +98,7 @@ class TorchLearner:
                             "engine sampled (ratio/* and mismatch/* carry that noise); the model's own "
                             "forward runs, not the shared-prompt one", s.lora_dropout)
         self.model.to(self.device).train()
+        checkpointing.apply(self.model, self.policy, s, family=cfg.model.family, rank=self.group.rank)
         self.names = list(self._published())  # the published names, tied ones once
         self.ref_model = None
         if s.kl_coef > 0 and not s.lora_rank:  # frozen; sharded like the model with ranks
@@ -105,9 +106,9 @@ class TorchLearner:
             disable_dropout(self.ref_model)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         if self.group.world > 1:
-            fsdp.shard(self.model)
+            fsdp.shard(self.model, self.policy.layers(self.model))  # after checkpointing.apply
             if self.ref_model is not None:
-                fsdp.shard(self.ref_model)
+                fsdp.shard(self.ref_model, self.policy.layers(self.ref_model))
         self.forward = self._forward_for(self.model)
         self.ref_forward = self._forward_for(self.ref_model) if self.ref_model is not None else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -143,9 +144,10 @@ class TorchLearner:
     def export_weights(self) -> dict[str, torch.Tensor]:
         """name → tensor of every parameter, tied ones once. Sharded: gathered whole onto the CPU
         (a collective), returned on rank 0 (other ranks get an empty dict)."""
-        if self.group.world == 1:
-            return self._published()
-        return fsdp.whole_weights(self.model, self.names)
+        with memory.phase("publication", self.s):
+            if self.group.world == 1:
+                return self._published()
+            return fsdp.whole_weights(self.model, self.names)
 
     def _published(self) -> dict[str, torch.Tensor]:
         """What an engine needs of the weights: every parameter, or with LoRA the adapters."""
@@ -167,12 +169,14 @@ class TorchLearner:
         inline_old = u == 1 and self._micro_count(self.group.most(len(shares[0]))) == 1
         same = tb.behavior_versions == train_version  # sampled with the weights π_old comes from
         mine = torch.cat(shares)
-        old = None if inline_old else self._no_grad_logp(self.model, tb, mine)
-        ref = self._reference(tb, mine)
-        split = self._attribute(tb, old, mine, train_version) if self.attribution is not None else {}
+        with memory.phase("old", s):
+            old = None if inline_old else self._no_grad_logp(self.model, tb, mine)
+            ref = self._reference(tb, mine)
+            split = self._attribute(tb, old, mine, train_version) if self.attribution is not None else {}
         committed = 0
         for rows, share in zip(minibatches, shares, strict=True):
-            committed += self._update(tb, rows, share, adv.values, mask, same, old, ref, stats)
+            with memory.phase("update", s):  # the optimizer step inside it is its own phase
+                committed += self._update(tb, rows, share, adv.values, mask, same, old, ref, stats)
         return TrainResult(committed, u, {**self._metrics(stats, adv.frac_zero_std, u - committed), **split})
 
     def _reference(self, tb: Any, mine: torch.Tensor) -> torch.Tensor | None:
@@ -333,7 +337,8 @@ class TorchLearner:
         if not torch.isfinite(grad_norm):
             return self._skip(stats, "train/skipped_nonfinite_grad")
         stats.add("train/grad_norm", grad_norm)
-        self.optimizer.step()
+        with memory.phase("optimizer", s):
+            self.optimizer.step()
         self.scheduler.step()
         self.committed += 1
         return 1

@@ -178,3 +178,7 @@ class FlowPolicy(PolicyBase):
 
     def fast_forward(self, model, enabled: bool):
         return None
+
+    def layers(self, model) -> list[torch.nn.Module]:
+        """The transformer's blocks: the built-in DiT's, or a diffusers transformer's."""
+        return model.layers()

@@ -122,6 +122,10 @@ class FlowModel(nn.Module):
 
     # -- what the flow family asks of a model (``tether.families.flow.conditioning``) ------------
 
+    def layers(self) -> list[nn.Module]:
+        """The transformer's blocks (FSDP2 units; recomputed with train.activation_checkpointing)."""
+        return list(self.blocks)
+
     @property
     def latent_shape(self) -> tuple[int, int, int]:
         """(C, H, W) of what the SDE samples: here the image itself."""

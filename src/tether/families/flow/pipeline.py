@@ -209,6 +209,10 @@ class DiffusersFlow(nn.Module):
                               f"{sorted(wanted - have)}; the flow family serves SD3-class pipelines "
                               "(StableDiffusion3Pipeline's SD3Transformer2DModel)")
 
+    def layers(self) -> list[nn.Module]:
+        """The transformer's blocks (FSDP2 units; recomputed with train.activation_checkpointing)."""
+        return list(self.transformer.transformer_blocks)
+
     def _frozen(self) -> list[nn.Module]:
         if self.pipe is None:
             return []

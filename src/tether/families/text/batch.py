@@ -92,7 +92,9 @@ def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float
     if forward is not None:
         return forward(batch.input_ids, batch.attention_mask, batch.mask, temperature,
                        with_entropy=with_entropy)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    # no KV cache: nothing reads it, and a layer recomputed in the backward would fill it twice
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    logits = out.logits[:, :-1]
     logits = logits.float() / temperature  # (N, L − 1, V)
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, batch.targets[..., None]).squeeze(-1)  # (N, L − 1)

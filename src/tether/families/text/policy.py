@@ -59,3 +59,10 @@ class TextPolicy(PolicyBase):
             return None
         return SharedPrefixForward(model)
 
+    def layers(self, model) -> list[torch.nn.Module]:
+        """The decoder layers: the module list of ``config.num_hidden_layers`` blocks (a Llama's or
+        Qwen's ``model.layers``, GPT-2's ``transformer.h``), PEFT's adapters inside them."""
+        count = model.config.num_hidden_layers
+        lists = (m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count)
+        return list(next(lists, []))
+

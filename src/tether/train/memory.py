@@ -1,0 +1,66 @@
+"""What the learner says when it runs out of memory: in which phase, and which keys lower that
+phase's memory (``LearnerMemoryError``).
+
+An allocation that fails — ``torch.OutOfMemoryError`` on a GPU, a ``MemoryError`` on the CPU — is
+turned into one error naming the phase it failed in, the recipe's settings that size it and the
+keys that lower it. The run then ends as after any learner error: nothing of the failed batch is
+saved, the run directory keeps its newest checkpoint, and ``tether train`` says how to resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from tether.errors import LearnerMemoryError
+
+PHASES = {
+    "old": "π_old and the reference (forwards without gradients, before the batch's updates)",
+    "update": "an update's forward and backward",
+    "optimizer": "the optimizer step",
+    "publication": "the publication (the weights gathered for the engines)",
+}
+"""Each phase's words, by the name ``phase`` takes."""
+
+
+def knobs(name: str, train: Any) -> list[str]:
+    """The keys that lower phase ``name``'s memory, each with why; ones already at their lowest
+    setting are left out."""
+    micro = (f"train.micro_batch_size: fewer sequences per forward (now {train.micro_batch_size}"
+             f"{', a whole mini-batch' if train.micro_batch_size == 0 else ''}; halve it)")
+    ranks = f"train.world_size: more learner ranks, each holding a shard (now {train.world_size})"
+    lora = "train.lora_rank: train LoRA adapters, not every weight (gradients and AdamW state for them alone)"
+    # train.dtype is the bf16 learner's key: named only where this Tether has it
+    dtype = getattr(train, "dtype", None)
+    bf16 = [] if dtype in (None, "bfloat16") else ["train.dtype=bfloat16: half the bytes of every activation"]
+    out = {
+        "old": [micro, *bf16, ranks],
+        "update": [micro, *([] if train.activation_checkpointing else [
+            "train.activation_checkpointing=true: keep each layer's input only, recompute the rest in "
+            "the backward"]), *bf16, *([] if train.lora_rank else [lora]), ranks],
+        "optimizer": [*([] if train.lora_rank else [lora]), ranks],
+        "publication": [*([] if train.lora_rank else ["train.lora_rank: publish the adapters, not every "
+                                                       "weight"])],
+    }[name]
+    return out
+
+
+def explain(name: str, train: Any) -> str:
+    lines = [f"the learner ran out of memory in {PHASES[name]}"]
+    if found := knobs(name, train):
+        lines.append("what lowers it: " + "; ".join(found))
+    return ". ".join(lines)
+
+
+@contextlib.contextmanager
+def phase(name: str, train: Any) -> Iterator[None]:
+    """Run a phase of the learner's work; an allocation that fails in it becomes a
+    ``LearnerMemoryError`` saying so (one raised by a phase inside it passes through)."""
+    assert name in PHASES, name
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise LearnerMemoryError(explain(name, train)) from exc

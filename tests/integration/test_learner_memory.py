@@ -1,0 +1,70 @@
+"""A learner that runs out of memory says in which phase and which keys lower it
+(``LearnerMemoryError``); what a run does then is tests/faults/test_out_of_memory.py."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from test_learner import sampled_batch  # noqa: E402
+
+from configs import config  # noqa: E402
+from tether.errors import LearnerMemoryError  # noqa: E402
+from tether.train import learner as learner_module  # noqa: E402
+from tether.train.learner import TorchLearner  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def out_of_memory(*args, **kwargs):
+    raise MemoryError
+
+
+def cuda_out_of_memory(*args, **kwargs):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+@pytest.mark.parametrize(("phase", "says", "lowers", "not_offered"), [
+    ("old", "π_old and the reference", ["train.micro_batch_size: fewer sequences per forward (now 0, a whole "
+                                        "mini-batch; halve it)", "train.world_size"],
+     ["train.activation_checkpointing", "train.lora_rank"]),
+    ("update", "an update's forward and backward",
+     ["train.micro_batch_size", "train.activation_checkpointing=true", "train.lora_rank", "train.world_size"],
+     []),
+    ("update-recomputing", "an update's forward and backward",
+     ["train.micro_batch_size", "train.lora_rank", "train.world_size"], ["train.activation_checkpointing"]),
+    ("optimizer", "the optimizer step", ["train.lora_rank", "train.world_size"], ["train.micro_batch_size"]),
+    ("publication", "the publication", ["train.lora_rank"], ["train.micro_batch_size"]),
+])
+def test_each_phase_that_runs_out_of_memory_is_named_with_what_lowers_it(tiny_model_dir, monkeypatch, phase,
+                                                                         says, lowers, not_offered):
+    batch, _ = sampled_batch(tiny_model_dir)
+    learner = TorchLearner(tiny_model_dir, config(updates_per_batch=2, shared_prefix=False,
+                                                  activation_checkpointing=phase == "update-recomputing"))
+    forward = learner.policy.forward
+
+    def forward_without_room(*args, grad: bool, **kwargs):
+        if torch.is_grad_enabled() == grad:
+            raise MemoryError
+        return forward(*args, **kwargs)
+
+    if phase == "old" or phase.startswith("update"):
+        grad = phase != "old"
+        monkeypatch.setattr(learner.policy, "forward",
+                            lambda *a, **k: forward_without_room(*a, grad=grad, **k))
+    elif phase == "optimizer":
+        monkeypatch.setattr(learner.optimizer, "step", cuda_out_of_memory)
+    else:
+        monkeypatch.setattr(learner_module, "unique_parameters", out_of_memory)
+    with pytest.raises(LearnerMemoryError) as info:
+        if phase == "publication":
+            learner.export_weights()
+        else:
+            learner.train(batch, train_version=0)
+    message = str(info.value)
+    assert message.startswith(f"the learner ran out of memory in {says}"), message
+    for key in lowers:
+        assert key in message, (key, message)
+    for key in not_offered:
+        assert key not in message, (key, message)
+    assert isinstance(info.value.__cause__, MemoryError | torch.OutOfMemoryError)
