@@ -14,17 +14,20 @@ from pathlib import Path
 import torch
 
 
-def shard(model: torch.nn.Module) -> None:
+def shard(model: torch.nn.Module, mp_policy=None) -> None:
     """Each decoder layer a unit of its own, the rest (embeddings, final norm, a tied head) the
     root's. Gradients are summed over ranks, not averaged: each rank's loss is already its part of
-    the mini-batch's (normalised by the whole mini-batch's counts)."""
-    from torch.distributed.fsdp import fully_shard
+    the mini-batch's (normalised by the whole mini-batch's counts). ``mp_policy``: a
+    ``MixedPrecisionPolicy`` (``tether.train.precision``: bfloat16 compute, float32 shards), or
+    None for float32 throughout."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mp = mp_policy or MixedPrecisionPolicy()
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)][:1]
     layers = list(lists[0]) if lists else []
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     for unit in [*layers, model]:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-scaled one)
