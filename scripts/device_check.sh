@@ -9,7 +9,8 @@
 # weight load from CPU tensors, the lean decoder against the transformers forward) and a rollout
 # worker on CUDA, i.e. what a Ray actor with ray.gpus_per_worker > 0 runs; the learner on CUDA
 # (train.device=cuda) step for step against the CPU learner, its checkpoint loading on a CPU, and
-# held-out evaluation on the device, and with two or more GPUs the learner's NCCL ranks
+# held-out evaluation on the device, a bfloat16 learner (train.dtype) and engine (rollout.dtype)
+# on the device against the float32 ones, and with two or more GPUs the learner's NCCL ranks
 # (train.world_size=2) against one GPU, and the learner with train.activation_checkpointing against
 # one without it (the same steps, a lower peak of allocated memory) (tests marked `gpu`); where diffusers is installed, a
 # diffusers pipeline's rollout worker on the GPU in float32 and bfloat16 against the CPU learner;

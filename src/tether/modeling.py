@@ -233,6 +233,17 @@ def learner_device(name: str) -> torch.device:
                         fix="install a CUDA build of torch on a machine with a GPU, or set train.device=cpu")
 
 
+def cast_parameters(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """``model`` with its parameters in ``dtype`` (``float32``, ``bfloat16``), tied ones still
+    tied; its buffers (the rotary ``inv_freq``) stay float32, as a learner's are under autocast."""
+    target = getattr(torch, dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != target:
+                p.data = p.data.to(target)
+    return model
+
+
 def copy_weights(model: torch.nn.Module, weights) -> None:
     """Copy ``weights`` (name → tensor, e.g. a learner's exported ones) into ``model``'s parameters."""
     params = dict(model.named_parameters())

@@ -34,6 +34,7 @@ from tether.errors import PluginError
 ENGINE_KINDS = ("token", "step")
 WEIGHT_CHANNELS = ("shared_memory", "object_store", "in_process")
 DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -58,15 +59,31 @@ class EnginePlugin:
     """Device types it samples on (a backend says where its workers run)."""
     weight_channels: tuple[str, ...] = WEIGHT_CHANNELS
     """Channels it can take published weights from (``WEIGHT_CHANNELS``)."""
+    dtypes: tuple[str, ...] = ("float32",)
+    """Precisions it samples in (its weights and activations; ``DTYPES``)."""
+    dtype_key: str | None = None
+    """The key a recipe picks one of ``dtypes`` with (``section.key``: ``rollout.dtype`` for the
+    built-in engine, ``vllm.dtype`` for vLLM), or None when it samples in ``dtypes[0]`` alone. A key
+    of a shared section is one of its ``keys`` (added when not listed)."""
     notes: Mapping[str, str] = field(default_factory=dict)
     """Why something is not supported, by axis (``inflight_updates``, ``lora``, ``devices``,
-    ``weight_channels``): added to the refusal."""
+    ``weight_channels``, ``dtypes``): added to the refusal."""
+
+    def dtype(self, cfg: Any) -> str:
+        """The precision the recipe asks it to sample in."""
+        if self.dtype_key is None:
+            return self.dtypes[0]
+        section, name = self.dtype_key.split(".")
+        return getattr(cfg.section(section), name)
 
     def __post_init__(self) -> None:
         check_declared(self)
         if not self.kinds or not set(self.kinds) <= set(ENGINE_KINDS):
             raise PluginError(f"engine {self.name!r} declares kinds {sorted(self.kinds)}; each must be one "
                               f"of {', '.join(ENGINE_KINDS)}")
+        key = self.dtype_key
+        if key is not None and key.split(".")[0] != section_name(self) and key not in self.keys:
+            object.__setattr__(self, "keys", (*self.keys, key))
 
     def check(self, cfg: Any) -> None:
         """Rules of its own keys, at config load (any Python)."""

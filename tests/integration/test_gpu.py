@@ -235,6 +235,53 @@ def test_two_nccl_ranks_take_the_single_device_learners_steps(tiny_model_dir):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_bfloat16_learner_and_engine_on_the_device(tiny_model_dir, device):
+    """train.dtype=bfloat16 on the device: float32 weights, gradients and AdamW state there, a
+    gradient within bfloat16's rounding of the float32 learner's, the same-weight mismatch it adds
+    reported, and its held-out evaluation under autocast; rollout.dtype=bfloat16: the engine's
+    log-probs a bfloat16 teacher-forced forward gives to bfloat16's rounding."""
+    from tether.modeling import cast_parameters
+
+    batch = rollout_batch(tiny_model_dir)
+    learners = {d: TorchLearner(tiny_model_dir, config(f"train.dtype={d}", lr=1e-3, device=device))
+                for d in ("float32", "bfloat16")}
+    results = {d: learner.train(batch, train_version=0) for d, learner in learners.items()}
+    bf16 = learners["bfloat16"]
+    assert {(p.device.type, p.dtype, p.grad.dtype) for p in bf16.params} == {(device, torch.float32,
+                                                                               torch.float32)}
+    assert {t.dtype for s in bf16.optimizer.state.values() for t in s.values() if t.dim()} == {torch.float32}
+    grads = {d: torch.cat([p.grad.flatten() for p in learner.params]) for d, learner in learners.items()}
+    assert float(torch.nn.functional.cosine_similarity(grads["float32"], grads["bfloat16"], dim=0)) > 0.999
+    numeric = {d: r.metrics["mismatch/numeric_logprob_abs_diff_mean"] for d, r in results.items()}
+    assert numeric["bfloat16"] > 30 * numeric["float32"]
+    from tether.families.text.evaluate import Evaluator
+
+    model, tok = on(device, tiny_model_dir)
+    task = get_task("arithmetic")
+    evaluate = bf16.precision.evaluating(Evaluator(
+        bf16.model, tok, task.examples("eval", 4, seed=0), _task_scorer(), stop_text=task.stop,
+        params=SamplingParams(max_new_tokens=6), num_samples=2))
+    assert evaluate(step=1)["eval/examples"] == 4.0
+    engine = TorchEngine(cast_parameters(model, "bfloat16"), pad_id=tok.pad_token_id,
+                         stop_ids=[tok.eos_token_id])
+    prompt = prompt_ids(tok, ["12+34="])[0]
+    [group] = engine.generate([prompt], samples_per_prompt=2, params=SamplingParams(max_new_tokens=8), seed=0)
+    for c in group:
+        with torch.no_grad():
+            ids = torch.tensor([prompt + c.token_ids], device=device)
+            logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+        expected = torch.log_softmax(logits, -1).gather(
+            -1, torch.tensor(c.token_ids, device=device)[:, None])[:, 0].cpu()
+        assert torch.allclose(torch.tensor(c.logprobs), expected, atol=0.05)
+
+
+def _task_scorer():
+    from tether.data.rewards import scorer
+
+    return scorer("task", task="arithmetic")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_held_out_evaluation_runs_on_the_learners_device(tiny_model_dir, device):
     from tether.data.rewards import scorer
     from tether.families.text.evaluate import Evaluator

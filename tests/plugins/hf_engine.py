@@ -7,7 +7,8 @@ It follows docs/architecture.md's "Adding an engine" step by step:
    version, ``bind``/``load_weights`` and the in-flight ``watch`` it never needs);
 2. its section: a frozen dataclass of ``knob`` fields (``hf.batch_prompts``);
 3. its plug-in: a ``tether.EnginePlugin`` declaring its kind (token), what it supports (drain
-   only: ``generate`` cannot switch weights between steps; no LoRA; the CPU), its checks (it
+   only: ``generate`` cannot switch weights between steps; no LoRA; the CPU; float32, read from
+   ``rollout.dtype`` as the built-in engine does, so ``rollout.dtype=bfloat16`` is refused), its checks (it
    samples at a temperature alone, so top-k/top-p are refused at load) and ``build``;
 4. ``tether.register_engine``; a recipe names this file in ``run.plugins`` and sets
    ``rollout.engine: hf``.
@@ -114,9 +115,10 @@ class HFPlugin(tether.EnginePlugin):
 
 
 HF = HFPlugin("hf", kinds=frozenset({"token"}), section=("hf", HFSection), inflight_updates=("drain",),
-              lora=False, devices=("cpu",),
+              lora=False, devices=("cpu",), dtypes=("float32",), dtype_key="rollout.dtype",
               notes={"inflight_updates": "transformers' generate runs a whole generation at once",
-                     "lora": "it samples from whole weights"})
+                     "lora": "it samples from whole weights",
+                     "dtypes": "it samples at the learner's float32 precision"})
 
 # -- 4. registered ------------------------------------------------------------------------------
 

@@ -35,7 +35,8 @@ class Echo(tether.EnginePlugin):
 tether.register_engine(Echo("echo_{tag}", section=("echo_{tag}", EchoSection), keys=("rollout.top_k",)))
 tether.register_engine(tether.EnginePlugin("stepper_{tag}", kinds=frozenset({{"step"}})))
 tether.register_engine(tether.EnginePlugin("cpu_only_{tag}", inflight_updates=("drain", "keep"),
-                                           notes={{"lora": "it has no adapters"}}))
+                                           dtype_key="rollout.dtype", notes={{"lora": "it has no adapters",
+                                                                             "dtypes": "no bf16 kernels"}}))
 tether.register_backend(tether.BackendPlugin("threads_{tag}"))
 '''
 
@@ -96,6 +97,28 @@ def test_what_an_engine_does_not_declare_is_refused_at_load(plugin):
         load_config(None, [plugins, f"rollout.engine=echo_{tag}", "rollout.backend=ray",
                            "ray.gpus_per_worker=1"])
     load_config(None, [plugins, f"rollout.engine=cpu_only_{tag}", "async.inflight_update=keep"])
+
+
+def test_an_engines_dtypes_are_its_declaration_checked_at_load(plugin):
+    plugins, tag = plugin
+    with pytest.raises(ConfigError, match=rf"rollout.dtype=bfloat16: rollout.engine=cpu_only_{tag} samples "
+                                          r"in float32 only \(no bf16 kernels\); set rollout.dtype=float32, "
+                                          r"or rollout.engine torch or vllm$"):
+        load_config(None, [plugins, f"rollout.engine=cpu_only_{tag}", "rollout.dtype=bfloat16"])
+    assert registry.engines.get(f"cpu_only_{tag}").keys == ("rollout.dtype",)  # its dtype key is its own
+    with pytest.raises(ConfigError, match=rf"rollout.dtype=bfloat16 is read only with rollout.engine=torch "
+                                          rf"\(rollout.engine is 'echo_{tag}'\)"):  # it has no dtype key
+        load_config(None, [plugins, f"rollout.engine=echo_{tag}", "rollout.dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="rollout.dtype=bfloat16 is read only with rollout.engine=torch "
+                                          r"\(rollout.engine is 'vllm'\)"):  # vLLM's is vllm.dtype
+        load_config(None, ["rollout.engine=vllm", "rollout.dtype=bfloat16"])
+    with pytest.raises(ConfigError, match=r"rollout.decoder=native runs float32 only .* set "
+                                          "rollout.decoder=auto or python"):
+        load_config(None, ["rollout.decoder=native", "rollout.dtype=bfloat16"])
+    assert registry.engines.get("torch").dtype(load_config(None, ["rollout.dtype=bfloat16"])) == "bfloat16"
+    assert registry.engines.get("vllm").dtype(load_config(None, ["rollout.engine=vllm",
+                                                                 "vllm.dtype=float16"])) == "float16"
+    assert registry.engines.get(f"echo_{tag}").dtype(load_config(None, [plugins])) == "float32"
 
 
 def test_the_flow_family_asks_for_a_step_engine():

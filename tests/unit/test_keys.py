@@ -109,7 +109,8 @@ def _formerly(key: str) -> Resume:
 # Decided otherwise since the prefix lists: a resume may switch how the built-in engine applies
 # adapters (it samples the same distribution), as it may switch the decoder; the lists refused it,
 # though they dropped it when a resume moved to vLLM.
-_SINCE = {"rollout.lora_apply": Resume.ACCEPTED,
+_SINCE = {"rollout.lora_apply": Resume.ACCEPTED, "rollout.dtype": Resume.ACCEPTED,
+          "train.dtype": Resume.ACCEPTED, "train.reduce_dtype": Resume.ACCEPTED,
           "train.activation_checkpointing": Resume.ACCEPTED}  # memory and time, not the update
 
 

@@ -213,6 +213,11 @@ class Config:
                               f"{t.num_batches * t.updates_per_batch} optimizer updates "
                               "(train.num_batches × train.updates_per_batch), so the rate would never "
                               "reach train.lr; lower train.warmup_steps")
+        if t.reduce_dtype != "float32" and (t.dtype == "float32" or t.world_size == 1):
+            raise ConfigError(f"train.reduce_dtype={t.reduce_dtype} has no effect with train.dtype="
+                              f"{t.dtype} and train.world_size={t.world_size} (the dtype FSDP2 ranks sum "
+                              "bfloat16 gradients in); remove it, or set train.dtype=bfloat16 and "
+                              "train.world_size > 1")
         self._check_lora()
 
     def _check_lora(self) -> None:

@@ -65,6 +65,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("learner_ranks", "learner ranks (FSDP2 over several processes)", _by_keys("learner_ranks")),
     Feature("lora", "LoRA adapters", _by_keys("lora")),
     Feature("learner_actor", "the learner in a Ray actor", _by_keys("learner_actor")),
+    Feature("mixed_precision", "a bfloat16 learner (train.dtype)", _by_keys("mixed_precision")),
 )
 FEATURE_NAMES = frozenset(f.name for f in FEATURES)
 
@@ -102,7 +103,8 @@ def _is_default(value: Any) -> bool:
 
 def check_capabilities(cfg: Any, family: Any) -> None:
     """Refuse what the chosen family, engine and backend cannot run together, saying what they
-    support: the kind of engine the family asks for, the in-flight mode, LoRA, the workers' device
+    support: the kind of engine the family asks for, the in-flight mode, LoRA, the engine's dtype,
+    the workers' device
     and weight channel (each as the plug-ins declare it), and the family's optional features."""
     caps = family.capabilities
     unknown = set(caps.features) - FEATURE_NAMES
@@ -151,6 +153,11 @@ def check_engine(cfg: Any, family: Any, engine: Any, backend: Any) -> None:
         raise ConfigError(f"train.lora_rank={cfg.train.lora_rank}: {key} does not sample from LoRA "
                           "adapters" + _note(engine, "lora") + "; set train.lora_rank=0, or rollout.engine "
                           f"{_those(lambda e: e.lora and kind in e.kinds)}")
+    dtype = engine.dtype(cfg)
+    if dtype not in engine.dtypes:
+        raise ConfigError(f"{engine.dtype_key}={dtype}: {key} samples in {' or '.join(engine.dtypes)} only"
+                          + _note(engine, "dtypes") + f"; set {engine.dtype_key}={engine.dtypes[0]}, or "
+                          f"rollout.engine {_those(lambda e: dtype in e.dtypes and kind in e.kinds)}")
     device = backend.worker_device(cfg)
     if device not in engine.devices:
         fit = _those(lambda e: device in e.devices and kind in e.kinds)

@@ -254,6 +254,21 @@ class TrainSection:
         "With ray.learner=actor the actor requests one GPU.",
         resume=Resume.ACCEPTED,
     )
+    dtype: Literal["float32", "bfloat16"] = knob(
+        "float32",
+        "The learner's compute precision. float32 = everything in float32; bfloat16 = float32 master "
+        "weights and AdamW state, forwards (training, π_old, the KL reference, held-out evaluation) in "
+        "bfloat16 under torch.autocast (FSDP2 ranks: MixedPrecisionPolicy), log-softmax and loss in "
+        "float32. It adds a train–inference mismatch that mismatch/numeric_* report (docs/training.md, "
+        "'Precision').",
+        resume=Resume.ACCEPTED, feature="mixed_precision",
+    )
+    reduce_dtype: Literal["float32", "bfloat16"] = knob(
+        "float32",
+        "With train.dtype=bfloat16 and train.world_size > 1: the dtype gradients are summed over ranks "
+        "in (FSDP2's reduce_dtype); bfloat16 halves that traffic and rounds each sum.",
+        resume=Resume.ACCEPTED, feature="mixed_precision",
+    )
     shared_prefix: bool = knob(
         True,
         "Run each group's prompt once in the training forward (its samples attend to the shared "
@@ -336,6 +351,15 @@ class RolloutSection:
         "says why it cannot run; 'python' = the Python path. Both give the same log-probs to float32 "
         "rounding.",
         resume=Resume.ACCEPTED, owner="engine", feature="decoder",
+    )
+    dtype: Literal["float32", "bfloat16"] = knob(
+        "float32",
+        "Precision the built-in engine samples in (its weights and activations; the sampling "
+        "distribution and its log-probs in float32). float32 = the learner's log-probs to ~1e-6; "
+        "bfloat16 halves its weights' memory and adds a train–inference mismatch (docs/training.md, "
+        "'Precision'). Runs the lean decoder's Python path (the native decoder is float32 only). vLLM's "
+        "is vllm.dtype.",
+        resume=Resume.ACCEPTED, owner="engine", feature="token_sampling",
     )
     dynamic_sampling: bool = knob(
         False,

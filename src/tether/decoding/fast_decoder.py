@@ -159,11 +159,14 @@ class FastDecoder:
         from tether.decoding import native
 
         self._stale = False
-        lib = native.library(self.decoder)
-        self.native_reason = "rollout.decoder=python" if lib is None and self.decoder == "python" else (
-            "the library could not be built or loaded (see the log)" if lib is None
-            else native.unusable(self.model))
-        if self.native_reason is not None and self.decoder == "native":
+        # a bfloat16 learner's held-out evaluation runs under autocast, which only torch ops follow
+        autocast = torch.is_autocast_enabled(self.model.model.embed_tokens.weight.device.type)
+        lib = None if autocast else native.library(self.decoder)
+        self.native_reason = "autocast (train.dtype=bfloat16)" if autocast else (
+            "rollout.decoder=python" if lib is None and self.decoder == "python" else (
+                "the library could not be built or loaded (see the log)" if lib is None
+                else native.unusable(self.model)))
+        if self.native_reason is not None and self.decoder == "native" and not autocast:
             raise NativeDecoderError(f"rollout.decoder=native but this model cannot run natively: "
                                      f"{self.native_reason}; use rollout.decoder=auto or python")
         self._native = self.native_reason is None
@@ -237,6 +240,8 @@ class FastDecoder:
         return torch.addmm(bias, x, w_t) if x.dim() == 2 else x @ w_t + bias
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.dtype != w.dtype:  # under autocast: a bfloat16 input, normalised in float32 as the model's own
+            x = x.to(w.dtype)
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -56,10 +56,15 @@ class Parts:
 
     def check_here(self) -> None:
         """Refuse, before anything starts, what cannot run in this Python: the backend's own
-        needs, and — where the workers run this Python (local workers) — the engine's."""
+        needs, — where the workers run this Python (local workers) — the engine's, and where the
+        learner runs here, its precision on its device."""
         self.backend.check_here(self.cfg)
         if self.backend.local_workers:
             self.engine.check_here(self.cfg)
+        if self.layout != "actor":  # the learner runs here: can its device compute in train.dtype
+            from tether.train.precision import check_device
+
+            check_device(self.cfg.train.dtype, self.cfg.train.device)
 
     def prepare(self, *, progress_plain: bool | None = None) -> Prepared:
         """Model (built and warm-started if asked), data and reward, all checked; no process started."""
@@ -154,7 +159,7 @@ def in_process(cfg: Config, prepared: Prepared, session: Any, stack: contextlib.
     learner = TorchLearner(prepared.model_path, cfg)
     evaluate = cfg.family().evaluator(cfg, learner.model, learner.tokenizer, prepared.data, prepared.score,
                                       run_dir=run_dir)
-    return learner, evaluate
+    return learner, learner.precision.evaluating(evaluate)  # in the training forward's dtype
 
 
 def local_ranks(cfg: Config, prepared: Prepared, session: Any, stack: contextlib.ExitStack,

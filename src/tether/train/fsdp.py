@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 
 
-def shard(model: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
+def shard(model: torch.nn.Module, layers: list[torch.nn.Module], mp_policy=None) -> None:
     """Each of ``layers`` (the family's, ``Policy.layers``) a unit of its own, the rest
     (embeddings, final norm, a tied head) the root's. Gradients are summed over ranks, not
     averaged: each rank's loss is already its part of the mini-batch's (normalised by the whole
-    mini-batch's counts).
+    mini-batch's counts). ``mp_policy``: a ``MixedPrecisionPolicy`` (``tether.train.precision``:
+    bfloat16 compute, float32 shards), or None for float32 throughout.
 
     Layers marked for recomputation (``tether.recompute``, ``train.activation_checkpointing``) are
     marked before this, so FSDP's hooks wrap the checkpointed forward: the order torchtitan's
@@ -26,11 +27,12 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
     ``FSDPState._pre_forward`` is written for ("when composing with module-hook-based activation
     checkpointing, the pre-backward hook is responsible for the unshard"): the layer's weights are
     all-gathered again before its recompute, and freed after its backward."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mp = mp_policy or MixedPrecisionPolicy()
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     for unit in [*layers, model]:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-scaled one)

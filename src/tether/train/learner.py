@@ -37,7 +37,7 @@ from tether.modeling import (
     unique_parameters,
 )
 from tether.procinfo import peak_rss_mb
-from tether.train import checkpointing, fsdp, learner_state, lora, memory
+from tether.train import checkpointing, fsdp, learner_state, lora, memory, precision
 from tether.train.advantages import Advantages, group_advantages, overlong_penalty, per_episode, units_of
 from tether.train.collective import Solo
 from tether.train.corrections import correct
@@ -83,7 +83,8 @@ class TorchLearner:
         """L_max: Dr. GRPO's normalising constant for ``seq_mean_token_sum_norm``."""
         torch.manual_seed(cfg.run.seed)
         self.device = learner_device(s.device)
-        self.policy = cfg.family().policy(cfg)
+        self.precision = precision.of(cfg, self.device)  # train.dtype: the forwards' compute dtype
+        self.policy = self.precision.policy(cfg.family().policy(cfg))
         self.model, self.tokenizer = self.policy.load(model_path)
         self._without_dropout(model_path)
         self.model_path = model_path
@@ -106,9 +107,9 @@ class TorchLearner:
             disable_dropout(self.ref_model)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         if self.group.world > 1:
-            fsdp.shard(self.model, self.policy.layers(self.model))  # after checkpointing.apply
-            if self.ref_model is not None:
-                fsdp.shard(self.ref_model, self.policy.layers(self.ref_model))
+            fsdp.shard(self.model, self.policy.layers(self.model), self.precision.fsdp_policy())
+            if self.ref_model is not None:  # both after checkpointing.apply
+                fsdp.shard(self.ref_model, self.policy.layers(self.ref_model), self.precision.fsdp_policy())
         self.forward = self._forward_for(self.model)
         self.ref_forward = self._forward_for(self.ref_model) if self.ref_model is not None else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]

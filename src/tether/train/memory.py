@@ -33,9 +33,7 @@ def knobs(name: str, train: Any) -> list[str]:
              f"{', a whole mini-batch' if train.micro_batch_size == 0 else ''}; halve it)")
     ranks = f"train.world_size: more learner ranks, each holding a shard (now {train.world_size})"
     lora = "train.lora_rank: train LoRA adapters, not every weight (gradients and AdamW state for them alone)"
-    # train.dtype is the bf16 learner's key: named only where this Tether has it
-    dtype = getattr(train, "dtype", None)
-    bf16 = [] if dtype in (None, "bfloat16") else ["train.dtype=bfloat16: half the bytes of every activation"]
+    bf16 = [] if train.dtype == "bfloat16" else ["train.dtype=bfloat16: half the bytes of every activation"]
     out = {
         "old": [micro, *bf16, ranks],
         "update": [micro, *([] if train.activation_checkpointing else [

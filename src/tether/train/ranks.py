@@ -69,8 +69,9 @@ class RankServer:
             model, tokenizer = family.policy(cfg).load(self.model_path)
             model = model.to(learner_device(cfg.train.device)).eval()
         self.eval_model = model
-        self.evaluator = family.evaluator(cfg, model, tokenizer, self.eval_data, family.scorer(cfg),
-                                          run_dir=self.run_dir)
+        evaluator = family.evaluator(cfg, model, tokenizer, self.eval_data, family.scorer(cfg),
+                                     run_dir=self.run_dir)
+        self.evaluator = self.learner.precision.evaluating(evaluator)  # in the training forward's dtype
 
     def train(self, batch: RolloutBatch, train_version: int) -> TrainResult | None:
         result = self.learner.train(batch, train_version=train_version)

@@ -49,6 +49,7 @@ class AgentFamily(TextFamily):
                 "learner_ranks",
                 "learner_actor",
                 "lora",
+                "mixed_precision",
             }
         ),
         notes={"dynamic_sampling": NOT_YET, "attribution": NOT_YET},

@@ -46,7 +46,8 @@ class FlowFamily(FamilyBase):
                "dynamic_sampling": NOT_YET,
                "attribution": NOT_YET,
                "truncation": "trajectories are never truncated",
-               "shared_prefix": "no prompt prefix is shared"})
+               "shared_prefix": "no prompt prefix is shared",
+               "mixed_precision": "its learner computes in float32; flow.dtype sets its engine's"})
     warmstart_fields = ("loss", "pass_at_1", "reward")
 
     def check(self, cfg: Any) -> None:

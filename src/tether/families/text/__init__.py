@@ -22,7 +22,8 @@ from tether.families.base import FamilyBase
 from tether.vocabulary import Capabilities, DataBundle, Progress
 
 ALL_FEATURES = frozenset({"token_sampling", "decoder", "dynamic_sampling", "truncation", "shared_prefix",
-                          "datasets", "attribution", "learner_ranks", "learner_actor", "lora"})
+                          "datasets", "attribution", "learner_ranks", "learner_actor", "lora",
+                          "mixed_precision"})
 
 
 class TextFamily(FamilyBase):

@@ -1,6 +1,6 @@
 """The built-in engine's plug-in (``rollout.engine=torch``): its keys (``rollout.decoder``,
-``rollout.lora_apply``), what it supports, and building ``engine.TorchEngine`` in a worker.
-Importing it loads no torch."""
+``rollout.lora_apply``, ``rollout.dtype``), what it supports, and building ``engine.TorchEngine``
+in a worker. Importing it loads no torch."""
 
 from __future__ import annotations
 
@@ -13,6 +13,14 @@ from tether.plugins import EnginePlugin
 
 
 class _Torch(EnginePlugin):
+    def check(self, cfg: Any) -> None:
+        r = cfg.rollout
+        if r.decoder == "native" and r.dtype != "float32":
+            raise ConfigError(f"rollout.decoder=native runs float32 only (its library multiplies with MKL's "
+                              f"float32 packed GEMMs), and rollout.dtype={r.dtype}; set rollout.decoder=auto "
+                              "or python (the lean decoder's Python path samples in any dtype), or "
+                              "rollout.dtype=float32")
+
     def check_here(self, cfg: Any) -> None:
         if cfg.rollout.decoder != "native":
             return
@@ -26,13 +34,16 @@ class _Torch(EnginePlugin):
 
     def build(self, cfg: Any, model_path: str, tokenizer: Any, stop_ids: Sequence[int], *, device: Any,
               threads: int, seed: int) -> Any:
-        from tether.modeling import load_causal_lm
+        from tether.modeling import cast_parameters, load_causal_lm
         from tether.rollout.engines.torch.engine import TorchEngine
 
         model, _ = load_causal_lm(model_path)
-        return TorchEngine(model.to(device), pad_id=tokenizer.pad_token_id, stop_ids=stop_ids,
+        model = cast_parameters(model.to(device), cfg.rollout.dtype)
+        return TorchEngine(model, pad_id=tokenizer.pad_token_id, stop_ids=stop_ids,
                            decoder=cfg.rollout.decoder)
 
 
 TORCH = _Torch("torch", kinds=frozenset({"token", "step"}), keys=("rollout.decoder", "rollout.lora_apply"),
-               inflight_updates=INFLIGHT_UPDATE_CHOICES, lora=True, devices=("cpu", "cuda"))
+               inflight_updates=INFLIGHT_UPDATE_CHOICES, lora=True, devices=("cpu", "cuda"),
+               dtypes=("float32", "bfloat16"), dtype_key="rollout.dtype",
+               notes={"dtypes": "float16 is vLLM's, vllm.dtype"})
