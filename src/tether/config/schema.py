@@ -198,6 +198,15 @@ class TrainSection:
     micro_batch_size: int = knob(
         0, "Sequences per forward/backward inside a mini-batch (gradient accumulation); 0 = all.", min=0
     )
+    max_tokens_per_micro_batch: int = knob(
+        0,
+        "Pack each mini-batch's sequences into micro-batches by tokens instead of train.micro_batch_size "
+        "sequences: longest first, at most this many tokens a forward (rows × the longest row with the "
+        "model's own forward; each group's prompt once plus its completions with the shared-prompt one). "
+        "The same update; at least the longest sequence a run can produce (data.max_prompt_tokens + "
+        "rollout.max_new_tokens); 0 = off (docs/training.md).",
+        min=0, resume=Resume.ACCEPTED, feature="token_budget",
+    )
     threads: int = knob(
         1, "torch threads in the trainer process (in each rank's, with world_size > 1).", min=1,
         resume=Resume.ACCEPTED,
