@@ -108,8 +108,9 @@ def _formerly(key: str) -> Resume:
 
 # Decided otherwise since the prefix lists: a resume may switch how the built-in engine applies
 # adapters (it samples the same distribution), as it may switch the decoder; the lists refused it,
-# though they dropped it when a resume moved to vLLM.
-_SINCE = {"rollout.lora_apply": Resume.ACCEPTED}
+# though they dropped it when a resume moved to vLLM. A token budget for micro-batches makes the same
+# update (to rounding) whatever it is, so a resume may lower it after running out of memory.
+_SINCE = {"rollout.lora_apply": Resume.ACCEPTED, "train.max_tokens_per_micro_batch": Resume.ACCEPTED}
 
 
 def test_the_resume_rules_decide_every_key_as_before():
