@@ -4,14 +4,14 @@
 One rollout batch of 8 prompts × 8 samples: prompts of 16 tokens; completions of geometric length
 (mean ``--mean-length``, 16) but a ``--long-frac`` share (10%) of 120 to 240 tokens, so the longest
 row can be 256 tokens, the model's context; random tokens; the model's own log-probs as the
-engine's. Each setting trains it in a process of its own
-(so each process's peak resident memory is that setting's): one warm-up update, then ``--repeats``
-rounds of one timed update of each setting in turn (U = 1, the DAPO preset's loss with token TIS),
-medians. Reported per setting: the time
-of an update, its micro-batches, the share of padding in what the forwards lay out
-(``train/pad_frac``), the process's peak resident memory and how far training raised it above what
-loading the model and the batch took. ``--shared-prefix`` runs the shared-prompt forward instead of
-the model's own. Threads pinned (``--threads``, default 1).
+engine's. Each setting trains it in a process of its own, so that process's peak resident memory
+while training is the setting's (the peak is reset once the learner is built, through Linux's
+``/proc/self/clear_refs``): one warm-up update, then ``--repeats`` rounds of one timed update of
+each setting in turn (U = 1, the DAPO preset's loss with token TIS), medians. Reported per setting:
+the time of an update, its micro-batches, the share of padding in what the forwards lay out
+(``train/pad_frac``), the peak resident memory while training and how far it is above the resident
+memory before the first update (the model, its optimizer, the batch). ``--shared-prefix`` runs the
+shared-prompt forward instead of the model's own. Threads pinned (``--threads``, default 1).
 
     python benchmarks/micro_batches.py [--size small] [--repeats 5] [--threads 1] [--shared-prefix] [--json]
 """
@@ -78,13 +78,19 @@ def rollout_batch(path: str, mean_length: float, long_frac: float, seed: int = 0
     return batch, lengths
 
 
+def memory_mb(field: str) -> float:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its peak since the last reset) of this process, MiB."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
 def serve(path: str, batch, keys: list[str], args, orders, out) -> None:
     """One setting in a process of its own: an update per order (its time back), then on ``None``
     its metrics and the process's peak memory."""
     import torch
 
     from tether.config import load_config
-    from tether.procinfo import peak_rss_mb
     from tether.train.learner import TorchLearner
 
     torch.set_num_threads(args.threads)
@@ -93,14 +99,16 @@ def serve(path: str, batch, keys: list[str], args, orders, out) -> None:
                              f"data.max_prompt_tokens={PROMPT_LEN}", f"rollout.max_new_tokens={MAX_NEW}",
                              *keys])
     learner = TorchLearner(path, cfg)
-    before = peak_rss_mb()
+    with open("/proc/self/clear_refs", "w") as refs:  # the peak from here on: training's, not loading's
+        refs.write("5")
+    before = memory_mb("VmRSS")
     result = learner.train(batch, train_version=0)  # warm-up
     out.put(None)
     while orders.get() is not None:
         t0 = time.perf_counter()
         result = learner.train(batch, train_version=0)
         out.put(time.perf_counter() - t0)
-    peak = peak_rss_mb()
+    peak = memory_mb("VmHWM")
     metrics = result.metrics
     out.put({"micro_batches": metrics["train/micro_batches"], "pad_frac": metrics["train/pad_frac"],
              "peak_rss_mb": peak, "training_rss_mb": peak - before, "loss": metrics["loss/total"]})
