@@ -8,7 +8,8 @@
 # What it checks: the engine on CUDA (log-probs against a teacher-forced forward, seeding, a
 # weight load from CPU tensors, the lean decoder against the transformers forward) and a rollout
 # worker on CUDA, i.e. what a Ray actor with ray.gpus_per_worker > 0 runs; the learner on CUDA
-# (train.device=cuda) step for step against the CPU learner, its checkpoint loading on a CPU, and
+# (train.device=cuda) step for step against the CPU learner (also with micro-batches packed by a
+# token budget, train.max_tokens_per_micro_batch), its checkpoint loading on a CPU, and
 # held-out evaluation on the device, a bfloat16 learner (train.dtype) and engine (rollout.dtype)
 # on the device against the float32 ones, and with two or more GPUs the learner's NCCL ranks
 # (train.world_size=2) against one GPU, and the learner with train.activation_checkpointing against

@@ -207,6 +207,25 @@ def test_a_recomputing_learner_on_the_device_takes_the_plain_learners_steps(tiny
         assert peaks[True] < peaks[False]
 
 
+def test_a_token_budget_on_the_device_makes_the_cpu_learners_fixed_count_update(tiny_model_dir, device,
+                                                                                 shared_prefix):
+    """train.max_tokens_per_micro_batch on the device (micro-batches packed by tokens, each forward
+    run to its own longest row) against the CPU learner's micro-batches of 4 sequences."""
+    batch = rollout_batch(tiny_model_dir)
+    bounds = ("data.max_prompt_tokens=9", "rollout.max_new_tokens=6")  # the longest row: 15 tokens
+    keys = dict(lr=5e-5, updates_per_batch=2, shared_prefix=shared_prefix, kl_coef=0.01)
+    cpu = TorchLearner(tiny_model_dir, config(*bounds, micro_batch_size=4, **keys))
+    dev = TorchLearner(tiny_model_dir, config(*bounds, max_tokens_per_micro_batch=30, device=device, **keys))
+    for version in range(2):
+        a, b = cpu.train(batch, train_version=version), dev.train(batch, train_version=version)
+        assert (a.committed_updates, b.committed_updates) == (2, 2)
+        for key in ("loss/policy", "loss/kl", "ratio/mean", "train/entropy"):
+            assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-3, abs=1e-5), key
+        assert b.metrics["train/micro_batches"] >= 2
+    for p, q in zip(cpu.model.parameters(), dev.model.parameters(), strict=True):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="learner ranks on NCCL need two CUDA devices (two ranks cannot share one)")

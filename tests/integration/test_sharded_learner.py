@@ -67,8 +67,13 @@ def trained(learner, rollout_batches):
     {"aggregation": "token_mean", "updates_per_batch": 2, "shared_prefix": True,
      "overrides": ("metrics.attribution=true", "async.max_staleness=2")},
     {"aggregation": "seq_mean_token_mean", "updates_per_batch": 2, "kl_coef": 0.05, "shared_prefix": True},
+    # packed by tokens: a group costs its prompt once plus 4 × 6 completion tokens (28, 29, 32, 33),
+    # so rank 0 (groups 0, 1) packs 2 micro-batches and rank 1 (groups 2, 3, each cut in two) 3:
+    # rank 0 runs a stand-in for the third
+    {"aggregation": "seq_mean_token_sum_norm", "updates_per_batch": 1, "kl_coef": 0.05, "shared_prefix": True,
+     "max_tokens_per_micro_batch": 30, "overrides": ("data.max_prompt_tokens=9", "rollout.max_new_tokens=6")},
 ], ids=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum-inline", "dr_grpo-kl", "tis-mask-inline",
-        "attribution", "shared-prefix-kl"])
+        "attribution", "shared-prefix-kl", "token-budget"])
 def test_two_ranks_make_the_single_process_update(tiny_model_dir, case):
     rollout_batches = batches(tiny_model_dir)
     # the model's own forward on both sides, so only the split across ranks differs; the last two

@@ -108,10 +108,13 @@ def _formerly(key: str) -> Resume:
 
 # Decided otherwise since the prefix lists: a resume may switch how the built-in engine applies
 # adapters (it samples the same distribution), as it may switch the decoder; the lists refused it,
-# though they dropped it when a resume moved to vLLM.
+# though they dropped it when a resume moved to vLLM. Micro-batching (a count or a token budget),
+# precision and recomputation change memory and time, not the update (to rounding), so a resume may
+# change them, e.g. after running out of memory.
 _SINCE = {"rollout.lora_apply": Resume.ACCEPTED, "rollout.dtype": Resume.ACCEPTED,
           "train.dtype": Resume.ACCEPTED, "train.reduce_dtype": Resume.ACCEPTED,
-          "train.activation_checkpointing": Resume.ACCEPTED}  # memory and time, not the update
+          "train.activation_checkpointing": Resume.ACCEPTED,
+          "train.max_tokens_per_micro_batch": Resume.ACCEPTED, "train.micro_batch_size": Resume.ACCEPTED}
 
 
 def test_the_resume_rules_decide_every_key_as_before():

@@ -300,6 +300,29 @@ class Config:
         registry.engines.get(self.rollout.engine).check(self)
         registry.backends.get(self.rollout.backend).check(self)
         family.check(self)
+        self._check_token_budget(family)
+
+    def _check_token_budget(self, family: Any) -> None:
+        """A token budget holds the longest sequence the family can produce, and is not set with
+        a count of sequences (which of the two would make the micro-batches is then unclear)."""
+        t = self.train
+        budget = t.max_tokens_per_micro_batch
+        if not budget:
+            return
+        if t.micro_batch_size:
+            raise ConfigError(f"train.max_tokens_per_micro_batch={budget} and train.micro_batch_size="
+                              f"{t.micro_batch_size} are both set: micro-batches are made by tokens or by a "
+                              "count of sequences; set train.micro_batch_size=0 to pack by tokens")
+        longest, keys = family.longest_sequence(self)
+        if longest is None:
+            raise ConfigError(f"train.max_tokens_per_micro_batch={budget} needs a bound on a sequence's "
+                              f"length, which model.family={family.name} takes from {keys}; set {keys} "
+                              f"to at most {budget}")
+        if budget < longest:
+            names = re.sub("=[^ ]*", "", keys).replace(" + ", " or ")
+            raise ConfigError(f"train.max_tokens_per_micro_batch={budget} is smaller than the longest "
+                              f"sequence a run can produce: {keys} = {longest} tokens; raise it to at "
+                              f"least {longest}, or lower {names}")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every key, defaults included, in recipe form (the chosen family's section too)."""

@@ -64,6 +64,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("attribution", "the staleness/numerics split of each log-ratio", _by_keys("attribution")),
     Feature("learner_ranks", "learner ranks (FSDP2 over several processes)", _by_keys("learner_ranks")),
     Feature("lora", "LoRA adapters", _by_keys("lora")),
+    Feature("token_budget", "micro-batches packed by tokens", _by_keys("token_budget")),
     Feature("learner_actor", "the learner in a Ray actor", _by_keys("learner_actor")),
     Feature("mixed_precision", "a bfloat16 learner (train.dtype)", _by_keys("mixed_precision")),
 )

@@ -196,7 +196,18 @@ class TrainSection:
     adam_beta2: float = knob(0.999, "AdamW β2.", min=0, max=1)
     grad_clip: float = knob(1.0, "Clip the gradient's global norm to this (0 = off).", min=0)
     micro_batch_size: int = knob(
-        0, "Sequences per forward/backward inside a mini-batch (gradient accumulation); 0 = all.", min=0
+        0, "Sequences per forward/backward inside a mini-batch (gradient accumulation); 0 = all. The "
+        "update is the same whatever it is (to float32 rounding), so a resume may change it.", min=0,
+        resume=Resume.ACCEPTED,
+    )
+    max_tokens_per_micro_batch: int = knob(
+        0,
+        "Pack each mini-batch's sequences into micro-batches by tokens instead of train.micro_batch_size "
+        "sequences: longest first, at most this many tokens a forward (rows × the longest row with the "
+        "model's own forward; each group's prompt once plus its completions with the shared-prompt one). "
+        "The same update; at least the longest sequence a run can produce (data.max_prompt_tokens + "
+        "rollout.max_new_tokens); 0 = off (docs/training.md).",
+        min=0, resume=Resume.ACCEPTED, feature="token_budget",
     )
     threads: int = knob(
         1, "torch threads in the trainer process (in each rank's, with world_size > 1).", min=1,

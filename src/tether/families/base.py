@@ -32,6 +32,11 @@ class FamilyBase:
     def norm_constant(self, cfg: Any) -> int:
         return cfg.rollout.max_new_tokens
 
+    def longest_sequence(self, cfg: Any) -> tuple[int | None, str]:
+        """The most tokens one training row can hold (``train.max_tokens_per_micro_batch`` must
+        hold it), and the keys that bound it; None: nothing bounds it (those keys would)."""
+        return None, "no key"
+
     def recorders(self, cfg: Any, run_dir: Path) -> list[Any]:
         """``records`` (``metrics.record_every``) from payloads that say what to record of each
         sample (``sample_lines()``; [] records nothing)."""

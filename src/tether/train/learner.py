@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from tether.modeling import (
     unique_parameters,
 )
 from tether.procinfo import peak_rss_mb
-from tether.train import checkpointing, fsdp, learner_state, lora, memory, precision
+from tether.train import checkpointing, fsdp, learner_state, lora, memory, packing, precision
 from tether.train.advantages import Advantages, group_advantages, overlong_penalty, per_episode, units_of
 from tether.train.collective import Solo
 from tether.train.corrections import correct
@@ -56,9 +55,21 @@ class _Stats:
         self.entropy: list[torch.Tensor] = []
         self.scalars: dict[str, list[float]] = {}
         self.skips: dict[str, int] = {}  # updates not made, by reason
+        self.parts: dict[str, float] = {}
+        self.tokens = [0, 0]  # real tokens, positions of the updates' micro-batches (padded grids)
 
     def add(self, name: str, value: float | torch.Tensor) -> None:
         self.scalars.setdefault(name, []).append(float(value))
+
+    def part(self, name: str, value: float | torch.Tensor) -> None:
+        """A micro-batch's share of an update's value (the shares sum to it), added by ``done``."""
+        self.parts[name] = self.parts.get(name, 0.0) + float(value)
+
+    def done(self) -> None:
+        """The end of an update's micro-batches: each value's sum of shares is one figure."""
+        for name, value in self.parts.items():
+            self.add(name, value)
+        self.parts.clear()
 
     def mean(self, name: str) -> float | None:
         values = self.scalars.get(name)
@@ -85,6 +96,7 @@ class TorchLearner:
         self.device = learner_device(s.device)
         self.precision = precision.of(cfg, self.device)  # train.dtype: the forwards' compute dtype
         self.policy = self.precision.policy(cfg.family().policy(cfg))
+        self.token_rows = "token_budget" in cfg.family().capabilities.features  # for train/pad_frac
         self.model, self.tokenizer = self.policy.load(model_path)
         self._without_dropout(model_path)
         self.model_path = model_path
@@ -167,7 +179,7 @@ class TorchLearner:
         groups = torch.div(units_of(tb), tb.group_size, rounding_mode="floor")  # (N,)
         shares = [self.group.share(rows, groups) for rows in minibatches]  # this rank's rows of each
         self._check_shares(minibatches, groups)
-        inline_old = u == 1 and self._micro_count(self.group.most(len(shares[0]))) == 1
+        inline_old = u == 1 and len(self._micro(tb, shares[0])) == 1
         same = tb.behavior_versions == train_version  # sampled with the weights π_old comes from
         mine = torch.cat(shares)
         with memory.phase("old", s):
@@ -236,10 +248,17 @@ class TorchLearner:
         m = self.s.micro_batch_size
         return 1 if m <= 0 else math.ceil(n / m)
 
-    def _micro(self, rows: torch.Tensor) -> Iterator[torch.Tensor]:
-        """``rows`` in micro-batches; every rank runs as many (the sharded model's forward and
-        backward are collectives), so a rank with fewer rows may get empty ones."""
-        yield from rows.tensor_split(self._micro_count(self.group.most(len(rows))))
+    def _micro(self, tb: Any, rows: torch.Tensor) -> list[torch.Tensor]:
+        """``rows`` in micro-batches of ``train.micro_batch_size`` rows, or packed by
+        ``train.max_tokens_per_micro_batch`` (``tether.train.packing``); every rank runs as many
+        (the sharded model's forward and backward are collectives), so a rank with fewer rows or
+        tokens may get empty ones."""
+        if not self.s.max_tokens_per_micro_batch:
+            return list(rows.tensor_split(self._micro_count(self.group.most(len(rows)))))
+        groups = torch.div(units_of(tb), tb.group_size, rounding_mode="floor")
+        parts = packing.by_tokens(tb, rows, self.s.max_tokens_per_micro_batch, groups=groups,
+                                  shared=self.forward is not None)
+        return parts + [rows[:0]] * (self.group.most(len(parts)) - len(parts))
 
     def _forward_for(self, model):
         """The family's faster forward (a language model's shared-prompt forward) when asked for
@@ -253,12 +272,12 @@ class TorchLearner:
         family's KL term compares (the log-probs, or a flow step's means): this rank computes
         ``mine``, the others theirs."""
         forward = {id(self.model): self.forward, id(self.ref_model): self.ref_forward}.get(id(model))
-        parts = []
+        parts, micro = [], self._micro(tb, mine)
         with torch.no_grad():
-            for rows in self._micro(mine):
+            for rows in micro:
                 out = self.policy.forward(model, tb.rows(self._runnable(rows, mine)), forward=forward)
                 parts.append(out[2 if basis else 0][: len(rows)])
-        return self.group.gather(torch.cat(parts), mine, tb.size)
+        return self.group.gather(torch.cat(parts), torch.cat(micro), tb.size)  # packed: in any order
 
     @staticmethod
     def _runnable(rows: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
@@ -278,6 +297,7 @@ class TorchLearner:
         if not self._has_signal(adv[rows], mask[rows], ref):  # the same answer on every rank
             return self._skip(stats, "train/skipped_no_signal")
         start = int(rows[0])  # rows are contiguous: row r of the batch is r − start of the mini-batch
+        # (a micro-batch ``part`` may be any of them, packed by tokens)
         behavior = tb.behavior_logp[rows]
         # π_old of the mini-batch's rows fixes the corrections and so the loss denominators. It is
         # known before any forward pass, or (U = 1, one micro-batch: ``old`` is None) it is the one
@@ -289,7 +309,9 @@ class TorchLearner:
             if corr is None:
                 return self._skip(stats, "train/skipped_no_signal")
             total_tokens, total_seqs = _denominators(corr.keep)
-        for part in self._micro(mine):
+        micro = self._micro(tb, mine)
+        self._count_micro(tb, micro, stats)
+        for part in micro:
             mb = tb.rows(self._runnable(part, mine))
             logp, entropy, own = self.policy.forward(self.model, mb, with_entropy=True, forward=self.forward)
             logp, entropy, own = logp[: len(part)], entropy[: len(part)], own[: len(part)]
@@ -322,15 +344,16 @@ class TorchLearner:
                     None if kl_cols is None else kl_cols.detach(), total_tokens, total_seqs, settings)
                 total = policy if kl is None else policy + s.kl_coef * kl
             if kl is not None:
-                stats.add("loss/kl", kl.detach())
-            stats.add("loss/policy", policy.detach())
-            stats.add("loss/total", total.detach())
+                stats.part("loss/kl", kl.detach())
+            stats.part("loss/policy", policy.detach())
+            stats.part("loss/total", total.detach())
             for key, value in loss_metrics.items():
                 stats.add(key, value)
             valid = keep.bool()
             if valid.any():
                 stats.ratios.append(torch.exp(logp.detach() - anchor)[valid])
                 stats.entropy.append(entropy[valid])
+        stats.done()
         max_norm = s.grad_clip if s.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)  # over every rank's shards
         if hasattr(grad_norm, "full_tensor"):
@@ -343,6 +366,16 @@ class TorchLearner:
         self.scheduler.step()
         self.committed += 1
         return 1
+
+    def _count_micro(self, tb: Any, micro: list[torch.Tensor], stats: _Stats) -> None:
+        """``train/micro_batches`` of an update, and for a family of token rows its tokens for
+        ``train/pad_frac``."""
+        stats.add("train/micro_batches", len(micro))
+        if not self.token_rows:
+            return
+        real, grid = packing.padding(tb, micro)
+        stats.tokens[0] += real
+        stats.tokens[1] += grid
 
     def _corrections(self, old: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor, same: torch.Tensor,
                      weigh: bool, stats: _Stats) -> Any:
@@ -410,6 +443,11 @@ class TorchLearner:
         for reason in ("train/skipped_no_signal", "train/skipped_nonfinite_grad"):
             out[reason] = float(stats.skips.get(reason, 0))
         out["reward/frac_zero_std"] = frac_zero_std
+        _, tokens = self.group.collect(torch.tensor([stats.tokens], dtype=torch.float64),
+                                       torch.tensor([self.group.rank]))  # every rank's micro-batches
+        real, grid = tokens.sum(0).tolist()
+        if grid:
+            out["train/pad_frac"] = 1.0 - real / grid
         out["memory/trainer_peak_mb"] = self.group.most(peak_rss_mb())  # with ranks: the largest rank's
         if self.device.type == "cuda":
             gpu_peak = torch.cuda.max_memory_allocated(self.device) / 2**20

@@ -29,8 +29,13 @@ PHASES = {
 def knobs(name: str, train: Any) -> list[str]:
     """The keys that lower phase ``name``'s memory, each with why; ones already at their lowest
     setting are left out."""
-    micro = (f"train.micro_batch_size: fewer sequences per forward (now {train.micro_batch_size}"
-             f"{', a whole mini-batch' if train.micro_batch_size == 0 else ''}; halve it)")
+    if train.max_tokens_per_micro_batch:
+        micro = (f"train.max_tokens_per_micro_batch: fewer tokens per forward (now "
+                 f"{train.max_tokens_per_micro_batch}; halve it)")
+    else:
+        micro = (f"train.micro_batch_size: fewer sequences per forward (now {train.micro_batch_size}"
+                 f"{', a whole mini-batch' if train.micro_batch_size == 0 else ''}; halve it), or "
+                 "train.max_tokens_per_micro_batch: pack them by a token budget")
     ranks = f"train.world_size: more learner ranks, each holding a shard (now {train.world_size})"
     lora = "train.lora_rank: train LoRA adapters, not every weight (gradients and AdamW state for them alone)"
     bf16 = [] if train.dtype == "bfloat16" else ["train.dtype=bfloat16: half the bytes of every activation"]

@@ -50,6 +50,7 @@ class AgentFamily(TextFamily):
                 "learner_actor",
                 "lora",
                 "mixed_precision",
+                "token_budget",
             }
         ),
         notes={"dynamic_sampling": NOT_YET, "attribution": NOT_YET},
@@ -85,6 +86,12 @@ class AgentFamily(TextFamily):
         """``drain`` with ``env.switch_at=turn`` (``InflightMode.turn_mode``): a publication waits
         for the turns in flight."""
         return inflight_mode(cfg.async_.inflight_update).drains and cfg.env.switch_at == "turn"
+
+    def longest_sequence(self, cfg: Any) -> tuple[int | None, str]:
+        """An episode's sequence, observations included: env.max_episode_tokens (0 = the model's
+        context, which the recipe does not know)."""
+        bound = cfg.env.max_episode_tokens
+        return bound or None, f"env.max_episode_tokens={bound}" if bound else "env.max_episode_tokens"
 
     def norm_constant(self, cfg: Any) -> int:
         """The most model tokens an episode can have."""

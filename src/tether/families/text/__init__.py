@@ -23,7 +23,7 @@ from tether.vocabulary import Capabilities, DataBundle, Progress
 
 ALL_FEATURES = frozenset({"token_sampling", "decoder", "dynamic_sampling", "truncation", "shared_prefix",
                           "datasets", "attribution", "learner_ranks", "learner_actor", "lora",
-                          "mixed_precision"})
+                          "mixed_precision", "token_budget"})
 
 
 class TextFamily(FamilyBase):
@@ -35,6 +35,12 @@ class TextFamily(FamilyBase):
                                 inflight_updates=INFLIGHT_UPDATE_CHOICES,
                                 features=ALL_FEATURES)
     warmstart_fields = ("loss", "pass_at_1")
+
+    def longest_sequence(self, cfg: Any) -> tuple[int | None, str]:
+        """A prompt (after any chat template) and a completion, each at its bound."""
+        d, r = cfg.data, cfg.rollout
+        return d.max_prompt_tokens + r.max_new_tokens, (f"data.max_prompt_tokens={d.max_prompt_tokens} + "
+                                                        f"rollout.max_new_tokens={r.max_new_tokens}")
 
     def build_model(self, cfg: Any, out: Path, on_progress: Progress | None) -> str:
         import logging

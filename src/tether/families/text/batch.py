@@ -88,18 +88,25 @@ def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float
 
     ``forward``: a ``SharedPrefixForward`` of ``model``, which computes the completion columns
     with each group's prompt run once (the other columns are then 0: only completion columns are
-    ever used); None runs the model's own forward over every row."""
+    ever used); None runs the model's own forward over every row, to the longest row's length."""
     if forward is not None:
         return forward(batch.input_ids, batch.attention_mask, batch.mask, temperature,
                        with_entropy=with_entropy)
-    # no KV cache: nothing reads it, and a layer recomputed in the backward would fill it twice
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    logits = out.logits[:, :-1]
-    logits = logits.float() / temperature  # (N, L − 1, V)
+    # rows are right-padded: a micro-batch runs to its own longest row, W ≤ L (causal attention
+    # leaves every real position as it is), and its columns past W − 1 are 0, as off the mask. No
+    # KV cache: nothing reads it, and a layer recomputed in the backward would fill it twice
+    full = batch.input_ids.shape[1]
+    width = min(max(int(batch.attention_mask.sum(1).max()), 2), full)
+    logits = model(input_ids=batch.input_ids[:, :width], attention_mask=batch.attention_mask[:, :width],
+                   use_cache=False).logits[:, :-1]
+    logits = logits.float() / temperature  # (N, W − 1, V)
     logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, batch.targets[..., None]).squeeze(-1)  # (N, L − 1)
+    logp = logp_all.gather(-1, batch.targets[:, : width - 1, None]).squeeze(-1)  # (N, W − 1)
     entropy = None
     if with_entropy:
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
+    if width < full:
+        logp = torch.nn.functional.pad(logp, (0, full - width))  # (N, L − 1)
+        entropy = None if entropy is None else torch.nn.functional.pad(entropy, (0, full - width))
     return logp, entropy
