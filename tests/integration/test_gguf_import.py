@@ -82,7 +82,8 @@ def test_dtype_writes_the_weights_in_that_dtype(imported, tmp_path):
     res = run("init-model", "--from-gguf", imported[0], tmp_path / "bf16", "--dtype", "bfloat16")
     assert res.returncode == 0, res.stderr
     with safe_open(tmp_path / "bf16" / "model.safetensors", "pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        names = f.keys()  # safe_open has no __iter__
+        assert {f.get_tensor(k).dtype for k in names} == {torch.bfloat16}
 
 
 def _refused(tmp_path: Path, file, out, *needles: str) -> None:

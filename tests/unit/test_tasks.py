@@ -101,7 +101,8 @@ def test_repeat_answers_have_a_long_tail_of_lengths():
 
 
 def test_bad_task_requests_say_what_is_valid():
-    with pytest.raises(ConfigError, match="valid: arithmetic, countdown, reverse, sort, repeat, question, shapes"):
+    valid = "valid: arithmetic, countdown, reverse, sort, repeat, question, shapes"
+    with pytest.raises(ConfigError, match=valid):
         get_task("additon")
     with pytest.raises(ConfigError, match=r"has difficulties \[1, 2, 3, 4\], got 9"):
         get_task("arithmetic").examples("train", 5, difficulty=9)

@@ -78,7 +78,8 @@ def check_gguf(file: str | Path) -> str:
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise ConfigError(f"--from-gguf {file}: transformers cannot read a GGUF model of architecture "
                           f"{architecture!r} ({exc}); convert it to a Hugging Face folder another way, or "
-                          "use a GGUF of an architecture transformers reads (llama, qwen2, qwen3, ...)") from exc
+                          "use a GGUF of an architecture transformers reads (llama, qwen2, qwen3, ...)"
+                          ) from exc
     return architecture
 
 
@@ -117,6 +118,7 @@ def import_gguf(file: str | Path, out: str | Path, *, dtype: str = "float32") ->
     folder, name = str(file.parent), file.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        tokenizer.padding_side = "left"  # a decoder-only model's batches: prompts end where generation starts
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
     except (ValueError, KeyError, OSError, NotImplementedError) as exc:
         raise ConfigError(f"--from-gguf {file}: transformers could not build a causal language model from it "

@@ -1,4 +1,5 @@
-"""The built-in tasks: arithmetic (also asked as a chat question), countdown, string transformations, and a long-tailed repeat.
+"""The built-in tasks: arithmetic (also asked as a chat question), countdown, string
+transformations, and a long-tailed repeat.
 
 Prompts are short plain text so a character-level tiny model can learn them; each answer ends at
 a newline or the end-of-sequence token. Rewards are in [0, 1]: 1 for a correct answer, a small
