@@ -83,7 +83,7 @@ QUESTION = Task(
     "Answer with the number only.' → '11'; the right sum among other words earns 0.5 ('4 + 7 = 11'). "
     "Difficulty 1: single digits; 2: two-digit operands.",
     difficulties=(1, 2),
-    default_difficulty=1,
+    default_difficulty=2,
     draw=_draw_question,
     verify=_verify_sum,
 )
