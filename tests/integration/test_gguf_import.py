@@ -45,6 +45,7 @@ def test_the_folder_is_a_plain_checkpoint_with_the_files_weights_and_chat_templa
     assert "quantization_config" not in config  # loads without the GGUF loader (and gguf)
     assert config["tie_word_embeddings"] and config["rope_parameters"]["rope_theta"] == 100000.0
     assert not list(out.parent.glob(".model.*"))  # no staging folder left
+    assert out.stat().st_mode & 0o755 == 0o755  # an ordinary folder, not mkdtemp's private one
     model, tok = load_causal_lm(out)
     reference = transformers.AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name)
     ours = model.state_dict()

@@ -15,6 +15,7 @@ whole, so a failure leaves nothing behind.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -126,6 +127,9 @@ def import_gguf(file: str | Path, out: str | Path, *, dtype: str = "float32") ->
     model = _plain(model, getattr(torch, dtype))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # mkdtemp's folder is private; the model folder is an ordinary one
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
