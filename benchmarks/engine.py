@@ -26,11 +26,20 @@ bound on what any engine built on these matrix multiplies can show on this workl
 decoder's own sections (a build of the library that times them) and the Python path's operators
 (``torch.profiler``), the rest of its wall time being Python and dispatch.
 
+``--model PATH`` measures a model folder instead of the tiny preset (a real checkpoint, e.g. the
+SmolLM2-135M-Instruct that ``make smollm2`` imports): prompts are the ``question`` task's chat
+turns in the model's own chat template where it has one. At that size a decode step streams every
+weight matrix once, so beside the matmul peak the machine's read bandwidth is measured in each
+round too (``limits.read_bandwidth`` over a buffer the size of the weights), and the limit that
+binds is reported: the larger of the compute floor (the work at the peak rate) and the memory
+floor (each decode step reading the weights at that bandwidth, the prefill at the peak rate).
+
 With ``--device cuda`` both run on the GPU instead (one measurement; thread counts do not
 apply; the native decoder is CPU-only, so Tether runs its Python path), for a machine that has
 one (scripts/device_check.sh).
 
     python benchmarks/engine.py [--prompts 64] [--new-tokens 32] [--repeats 7] [--device cpu] [--json]
+    python benchmarks/engine.py --model runs/models/smollm2 [--threads 1] [--repeats 3]
     python benchmarks/engine.py --profile [--size small]
 """
 
@@ -45,22 +54,30 @@ import time
 import torch
 
 
-def build(size: str):
+def build(size: str, model_path: str | None = None):
+    """(model, tokenizer): the folder ``model_path``, or a tiny model of ``size`` built here."""
     from transformers.utils import logging as hf_logging
 
     from tether.data.tiny_model import init_model
     from tether.modeling import load_causal_lm
 
     hf_logging.disable_progress_bar()
+    if model_path is not None:
+        return load_causal_lm(model_path)
     path = tempfile.mkdtemp() + "/model"
     init_model(path, size=size, seed=0)
     return load_causal_lm(path)
 
 
 def prompts_of(tok, n: int) -> list[list[int]]:
+    """Three-digit arithmetic for a tiny model; chat questions for a model with a chat template."""
+    from tether.data.datasets import apply_chat_template
     from tether.data.tasks import get_task
 
-    examples = get_task("arithmetic").examples("train", n, seed=0, difficulty=3)
+    if getattr(tok, "chat_template", None):
+        examples = apply_chat_template(tok, get_task("question").examples("train", n, seed=0, difficulty=2))
+    else:
+        examples = get_task("arithmetic").examples("train", n, seed=0, difficulty=3)
     return [tok(e.prompt, add_special_tokens=False).input_ids for e in examples]
 
 
@@ -88,6 +105,7 @@ def time_tether(model, tok, prompts, new_tokens: int, stepper) -> float:
 
 def time_hf(model, tok, prompts, new_tokens: int) -> float:
     device = next(model.parameters()).device
+    tok.padding_side = "left"  # generation continues each row from its last column
     batch = tok.pad({"input_ids": prompts}, return_tensors="pt").to(device)
     torch.manual_seed(0)
     _sync(device)
@@ -176,22 +194,37 @@ def gemm_chain_seconds(model, prompts: list[list[int]], new_tokens: int, peak: d
     return best_seconds(step) * (new_tokens - 1) + _rest_seconds(model, prompts, new_tokens, step_flops, peak)
 
 
-def measure(n_prompts: int, new_tokens: int, repeats: int, size: str = "small", device: str = "cpu") -> dict:
-    from limits import Rounds, matmul_peak, shape_gflops
+def memory_floor_seconds(model, prompts: list[list[int]], new_tokens: int, gflops: float,
+                         bytes_per_s: float) -> float:
+    """A lower bound set by memory: each decode step reads every weight matrix once at
+    ``bytes_per_s``, and the prefill's work runs at the peak (``gflops``)."""
+    from limits import attention_flops, matmul_parameters
 
-    model, tok = build(size)
+    weight_bytes = matmul_parameters(model) * next(model.parameters()).element_size()
+    params = matmul_parameters(model)
+    prefill = sum(2 * params * len(p) + sum(attention_flops(model, s + 1) for s in range(len(p)))
+                  for p in prompts)
+    return (new_tokens - 1) * weight_bytes / bytes_per_s + prefill / (gflops * 1e9)
+
+
+def measure(n_prompts: int, new_tokens: int, repeats: int, size: str = "small", device: str = "cpu",
+            model_path: str | None = None, thread_counts: tuple[int, ...] = (1, 2)) -> dict:
+    from limits import Rounds, matmul_parameters, matmul_peak, read_bandwidth, shape_gflops
+
+    model, tok = build(size, model_path)
     model.to(device).eval()
     prompts = prompts_of(tok, n_prompts)
     tokens = n_prompts * new_tokens
     flops = work_flops(model, prompts, new_tokens)
     result: dict = {"prompts": n_prompts, "new_tokens": new_tokens, "repeats": repeats, "device": device,
-                    "size": size, "parameters": sum(p.numel() for p in model.parameters()),
+                    "size": model_path or size, "parameters": sum(p.numel() for p in model.parameters()),
                     "flops_per_run": flops, "threads": {}}
     from tether.decoding.sampling import stepper_for
 
     on_gpu = torch.device(device).type == "cuda"
     engine, python_path = stepper_for(model), stepper_for(model, decoder="python")
-    for threads in ((1,) if on_gpu else (1, 2)):
+    weight_bytes = matmul_parameters(model) * next(model.parameters()).element_size()
+    for threads in ((1,) if on_gpu else thread_counts):
         torch.set_num_threads(threads)
         peak = None if on_gpu else matmul_peak(decode_shapes(model, n_prompts))
         rounds = Rounds(warmup=1)  # the first round warms all three up
@@ -204,6 +237,13 @@ def measure(n_prompts: int, new_tokens: int, repeats: int, size: str = "small", 
             figures = {"tether_tokens_per_s": tokens / t, "hf_generate_tokens_per_s": tokens / h,
                        "speedup": h / t, "python_path_tokens_per_s": tokens / py,
                        "python_path_speedup": h / py, "native_over_python_path": py / t, "seconds": t}
+            if peak is not None and model_path is not None:  # the bandwidth a step's weights stream at
+                bandwidth = read_bandwidth(weight_bytes)["gbps"]
+                compute = flops / (limit * 1e9)
+                memory = memory_floor_seconds(model, prompts, new_tokens, limit, bandwidth * 1e9)
+                figures.update({"read_gbps": bandwidth, "compute_floor_s": compute, "memory_floor_s": memory,
+                                "fraction_of_binding_limit": max(compute, memory) / t,
+                                "hf_generate_fraction_of_binding_limit": max(compute, memory) / h})
             if peak is not None:
                 figures.update({"matmul_peak_gflops": limit, "fraction_of_peak": flops / t / 1e9 / limit,
                                 "hf_generate_fraction_of_peak": flops / h / 1e9 / limit,
@@ -227,6 +267,13 @@ def measure(n_prompts: int, new_tokens: int, repeats: int, size: str = "small", 
                         "gemm_chain_fraction_of_peak": flops / chain / 1e9 / limit,
                         "time_over_gemm_chain": row["seconds"] / chain})
         result["threads"][str(threads)] = row
+    result["weight_bytes"] = weight_bytes
+    first = result["threads"][str(thread_counts[0] if not on_gpu else 1)]
+    if "memory_floor_s" in first:
+        memory_binds = first["memory_floor_s"] > first["compute_floor_s"]
+        result["binding_limit"] = "memory" if memory_binds else "compute"
+    if "1" not in result["threads"]:
+        return result
     result["speedup_vs_hf_generate"] = result["threads"]["1"]["speedup"]
     result["fraction_of_peak"] = result["threads"]["1"].get("fraction_of_peak")
     result["fraction_of_peak_target"] = 0.7
@@ -337,12 +384,34 @@ def print_profile(r: dict) -> None:
                   f"the largest other operators: {largest})")
 
 
+def print_model(r: dict) -> None:
+    """The ``--model`` report: the engine and transformers against the limit that binds."""
+    print(f"{r['prompts']} prompts × {r['new_tokens']} new tokens, {r['size']} "
+          f"({r['parameters']:,} parameters, "
+          f"{r['weight_bytes'] / 1e9:.2f} GB of weight matrices a decode step reads); Tether's decoder: "
+          f"{r['decoder']}; medians over the rounds kept")
+    print(f"{'threads':>8}{'tether tok/s':>14}{'python path':>13}{'hf generate':>13}{'speedup':>9}"
+          f"{'peak GF/s':>11}{'read GB/s':>11}{'compute fl.':>13}{'memory fl.':>12}{'tether':>8}{'hf':>6}")
+    for threads, row in r["threads"].items():
+        print(f"{threads:>8}{row['tether_tokens_per_s']:>14.1f}{row['python_path_tokens_per_s']:>13.1f}"
+              f"{row['hf_generate_tokens_per_s']:>13.1f}{row['speedup']:>8.2f}×{row['matmul_peak_gflops']:>11.1f}"
+              f"{row['read_gbps']:>11.1f}{row['compute_floor_s']:>12.2f}s{row['memory_floor_s']:>11.2f}s"
+              f"{row['fraction_of_binding_limit']:>8.0%}{row['hf_generate_fraction_of_binding_limit']:>6.0%}")
+        print(f"         {row['kept']} of {row['rounds']} rounds kept" +
+              "".join(f"; dropped {d}" for d in row["dropped"]))
+    print(f"binding limit: {r['binding_limit']} (the larger floor); the last two columns are each engine's "
+          "fraction of it (floor time / its time)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=7, help="rounds kept at most (one more warms up)")
     p.add_argument("--size", default="small", choices=["tiny", "small", "base"])
+    p.add_argument("--model", help="a model folder to measure instead of a tiny preset "
+                   "(e.g. runs/models/smollm2)")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts (default 1 2)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--json", action="store_true")
     p.add_argument("--profile", action="store_true", help="where a decode step spends its time, on each path")
@@ -353,9 +422,12 @@ def main(argv: list[str] | None = None) -> int:
         r = profile(a.size, a.prompts, a.new_tokens)
         print(json.dumps(r)) if a.json else print_profile(r)
         return 0
-    r = measure(a.prompts, a.new_tokens, a.repeats, a.size, a.device)
+    r = measure(a.prompts, a.new_tokens, a.repeats, a.size, a.device, a.model, tuple(a.threads))
     if a.json:
         print(json.dumps(r))
+        return 0
+    if a.model is not None:
+        print_model(r)
         return 0
     print(f"{a.prompts} prompts × {a.new_tokens} new tokens, {r['parameters']:,}-parameter model, "
           f"on {a.device}; Tether's decoder: {r['decoder']}; medians over the rounds kept")

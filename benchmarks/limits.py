@@ -2,10 +2,12 @@
 
 A ratio against a peer moves when the peer gets faster or the machine changes; the fraction of
 what this machine can do at all, measured in the same run, at the same thread count and dtype,
-does not. Two limits:
+does not. Three limits:
 
 - ``matmul_peak``: the best float32 GEMM rate (GFLOP/s, 2·M·N·K per product) over square shapes
   and the shapes the benchmark itself multiplies, at the current ``torch`` thread count;
+- ``read_bandwidth``: bytes per second of reading a buffer once (what a decode step that streams
+  its weights is up against);
 - ``copy_bandwidth``: bytes per second of one contiguous copy of a buffer of the given size into
   a pre-faulted one (what a memory-bound step such as publishing weights is up against).
 
@@ -69,6 +71,14 @@ def copy_bandwidth(nbytes: int) -> dict:
     src = torch.empty(nbytes, dtype=torch.uint8).random_()
     dst = torch.empty(nbytes, dtype=torch.uint8)
     seconds = best_seconds(lambda: dst.copy_(src), min_time=0.02, rounds=5)
+    return {"gbps": nbytes / seconds / 1e9, "bytes": nbytes, "threads": torch.get_num_threads()}
+
+
+def read_bandwidth(nbytes: int) -> dict:
+    """Best GB/s of reading ``nbytes`` of float32 once (a sum over them): what a decode step that
+    streams its weights is up against."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+    seconds = best_seconds(lambda: src.sum(), min_time=0.02, rounds=5)
     return {"gbps": nbytes / seconds / 1e9, "bytes": nbytes, "threads": torch.get_num_threads()}
 
 

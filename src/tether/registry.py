@@ -166,7 +166,7 @@ kl_estimators: Registry[Callable[..., Any]] = Registry(
 tasks: Registry[Any] = Registry(
     "task", "data.task",
     {**{name: f"tether.data.tasks.builtin:{name.upper()}"
-        for name in ("arithmetic", "countdown", "reverse", "sort", "repeat")},
+        for name in ("arithmetic", "countdown", "reverse", "sort", "repeat", "question")},
      "shapes": "tether.families.flow.task:SHAPES",
      "kv_lookup": "tether.families.agent.tasks:KV_LOOKUP",
      "guess_number": "tether.families.agent.tasks:GUESS_NUMBER"})

@@ -100,8 +100,23 @@ def test_repeat_answers_have_a_long_tail_of_lengths():
     assert task.verify("", ex) == 0.0
 
 
+def test_a_question_earns_full_reward_for_the_bare_sum_and_half_for_it_among_words():
+    task = get_task("question")
+    ex = task.examples("eval", 1, seed=0, difficulty=1)[0]
+    a, b = ex.fields["a"], ex.fields["b"]
+    assert ex.prompt.startswith("What is") and ex.prompt.endswith("Answer with the number only.")
+    assert ex.answer == str(a + b)
+    assert task.verify(f" {a + b}\nmore", ex) == 1.0
+    assert task.verify(f"{a} + {b} = {a + b}", ex) == 0.5  # WORDY_CREDIT
+    assert task.verify(f"The answer is {a + b}.", ex) == 0.5
+    assert task.verify(str(a + b + 1), ex) == FORMAT_CREDIT
+    assert task.verify(f"The answer is {a + b + 1}.", ex) == 0.0
+    assert len({e.prompt for e in task.examples("train", 150, difficulty=1)}) == 150
+
+
 def test_bad_task_requests_say_what_is_valid():
-    with pytest.raises(ConfigError, match="valid: arithmetic, countdown, reverse, sort, repeat, shapes"):
+    valid = "valid: arithmetic, countdown, reverse, sort, repeat, question, shapes"
+    with pytest.raises(ConfigError, match=valid):
         get_task("additon")
     with pytest.raises(ConfigError, match=r"has difficulties \[1, 2, 3, 4\], got 9"):
         get_task("arithmetic").examples("train", 5, difficulty=9)

@@ -16,8 +16,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     from tether.data.tiny_model import ARCHES, SIZES
 
-    p = sub.add_parser("init-model", help="build a character-level tokenizer and a model with random weights")
+    p = sub.add_parser("init-model", help="build a character-level tokenizer and a model with random "
+                       "weights, or import a GGUF file (--from-gguf) as a model folder")
     p.add_argument("out", help="directory to write (must not exist or be empty)")
+    p.add_argument("--from-gguf", metavar="FILE", help="write the model and tokenizer of this GGUF file "
+                   "(llama.cpp's format), dequantized to --dtype, instead of building a model")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the imported weights' dtype (--from-gguf)")
     p.add_argument("--arch", default="qwen3", choices=list(ARCHES))
     p.add_argument("--size", default="small", choices=list(SIZES),
                    help="tiny ≈ 0.1M, small ≈ 3M, base ≈ 25M parameters; 0.5b and 1.5b: the shapes of "
@@ -72,11 +77,26 @@ def _quiet_transformers() -> None:
 
 def _init_model(ns: argparse.Namespace) -> int:
     _quiet_transformers()
+    if ns.from_gguf:
+        return _import_gguf(ns)
     from tether.data.tiny_model import init_model
 
     info = init_model(ns.out, arch=ns.arch, size=ns.size, seed=ns.seed, overwrite=ns.overwrite)
     print(f"wrote a {info.size} {info.arch} model ({info.parameters:,} parameters, vocabulary "
           f"{info.vocab_size}) and its tokenizer to {ns.out}")
+    return 0
+
+
+def _import_gguf(ns: argparse.Namespace) -> int:
+    from tether.data.gguf_import import import_gguf
+
+    if ns.overwrite:
+        raise ConfigError("--overwrite does not apply to --from-gguf: the import writes a new folder only; "
+                          "remove the old one first")
+    info = import_gguf(ns.from_gguf, ns.out, dtype=ns.dtype)
+    template = "with its chat template" if info.chat_template else "(no chat template)"
+    print(f"wrote a {info.architecture} model ({info.parameters:,} parameters, {info.dtype}, vocabulary "
+          f"{info.vocab_size}) and its tokenizer {template} to {ns.out}")
     return 0
 
 

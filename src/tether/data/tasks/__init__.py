@@ -5,6 +5,7 @@ from tether.data.tasks.builtin import (
     ARITHMETIC,
     COUNTDOWN,
     FORMAT_CREDIT,
+    QUESTION,
     REPEAT,
     REVERSE,
     SORT,
@@ -19,5 +20,6 @@ def get_task(name: str) -> Task:
     return tasks.get(name)
 
 
-__all__ = ["ARITHMETIC", "COUNTDOWN", "EVAL_BUCKET_PERCENT", "FORMAT_CREDIT", "REPEAT", "REVERSE", "SORT",
+__all__ = ["ARITHMETIC", "COUNTDOWN", "EVAL_BUCKET_PERCENT", "FORMAT_CREDIT", "QUESTION", "REPEAT", "REVERSE",
+           "SORT",
            "Split", "Task", "evaluate_expression", "get_task", "split_of", "strip_answer"]

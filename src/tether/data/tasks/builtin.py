@@ -1,4 +1,5 @@
-"""The built-in tasks: arithmetic, countdown, string transformations, and a long-tailed repeat.
+"""The built-in tasks: arithmetic (also asked as a chat question), countdown, string
+transformations, and a long-tailed repeat.
 
 Prompts are short plain text so a character-level tiny model can learn them; each answer ends at
 a newline or the end-of-sequence token. Rewards are in [0, 1]: 1 for a correct answer, a small
@@ -10,6 +11,7 @@ from __future__ import annotations
 import ast
 import operator
 import random
+import re
 import string
 from collections.abc import Callable
 from fractions import Fraction
@@ -47,6 +49,43 @@ ARITHMETIC = Task(
     default_difficulty=2,
     draw=_draw_arithmetic,
     verify=_verify_integer,
+)
+
+
+# -- addition asked as a chat question --------------------------------------------------------
+
+_QUESTIONS = ("What is {a} + {b}? Answer with the number only.",
+              "What is the sum of {a} and {b}? Answer with the number only.")
+WORDY_CREDIT = 0.5
+"""Reward for the right sum said among other words ('7 + 5 = 12'), where a bare number was asked for."""
+
+
+def _draw_question(rng: random.Random, d: int) -> Example:
+    # difficulty 1: single digits (0-9); 2: two-digit operands (10-99)
+    lo, hi = (0, 9) if d == 1 else (10, 99)
+    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    return Example(prompt=rng.choice(_QUESTIONS).format(a=a, b=b), answer=str(a + b), fields={"a": a, "b": b})
+
+
+def _verify_sum(completion: str, ex: Example) -> float:
+    text = strip_answer(completion)
+    if text == ex.answer:
+        return 1.0
+    numbers = re.findall(r"-?\d+", text)
+    if numbers and numbers[-1] == ex.answer:
+        return WORDY_CREDIT
+    return FORMAT_CREDIT if text.isdigit() else 0.0
+
+
+QUESTION = Task(
+    name="question",
+    description="Addition asked as a question, for chat models (data.chat_template: true): 'What is 4 + 7? "
+    "Answer with the number only.' → '11'; the right sum among other words earns 0.5 ('4 + 7 = 11'). "
+    "Difficulty 1: single digits; 2: two-digit operands.",
+    difficulties=(1, 2),
+    default_difficulty=2,
+    draw=_draw_question,
+    verify=_verify_sum,
 )
 
 
