@@ -103,6 +103,8 @@ class TorchLearner:
         self.base_fingerprint = None
         if s.lora_rank:  # adapters only train and publish; the reference is the base (lora.disabled)
             self.model = lora.attach(self.model, s)
+            if self.group.world == 1:  # FSDP2 shards a unit's parameters in one dtype: ranks keep float32
+                self.precision.store_frozen(self.model)  # train.dtype=bfloat16: a bfloat16 base
             if self.group.rank == 0:  # what checkpoints record: the base as it was loaded
                 self.base_fingerprint = fingerprint(model_path)
             if s.lora_dropout and self.group.rank == 0:

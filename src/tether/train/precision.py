@@ -59,6 +59,22 @@ class Precision:
         with torch.autocast(self.device.type, dtype=DTYPES[self.dtype]):
             yield
 
+    def store_frozen(self, model: torch.nn.Module) -> int:
+        """Keep the parameters the optimizer does not update (a LoRA run's base) in the compute
+        dtype: their float32 copy would only be cast down for every matrix multiply, and a frozen
+        bfloat16 base is half the bytes (PEFT users load a base in bfloat16 for the same reason).
+        Returns the parameters cast. Under autocast the matrix multiplies are the same; the
+        embedding's output, and so the residual stream, become bfloat16."""
+        if not self.mixed:
+            return 0
+        cast = 0
+        with torch.no_grad():
+            for p in model.parameters():  # tied weights are one Parameter: cast once, still tied
+                if not p.requires_grad and p.dtype == torch.float32:
+                    p.data = p.data.to(DTYPES[self.dtype])
+                    cast += p.numel()
+        return cast
+
     def fsdp_policy(self) -> Any:
         """The ``MixedPrecisionPolicy`` of a sharded model's units, or None in float32."""
         if not self.mixed:
