@@ -207,6 +207,8 @@ def test_a_recomputing_learner_on_the_device_takes_the_plain_learners_steps(tiny
         assert peaks[True] < peaks[False]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shared_prefix", [True, False])
 def test_a_token_budget_on_the_device_makes_the_cpu_learners_fixed_count_update(tiny_model_dir, device,
                                                                                  shared_prefix):
     """train.max_tokens_per_micro_batch on the device (micro-batches packed by tokens, each forward
