@@ -13,7 +13,8 @@
 # held-out evaluation on the device, a bfloat16 learner (train.dtype) and engine (rollout.dtype)
 # on the device against the float32 ones, and with two or more GPUs the learner's NCCL ranks
 # (train.world_size=2) against one GPU, and the learner with train.activation_checkpointing against
-# one without it (the same steps, a lower peak of allocated memory) (tests marked `gpu`); where diffusers is installed, a
+# one without it (the same steps, a lower peak of allocated memory), and two ranks with
+# train.cpu_offload (FSDP2's CPUOffloadPolicy) against one GPU (tests marked `gpu`); where diffusers is installed, a
 # diffusers pipeline's rollout worker on the GPU in float32 and bfloat16 against the CPU learner;
 # then the engine and learner benchmarks
 # on the GPU (engine_cuda.json and learner_cuda.json beside the log); and, where vLLM's CUDA build is

@@ -255,6 +255,30 @@ def test_two_nccl_ranks_take_the_single_device_learners_steps(tiny_model_dir):
         torch.testing.assert_close(weights[name], p.detach().cpu(), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="learner ranks on NCCL need two CUDA devices (two ranks cannot share one)")
+def test_two_nccl_ranks_with_cpu_offload_take_the_single_device_learners_steps(tiny_model_dir):
+    """train.cpu_offload=true: two NCCL ranks whose shards, gradients and AdamW state live in host
+    memory (FSDP2's CPUOffloadPolicy) make the one-GPU update."""
+    from tether.train.ranks import ProcessRanks, RankGroup
+
+    batch = rollout_batch(tiny_model_dir)
+    keys = dict(lr=5e-5, updates_per_batch=2, shared_prefix=False, device="cuda")
+    one = TorchLearner(tiny_model_dir, config(**keys))
+    two = RankGroup(ProcessRanks(config(**keys, world_size=2, cpu_offload=True), tiny_model_dir, None))
+    try:
+        for version in range(2):
+            a, b = one.train(batch, train_version=version), two.train(batch, train_version=version)
+            assert (a.committed_updates, b.committed_updates) == (2, 2)
+            assert b.metrics["loss/policy"] == pytest.approx(a.metrics["loss/policy"], rel=1e-3, abs=1e-5)
+        weights = dict(two.export_weights())
+    finally:
+        two.close()
+    for name, p in one.export_weights().items():
+        torch.testing.assert_close(weights[name], p.detach().cpu(), atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_bfloat16_learner_and_engine_on_the_device(tiny_model_dir, device):
     """train.dtype=bfloat16 on the device: float32 weights, gradients and AdamW state there, a

@@ -41,3 +41,12 @@ def test_bfloat16_on_a_gpu_without_it_is_refused_before_the_run_starts(monkeypat
         assemble(cfg).check_here()
     assemble(load_config(None, ["train.device=cuda"])).check_here()  # float32 asks nothing of it
     precision.check_device("bfloat16", "cpu")  # every CPU build computes in bfloat16
+
+
+def test_cpu_offload_without_gpu_ranks_is_refused():
+    """train.cpu_offload moves FSDP2 ranks' shards off their GPUs: without ranks on CUDA there is
+    nothing to move, and the key is refused rather than ignored."""
+    for extra in ([], ["train.world_size=2"], ["train.device=cuda"]):
+        with pytest.raises(ConfigError, match=r"train.cpu_offload=true offloads FSDP2 ranks' shards .* set "
+                                              r"train.device=cuda and train.world_size > 1, or remove"):
+            load_config(None, ["train.cpu_offload=true", *extra])

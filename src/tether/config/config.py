@@ -218,6 +218,11 @@ class Config:
                               f"{t.dtype} and train.world_size={t.world_size} (the dtype FSDP2 ranks sum "
                               "bfloat16 gradients in); remove it, or set train.dtype=bfloat16 and "
                               "train.world_size > 1")
+        if t.cpu_offload and (t.world_size == 1 or not t.device.startswith("cuda")):
+            raise ConfigError(f"train.cpu_offload=true offloads FSDP2 ranks' shards from GPUs to host "
+                              f"memory; with train.device={t.device} and train.world_size={t.world_size} "
+                              "there is nothing to offload: set train.device=cuda and train.world_size > 1, "
+                              "or remove train.cpu_offload")
         self._check_lora()
 
     def _check_lora(self) -> None:

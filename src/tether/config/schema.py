@@ -280,6 +280,15 @@ class TrainSection:
         "in (FSDP2's reduce_dtype); bfloat16 halves that traffic and rounds each sum.",
         resume=Resume.ACCEPTED, feature="mixed_precision",
     )
+    cpu_offload: bool = knob(
+        False,
+        "With train.world_size > 1 on CUDA: keep each rank's parameter shards, gradients and AdamW state "
+        "in host memory (FSDP2's CPUOffloadPolicy), copying a unit's shards to the GPU for its forward "
+        "and backward and running the optimizer step on the CPU: GPU memory for activations and the "
+        "gathered units only, at the cost of host-device copies and a CPU optimizer step. Not yet run "
+        "on a GPU.",
+        resume=Resume.ACCEPTED, feature="learner_ranks",
+    )
     shared_prefix: bool = knob(
         True,
         "Run each group's prompt once in the training forward (its samples attend to the shared "

@@ -14,12 +14,15 @@ from pathlib import Path
 import torch
 
 
-def shard(model: torch.nn.Module, layers: list[torch.nn.Module], mp_policy=None) -> None:
+def shard(model: torch.nn.Module, layers: list[torch.nn.Module], mp_policy=None, *,
+          cpu_offload: bool = False) -> None:
     """Each of ``layers`` (the family's, ``Policy.layers``) a unit of its own, the rest
     (embeddings, final norm, a tied head) the root's. Gradients are summed over ranks, not
     averaged: each rank's loss is already its part of the mini-batch's (normalised by the whole
     mini-batch's counts). ``mp_policy``: a ``MixedPrecisionPolicy`` (``tether.train.precision``:
-    bfloat16 compute, float32 shards), or None for float32 throughout.
+    bfloat16 compute, float32 shards), or None for float32 throughout. ``cpu_offload``
+    (``train.cpu_offload``): shards, gradients and optimizer state in host memory
+    (``CPUOffloadPolicy``; FSDP2 copies a unit's shards to the GPU for its forward and backward).
 
     Layers marked for recomputation (``tether.recompute``, ``train.activation_checkpointing``) are
     marked before this, so FSDP's hooks wrap the checkpointed forward: the order torchtitan's
@@ -27,12 +30,13 @@ def shard(model: torch.nn.Module, layers: list[torch.nn.Module], mp_policy=None)
     ``FSDPState._pre_forward`` is written for ("when composing with module-hook-based activation
     checkpointing, the pre-backward hook is responsible for the unshard"): the layer's weights are
     all-gathered again before its recompute, and freed after its backward."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = mp_policy or MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for layer in layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
     for unit in [*layers, model]:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-scaled one)

@@ -121,9 +121,11 @@ class TorchLearner:
             disable_dropout(self.ref_model)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         if self.group.world > 1:
-            fsdp.shard(self.model, self.policy.layers(self.model), self.precision.fsdp_policy())
+            fsdp.shard(self.model, self.policy.layers(self.model), self.precision.fsdp_policy(),
+                       cpu_offload=s.cpu_offload)
             if self.ref_model is not None:  # both after checkpointing.apply
-                fsdp.shard(self.ref_model, self.policy.layers(self.ref_model), self.precision.fsdp_policy())
+                fsdp.shard(self.ref_model, self.policy.layers(self.ref_model), self.precision.fsdp_policy(),
+                           cpu_offload=s.cpu_offload)
         self.forward = self._forward_for(self.model)
         self.ref_forward = self._forward_for(self.ref_model) if self.ref_model is not None else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
