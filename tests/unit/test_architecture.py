@@ -178,3 +178,14 @@ def test_the_mode_check_finds_what_it_looks_for(tmp_path):
     assert literal_modes(source) == ['1: cfg.async_.inflight_update != "drain"',
                                      '2: mode in ("recompute", "abort")', '3: m.on_switch == "keep_cache"',
                                      '7: "abort"', '9: {"recompute": 1.0, "other": 0.0}']
+
+
+def test_every_test_module_has_a_name_of_its_own():
+    """pytest runs tests/ without packages (no __init__.py), so two test modules of one basename in
+    different folders stop the collection of the whole suite ("import file mismatch")."""
+    from collections import Counter
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    names = Counter(p.name for p in tests.rglob("test_*.py"))
+    assert not [name for name, n in names.items() if n > 1], "rename one of each pair"
