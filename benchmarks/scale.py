@@ -16,18 +16,20 @@ Reported per setting:
   update (``time/train``), publication (``time/sync``);
 - peak resident memory per process: the learner (the largest rank's with ranks), the rollout
   worker (engine), and the channel (``sync/bytes``: the published weights' bytes in /dev/shm);
-- the learner's memory against the theoretical state: 16 B per trained parameter (float32 weight,
-  gradient and AdamW's two moments), the frozen base's bytes (LoRA), and the process's baseline
-  (Python, torch and the tokenizer: measured as the resident memory of a process that imported
-  them), split over the ranks where FSDP2 shards it; ``unaccounted`` is what is left: activations,
-  the output head's logits, allocator slack;
+- the learner's memory against the theoretical accounting: 16 B per trained parameter (float32
+  weight, gradient and AdamW's two moments), the frozen base's bytes (LoRA), the process's
+  baseline (Python, torch and the tokenizer: measured as the resident memory of a process that
+  imported them), and the channel's pages it wrote (the /dev/shm file counts in the resident memory
+  of each process that touched it), split over the ranks where FSDP2 shards it; ``unaccounted`` is
+  what is left: activations, the output head's logits, allocator slack, load-time copies. The
+  engine's: its weights in ``rollout.dtype``, the channel's pages it read, its baseline;
 - the learner's needed arithmetic per second (6 FLOPs per matmul parameter per token processed,
   plus the attention; recomputation under activation checkpointing is not counted as needed) as a
   fraction of the matmul peak measured in this process at the learner's thread count and compute
   dtype, before each run.
 
     python benchmarks/scale.py --size 0.5b [--settings fp32,bf16,bf16+ckpt] [--world-size 1,2] [--json]
-    python benchmarks/scale.py --size 1.5b --lora 16 [--settings bf16] [--json]
+    python benchmarks/scale.py --size 1.5b --lora 16 --settings bf16 --engine-dtype bfloat16 [--json]
 """
 
 from __future__ import annotations
@@ -135,17 +137,18 @@ def peak_gflops(threads: int, bf16: bool) -> float:
 
 
 def measure(size: str, settings: list[str], worlds: list[int], lora: int, batches: int,
-            new_tokens: int, cache: Path) -> dict:
+            new_tokens: int, cache: Path, engine_dtype: str = "float32") -> dict:
     model = build(size, cache)
     s = shape(model)
     base_mb = baseline_mb()
     trained = lora_parameters(model, lora) if lora else s["parameters"]
     out: dict = {"size": size, "parameters": s["parameters"], "trained_parameters": trained,
+                 "engine_dtype": engine_dtype,
                  "baseline_mb": base_mb, "new_tokens": new_tokens, "batches": batches, "settings": {}}
     flops = needed_flops(s, new_tokens)
     for world in worlds:
         for name in settings:
-            overrides = [*SETTINGS[name], f"train.world_size={world}"]
+            overrides = [*SETTINGS[name], f"train.world_size={world}", f"rollout.dtype={engine_dtype}"]
             if lora:
                 overrides.append(f"train.lora_rank={lora}")
             bf16 = "train.dtype=bfloat16" in overrides
@@ -159,14 +162,19 @@ def measure(size: str, settings: list[str], worlds: list[int], lora: int, batche
             frozen_bytes = (s["parameters"] * (2 if bf16 else 4)) if lora else 0
             state = (16 * trained + frozen_bytes) / world / 2**20
             learner_mb = max(r["memory/trainer_peak_mb"] for r in rows)
+            engine_mb = max(r["memory/rollout_peak_mb"] for r in rows)
             train_s = med("time/train")
+            # the channel is a file in /dev/shm that the learner (each rank its rows) writes and the
+            # worker reads: its pages count in the resident memory of each process that touched them
+            channel = med("sync/bytes") / 2**20 if any("sync/bytes" in r for r in rows) else 0.0
+            engine_weights = s["parameters"] * (2 if engine_dtype == "bfloat16" else 4) / 2**20
+            theory = state + base_mb + channel / world
             out["settings"][f"{name} ×{world}"] = {
                 "generate_s": med("time/generate"), "train_s": train_s, "sync_s": med("time/sync"),
-                "learner_peak_mb": learner_mb,
-                "engine_peak_mb": max(r["memory/rollout_peak_mb"] for r in rows),
-                "channel_mb": med("sync/bytes") / 2**20 if any("sync/bytes" in r for r in rows) else 0.0,
-                "theoretical_mb": state + base_mb, "state_mb": state,
-                "unaccounted_mb": learner_mb - state - base_mb,
+                "learner_peak_mb": learner_mb, "engine_peak_mb": engine_mb, "channel_mb": channel,
+                "engine_theoretical_mb": engine_weights + channel + base_mb,
+                "theoretical_mb": theory, "state_mb": state,
+                "unaccounted_mb": learner_mb - theory,
                 "bytes_per_parameter": (learner_mb - base_mb) * 2**20 * world / s["parameters"],
                 "learner_gflops": flops / train_s / 1e9 / world, "peak_gflops": peak,
                 "fraction_of_peak": flops / train_s / 1e9 / world / peak,
@@ -181,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated, of: {', '.join(SETTINGS)}")
     ap.add_argument("--world-size", default="1", help="comma-separated learner world sizes, e.g. 1,2")
     ap.add_argument("--lora", type=int, default=0, help="train rank-r LoRA adapters on a frozen base")
+    ap.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="rollout.dtype: the built-in engine's weights and activations")
     ap.add_argument("--batches", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--cache", default=os.environ.get("TETHER_SCALE_CACHE", "/tmp/tether-scale"))
@@ -193,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
     r = measure(a.size, settings, [int(w) for w in a.world_size.split(",")], a.lora, a.batches,
-                a.new_tokens, cache)
+                a.new_tokens, cache, a.engine_dtype)
     if a.json:
         print(json.dumps(r))
         return 0
@@ -201,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{PROMPTS} prompts × {GROUP} samples × {a.new_tokens} tokens; process baseline "
           f"{r['baseline_mb']:.0f} MB")
     print(f"{'setting':>14}{'gen s':>8}{'train s':>9}{'sync s':>8}{'learner MB':>12}{'theory MB':>11}"
-          f"{'rest MB':>9}{'B/param':>9}{'engine MB':>11}{'channel MB':>12}{'of peak':>9}")
+          f"{'rest MB':>9}{'B/param':>9}{'engine MB':>11}{'theory MB':>11}{'channel MB':>12}{'of peak':>9}")
     for key, m in r["settings"].items():
         print(f"{key:>14}{m['generate_s']:>8.1f}{m['train_s']:>9.1f}{m['sync_s']:>8.2f}"
               f"{m['learner_peak_mb']:>12.0f}{m['theoretical_mb']:>11.0f}{m['unaccounted_mb']:>9.0f}"
-              f"{m['bytes_per_parameter']:>9.1f}{m['engine_peak_mb']:>11.0f}{m['channel_mb']:>12.0f}"
+              f"{m['bytes_per_parameter']:>9.1f}{m['engine_peak_mb']:>11.0f}"
+              f"{m['engine_theoretical_mb']:>11.0f}{m['channel_mb']:>12.0f}"
               f"{m['fraction_of_peak']:>9.0%}")
     return 0
 
