@@ -75,6 +75,7 @@ ALLOWED_PROBES: dict[str, tuple[frozenset[str], str]] = {
     "decoding/native/__init__.py": (frozenset({"q_norm"}), TRANSFORMERS),
     "decoding/sampling.py": (frozenset({"cache"}), TRANSFORMERS),
     "data/datasets.py": (frozenset({"chat_template", "unk_token_id"}), TRANSFORMERS),
+    "data/gguf_import.py": (frozenset({"quantization_config"}), TRANSFORMERS + " (a config read from GGUF)"),
     "families/agent/chat.py": (frozenset({"chat_template"}), TRANSFORMERS),
     "families/text/policy.py": (frozenset({"model_type"}), TRANSFORMERS),
     "rollout/engines/torch/engine.py": (frozenset({"max_position_embeddings"}), TRANSFORMERS),
