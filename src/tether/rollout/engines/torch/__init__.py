@@ -34,10 +34,14 @@ class _Torch(EnginePlugin):
 
     def build(self, cfg: Any, model_path: str, tokenizer: Any, stop_ids: Sequence[int], *, device: Any,
               threads: int, seed: int) -> Any:
+        import torch
+
         from tether.modeling import cast_parameters, load_causal_lm
         from tether.rollout.engines.torch.engine import TorchEngine
 
-        model, _ = load_causal_lm(model_path)
+        # read in the dtype it samples in: a float32 copy first would be the worker's peak memory
+        # (twice a bfloat16 model's); the rotary buffers stay float32 either way
+        model, _ = load_causal_lm(model_path, dtype=getattr(torch, cfg.rollout.dtype))
         model = cast_parameters(model.to(device), cfg.rollout.dtype)
         return TorchEngine(model, pad_id=tokenizer.pad_token_id, stop_ids=stop_ids,
                            decoder=cfg.rollout.decoder)
