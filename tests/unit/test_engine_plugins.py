@@ -234,3 +234,10 @@ def test_what_is_read_from_the_plugins_is_computed_once_until_one_registers(monk
     finally:
         registry.backends.unregister(counted.name)
     assert "counted.n" not in keys_module.table() and "counted" not in config_module.plugin_section_classes()
+
+
+def test_the_other_engines_precision_key_points_to_the_chosen_engines_own():
+    """rollout.dtype is the built-in engine's; with vLLM chosen the refusal names vllm.dtype."""
+    with pytest.raises(ConfigError, match=r"rollout.dtype=bfloat16 is read only with rollout.engine=torch "
+                                          r".*; vllm's precision is vllm.dtype$"):
+        load_config(None, ["rollout.engine=vllm", "rollout.dtype=bfloat16"])

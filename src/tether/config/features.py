@@ -95,7 +95,18 @@ def check_ownership(cfg: Any) -> None:
                 asked = _changed(cfg, (entry.key,))
                 if asked is not None:
                     raise ConfigError(f"{asked} is read only with {reg.key}={other} ({reg.key} is "
-                                      f"{name!r}); remove {entry.key}, or set {reg.key}={other}")
+                                      f"{name!r}); remove {entry.key}, or set {reg.key}={other}"
+                                      + _own_dtype_key(reg, other, name, entry.key))
+
+
+def _own_dtype_key(reg: Any, other: str, name: str, key: str) -> str:
+    """Where ``key`` is the precision key of engine ``other``: the chosen engine's own, if any."""
+    if reg is not registry.engines:
+        return ""
+    theirs, mine = reg.get(other).dtype_key, reg.get(name).dtype_key
+    if key != theirs or mine is None:
+        return ""
+    return f"; {name}'s precision is {mine}"
 
 
 def _is_default(value: Any) -> bool:
