@@ -68,3 +68,18 @@ def test_each_phase_that_runs_out_of_memory_is_named_with_what_lowers_it(tiny_mo
     for key in not_offered:
         assert key not in message, (key, message)
     assert isinstance(info.value.__cause__, MemoryError | torch.OutOfMemoryError)
+
+
+def test_a_bfloat16_learner_is_offered_only_where_the_family_has_one():
+    """train.dtype=bfloat16 lowers a forward's memory for the text and agent families; the flow
+    family refuses it, so its advice leaves it out."""
+    from tether.config import load_config
+    from tether.train import memory
+
+    text = load_config(None, []).train
+    flow = load_config(None, ["model.family=flow", "data.task=shapes"]).train
+    assert any(k.startswith("train.dtype=bfloat16") for k in memory.knobs("update", text, bf16=True))
+    assert not any(k.startswith("train.dtype") for k in memory.knobs("update", flow, bf16=False))
+    with pytest.raises(LearnerMemoryError) as e, memory.phase("old", flow, bf16=False):
+        raise MemoryError
+    assert "train.dtype" not in str(e.value) and "train.micro_batch_size" in str(e.value)

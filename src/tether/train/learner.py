@@ -96,7 +96,10 @@ class TorchLearner:
         self.device = learner_device(s.device)
         self.precision = precision.of(cfg, self.device)  # train.dtype: the forwards' compute dtype
         self.policy = self.precision.policy(cfg.family().policy(cfg))
-        self.token_rows = "token_budget" in cfg.family().capabilities.features  # for train/pad_frac
+        features = cfg.family().capabilities.features
+        self.token_rows = "token_budget" in features  # for train/pad_frac
+        # an allocation that fails names its phase and what lowers it (tether.train.memory)
+        self._phase = functools.partial(memory.phase, train=s, bf16="mixed_precision" in features)
         self.model, self.tokenizer = self.policy.load(model_path)
         self._without_dropout(model_path)
         self.model_path = model_path
@@ -161,7 +164,7 @@ class TorchLearner:
     def export_weights(self) -> dict[str, torch.Tensor]:
         """name → tensor of every parameter, tied ones once. Sharded: gathered whole onto the CPU
         (a collective), returned on rank 0 (other ranks get an empty dict)."""
-        with memory.phase("publication", self.s):
+        with self._phase("publication"):
             if self.group.world == 1:
                 return self._published()
             return fsdp.whole_weights(self.model, self.names)
@@ -186,13 +189,13 @@ class TorchLearner:
         inline_old = u == 1 and len(self._micro(tb, shares[0])) == 1
         same = tb.behavior_versions == train_version  # sampled with the weights π_old comes from
         mine = torch.cat(shares)
-        with memory.phase("old", s):
+        with self._phase("old"):
             old = None if inline_old else self._no_grad_logp(self.model, tb, mine)
             ref = self._reference(tb, mine)
             split = self._attribute(tb, old, mine, train_version) if self.attribution is not None else {}
         committed = 0
         for rows, share in zip(minibatches, shares, strict=True):
-            with memory.phase("update", s):  # the optimizer step inside it is its own phase
+            with self._phase("update"):  # the optimizer step inside it is its own phase
                 committed += self._update(tb, rows, share, adv.values, mask, same, old, ref, stats)
         return TrainResult(committed, u, {**self._metrics(stats, adv.frac_zero_std, u - committed), **split})
 
@@ -365,7 +368,7 @@ class TorchLearner:
         if not torch.isfinite(grad_norm):
             return self._skip(stats, "train/skipped_nonfinite_grad")
         stats.add("train/grad_norm", grad_norm)
-        with memory.phase("optimizer", s):
+        with self._phase("optimizer"):
             self.optimizer.step()
         self.scheduler.step()
         self.committed += 1

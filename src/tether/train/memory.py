@@ -26,9 +26,10 @@ PHASES = {
 """Each phase's words, by the name ``phase`` takes."""
 
 
-def knobs(name: str, train: Any) -> list[str]:
+def knobs(name: str, train: Any, *, bf16: bool = True) -> list[str]:
     """The keys that lower phase ``name``'s memory, each with why; ones already at their lowest
-    setting are left out."""
+    setting are left out, and ``train.dtype=bfloat16`` where the family has no bfloat16 learner
+    (``bf16`` False)."""
     if train.max_tokens_per_micro_batch:
         micro = (f"train.max_tokens_per_micro_batch: fewer tokens per forward (now "
                  f"{train.max_tokens_per_micro_batch}; halve it)")
@@ -38,7 +39,8 @@ def knobs(name: str, train: Any) -> list[str]:
                  "train.max_tokens_per_micro_batch: pack them by a token budget")
     ranks = f"train.world_size: more learner ranks, each holding a shard (now {train.world_size})"
     lora = "train.lora_rank: train LoRA adapters, not every weight (gradients and AdamW state for them alone)"
-    bf16 = [] if train.dtype == "bfloat16" else ["train.dtype=bfloat16: half the bytes of every activation"]
+    bf16 = [] if train.dtype == "bfloat16" or not bf16 else [
+        "train.dtype=bfloat16: half the bytes of every activation"]
     out = {
         "old": [micro, *bf16, ranks],
         "update": [micro, *([] if train.activation_checkpointing else [
@@ -51,19 +53,20 @@ def knobs(name: str, train: Any) -> list[str]:
     return out
 
 
-def explain(name: str, train: Any) -> str:
+def explain(name: str, train: Any, *, bf16: bool = True) -> str:
     lines = [f"the learner ran out of memory in {PHASES[name]}"]
-    if found := knobs(name, train):
+    if found := knobs(name, train, bf16=bf16):
         lines.append("what lowers it: " + "; ".join(found))
     return ". ".join(lines)
 
 
 @contextlib.contextmanager
-def phase(name: str, train: Any) -> Iterator[None]:
+def phase(name: str, train: Any, *, bf16: bool = True) -> Iterator[None]:
     """Run a phase of the learner's work; an allocation that fails in it becomes a
-    ``LearnerMemoryError`` saying so (one raised by a phase inside it passes through)."""
+    ``LearnerMemoryError`` saying so (one raised by a phase inside it passes through). ``bf16``:
+    whether the family has a bfloat16 learner to offer."""
     assert name in PHASES, name
     try:
         yield
     except (torch.OutOfMemoryError, MemoryError) as exc:
-        raise LearnerMemoryError(explain(name, train)) from exc
+        raise LearnerMemoryError(explain(name, train, bf16=bf16)) from exc
