@@ -38,3 +38,27 @@ def test_a_run_out_of_memory_says_where_and_resumes_from_its_newest_checkpoint(t
     _, err = resumed.finish(timeout=240)
     assert resumed.proc.returncode == 0, err[-3000:]
     assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_a_learner_rank_out_of_memory_is_named_and_the_run_resumes(tiny_model_dir, tmp_path, monkeypatch):
+    """On two learner ranks the rank that ran out of memory is named with the phase and what lowers
+    it; no rank process is left, and the run resumes from its newest checkpoint."""
+    run_dir = tmp_path / "ranks"
+    keys = recipe(tiny_model_dir, f"run.plugins=[{PLUGIN}]", "train.loss=oom_at", "train.num_batches=3",
+                  "checkpoint.interval=1", "train.world_size=2")
+    # each rank calls the loss twice a batch (its micro-batch, then the whole micro-batch's figures)
+    monkeypatch.setenv("OOM_AT_CALL", "5")
+    failed = Run([*keys, "--run-dir", run_dir], run_dir=run_dir)
+    _, err = failed.finish(timeout=240)
+    assert failed.proc.returncode == 2, err[-3000:]
+    assert "learner rank" in err and "the learner ran out of memory in an update's forward and backward" in err
+    assert "train.activation_checkpointing=true" in err
+    assert f"resume with `tether train --resume {run_dir}`" in err
+    assert failed.left() == ""
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == [1, 2]
+
+    monkeypatch.delenv("OOM_AT_CALL")
+    resumed = Run(["--resume", run_dir], run_dir=run_dir)
+    _, err = resumed.finish(timeout=240)
+    assert resumed.proc.returncode == 0, err[-3000:]
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == [1, 2, 3]
