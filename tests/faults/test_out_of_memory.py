@@ -51,7 +51,8 @@ def test_a_learner_rank_out_of_memory_is_named_and_the_run_resumes(tiny_model_di
     failed = Run([*keys, "--run-dir", run_dir], run_dir=run_dir)
     _, err = failed.finish(timeout=240)
     assert failed.proc.returncode == 2, err[-3000:]
-    assert "learner rank" in err and "the learner ran out of memory in an update's forward and backward" in err
+    assert "learner rank" in err
+    assert "the learner ran out of memory in an update's forward and backward" in err
     assert "train.activation_checkpointing=true" in err
     assert f"resume with `tether train --resume {run_dir}`" in err
     assert failed.left() == ""
