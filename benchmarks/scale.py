@@ -46,6 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SETTINGS = {
     "fp32": [],
+    "fp32-own": ["train.shared_prefix=false"],  # the model's own forward, not the shared-prompt one
     "ckpt": ["train.activation_checkpointing=true"],
     "bf16": ["train.dtype=bfloat16"],
     "bf16+ckpt": ["train.dtype=bfloat16", "train.activation_checkpointing=true"],
