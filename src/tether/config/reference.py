@@ -55,7 +55,7 @@ def reference_markdown() -> str:
         "# Recipe reference",
         "",
         "Every key a recipe may set, with its default and meaning. Generated from",
-        "`src/tether/config/schema.py` (with `outputs.py` and `support.py` beside it; the own",
+        "`src/tether/config/schema.py` (with `learning.py`, `outputs.py` and `support.py` beside it; the own",
         "section of an engine, a backend or a family: its plug-in under `src/tether/rollout/` or",
         "`src/tether/families/`) by `tether config reference`; do not edit by hand.",
         "",
