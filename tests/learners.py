@@ -33,3 +33,21 @@ def worst_relative(weights: dict, reference: dict) -> float:
     """The largest difference of any tensor from ``reference``'s, relative to its largest value."""
     return max(((weights[n] - w).abs().max() / w.abs().max().clamp(min=1e-12)).item()
                for n, w in reference.items())
+
+
+def sampled_batch_of(engine, prompts: list[list[int]], params, group_size: int):
+    """A rollout batch of ``group_size`` samples of each of ``prompts`` from ``engine`` (seed 0),
+    rewarded 0, 1, 0, 1, … so every group has something to learn from."""
+    from tether.families.text.payload import ScoredBatch
+    from tether.vocabulary import RolloutBatch
+
+    groups = engine.generate(prompts, samples_per_prompt=group_size, params=params, seed=0)
+    flat = [c for g in groups for c in g]
+    scored = ScoredBatch(positions=list(range(len(prompts))), prompt_ids=prompts,
+                         completion_ids=[c.token_ids for c in flat], logprobs=[c.logprobs for c in flat],
+                         versions=[c.versions for c in flat],
+                         rewards=[float(i % 2) for i in range(len(flat))],
+                         finish_reasons=[c.finish_reason for c in flat], completions=[""] * len(flat),
+                         group_size=group_size)
+    return RolloutBatch(index=0, behavior_version=0, num_groups=len(prompts), group_size=group_size,
+                        payload=scored)

@@ -15,10 +15,10 @@ pytest.importorskip("transformers")
 
 from architectures import ARCHITECTURES, build  # noqa: E402
 from configs import config  # noqa: E402
+from learners import sampled_batch_of  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
 from tether.decoding import native  # noqa: E402
 from tether.decoding.fast_decoder import supports  # noqa: E402
-from tether.families.text.payload import ScoredBatch  # noqa: E402
 from tether.modeling import load_causal_lm  # noqa: E402
 from tether.rollout.engines.torch.engine import TorchEngine  # noqa: E402
 from tether.train.learner import TorchLearner  # noqa: E402
@@ -35,15 +35,7 @@ def engine_batch(engine, tokenizer) -> RolloutBatch:
     something to learn from."""
     prompts = [tokenizer(e.prompt, add_special_tokens=False).input_ids for e in EXAMPLES[:4]]
     params = config("rollout.max_new_tokens=6").sampling()
-    groups = engine.generate(prompts, samples_per_prompt=G, params=params, seed=0)
-    flat = [c for g in groups for c in g]
-    scored = ScoredBatch(positions=list(range(len(prompts))), prompt_ids=prompts,
-                         completion_ids=[c.token_ids for c in flat], logprobs=[c.logprobs for c in flat],
-                         versions=[c.versions for c in flat],
-                         rewards=[float(i % 2) for i in range(len(flat))],
-                         finish_reasons=[c.finish_reason for c in flat], completions=[""] * len(flat),
-                         group_size=G)
-    return RolloutBatch(index=0, behavior_version=0, num_groups=len(prompts), group_size=G, payload=scored)
+    return sampled_batch_of(engine, prompts, params, G)
 
 
 def decoders(model) -> list[str]:

@@ -13,6 +13,7 @@ pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 
 from configs import config  # noqa: E402
+from learners import sampled_batch_of  # noqa: E402
 from tether.data.gguf_import import import_gguf, installed_smollm2  # noqa: E402
 
 GGUF = installed_smollm2()
@@ -33,22 +34,11 @@ def smollm2(tmp_path_factory):
 
 def chat_batch(engine, tokenizer, temperature):
     """Two chat questions × G samples from ``engine``, half of each group rewarded."""
-    from tether.families.text.payload import ScoredBatch
-    from tether.vocabulary import RolloutBatch
-
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                            add_generation_prompt=True) for q in QUESTIONS]
     prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
     params = config("rollout.max_new_tokens=12", f"rollout.temperature={temperature}").sampling()
-    groups = engine.generate(prompts, samples_per_prompt=G, params=params, seed=0)
-    flat = [c for g in groups for c in g]
-    scored = ScoredBatch(positions=list(range(len(prompts))), prompt_ids=prompts,
-                         completion_ids=[c.token_ids for c in flat], logprobs=[c.logprobs for c in flat],
-                         versions=[c.versions for c in flat],
-                         rewards=[float(i % 2) for i in range(len(flat))],
-                         finish_reasons=[c.finish_reason for c in flat], completions=[""] * len(flat),
-                         group_size=G)
-    return RolloutBatch(index=0, behavior_version=0, num_groups=len(prompts), group_size=G, payload=scored)
+    return sampled_batch_of(engine, prompts, params, G)
 
 
 def test_the_imported_model_is_the_files_llama_with_tied_embeddings_and_its_rope(smollm2):
