@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from tether import recompute
 from tether.decoding.fast_decoder import FastDecoder, supports
+from tether.decoding.vocab import entropy_of, scaled_logits
 
 __all__ = ["SharedPrefixForward", "supports"]
 
@@ -46,7 +47,7 @@ __all__ = ["SharedPrefixForward", "supports"]
 @dataclass(frozen=True)
 class _Layout:
     """What every layer needs besides the hidden states: sizes (rows N, distinct prompts U,
-    longest prompt and completion), rotary angles of the prompt and completion positions, each
+    longest prompt and completion), rotary angles of every row's position (prompts first), each
     row's group, the packed completions' places in the (N, Cmax) grid, and the attention mask.
     No gradient flows through any of it."""
 
@@ -54,10 +55,8 @@ class _Layout:
     u: int
     p_max: int
     c_max: int
-    cos_p: torch.Tensor
-    sin_p: torch.Tensor
-    cos_c: torch.Tensor
-    sin_c: torch.Tensor
+    cos: torch.Tensor  # (U·Pmax + T, 1, D): the prompt rows', then the packed completions'
+    sin: torch.Tensor
     group: torch.Tensor  # (N,)
     packed: torch.Tensor  # (T,)
     attend: torch.Tensor  # (N, 1, Cmax, Pmax + Cmax)
@@ -134,8 +133,7 @@ class SharedPrefixForward(FastDecoder):
         tok_t = input_ids.gather(1, comp_pos.clamp(max=width - 1)).reshape(-1)[packed]  # (T,)
 
         u = u_ids.shape[0]
-        cos_p, sin_p = self._angles(cols.repeat(u))
-        cos_c, sin_c = self._angles(pos_t)
+        cos, sin = self._angles(torch.cat([cols.repeat(u), pos_t]))
         # completion queries see their prompt's real tokens and earlier completion tokens; padded
         # completion keys come after every real one of their row, so the causal part hides them
         see_prompt = cols < prompt_len[:, None]  # (N, Pmax)
@@ -143,20 +141,24 @@ class SharedPrefixForward(FastDecoder):
         attend = torch.cat([see_prompt[:, None, None, :].expand(n, 1, c_max, p_max),
                             see_comp.expand(n, 1, c_max, c_max)], dim=-1)  # (N, 1, Cmax, Pmax + Cmax)
 
-        at = _Layout(n=n, u=u, p_max=p_max, c_max=c_max, cos_p=cos_p, sin_p=sin_p, cos_c=cos_c,
-                     sin_c=sin_c, group=group, packed=packed, attend=attend)
-        xp = F.embedding(u_ids, self.embed).reshape(u * p_max, -1)  # (U·Pmax, hidden)
-        xc = F.embedding(tok_t, self.embed)  # (T, hidden)
+        at = _Layout(n=n, u=u, p_max=p_max, c_max=c_max, cos=cos, sin=sin, group=group,
+                     packed=packed, attend=attend)
+        # the prompts' rows (U·Pmax) and the packed completions' (T) travel as one tensor, so each
+        # weight is one matrix multiply each way and one gradient (one embedding gradient too: the
+        # tied head's is vocabulary × hidden, zero-filled for every lookup); only attention
+        # splits them
+        x = F.embedding(torch.cat([u_ids.reshape(-1), tok_t]), self.embed)  # (U·Pmax + T, hidden)
         for layer in self.model.model.layers:
             run = getattr(layer, _LAYER_METHOD) if self.sharded else functools.partial(self._run_layer, layer)
-            xp, xc = run(xp, xc, at)
+            x = run(x, at)
+        xp, xc = x[: u * p_max], x[u * p_max:]
 
         # completion token 0 is predicted by the prompt's last position, token k by completion
         # k − 1, which is the packed row just before it
         hidden_p = xp.view(u, p_max, -1)[group, prompt_len - 1]  # (N, hidden)
         previous = torch.cat([xc.new_zeros(1, xc.shape[1]), xc])[:-1]  # (T, hidden)
         predicting = torch.where((k_of == 0)[:, None], hidden_p[row_of], previous)  # (T, hidden)
-        logits = (self._rms(predicting, self.norm) @ self.head_t).float() / temperature
+        logits = scaled_logits(self._rms(predicting, self.norm) @ self.head_t, temperature)
         logp_all = torch.log_softmax(logits, dim=-1)  # (T, V)
         logp_t = logp_all.gather(-1, tok_t[:, None]).squeeze(-1)  # (T,)
         # into the (N, L − 1) layout: completion token k sits in column prompt_len − 1 + k
@@ -164,22 +166,19 @@ class SharedPrefixForward(FastDecoder):
         logp = logp_t.new_zeros(n, width - 1).index_put((row_of, column), logp_t)
         entropy = None
         if with_entropy:
-            with torch.no_grad():
-                ent_t = -(logp_all.exp() * logp_all).sum(-1)
-                entropy = ent_t.new_zeros(n, width - 1).index_put((row_of, column), ent_t)
+            ent_t = entropy_of(logp_all)
+            entropy = ent_t.new_zeros(n, width - 1).index_put((row_of, column), ent_t)
         return logp, entropy
 
-    def _run_layer(self, module: torch.nn.Module, xp: torch.Tensor, xc: torch.Tensor,
-                   at: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_layer(self, module: torch.nn.Module, x: torch.Tensor, at: _Layout) -> torch.Tensor:
         """``_layer``, its activations recomputed in the backward when ``module`` is marked
         (``tether.recompute``; inside a sharded layer's FSDP forward method, as the model's own
         forward is inside its hooks)."""
-        return recompute.run(module, self._layer, module, xp, xc, at)
+        return recompute.run(module, self._layer, module, x, at)
 
-    def _layer(self, module: torch.nn.Module, xp: torch.Tensor, xc: torch.Tensor,
-               at: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder layer over the prompts' hidden states ``xp`` (U·Pmax, hidden) and the
-        packed completions' ``xc`` (T, hidden), with ``module``'s weights read now."""
+    def _layer(self, module: torch.nn.Module, x: torch.Tensor, at: _Layout) -> torch.Tensor:
+        """One decoder layer over the hidden states ``x``: the prompts' (U·Pmax, hidden), then the
+        packed completions' (T, hidden), with ``module``'s weights read now."""
         layer = self.read_layer(module, detach=not torch.is_grad_enabled(), contiguous=False)
         n, u, p_max, c_max = at.n, at.u, at.p_max, at.c_max
         kvh, hd, heads = self.kv_heads, self.head_dim, self.heads
@@ -190,8 +189,9 @@ class SharedPrefixForward(FastDecoder):
             full = x.new_zeros(n * c_max, *x.shape[1:]).index_copy(0, at.packed, x)
             return full.view(n, c_max, *x.shape[1:]).transpose(1, 2)
 
-        qp, kp, vp = self._qkv(layer, self._rms(xp, layer.ln1), at.cos_p, at.sin_p)
-        qc, kc, vc = self._qkv(layer, self._rms(xc, layer.ln1), at.cos_c, at.sin_c)
+        split = u * p_max
+        q, k, v = self._qkv(layer, self._rms(x, layer.ln1), at.cos, at.sin)
+        qp, kp, vp, qc, kc, vc = q[:split], k[:split], v[:split], q[split:], k[split:], v[split:]
         kp4 = kp.view(u, p_max, kvh, hd).transpose(1, 2)  # (U, KV, Pmax, D)
         vp4 = vp.view(u, p_max, kvh, hd).transpose(1, 2)
         qp4 = qp.view(u, p_max, heads, hd).transpose(1, 2)  # (U, H, Pmax, D)
@@ -202,9 +202,8 @@ class SharedPrefixForward(FastDecoder):
         att_c = F.scaled_dot_product_attention(grid(qc), keys.repeat_interleave(group_heads, 1),
                                                vals.repeat_interleave(group_heads, 1), attn_mask=at.attend)
         att_c = att_c.transpose(1, 2).reshape(n * c_max, -1).index_select(0, at.packed)  # (T, H·D)
-        xp = xp + self._linear(att_p.transpose(1, 2).reshape(u * p_max, -1), layer.o_t, layer.o_bias)
-        xc = xc + self._linear(att_c, layer.o_t, layer.o_bias)
-        return self._train_mlp(layer, xp), self._train_mlp(layer, xc)
+        att = torch.cat([att_p.transpose(1, 2).reshape(split, -1), att_c])  # (U·Pmax + T, H·D)
+        return self._train_mlp(layer, x + self._linear(att, layer.o_t, layer.o_bias))
 
     def _train_mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
         gate, up = (self._rms(x, layer.ln2) @ layer.gate_up_t).chunk(2, dim=-1)

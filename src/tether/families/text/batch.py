@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tether.decoding.vocab import entropy_of, scaled_logits
 from tether.errors import ConfigError, RolloutError
 from tether.families.text.payload import ScoredBatch
 
@@ -99,13 +100,9 @@ def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float
     width = min(max(int(batch.attention_mask.sum(1).max()), 2), full)
     logits = model(input_ids=batch.input_ids[:, :width], attention_mask=batch.attention_mask[:, :width],
                    use_cache=False).logits[:, :-1]
-    logits = logits.float() / temperature  # (N, W − 1, V)
-    logp_all = torch.log_softmax(logits, dim=-1)
+    logp_all = torch.log_softmax(scaled_logits(logits, temperature), dim=-1)  # (N, W − 1, V)
     logp = logp_all.gather(-1, batch.targets[:, : width - 1, None]).squeeze(-1)  # (N, W − 1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    entropy = entropy_of(logp_all) if with_entropy else None
     if width < full:
         logp = torch.nn.functional.pad(logp, (0, full - width))  # (N, L − 1)
         entropy = None if entropy is None else torch.nn.functional.pad(entropy, (0, full - width))
