@@ -35,6 +35,7 @@ Reported per setting:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -63,8 +64,10 @@ def build(size: str, cache: Path) -> Path:
     return out
 
 
-def run(model: Path, out: Path, overrides: list[str], batches: int, new_tokens: int) -> list[dict]:
-    """One ``tether train`` run; its metrics rows after the warm-up batch."""
+def run(model: Path, out: Path, overrides: list[str], batches: int, new_tokens: int,
+        malloc: str = "reuse") -> list[dict]:
+    """One ``tether train`` run (``TETHER_MALLOC=malloc``: tether.hostmem); its metrics rows after
+    the warm-up batch."""
     args = [
         f"model.path={model}", "data.task=arithmetic", "data.num_eval=1",
         f"reward.function={HERE / 'scale_reward.py'}:varied",
@@ -74,7 +77,8 @@ def run(model: Path, out: Path, overrides: list[str], batches: int, new_tokens: 
         "train.drop_zero_std=false", "train.lr=1e-6", "eval.interval=0", "checkpoint.interval=0", *overrides,
     ]
     cmd = [str(Path(sys.executable).with_name("tether")), "train", *args, "--run-dir", str(out), "--plain"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**env, "TETHER_MALLOC": malloc})
     if proc.returncode:
         raise SystemExit(f"run failed ({' '.join(overrides)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -138,7 +142,8 @@ def peak_gflops(threads: int, bf16: bool) -> float:
 
 
 def measure(size: str, settings: list[str], worlds: list[int], lora: int, batches: int,
-            new_tokens: int, cache: Path, engine_dtype: str = "float32") -> dict:
+            new_tokens: int, cache: Path, engine_dtype: str = "float32",
+            mallocs: tuple[str, ...] = ("reuse",)) -> dict:
     model = build(size, cache)
     s = shape(model)
     base_mb = baseline_mb()
@@ -147,39 +152,39 @@ def measure(size: str, settings: list[str], worlds: list[int], lora: int, batche
                  "engine_dtype": engine_dtype,
                  "baseline_mb": base_mb, "new_tokens": new_tokens, "batches": batches, "settings": {}}
     flops = needed_flops(s, new_tokens)
-    for world in worlds:
-        for name in settings:
-            overrides = [*SETTINGS[name], f"train.world_size={world}", f"rollout.dtype={engine_dtype}"]
-            if lora:
-                overrides.append(f"train.lora_rank={lora}")
-            bf16 = "train.dtype=bfloat16" in overrides
-            peak = peak_gflops(1, bf16)
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                rows = run(model, Path(tmp) / "run", overrides, batches, new_tokens)
+    for world, name, malloc in itertools.product(worlds, settings, mallocs):
+        overrides = [*SETTINGS[name], f"train.world_size={world}", f"rollout.dtype={engine_dtype}"]
+        if lora:
+            overrides.append(f"train.lora_rank={lora}")
+        bf16 = "train.dtype=bfloat16" in overrides
+        peak = peak_gflops(1, bf16)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            rows = run(model, Path(tmp) / "run", overrides, batches, new_tokens, malloc)
 
-            def med(key: str, rows: list[dict] = rows) -> float:
-                return statistics.median(r[key] for r in rows if key in r)
+        def med(key: str, rows: list[dict] = rows) -> float:
+            return statistics.median(r[key] for r in rows if key in r)
 
-            frozen_bytes = (s["parameters"] * (2 if bf16 else 4)) if lora else 0
-            state = (16 * trained + frozen_bytes) / world / 2**20
-            learner_mb = max(r["memory/trainer_peak_mb"] for r in rows)
-            engine_mb = max(r["memory/rollout_peak_mb"] for r in rows)
-            train_s = med("time/train")
-            # the channel is a file in /dev/shm that the learner (each rank its rows) writes and the
-            # worker reads: its pages count in the resident memory of each process that touched them
-            channel = med("sync/bytes") / 2**20 if any("sync/bytes" in r for r in rows) else 0.0
-            engine_weights = s["parameters"] * (2 if engine_dtype == "bfloat16" else 4) / 2**20
-            theory = state + base_mb + channel / world
-            out["settings"][f"{name} ×{world}"] = {
-                "generate_s": med("time/generate"), "train_s": train_s, "sync_s": med("time/sync"),
-                "learner_peak_mb": learner_mb, "engine_peak_mb": engine_mb, "channel_mb": channel,
-                "engine_theoretical_mb": engine_weights + channel + base_mb,
-                "theoretical_mb": theory, "state_mb": state,
-                "unaccounted_mb": learner_mb - theory,
-                "bytes_per_parameter": (learner_mb - base_mb) * 2**20 * world / s["parameters"],
-                "learner_gflops": flops / train_s / 1e9 / world, "peak_gflops": peak,
-                "fraction_of_peak": flops / train_s / 1e9 / world / peak,
-            }
+        frozen_bytes = (s["parameters"] * (2 if bf16 else 4)) if lora else 0
+        state = (16 * trained + frozen_bytes) / world / 2**20
+        learner_mb = max(r["memory/trainer_peak_mb"] for r in rows)
+        engine_mb = max(r["memory/rollout_peak_mb"] for r in rows)
+        train_s = med("time/train")
+        # the channel is a file in /dev/shm that the learner (each rank its rows) writes and the
+        # worker reads: its pages count in the resident memory of each process that touched them
+        channel = med("sync/bytes") / 2**20 if any("sync/bytes" in r for r in rows) else 0.0
+        engine_weights = s["parameters"] * (2 if engine_dtype == "bfloat16" else 4) / 2**20
+        theory = state + base_mb + channel / world
+        label = f"{name} ×{world}" + (" sys" if malloc == "system" else "")
+        out["settings"][label] = {
+            "generate_s": med("time/generate"), "train_s": train_s, "sync_s": med("time/sync"),
+            "learner_peak_mb": learner_mb, "engine_peak_mb": engine_mb, "channel_mb": channel,
+            "engine_theoretical_mb": engine_weights + channel + base_mb,
+            "theoretical_mb": theory, "state_mb": state,
+            "unaccounted_mb": learner_mb - theory,
+            "bytes_per_parameter": (learner_mb - base_mb) * 2**20 * world / s["parameters"],
+            "learner_gflops": flops / train_s / 1e9 / world, "peak_gflops": peak,
+            "fraction_of_peak": flops / train_s / 1e9 / world / peak,
+        }
     return out
 
 
@@ -195,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--cache", default=os.environ.get("TETHER_SCALE_CACHE", "/tmp/tether-scale"))
+    ap.add_argument("--malloc", default="reuse",
+                    help="comma-separated TETHER_MALLOC values to run each setting under: reuse (the "
+                         "tether command's default) and/or system (rows marked 'sys')")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     settings = a.settings.split(",")
@@ -204,17 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
     r = measure(a.size, settings, [int(w) for w in a.world_size.split(",")], a.lora, a.batches,
-                a.new_tokens, cache, a.engine_dtype)
+                a.new_tokens, cache, a.engine_dtype, tuple(a.malloc.split(",")))
     if a.json:
         print(json.dumps(r))
         return 0
     print(f"{a.size}: {r['parameters'] / 1e6:.0f}M parameters, {r['trained_parameters'] / 1e6:.1f}M trained; "
           f"{PROMPTS} prompts × {GROUP} samples × {a.new_tokens} tokens; process baseline "
           f"{r['baseline_mb']:.0f} MB")
-    print(f"{'setting':>14}{'gen s':>8}{'train s':>9}{'sync s':>8}{'learner MB':>12}{'theory MB':>11}"
+    print(f"{'setting':>18}{'gen s':>8}{'train s':>9}{'sync s':>8}{'learner MB':>12}{'theory MB':>11}"
           f"{'rest MB':>9}{'B/param':>9}{'engine MB':>11}{'theory MB':>11}{'channel MB':>12}{'of peak':>9}")
     for key, m in r["settings"].items():
-        print(f"{key:>14}{m['generate_s']:>8.1f}{m['train_s']:>9.1f}{m['sync_s']:>8.2f}"
+        print(f"{key:>18}{m['generate_s']:>8.1f}{m['train_s']:>9.1f}{m['sync_s']:>8.2f}"
               f"{m['learner_peak_mb']:>12.0f}{m['theoretical_mb']:>11.0f}{m['unaccounted_mb']:>9.0f}"
               f"{m['bytes_per_parameter']:>9.1f}{m['engine_peak_mb']:>11.0f}"
               f"{m['engine_theoretical_mb']:>11.0f}{m['channel_mb']:>12.0f}"
