@@ -47,31 +47,37 @@ class RankServer:
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.learner: Any = None
         self.evaluator: Any = None
+        self.eval_model: Any = None
         self._blocks: dict[str, Any] = {}  # the weight channel's shared block, attached at its first write
 
     def build(self, group: Any = None) -> None:
         """The learner (of this rank of ``group``, a ``Ranks`` collective; None: the only one)
         and, on rank 0, its evaluator: on the learner's own model when it is whole, else on a
-        whole copy."""
+        whole copy loaded at the first evaluation."""
         import torch
 
-        from tether.modeling import learner_device
         from tether.train.learner import TorchLearner
 
         cfg = self.cfg
         torch.set_num_threads(cfg.train.threads)
         self.learner = TorchLearner(self.model_path, cfg, group=group)
-        if self.rank != 0 or self.eval_data is None:
-            return
-        family = cfg.family()
-        model, tokenizer = self.learner.model, self.learner.tokenizer
-        if self.world > 1:
-            model, tokenizer = family.policy(cfg).load(self.model_path)
-            model = model.to(learner_device(cfg.train.device)).eval()
-        self.eval_model = model
-        evaluator = family.evaluator(cfg, model, tokenizer, self.eval_data, family.scorer(cfg),
+        if self.rank == 0 and self.eval_data is not None and self.world == 1:
+            self._build_evaluator(self.learner.model, self.learner.tokenizer)
+
+    def _build_evaluator(self, model: Any, tokenizer: Any) -> None:
+        family = self.cfg.family()
+        evaluator = family.evaluator(self.cfg, model, tokenizer, self.eval_data, family.scorer(self.cfg),
                                      run_dir=self.run_dir)
+        self.eval_model = model
         self.evaluator = self.learner.precision.evaluating(evaluator)  # in the training forward's dtype
+
+    def _whole_copy(self) -> None:
+        """Rank 0's whole model for evaluation with ranks, loaded at the first evaluation: a run
+        that never evaluates never holds it (the whole model's weights beside rank 0's shards)."""
+        from tether.modeling import learner_device
+
+        model, tokenizer = self.cfg.family().policy(self.cfg).load(self.model_path)
+        self._build_evaluator(model.to(learner_device(self.cfg.train.device)).eval(), tokenizer)
 
     def train(self, batch: RolloutBatch, train_version: int) -> TrainResult | None:
         result = self.learner.train(batch, train_version=train_version)
@@ -99,6 +105,8 @@ class RankServer:
             weights = self.learner.export_weights()
             if self.rank != 0:
                 return None
+            if self.evaluator is None:
+                self._whole_copy()
             copy_weights(self.eval_model, weights)
         return self.evaluator(step)
 
