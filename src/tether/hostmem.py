@@ -14,12 +14,14 @@ large blocks (``M_MMAP_MAX`` 0), no trimming of the heap (``M_TRIM_THRESHOLD``),
 shared by every thread (``M_ARENA_MAX`` 1; an arena per thread would keep a freed block where
 another thread cannot reuse it). The ``tether`` command calls it first, before any thread starts,
 and exports the same settings (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_MAX_``,
-``MALLOC_TRIM_THRESHOLD_``) to every process it starts: rollout workers, learner ranks, a local
-Ray instance and its actors. The cost: a process's resident memory stays at its peak instead of
-shrinking between updates (the peak itself moved by 3% at 0.5B). ``TETHER_MALLOC=system`` leaves
-the allocator as it is; a setting of the user's own (any of the three variables already set) is
-kept. The Python API (``tether.train``) runs in the caller's process and leaves its allocator
-alone: export the three variables before starting Python for the same effect.
+``MALLOC_TRIM_THRESHOLD_``) to every process it starts: rollout workers, a local Ray instance and
+its actors. The cost: a process's resident memory stays at its peak instead of shrinking between
+updates (the peak itself moved by 3% at 0.5B in one process). Learner ranks (FSDP2) give large
+blocks back again (``release_freed_memory``): their buffers fragment a heap that keeps everything.
+``TETHER_MALLOC=system`` leaves the allocator as it is; a setting of the user's own (any of the
+three variables already set) is kept. The Python API (``tether.train``) runs in the caller's
+process and leaves its allocator alone: export the three variables before starting Python for the
+same effect.
 
 Only glibc (Linux) has these settings; elsewhere this does nothing.
 """
@@ -32,7 +34,7 @@ import platform
 
 from tether.errors import ConfigError
 
-__all__ = ["SWITCH", "keep_freed_memory"]
+__all__ = ["SWITCH", "keep_freed_memory", "release_freed_memory"]
 
 SWITCH = "TETHER_MALLOC"
 _CHOICES = ("reuse", "system")
@@ -41,6 +43,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _NEVER_TRIM = 1 << 40
 _SETTINGS = ((_M_ARENA_MAX, "MALLOC_ARENA_MAX", 1), (_M_MMAP_MAX, "MALLOC_MMAP_MAX_", 0),
              (_M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_", _NEVER_TRIM))
+_KEPT = "TETHER_MALLOC_KEPT"  # set where keep_freed_memory applied its settings (not the user's own)
+# glibc's defaults for what release_freed_memory puts back
+_DEFAULT_MMAP_MAX, _DEFAULT_TRIM = 65536, 128 * 1024
 
 
 def keep_freed_memory() -> bool:
@@ -58,4 +63,22 @@ def keep_freed_memory() -> bool:
     for param, name, value in _SETTINGS:
         mallopt(param, value)
         os.environ[name] = str(value)
+    os.environ[_KEPT] = "1"
+    return True
+
+
+def release_freed_memory() -> bool:
+    """Give large freed blocks back to the kernel again in this process and those it starts, where
+    ``keep_freed_memory`` (not the user) kept them: in a learner rank. FSDP2 gathers and scatters
+    every unit's weights and gradients through buffers of many sizes, and kept in one heap they
+    fragment it: at Qwen2-0.5B a rank's resident peak was 11.4 GB kept against 7.2 GB released,
+    for the same 4–5 GB of live tensors (``benchmarks/rank_memory.py``). One arena stays (it is
+    fixed once threads have started). Returns whether it changed anything."""
+    if os.environ.pop(_KEPT, None) is None:
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
+    mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM)
+    os.environ.pop("MALLOC_MMAP_MAX_", None)
+    os.environ.pop("MALLOC_TRIM_THRESHOLD_", None)
     return True

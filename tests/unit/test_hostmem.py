@@ -67,3 +67,36 @@ def test_a_bad_switch_is_refused_by_the_command_naming_it():
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 2
     assert "TETHER_MALLOC='fast'" in proc.stderr and "reuse" in proc.stderr and "system" in proc.stderr
+
+
+_RANK_PROBE = r"""
+import os, subprocess, sys
+from tether import hostmem
+hostmem.keep_freed_memory()
+released = hostmem.release_freed_memory()
+import torch
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+before = rss()
+block = torch.ones(32 * 2**20)
+block = None
+kept = rss() - before
+child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('MALLOC_MMAP_MAX_'))"],
+                       capture_output=True, text=True).stdout.strip()
+print(released, kept // 2**20, child)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_learner_rank_gives_large_freed_blocks_back():
+    clean = {k: v for k, v in os.environ.items() if k not in _OWN}
+    out = subprocess.run([sys.executable, "-c", _RANK_PROBE], env=clean, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out[0] == "True" and out[2] == "None"
+    assert int(out[1]) < 64, f"a rank kept {out[1]} MB of a freed 128 MB block"
+    # the user's own settings are theirs: nothing to release
+    mine = subprocess.run([sys.executable, "-c", _RANK_PROBE], env={**clean, "MALLOC_MMAP_MAX_": "0"},
+                          capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert mine[0] == "False" and mine[2] == "0"

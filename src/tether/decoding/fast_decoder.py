@@ -87,12 +87,14 @@ def _joined_t(parts: list[torch.Tensor], *, contiguous: bool) -> torch.Tensor:
 class _Layer:
     ln1: torch.Tensor
     ln2: torch.Tensor
-    qkv_t: torch.Tensor  # (hidden, H·D + 2·KV·D): q, k and v projections, transposed
+    # (hidden, H·D + 2·KV·D): q, k and v projections, transposed (read with gradients: the three
+    # transposed views, multiplied apart)
+    qkv_t: torch.Tensor | tuple[torch.Tensor, ...]
     qkv_bias: torch.Tensor | None
     qk_norm: torch.Tensor | None  # (H + KV, D) for Qwen3, else None
     o_t: torch.Tensor  # (H·D, hidden)
     o_bias: torch.Tensor | None
-    gate_up_t: torch.Tensor  # (hidden, 2·I): gate and up projections, transposed
+    gate_up_t: torch.Tensor | tuple[torch.Tensor, ...]  # (hidden, 2·I): gate and up, transposed (as qkv_t)
     down_t: torch.Tensor  # (I, hidden)
 
 
@@ -198,7 +200,13 @@ class FastDecoder:
         # GPU they would only cost memory
         on_cpu = self.model.model.embed_tokens.weight.device.type == "cpu"
 
-        def joined(*parts: torch.Tensor) -> torch.Tensor:
+        def joined(*parts: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+            if not detach and len(parts) > 1:
+                # with gradients, a stacked copy of the weights would be a tensor autograd keeps
+                # for the backward: every layer's, all at once (a whole model's worth on FSDP2
+                # ranks, whose own unsharded weights are freed after each layer's forward). Each
+                # part's transposed view instead, one product each (``_linear``)
+                return tuple(t.t() for t in parts)
             return _joined_t([cut(t) for t in parts], contiguous=contiguous and detach and on_cpu)
 
         return cut, joined
@@ -233,8 +241,13 @@ class FastDecoder:
     # -- pieces -------------------------------------------------------------------------------
 
     @staticmethod
-    def _linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, w, bias)`` with ``w_t`` = wᵀ."""
+    def _linear(x: torch.Tensor, w_t: torch.Tensor | tuple[torch.Tensor, ...],
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, w, bias)`` with ``w_t`` = wᵀ, or the stacked product of its parts' (a
+        layer read with gradients)."""
+        if isinstance(w_t, tuple):
+            out = torch.cat([x @ part for part in w_t], dim=-1)
+            return out if bias is None else out + bias
         if bias is None:
             return x @ w_t
         return torch.addmm(bias, x, w_t) if x.dim() == 2 else x @ w_t + bias

@@ -206,5 +206,5 @@ class SharedPrefixForward(FastDecoder):
         return self._train_mlp(layer, x + self._linear(att, layer.o_t, layer.o_bias))
 
     def _train_mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = (self._rms(x, layer.ln2) @ layer.gate_up_t).chunk(2, dim=-1)
+        gate, up = self._linear(self._rms(x, layer.ln2), layer.gate_up_t).chunk(2, dim=-1)
         return torch.addmm(x, self.act(gate) * up, layer.down_t)
