@@ -331,6 +331,11 @@ class RayPool(DispatchingPool):
     def pids(self) -> list[int]:
         return [w.pid for w in self._workers if w.pid is not None]
 
+    @property
+    def nodes(self) -> list[str | None]:
+        """The Ray node id each actor runs on, by worker (None before it started)."""
+        return [w.node for w in self._workers]
+
     # -- lifecycle ----------------------------------------------------------------------------
 
     def _start_actors(self) -> None:
