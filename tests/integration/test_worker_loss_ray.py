@@ -107,11 +107,12 @@ def test_an_actor_whose_node_is_removed_is_replaced_on_another_node(tiny_model_d
                      options=RayOptions(cpus_per_worker=1), session=session) as pool:
             (first,) = pool.nodes
             pool.launch(GenerationRequest(index=0, version=0))
-            hold(gate)
+            held = hold(gate)
             (doomed,) = [n for n in nodes if n.node_id == first]
             cluster.remove_node(doomed, allow_graceful=False)
+            (loss,) = until_lost(pool, timeout=180)  # the gate stays shut: the batch cannot complete
             gate.gate.unlink()
-            (loss,) = until_lost(pool, timeout=180)
+            assert wait_gone([held]) == []
             assert (loss.worker, loss.batch_index, loss.restarts) == ("rollout-0", 0, 1)
             (second,) = pool.nodes
             assert second != first and second in {n.node_id for n in nodes}
