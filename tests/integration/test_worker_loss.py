@@ -13,12 +13,18 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from test_train import ROOT, recipe, rows
+from test_train import ROOT, recipe, rows  # noqa: E402
 
-from procs import children, descendants, running, wait_gone
+from configs import pool_settings  # noqa: E402
+from procs import children, descendants, running, wait_gone  # noqa: E402
+from tether.data.stream import PromptStream  # noqa: E402
+from tether.data.tasks import get_task  # noqa: E402
+from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
+from tether.rollout.backends.local.pool import ProcessPool  # noqa: E402
+from tether.vocabulary import GenerationRequest  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 BASE = ("async.max_staleness=1", "async.max_inflight=2", "eval.interval=0")
@@ -163,3 +169,36 @@ def test_past_the_cap_the_run_stops_naming_the_key_leaves_no_process_and_resumes
     assert sorted(m["batch_index"] for m in metrics) == list(range(total))  # every batch once
     assert [m["step"] for m in metrics] == list(range(1, total + 1))
     assert all(0 <= m["staleness/updates"] <= 1 for m in metrics)
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_that_dies_idle_is_replaced_by_the_next_publication(tiny_model_dir):
+    """The local pool itself: a worker killed between batches is met by the next publication, whose
+    version its replacement loads from the channel; both workers then sample under it."""
+    stream = PromptStream(get_task("arithmetic").examples("train", 300, seed=0), batch_size=2)
+    model, _ = load_causal_lm(tiny_model_dir)
+    weights = unique_parameters(model)
+    settings = pool_settings(tiny_model_dir, "rollout.group_size=2", "rollout.max_new_tokens=4",
+                             "rollout.num_workers=2")
+    with ProcessPool(settings, stream.batch, weights) as pool:
+        old = pool.pids
+        os.kill(old[1], signal.SIGKILL)
+        assert wait_gone([old[1]]) == []
+        with torch.no_grad():
+            for p in weights.values():
+                p.add_(0.01)
+        pool.publish(weights, 1)
+        (loss,) = pool.lost()
+        assert (loss.worker, loss.batch_index, loss.restarts) == ("rollout-1", None, 1)
+        assert pool.pids[0] == old[0] and pool.pids[1] != old[1]
+        for index in (0, 1):
+            pool.launch(GenerationRequest(index=index, version=1))
+        got = []
+        while len(got) < 2:
+            got += pool.wait(60)
+        assert sorted(b.behavior_version for b in got) == [1, 1]
+        assert pool.served == {"rollout-0": 1, "rollout-1": 1}  # the replacement sampled one
+        held = pool.published_weights()
+        assert all(held[name].equal(t) for name, t in weights.items())
+        family = pool.pids
+    assert wait_gone(family) == []
