@@ -14,14 +14,14 @@ pytest.importorskip("transformers")
 ray = pytest.importorskip("ray")
 
 from test_train import ROOT, rows  # noqa: E402
-from test_worker_loss import Gate, start, wait_rows  # noqa: E402
+from test_worker_loss import Gate, assert_staleness_follows_the_launches, start, wait_rows  # noqa: E402
 
 from configs import pool_settings  # noqa: E402
 from procs import descendants, wait_gone  # noqa: E402
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
-from tether.rollout.backends.ray.pool import RayOptions, RayPool, RaySession  # noqa: E402
+from tether.rollout.backends.ray.pool import RayOptions, RayPool  # noqa: E402
 from tether.vocabulary import GenerationRequest  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -91,37 +91,6 @@ def test_an_actor_killed_with_ray_kill_is_replaced_holding_the_published_version
     assert wait_gone([old, new]) == []
 
 
-@pytest.mark.timeout(300)
-def test_an_actor_whose_node_is_removed_is_replaced_on_another_node(tiny_model_dir, tmp_path):
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    try:
-        nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
-        ray.init(address=cluster.address, include_dashboard=False, configure_logging=False)
-        session = RaySession(RayOptions())
-        gate = Gate(tmp_path)
-        model, _ = load_causal_lm(tiny_model_dir)
-        weights = unique_parameters(model)
-        with RayPool(settings(tiny_model_dir, gate), STREAM.batch, weights,
-                     options=RayOptions(cpus_per_worker=1), session=session) as pool:
-            (first,) = pool.nodes
-            pool.launch(GenerationRequest(index=0, version=0))
-            held = hold(gate)
-            (doomed,) = [n for n in nodes if n.node_id == first]
-            cluster.remove_node(doomed, allow_graceful=False)
-            (loss,) = until_lost(pool, timeout=180)  # the gate stays shut: the batch cannot complete
-            gate.gate.unlink()
-            assert wait_gone([held]) == []
-            assert (loss.worker, loss.batch_index, loss.restarts) == ("rollout-0", 0, 1)
-            (second,) = pool.nodes
-            assert second != first and second in {n.node_id for n in nodes}
-            regenerate(pool, loss, 0)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
 def test_a_run_replaces_a_sigkilled_actor_then_stops_past_the_cap_and_resumes(tiny_model_dir, tmp_path):
     gate, run_dir = Gate(tmp_path), tmp_path / "run"
     proc = start(tiny_model_dir, run_dir, gate, *RAY, "train.num_batches=400", "checkpoint.interval=2",
@@ -155,3 +124,44 @@ def test_a_run_replaces_a_sigkilled_actor_then_stops_past_the_cap_and_resumes(ti
     metrics = rows(run_dir / "metrics.jsonl")
     assert sorted(m["batch_index"] for m in metrics) == list(range(total))
     assert all(0 <= m["staleness/updates"] <= 1 for m in metrics)
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.timeout(300)
+def test_a_run_goes_on_when_its_rollout_actors_node_is_removed(tiny_model_dir, tmp_path):
+    """A whole run on a three-node cluster (a head with no CPUs, two nodes of one): the node running
+    the rollout actor is removed mid-batch; the run replaces the actor on the other node and trains
+    every batch once."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+        cluster.wait_for_nodes()
+        gate, run_dir = Gate(tmp_path), tmp_path / "run"
+        proc = start(tiny_model_dir, run_dir, gate, "rollout.backend=ray", f"ray.address={cluster.address}",
+                     "train.num_batches=10", "checkpoint.interval=0")
+        try:
+            wait_rows(run_dir, proc, 3, timeout=180)
+            held = hold(gate)
+            raylets = {node.all_processes["raylet"][0].process.pid: node for node in nodes}
+            assert _parent(held) in raylets, "the held actor is not a worker of either node"
+            cluster.remove_node(raylets[_parent(held)], allow_graceful=False)
+            assert wait_gone([held], timeout=60) == []  # gone with its node, its batch unfinished
+            gate.gate.unlink()
+            _out, err = proc.communicate(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, err[-3000:]
+    finally:
+        cluster.shutdown()
+    metrics = assert_staleness_follows_the_launches(run_dir)
+    assert sorted(m["batch_index"] for m in metrics) == list(range(10))
+    assert metrics[-1]["rollout/worker_restarts"] == 1
+    (lost,) = [e for e in rows(run_dir / "events.jsonl") if e["kind"] == "worker_lost"]
+    assert lost["worker"] == "rollout-0" and "died while generating batch" in lost["cause"]
