@@ -172,14 +172,16 @@ def test_past_the_cap_the_run_stops_naming_the_key_leaves_no_process_and_resumes
 
 
 @pytest.mark.timeout(180)
-def test_a_worker_that_dies_idle_is_replaced_by_the_next_publication(tiny_model_dir):
+@pytest.mark.parametrize("inflight", ["drain", "keep"])
+def test_a_worker_that_dies_idle_is_replaced_by_the_next_publication(tiny_model_dir, inflight):
     """The local pool itself: a worker killed between batches is met by the next publication, whose
-    version its replacement loads from the channel; both workers then sample under it."""
+    version its replacement takes from the channel (loading it between batches, or, without
+    draining, switching to it before its next decode step); both workers then sample under it."""
     stream = PromptStream(get_task("arithmetic").examples("train", 300, seed=0), batch_size=2)
     model, _ = load_causal_lm(tiny_model_dir)
     weights = unique_parameters(model)
     settings = pool_settings(tiny_model_dir, "rollout.group_size=2", "rollout.max_new_tokens=4",
-                             "rollout.num_workers=2")
+                             "rollout.num_workers=2", f"async.inflight_update={inflight}")
     with ProcessPool(settings, stream.batch, weights) as pool:
         old = pool.pids
         os.kill(old[1], signal.SIGKILL)
@@ -188,7 +190,11 @@ def test_a_worker_that_dies_idle_is_replaced_by_the_next_publication(tiny_model_
             for p in weights.values():
                 p.add_(0.01)
         pool.publish(weights, 1)
-        (loss,) = pool.lost()
+        deadline = time.monotonic() + 30
+        while not (losses := pool.lost()):  # without draining, publishing asks nothing of the workers
+            assert time.monotonic() < deadline, "the death was never reported"
+            time.sleep(0.05)
+        (loss,) = losses
         assert (loss.worker, loss.batch_index, loss.restarts) == ("rollout-1", None, 1)
         assert pool.pids[0] == old[0] and pool.pids[1] != old[1]
         for index in (0, 1):
