@@ -59,6 +59,7 @@ _EXPORTS = {
     "QueueTimeoutError": "tether.errors",
     "NothingLearnedError": "tether.errors",
     "RolloutError": "tether.errors",
+    "WorkerRestartLimitError": "tether.errors",
     "LearnerLostError": "tether.errors",
     "LearnerError": "tether.errors",
     "LearnerMemoryError": "tether.errors",

@@ -10,6 +10,7 @@
     ├── QueueTimeoutError         a blocking queue call ran past its timeout
     ├── NothingLearnedError       a run trained its batches and committed no update; says why
     ├── RolloutError              generation or scoring failed; carries the worker, batch and cause
+    │   └── WorkerRestartLimitError  a worker died past rollout.max_worker_restarts replacements
     ├── LearnerLostError          the learner's Ray actor, or one of its ranks, died or stopped answering
     ├── LearnerError              an exception inside a learner rank; carries the rank's traceback
     ├── LearnerMemoryError        the learner ran out of memory; says in which phase and what lowers it
@@ -95,6 +96,11 @@ class RolloutError(TetherError):
             text = f"{text}\n\nOriginal traceback:\n{remote_traceback.rstrip()}"
         super().__init__(text)
         self.message = message
+
+
+class WorkerRestartLimitError(RolloutError):
+    """A rollout worker died after ``rollout.max_worker_restarts`` replacements
+    (``rollout.on_worker_loss: replace``); the message names the worker, the count and the key."""
 
 
 class LearnerLostError(TetherError):

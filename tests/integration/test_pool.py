@@ -133,7 +133,8 @@ SLOW_REWARD = """
 
 
 def test_killed_worker_is_reported_with_its_batch_and_signal(tiny_model_dir, tmp_path):
-    pool, _ = make_pool(tiny_model_dir, f"reward.function={reward_file(tmp_path, SLOW_REWARD)}")
+    pool, _ = make_pool(tiny_model_dir, f"reward.function={reward_file(tmp_path, SLOW_REWARD)}",
+                        "rollout.on_worker_loss=stop")
     with pool:
         pid = pool.pids[0]
         pool.launch(GenerationRequest(index=2, version=0))

@@ -242,7 +242,7 @@ def test_ctrl_c_stops_checkpoints_and_leaves_no_process(tiny_model_dir, tmp_path
 
 def test_a_worker_killed_mid_run_fails_the_run_with_a_clear_error(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    proc = _start(tiny_model_dir, run_dir)
+    proc = _start(tiny_model_dir, run_dir, "rollout.on_worker_loss=stop")
     try:
         _wait_for_training(run_dir, proc)
         family = _descendants(proc.pid)

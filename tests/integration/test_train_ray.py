@@ -85,7 +85,7 @@ def test_a_killed_actor_fails_the_run_clearly_and_leaves_nothing_running(tiny_mo
         [sys.executable, "-m", "tether.cli.main", "train", "--run-dir", str(run_dir), "--plain",
          "--no-report",
          *recipe(tiny_model_dir, "train.num_batches=400", "eval.interval=0", "checkpoint.interval=1", *RAY,
-                 "ray.learner=actor")],
+                 "ray.learner=actor", "rollout.on_worker_loss=stop")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_training(run_dir, proc, timeout=180)

@@ -163,6 +163,12 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
          "vllm.dtype must be one of 'float32', 'bfloat16', 'float16'"),
         (["rollout.engine=vllm", "vllm.gpu_memory_utilization=0"],
          "vllm.gpu_memory_utilization must be >= 0.05"),
+        (["rollout.max_worker_restarts=0"],
+         "rollout.on_worker_loss=replace with rollout.max_worker_restarts=0 would replace no worker; set "
+         "rollout.max_worker_restarts to 1 or more, or rollout.on_worker_loss=stop"),
+        (["rollout.on_worker_loss=stop", "rollout.max_worker_restarts=5"],
+         "rollout.max_worker_restarts=5 has no effect with rollout.on_worker_loss=stop"),
+        (["rollout.on_worker_loss=restart"], "rollout.on_worker_loss must be one of 'replace', 'stop'"),
     ],
 )
 def test_cross_key_rules(overrides, message):

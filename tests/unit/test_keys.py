@@ -115,7 +115,8 @@ _SINCE = {"rollout.lora_apply": Resume.ACCEPTED, "rollout.dtype": Resume.ACCEPTE
           "train.dtype": Resume.ACCEPTED, "train.reduce_dtype": Resume.ACCEPTED,
           "train.activation_checkpointing": Resume.ACCEPTED,
           "train.max_tokens_per_micro_batch": Resume.ACCEPTED, "train.micro_batch_size": Resume.ACCEPTED,
-          "train.cpu_offload": Resume.ACCEPTED}
+          "train.cpu_offload": Resume.ACCEPTED, "rollout.on_worker_loss": Resume.ACCEPTED,
+          "rollout.max_worker_restarts": Resume.ACCEPTED}
 
 
 def test_the_resume_rules_decide_every_key_as_before():

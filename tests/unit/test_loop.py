@@ -300,3 +300,21 @@ def test_every_record_carries_the_control_metrics(make_pool):
     published = [r.step for r in trace.records if "sync/bytes" in r.metrics]
     assert published == [e.detail["step"] for e in trace.of_kind("sync") if e.detail["published"]]
     assert published == [2]
+
+
+@pytest.mark.parametrize(("s", "lose"), [(0, [3]), (1, [3, 4]), (2, [0, 9])])
+def test_a_batch_lost_with_its_worker_is_launched_again_and_trained_once(make_pool, s, lose):
+    state, pool, learner, _hooks, trace = run(
+        make_pool, max_staleness=s, max_inflight=s + 1, total_batches=10,
+        pool_kw={"workers": 2, "gen_time": 0.002, "lose_at": lose})
+    # every batch trained exactly once: the lost ones neither dropped nor doubled
+    assert sorted(r.batch_index for r in trace.records) == list(range(10))
+    assert state.launched_batches == 10 and state.pending == () and state.dropped_batches == 0
+    # each lost batch launched a second time, as a new request the pool accepted at the version it
+    # then held (FakePool.launch refuses any other)
+    assert sorted(r.index for r in pool.launched if r.index in lose) == sorted(lose * 2)
+    assert sorted(e.batch for e in trace.of_kind("worker_lost")) == sorted(lose)
+    measured = learner.measured_staleness()  # from the data: within the budget, as the loop recorded
+    assert max(measured) <= s and [r.staleness_updates for r in trace.records] == measured
+    restarts = [r.metrics["rollout/worker_restarts"] for r in trace.records]
+    assert restarts == sorted(restarts) and restarts[-1] == len(lose)

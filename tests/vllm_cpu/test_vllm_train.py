@@ -61,7 +61,8 @@ def test_the_demo_recipe_on_vllm_follows_tether_plan(demo_model, tmp_path, backe
 def test_a_killed_vllm_worker_fails_the_run_clearly_and_leaves_nothing(demo_model, tmp_path):
     run_dir = tmp_path / "run"
     run = Run(["--run-dir", str(run_dir), str(DEMO), *short(demo_model, "train.num_batches=400",
-                                                           "eval.interval=0")], run_dir=run_dir)
+                                                           "eval.interval=0", "rollout.on_worker_loss=stop")],
+              run_dir=run_dir)
     run.wait_for_rows(2, timeout=240)
     driver_side = {run.proc.pid, *children(run.proc.pid)}  # tether and its forkserver
     workers = [p for p in run.look() if p not in driver_side]

@@ -175,6 +175,14 @@ class Config:
                               "with rollout.dynamic_sampling=false; set rollout.dynamic_sampling=true, or "
                               f"leave them at {default.dynamic_sampling_max_draws} and "
                               f"{default.dynamic_sampling_on_short!r}")
+        if r.on_worker_loss == "replace" and r.max_worker_restarts == 0:
+            raise ConfigError("rollout.on_worker_loss=replace with rollout.max_worker_restarts=0 would "
+                              "replace no worker; set rollout.max_worker_restarts to 1 or more, or "
+                              "rollout.on_worker_loss=stop")
+        if r.on_worker_loss == "stop" and r.max_worker_restarts != default.max_worker_restarts:
+            raise ConfigError(f"rollout.max_worker_restarts={r.max_worker_restarts} has no effect with "
+                              "rollout.on_worker_loss=stop; set rollout.on_worker_loss=replace, or leave "
+                              f"it at {default.max_worker_restarts}")
         if self.eval.num_samples > 1 and not self.eval.interval:
             raise ConfigError(f"eval.num_samples={self.eval.num_samples} has no effect with evaluation "
                               "off (eval.interval=0); set eval.interval too, or eval.num_samples=1")

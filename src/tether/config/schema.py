@@ -117,6 +117,25 @@ class RolloutSection:
         1, "Rollout workers (engines) generating concurrently.", min=1,
         resume=Resume.ACCEPTED,
     )
+    on_worker_loss: Literal["replace", "stop"] = knob(
+        "replace",
+        "What a rollout worker's death (its process exits or is killed; its Ray actor dies, its node "
+        "with it) does: 'replace' = start a new worker, load the published version into it, launch "
+        "the batch the lost one held again (same prompts, a new request at the current version, so "
+        "its staleness follows the budget) and go on, counted as rollout/worker_restarts; 'stop' = "
+        "fail the run naming the worker and its batch (docs/distributed.md, 'Failures'). A worker's "
+        "own error (an exception in its reward) always fails the run.",
+        choices=("replace", "stop"),
+        resume=Resume.ACCEPTED,
+    )
+    max_worker_restarts: int = knob(
+        3,
+        "With on_worker_loss=replace: the most workers replaced in one run (all workers together, "
+        "counted from its start or resume); the next death fails the run naming the worker, the count "
+        "and this key. A worker that dies on every batch (a crash the batch causes) stops there.",
+        min=0,
+        resume=Resume.ACCEPTED,
+    )
     backend: str = knob(
         "local",
         "Where rollout workers run: 'local' = worker processes on this machine, weights through "

@@ -89,7 +89,8 @@ class Driver:
         self.dropped = 0
         self.consecutive_drops = 0
         self.outstanding: set[int] = set()  # launched, not yet trained (to completion) or dropped
-        self.pending: list[int] = []  # abandoned earlier; relaunched before fresh indices
+        self.pending: list[int] = []  # abandoned, or lost with a worker; relaunched before fresh indices
+        self.worker_restarts = 0  # rollout workers the pool replaced (rollout/worker_restarts)
         self.stop_requested: str | None = None  # the stop signal's name, once one arrived
         self.in_critical = False  # inside train / publish / evaluate / save
         self.interrupted_in_critical = False  # then the learner may be mid-update: never save it
@@ -249,6 +250,7 @@ class Driver:
     # -- pieces -------------------------------------------------------------------------------
 
     def _reap(self, batches: list[RolloutBatch]) -> None:
+        self._relaunch_lost()
         for batch in batches:
             self._generating.pop(batch.index, None)
             self.ready.append(batch)
@@ -256,6 +258,21 @@ class Driver:
             detail = {} if batch.completed_at is None else {"completed_at": batch.completed_at,
                                                              "work_s": batch.work_s}
             self._emit("ready", batch=batch.index, version=batch.behavior_version, detail=detail)
+
+    def _relaunch_lost(self) -> None:
+        """A batch whose worker died (the pool replaced it) goes back to ``pending``: it is launched
+        again as a new request at the version published then, so admission counts it and its
+        staleness follows the rules like any launch's; nothing is dropped or trained twice."""
+        for loss in self.pool.lost():
+            self.worker_restarts = loss.restarts
+            index = loss.batch_index
+            if index is not None:
+                self._generating.pop(index, None)
+                self._launch_version.pop(index, None)
+                self.outstanding.discard(index)
+                bisect.insort(self.pending, index)
+            self._emit("worker_lost", batch=index,
+                       detail={"worker": loss.worker, "cause": loss.cause, "restarts": loss.restarts})
 
     def _launch(self) -> None:
         slots = self.control.launch_slots(
@@ -345,6 +362,7 @@ class Driver:
             "async/sync_period_batches": (math.nan if self.settings.sync_period_batches is None
                                           else self.settings.sync_period_batches),
             "async/dropped_batches": self.dropped,
+            "rollout/worker_restarts": self.worker_restarts,
             "async/inflight": self.pool.inflight,
             "async/ready": len(self.ready),
             "staleness/updates": staleness.updates,

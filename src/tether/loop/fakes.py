@@ -2,7 +2,8 @@
 
 ``FakePool`` generates on real threads (so the loop is exercised concurrently) and stamps the
 version its "engine" holds into the data it returns; ``FakeLearner`` reads that stamp back. Tests
-therefore measure staleness from the data, not from the loop's own bookkeeping.
+therefore measure staleness from the data, not from the loop's own bookkeeping. ``FakePool``'s
+``lose_at`` loses a batch's first generation with its "worker", as a replaced worker's would be.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from tether.control import BatchQueue
 from tether.errors import ControlError, RolloutError
-from tether.vocabulary import GenerationRequest, LoopState, RolloutBatch, TrainResult
+from tether.vocabulary import GenerationRequest, LoopState, RolloutBatch, TrainResult, WorkerLoss
 
 
 class FakePool:
@@ -31,6 +32,7 @@ class FakePool:
         fail_at: Sequence[int] = (),
         stamp_lag: int = 0,
         stale_at: Sequence[int] | None = None,
+        lose_at: Sequence[int] = (),
     ) -> None:
         self.num_groups = num_groups
         self.group_size = group_size
@@ -38,11 +40,15 @@ class FakePool:
         self.fail_at = set(fail_at)
         self.stamp_lag = stamp_lag
         self.stale_at = None if stale_at is None else set(stale_at)
+        self.lose_at = set(lose_at)
+        self._dying: list[int] = []  # lost, not yet out of ``inflight``
+        self._losses: list[WorkerLoss] = []
+        self.restarts = 0
         self.version = 0
         self.launched: list[GenerationRequest] = []
         self.published: list[int] = []
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fake-rollout")
-        self._done: BatchQueue[RolloutBatch] = BatchQueue(maxsize=1 << 20, name="fake-pool")
+        self._done: BatchQueue[RolloutBatch | None] = BatchQueue(maxsize=1 << 20, name="fake-pool")
         self._lock = threading.Lock()
         self._inflight = 0
         self._generating = 0
@@ -67,6 +73,12 @@ class FakePool:
             self._generating += 1
         try:
             time.sleep(self.gen_time(request.index))
+            if request.index in self.lose_at:  # its worker dies; the batch is never returned
+                with self._lock:
+                    self.lose_at.discard(request.index)
+                    self._dying.append(request.index)
+                self._done.put(None)
+                return
             if request.index in self.fail_at:
                 raise RuntimeError(f"injected generation failure in batch {request.index}")
             lag = self.stamp_lag if self.stale_at is None or request.index in self.stale_at else 0
@@ -86,10 +98,26 @@ class FakePool:
             with self._lock:
                 self._generating -= 1
 
-    def _take(self, batches: list[RolloutBatch]) -> list[RolloutBatch]:
+    def _take(self, batches: list[RolloutBatch | None]) -> list[RolloutBatch]:
+        batches = [b for b in batches if b is not None]
         with self._lock:
             self._inflight -= len(batches)
         return batches
+
+    def _bury(self) -> None:
+        with self._lock:
+            for index in self._dying:
+                self._inflight -= 1
+                self.restarts += 1
+                self._losses.append(WorkerLoss(worker="fake-0", cause="lost (lose_at)", batch_index=index,
+                                               restarts=self.restarts))
+            self._dying.clear()
+
+    def lost(self) -> list[WorkerLoss]:
+        self._bury()
+        with self._lock:
+            losses, self._losses = self._losses, []
+        return losses
 
     def reap(self) -> list[RolloutBatch]:
         return self._take(self._done.drain())
@@ -99,9 +127,11 @@ class FakePool:
         return self._take([first, *self._done.drain()])
 
     def quiesce(self, timeout: float | None) -> list[RolloutBatch]:
-        out: list[RolloutBatch] = []
-        while self.inflight - len(out) > 0:
+        out: list[RolloutBatch | None] = []
+        while self.inflight - sum(b is not None for b in out) > 0:
             out.append(self._done.get(timeout=timeout))
+            if out[-1] is None:
+                self._bury()
         return self._take(out)
 
     def publish(self, weights: Any, version: int) -> Mapping[str, float]:

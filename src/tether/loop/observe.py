@@ -10,8 +10,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class LoopEvent:
-    """One thing that happened: launch, ready, consume, drop, train, sync, eval, save, drain or
-    abandon. Spans (train, sync, eval, save) have an ``end``."""
+    """One thing that happened: launch, ready, consume, drop, train, sync, eval, save, drain,
+    abandon or worker_lost. Spans (train, sync, eval, save) have an ``end``."""
 
     kind: str
     t: float
@@ -44,7 +44,8 @@ class LoopObserver:
         """An admission note, once at start."""
 
     def on_event(self, event: LoopEvent) -> None:
-        """A timestamped event (launch, ready, consume, drop, train, sync, eval, save, drain, abandon)."""
+        """A timestamped event (launch, ready, consume, drop, train, sync, eval, save, drain, abandon,
+        worker_lost)."""
 
     def on_batch(self, record: BatchRecord) -> None:
         """A trained batch, after its sync, eval and save."""

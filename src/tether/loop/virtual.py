@@ -217,6 +217,9 @@ class SimPool:
                             payload=payload, newest_version=segments[-1][0],
                             completed_at=g.complete, work_s=g.complete - g.start, version_shares=shares)
 
+    def lost(self) -> list:
+        return []  # its workers never die
+
     def reap(self) -> list[RolloutBatch]:
         out = []
         while self._heap and self._heap[0].complete <= self.clock.now:

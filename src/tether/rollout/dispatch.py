@@ -7,10 +7,18 @@ reaches whoever waits next. A backend supplies how an item reaches a worker (``_
 weights reach every worker (``_load_all``) and how workers stop (``close``): ``ProcessPool``
 (``tether.rollout.backends.local.pool``) with pipes and shared memory, ``RayPool``
 (``tether.rollout.backends.ray.pool``) with actors and the object store.
+
+A worker's death (``_lose``, from a backend's collector) fails the run with
+``rollout.on_worker_loss: stop``. With ``replace`` it is left for the driver's thread, which meets
+it at its next call (a ``None`` in the completion FIFO wakes it): ``_recover`` starts a new worker
+holding the published version (``_replace``, the backend's), and the batch the lost one held
+leaves the pool's count and is reported by ``lost`` for the driver to launch again, so only the
+driver's thread ever changes what is in flight or publishes.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -18,9 +26,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tether.control import BatchQueue
-from tether.errors import QueueTimeoutError, RolloutError
+from tether.errors import QueueTimeoutError, RolloutError, WorkerRestartLimitError
 from tether.rollout.settings import PoolSettings
-from tether.vocabulary import Example, GenerationRequest, Payload, RolloutBatch, WorkItem
+from tether.vocabulary import Example, GenerationRequest, Payload, RolloutBatch, WorkerLoss, WorkItem
+
+log = logging.getLogger("tether.rollout")
 
 
 class WorkerSlot:
@@ -49,7 +59,7 @@ class DispatchingPool:
         self.batches = batches
         self.extras = extras
         self.version = initial_version
-        self._completed: BatchQueue[RolloutBatch] = BatchQueue(maxsize=1 << 16, name="rollout")
+        self._completed: BatchQueue[RolloutBatch | None] = BatchQueue(maxsize=1 << 16, name="rollout")
         self._lock = threading.Lock()
         self._pending: deque[WorkItem] = deque()
         self._launched_at: dict[int, float] = {}
@@ -58,6 +68,11 @@ class DispatchingPool:
         self._workers: list[Any] = []  # WorkerSlot subclasses
         self.served: dict[str, int] = {}
         """Batches each worker has completed, by worker name."""
+        self._deaths = threading.Lock()  # never held while taking ``_lock``
+        self._dead: deque[tuple[Any, RolloutError]] = deque()  # reported, not yet replaced
+        self._losses: list[WorkerLoss] = []  # replaced, not yet handed to the driver
+        self.restarts = 0
+        """Workers replaced so far (``rollout.on_worker_loss: replace``)."""
 
     # -- backend hooks ------------------------------------------------------------------------
 
@@ -77,6 +92,11 @@ class DispatchingPool:
 
     def _holds(self, w: Any) -> int:
         """The version worker ``w``'s engine samples with now (as last reported)."""
+        raise NotImplementedError
+
+    def _replace(self, w: Any, version: int) -> None:
+        """Put a new worker into dead ``w``'s slot of ``_workers`` (same id and name), started and
+        holding ``version`` (loaded with the checks of a publication)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -118,25 +138,35 @@ class DispatchingPool:
         return self._taken(self._completed.drain())
 
     def wait(self, timeout: float | None) -> list[RolloutBatch]:
+        """Also returns, possibly empty, when a worker was lost (``lost`` says which)."""
         try:
             first = self._completed.get(timeout=timeout)
         except QueueTimeoutError:
             raise self._timeout_error(timeout) from None
         return self._taken([first, *self._completed.drain()])
 
+    def lost(self) -> list[WorkerLoss]:
+        """Workers lost and replaced since the last call; their batches are out of ``inflight``."""
+        self._recover()
+        losses, self._losses = self._losses, []
+        return losses
+
     def quiesce(self, timeout: float | None) -> list[RolloutBatch]:
         """Every in-flight batch, waiting at most ``timeout`` seconds for each next completion."""
-        out: list[RolloutBatch] = []
-        while self.inflight - len(out) > 0:
+        out: list[RolloutBatch | None] = []
+        while self.inflight - sum(b is not None for b in out) > 0:
             try:
                 out.append(self._completed.get(timeout=timeout))
             except QueueTimeoutError:
                 raise self._timeout_error(timeout) from None
+            if out[-1] is None:
+                self._recover()  # a lost batch leaves ``inflight``: nothing more to wait for
         return self._taken(out)
 
     def publish(self, weights: Mapping[str, Any], version: int) -> Mapping[str, float]:
         """Have every worker verify and load ``weights`` as ``version``: while quiesced, or —
         without draining — as they generate (they switch between decode steps)."""
+        self._recover()
         if not self.settings.inflight.drains:
             metrics = self._put_inflight(weights, version)
             self.version = version
@@ -178,7 +208,8 @@ class DispatchingPool:
             time.sleep(pause)
             pause = min(2 * pause, 0.02)
 
-    def _taken(self, batches: list[RolloutBatch]) -> list[RolloutBatch]:
+    def _taken(self, batches: list[RolloutBatch | None]) -> list[RolloutBatch]:
+        batches = [b for b in batches if b is not None]  # a wake-up for a lost worker
         with self._lock:
             self._inflight -= len(batches)
             for b in batches:
@@ -198,6 +229,51 @@ class DispatchingPool:
     def _fail(self, err: RolloutError) -> None:
         """Report ``err`` to whoever waits for a batch (and, in backends, for a weight load)."""
         self._completed.report_error(err)
+
+    def _wake_waiters(self) -> None:
+        """Wake whoever waits (a collector reported a death); backends add their own waits."""
+        self._completed.put(None)
+
+    def _lose(self, w: Any, err: RolloutError) -> None:
+        """Worker ``w`` died (``err`` says how), reported once: fail the run
+        (``rollout.on_worker_loss: stop``), or leave it for ``_recover``."""
+        if self._closing or self.settings.cfg.rollout.on_worker_loss == "stop":
+            self._fail(err)
+            return
+        with self._deaths:
+            self._dead.append((w, err))
+        self._wake_waiters()
+
+    def _recover(self, version: int | None = None) -> list[int]:
+        """The driver's thread: replace every worker reported dead with one holding ``version``
+        (default: the published one) and take the batch each held out of ``inflight``, for
+        ``lost``; past ``rollout.max_worker_restarts`` raise instead. Returns the slots replaced."""
+        cap = self.settings.cfg.rollout.max_worker_restarts
+        replaced = []
+        while True:
+            with self._deaths:
+                if not self._dead:
+                    return replaced
+                w, err = self._dead.popleft()
+            if self.restarts >= cap:
+                raise WorkerRestartLimitError(
+                    f"{err.message}; {self.restarts} worker(s) already replaced in this run, the most "
+                    f"rollout.max_worker_restarts={cap} allows: raise rollout.max_worker_restarts, or "
+                    "find why the workers die (the log above)", worker=w.name, batch_index=w.batch)
+            self.restarts += 1
+            index = w.batch
+            log.warning("worker %s: %s; replacing it (%d of rollout.max_worker_restarts=%d)%s", w.name,
+                        err.message, self.restarts, cap,
+                        "" if index is None else f"; batch {index} is to be generated again")
+            self._replace(w, self.version if version is None else version)
+            with self._lock:
+                if index is not None:
+                    self._inflight -= 1
+                    self._launched_at.pop(index, None)
+                self._dispatch()
+            self._losses.append(WorkerLoss(worker=w.name, cause=err.message, batch_index=index,
+                                           restarts=self.restarts))
+            replaced.append(w.id)
 
     def _timeout_error(self, timeout: float | None) -> RolloutError:
         with self._lock:

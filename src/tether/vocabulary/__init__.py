@@ -3,7 +3,7 @@
 Every layer speaks in these terms (docs/architecture.md draws the layers):
 
     records     Example, SamplingParams, Completion, DynamicSampling, WorkItem,
-                GenerationRequest, RolloutBatch, TrainResult, LoopState, Capabilities
+                GenerationRequest, RolloutBatch, WorkerLoss, TrainResult, LoopState, Capabilities
     protocols   RolloutPool, Learner, BoundaryHooks   the two seams of the driver loop, and its hooks
                 Engine, TokenEngine                   what samples with a copy of the weights
                 Payload, Sampler                      a family's scored batch, and what makes it
@@ -165,6 +165,19 @@ class RolloutBatch:
 
 
 @dataclass(frozen=True)
+class WorkerLoss:
+    """A rollout worker that died and was replaced (``rollout.on_worker_loss: replace``). The batch
+    it was generating is no longer in flight: the driver launches it again as a new request."""
+
+    worker: str
+    cause: str
+    batch_index: int | None
+    """The batch it was generating, or None when it died idle."""
+    restarts: int
+    """Workers the pool has replaced so far, this one included."""
+
+
+@dataclass(frozen=True)
 class TrainResult:
     """What one rollout batch's training step did. ``committed_updates`` moves the clock."""
 
@@ -232,6 +245,10 @@ class RolloutPool(Protocol):
         """Load ``weights`` as ``version`` into every engine: while quiesced, or — for a pool
         built for ``async.inflight_update`` other than drain — with generations running, which
         continue under the new weights."""
+        ...
+
+    def lost(self) -> list[WorkerLoss]:
+        """Workers lost and replaced since the last call, oldest first (empty when none)."""
         ...
 
     def published_weights(self) -> Mapping[str, Any]:

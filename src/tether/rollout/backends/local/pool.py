@@ -2,8 +2,10 @@
 
 The protocol logic (dispatch, the completion FIFO, whole-batch checks) is ``DispatchingPool``'s;
 this backend adds processes. A collector thread watches every worker's result pipe and process
-sentinel, accepts each complete scored batch, and turns a worker's error — or its death — into a
-``RolloutError`` that names the worker, the batch and the cause, with the original traceback.
+sentinel, accepts each complete scored batch, and turns a worker's error into a ``RolloutError``
+that names the worker, the batch and the cause, with the original traceback — and its death into
+the same, or, with ``rollout.on_worker_loss: replace``, into a new process in its place
+(``DispatchingPool._recover``).
 Weights go through the shared-memory ``WeightChannel``; workers load them only while the pool is
 quiesced — or, with ``async.inflight_update`` other than drain, switch to each new version
 between decode steps (``tether.rollout.worker._ChannelWorker``).
@@ -85,10 +87,13 @@ class ProcessPool(DispatchingPool):
                  initial_weights: Mapping[str, torch.Tensor], *, initial_version: int = 0,
                  extras: Callable[[int], Sequence[tuple[int, Example]]] | None = None) -> None:
         super().__init__(settings, batches, initial_version=initial_version, extras=extras)
-        self._acks: BatchQueue[tuple[int, int, float]] = BatchQueue(maxsize=1 << 10, name="weight-load")
+        # (worker, version, seconds) per load, or None: a worker died
+        self._acks: BatchQueue[tuple[int, int, float] | None] = BatchQueue(1 << 10, name="weight-load")
         self._workers: list[_Handle] = []
+        self._retired: list[_Handle] = []  # dead workers replaced
         self._collector: threading.Thread | None = None
         self._lifeline: Connection | None = None  # the write end; closing it ends every worker
+        self._lifeline_r: Connection | None = None  # the read end, handed to each worker started
         self.channel: WeightChannel | None = None
         try:
             # a stop signal between creating the shared block and holding it here would leak it
@@ -103,36 +108,51 @@ class ProcessPool(DispatchingPool):
     # -- lifecycle ----------------------------------------------------------------------------
 
     def _start_workers(self) -> None:
-        ctx = _worker_context()
-        s = self.settings
-        lifeline_r, self._lifeline = ctx.Pipe(duplex=False)
-        for i in range(s.num_workers):
-            req_recv, req_send = ctx.Pipe(duplex=False)
-            res_recv, res_send = ctx.Pipe(duplex=False)
-            spec = s.worker_spec(i, self.version, channel_name=self.channel.name,
-                                 channel_layout=self.channel.layout)
-            proc = ctx.Process(target=worker_main, args=(Sealed(spec), req_recv, res_send, lifeline_r),
-                               daemon=True, name=f"tether-rollout-{i}")
-            proc.start()
-            req_recv.close()
-            res_send.close()
-            self._workers.append(_Handle(i, proc, req_send, res_recv))
-        lifeline_r.close()
-        deadline = time.monotonic() + s.startup_timeout_s
+        self._ctx = _worker_context()
+        self._lifeline_r, self._lifeline = self._ctx.Pipe(duplex=False)
+        self._workers = [self._spawn(i, self.version) for i in range(self.settings.num_workers)]
+        deadline = time.monotonic() + self.settings.startup_timeout_s
         for w in self._workers:
-            remaining = deadline - time.monotonic()
-            if not w.results.poll(max(0.0, remaining)):
-                raise RolloutError(f"did not start within {s.startup_timeout_s:.0f}s", worker=w.name)
-            try:
-                msg = w.results.recv()
-            except EOFError:
-                w.process.join(5)
-                raise RolloutError(f"{_describe_exit(w.process.exitcode)} while starting",
-                                   worker=w.name) from None
-            if msg[0] == "error":
-                raise RolloutError(msg[2], worker=w.name, remote_traceback=msg[3])
+            self._await_ready(w, deadline)
         self._collector = threading.Thread(target=self._collect, name="tether-rollout-collector", daemon=True)
         self._collector.start()
+
+    def _spawn(self, i: int, version: int) -> _Handle:
+        """Start worker process ``i``, to load ``version`` from the channel."""
+        ctx = self._ctx
+        req_recv, req_send = ctx.Pipe(duplex=False)
+        res_recv, res_send = ctx.Pipe(duplex=False)
+        spec = self.settings.worker_spec(i, version, channel_name=self.channel.name,
+                                         channel_layout=self.channel.layout)
+        proc = ctx.Process(target=worker_main, args=(Sealed(spec), req_recv, res_send, self._lifeline_r),
+                           daemon=True, name=f"tether-rollout-{i}")
+        proc.start()
+        req_recv.close()
+        res_send.close()
+        return _Handle(i, proc, req_send, res_recv)
+
+    def _await_ready(self, w: _Handle, deadline: float) -> None:
+        if not w.results.poll(max(0.0, deadline - time.monotonic())):
+            raise RolloutError(f"did not start within {self.settings.startup_timeout_s:.0f}s", worker=w.name)
+        try:
+            msg = w.results.recv()
+        except EOFError:
+            w.process.join(5)
+            raise RolloutError(f"{_describe_exit(w.process.exitcode)} while starting",
+                               worker=w.name) from None
+        if msg[0] == "error":
+            raise RolloutError(msg[2], worker=w.name, remote_traceback=msg[3])
+
+    def _replace(self, w: _Handle, version: int) -> None:
+        self._retired.append(w)  # its pipes close with the pool (the collector may be reading them)
+        new = self._spawn(w.id, version)
+        try:
+            self._await_ready(new, time.monotonic() + self.settings.startup_timeout_s)
+        except BaseException:
+            new.process.kill()
+            new.process.join(5)
+            raise
+        self._workers[w.id] = new  # the collector watches it from its next round
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop every worker and free the weight channel; idempotent.
@@ -150,6 +170,9 @@ class ProcessPool(DispatchingPool):
         if self._lifeline is not None:
             self._lifeline.close()
             self._lifeline = None
+        if self._lifeline_r is not None:
+            self._lifeline_r.close()
+            self._lifeline_r = None
         deadline = time.monotonic() + timeout
         for w in self._workers:
             w.process.join(max(0.0, deadline - time.monotonic()))
@@ -158,7 +181,7 @@ class ProcessPool(DispatchingPool):
                 w.process.join(2)
         if self._collector is not None:
             self._collector.join(5)
-        for w in self._workers:
+        for w in [*self._workers, *self._retired]:
             for conn in (w.requests, w.results):
                 conn.close()
         self._completed.close()
@@ -182,18 +205,27 @@ class ProcessPool(DispatchingPool):
 
     def _load_all(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         metrics = dict(self.channel.publish(weights, version))
+        waiting = set()
         for w in self._workers:
             err = self._send(w, ("load", version))
-            if err is not None:
+            if err is None:
+                waiting.add(w.id)
+            elif self.settings.cfg.rollout.on_worker_loss == "stop":
                 raise err
-        loads = []
-        for _ in self._workers:
+        loads = [0.0]
+        while waiting:
             try:
-                _worker, got, seconds = self._acks.get(timeout=self.settings.startup_timeout_s)
+                ack = self._acks.get(timeout=self.settings.startup_timeout_s)
             except QueueTimeoutError:
                 raise RolloutError(f"workers did not load version {version} in time") from None
+            if ack is None:  # a worker died: its replacement starts holding this version
+                waiting -= set(self._recover(version))
+                continue
+            worker, got, seconds = ack
             assert got == version, (got, version)
+            waiting.discard(worker)
             loads.append(seconds)
+        self._recover(version)  # a death between the last ack and now
         metrics["sync/load_s"] = max(loads)
         return metrics
 
@@ -207,6 +239,10 @@ class ProcessPool(DispatchingPool):
         self._completed.report_error(err)
         self._acks.report_error(err)
 
+    def _wake_waiters(self) -> None:
+        super()._wake_waiters()
+        self._acks.put(None)
+
     # -- internals ----------------------------------------------------------------------------
 
     def _send(self, w: _Handle, msg: tuple) -> RolloutError | None:
@@ -219,12 +255,14 @@ class ProcessPool(DispatchingPool):
 
     def _collect(self) -> None:
         """Collector thread: results and deaths, until the pool closes."""
-        by_conn = {w.results: w for w in self._workers}
-        by_sentinel = {w.process.sentinel: w for w in self._workers}
         while not self._closing:
-            live = [w for w in self._workers if w.alive]
-            if not live:
-                return
+            workers = list(self._workers)  # a replacement joins at the next round
+            by_conn = {w.results: w for w in workers}
+            by_sentinel = {w.process.sentinel: w for w in workers}
+            live = [w for w in workers if w.alive]
+            if not live:  # every one died: replacements may come (on_worker_loss=replace)
+                time.sleep(0.05)
+                continue
             ready = wait_any([w.results for w in live] + [w.process.sentinel for w in live], timeout=0.2)
             for obj in ready:
                 w = by_conn.get(obj)  # type: ignore[call-overload]
@@ -258,13 +296,15 @@ class ProcessPool(DispatchingPool):
         self._bury(w, join_s=5)
 
     def _bury(self, w: _Handle, *, join_s: float) -> RolloutError:
-        """Mark a worker dead and report its death, naming its batch, to everyone waiting."""
+        """Mark a worker dead and report its death, naming its batch, once (``_lose``)."""
         w.process.join(join_s)
-        w.alive = False
         err = RolloutError(
             f"worker process (pid {w.process.pid}) {_describe_exit(w.process.exitcode)}"
             + (f" while generating batch {w.batch}" if w.batch is not None else ""),
             worker=w.name, batch_index=w.batch,
         )
-        self._fail(err)
+        with self._deaths:  # the collector and a failed send may both find it dead
+            first, w.alive = w.alive, False
+        if first:
+            self._lose(w, err)
         return err

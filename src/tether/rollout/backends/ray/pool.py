@@ -5,8 +5,10 @@
 
 - Each worker is an actor (``_RolloutActor``) hosting the same ``Rollout`` (engine + reward) as a
   local worker process, with its own resource request (``ray.cpus_per_worker``, and
-  ``ray.gpus_per_worker``: an actor given a GPU samples on it) and no restarts: a dead actor is a
-  failed run, reported like a dead process, never silently replaced mid-batch.
+  ``ray.gpus_per_worker``: an actor given a GPU samples on it) and no restarts by Ray: a dead
+  actor (its node gone with it) is reported like a dead process, and either fails the run or,
+  with ``rollout.on_worker_loss: replace``, is replaced by a new actor (wherever the cluster has
+  room) that loads the published version, its batch launched again by the driver.
 - A publication writes the weights into one staging block (the channel's format: header with
   state, version and checksum, then every tensor) and puts it into the object store as one
   object. Each actor fetches it (zero-copy on its node), verifies version and checksum, and binds
@@ -329,20 +331,48 @@ class RayPool(DispatchingPool):
     def pids(self) -> list[int]:
         return [w.pid for w in self._workers if w.pid is not None]
 
+    @property
+    def nodes(self) -> list[str | None]:
+        """The Ray node id each actor runs on, by worker (None before it started)."""
+        return [w.node for w in self._workers]
+
     # -- lifecycle ----------------------------------------------------------------------------
 
     def _start_actors(self) -> None:
-        s, o, ray = self.settings, self.options, self.ray
         self._check_fits()
-        remote = ray.remote(_RolloutActor)
-        for i in range(s.num_workers):
-            spec = s.worker_spec(i, self.version, device="cuda" if o.gpus_per_worker > 0 else "cpu")
-            handle = remote.options(num_cpus=o.cpus_per_worker, num_gpus=o.gpus_per_worker, max_restarts=0,
-                                    name=f"tether-rollout-{i}-{os.getpid()}-{id(self):x}",
-                                    max_concurrency=1 if s.inflight.drains else 2,
-                                    ).remote(Sealed(spec), self.layout)
-            self._workers.append(_Actor(i, handle))
-        pending = {w.handle.start.remote(): w for w in self._workers}
+        self._workers = [self._new_actor(i) for i in range(self.settings.num_workers)]
+        self._await_started(self._workers)
+
+    def _new_actor(self, i: int) -> _Actor:
+        """Actor ``i``, created (not yet started)."""
+        s, o = self.settings, self.options
+        spec = s.worker_spec(i, self.version, device="cuda" if o.gpus_per_worker > 0 else "cpu")
+        handle = self.ray.remote(_RolloutActor).options(
+            num_cpus=o.cpus_per_worker, num_gpus=o.gpus_per_worker, max_restarts=0,
+            name=f"tether-rollout-{i}-{os.getpid()}-{id(self):x}-{self.restarts}",
+            max_concurrency=1 if s.inflight.drains else 2,
+        ).remote(Sealed(spec), self.layout)
+        return _Actor(i, handle)
+
+    def _replace(self, w: _Actor, version: int) -> None:
+        new = self._new_actor(w.id)
+        try:
+            self._await_started([new])
+            msg = self._get(new, new.handle.load.remote(self._weights_ref, version),
+                            f"while loading version {version}", timeout=self.settings.startup_timeout_s)
+            if msg[0] == "error":
+                raise RolloutError(msg[2], worker=new.name, remote_traceback=msg[3])
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.ray.kill(new.handle, no_restart=True)
+            raise
+        self._workers[w.id] = new
+        with contextlib.suppress(Exception):  # gone already; make sure
+            self.ray.kill(w.handle, no_restart=True)
+
+    def _await_started(self, workers: list[_Actor]) -> None:
+        s, o, ray = self.settings, self.options, self.ray
+        pending = {w.handle.start.remote(): w for w in workers}
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=s.startup_timeout_s)
         for ref, w in pending.items():
             if ref not in ready:
@@ -408,15 +438,22 @@ class RayPool(DispatchingPool):
             assert self.snapshot is not None, "this pool was started with remote weights; publish those"
             ref, metrics = put_snapshot(self.ray, self.snapshot, weights, version)
             self._staged_version = version
+        # what a replacement loads; the previous version's object goes once the actors rebind
+        self._weights_ref = ref
         loads = {getattr(w.handle, method).remote(ref, version): w for w in self._workers}
-        seconds = []
+        seconds = [0.0]
         for call, w in loads.items():
-            msg = self._get(w, call, f"while loading version {version}",
-                            timeout=self.settings.startup_timeout_s)
+            try:
+                msg = self._get(w, call, f"while loading version {version}",
+                                timeout=self.settings.startup_timeout_s)
+            except RolloutError:
+                if w.alive or self.settings.cfg.rollout.on_worker_loss == "stop":
+                    raise
+                continue  # it died: its replacement (below) starts holding this version
             if msg[0] == "error":
                 raise RolloutError(msg[2], worker=w.name, remote_traceback=msg[3])
             seconds.append(msg[2])
-        self._weights_ref = ref  # the previous version's object goes once the actors rebind
+        self._recover(version)
         metrics["sync/load_s"] = max(seconds)
         return metrics
 
@@ -443,11 +480,16 @@ class RayPool(DispatchingPool):
             raise self._death(w, exc, doing) from None
 
     def _death(self, w: _Actor, exc: BaseException, doing: str) -> RolloutError:
-        w.alive = False
+        """The error of ``w``'s death, reported once (``_lose``) however many calls find it."""
         cause = str(exc).strip().splitlines()
         where = f"pid {w.pid}, node {w.node[:8]}" if w.pid is not None and w.node else "not started"
-        return RolloutError(f"Ray actor ({where}) died {doing}: {type(exc).__name__}"
-                            + (f": {cause[0]}" if cause else ""), worker=w.name, batch_index=w.batch)
+        err = RolloutError(f"Ray actor ({where}) died {doing}: {type(exc).__name__}"
+                           + (f": {cause[0]}" if cause else ""), worker=w.name, batch_index=w.batch)
+        with self._deaths:
+            first, w.alive = w.alive, False
+        if first:
+            self._lose(w, err)
+        return err
 
     def _collect(self) -> None:
         """Collector thread: finished generations, in completion order, until the pool closes."""
@@ -470,7 +512,7 @@ class RayPool(DispatchingPool):
                 try:
                     msg = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
-                    self._fail(self._death(w, exc, f"while generating batch {w.batch}"))
+                    self._death(w, exc, f"while generating batch {w.batch}")
                     continue
                 except Exception as exc:  # a Ray-level failure of the call itself
                     self._fail(RolloutError(f"{type(exc).__name__}: {exc}", worker=w.name,
