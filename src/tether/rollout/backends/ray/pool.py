@@ -142,8 +142,9 @@ _NOT_SHOWN = ("memory", "object_store_memory")
 def describe_nodes(nodes: Sequence[Mapping[str, Any]]) -> str:
     """Each alive node's id (8 hex digits), address and the resources it offers, for a refusal."""
     def offered(res: Mapping[str, float]) -> str:
-        shown = [(k, v) for k, v in res.items() if k not in _NOT_SHOWN and not k.startswith("node:")]
-        return ", ".join(f"{k} {v:g}" for k, v in shown)
+        shown = sorted((k not in ("CPU", "GPU"), k, v) for k, v in res.items()
+                       if k not in _NOT_SHOWN and not k.startswith("node:"))
+        return ", ".join(f"{k} {v:g}" for _, k, v in shown)
 
     return "; ".join(f"node {n['NodeID'][:8]} ({n.get('NodeManagerAddress', '?')}): {offered(n['Resources'])}"
                      for n in nodes) or "none"
@@ -178,16 +179,17 @@ def check_resources(ray, num_workers: int, o: RayOptions) -> None:
             asked = ", ".join(f"{k} {v:g}" for k, v in request.items())
             raise ConfigError(f"no node of the Ray cluster holds a whole {what} ({asked}: {key} with its "
                               f"CPUs and GPUs); change {key} or the CPUs it asks for. {listing}")
-    for name in {*o.worker_resources, *learner_custom}:
-        each = o.worker_resources.get(name, 0.0), learner_custom.get(name, 0.0)
-        need = num_workers * each[0] + o.learner_actors * each[1]
+    for name in sorted({*o.worker_resources, *learner_custom}):
+        terms = [(count, amount, f"{what} × ray.{key}[{name!r}]") for count, amount, what, key in (
+            (num_workers, o.worker_resources.get(name, 0.0), "rollout actor(s)", "worker_resources"),
+            (o.learner_actors, learner_custom.get(name, 0.0), "learner actor(s)", "learner_resources"))
+            if count and amount]
+        need = sum(count * amount for count, amount, _ in terms)
         have = sum(n["Resources"].get(name, 0.0) for n in nodes)
         if need > have:
-            raise ConfigError(
-                f"{num_workers} rollout actor(s) × ray.worker_resources[{name!r}]={each[0]:g} and "
-                f"{o.learner_actors} learner actor(s) × ray.learner_resources[{name!r}]={each[1]:g} need "
-                f"{need:g} of {name!r}, and the Ray cluster has {have:g}; lower rollout.num_workers or "
-                f"the amounts, or add nodes that offer it. {listing}")
+            asked = " and ".join(f"{count} {what}={amount:g}" for count, amount, what in terms)
+            raise ConfigError(f"{asked} need {need:g} of {name!r}, and the Ray cluster has {have:g}; lower "
+                              f"rollout.num_workers or the amounts, or add nodes that offer it. {listing}")
 
 
 def check_fits(ray, num_workers: int, o: RayOptions) -> None:
