@@ -153,6 +153,19 @@ def test_reference_doc_is_generated_from_the_schema_and_up_to_date():
          "ray.learner_placement=STRICT_PACK places learner ranks, which exist only with"),
         (["rollout.backend=ray", "ray.learner_placement=pack"],
          "ray.learner_placement must be one of 'PACK', 'STRICT_PACK'"),
+        (["rollout.backend=ray", "ray.learner_resources={trainer: 1}"],
+         "ray.learner_resources places the learner's Ray actor, and ray.learner=driver; set "
+         "ray.learner=actor"),
+        (["rollout.backend=ray", "ray.worker_resources={CPU: 2}"],
+         "ray.worker_resources names Ray's built-in resource 'CPU'; request it with ray.cpus_per_worker"),
+        (["rollout.backend=ray", "ray.learner=actor", "ray.learner_resources={GPU: 1}"],
+         "ray.learner_resources names Ray's built-in resource 'GPU'; request it with train.device"),
+        (["rollout.backend=ray", "ray.worker_resources={sampler: 0}"],
+         "ray.worker_resources['sampler'] must be > 0, got 0; remove the entry"),
+        (["rollout.backend=ray", "ray.worker_resources=sampler"],
+         "ray.worker_resources must be a mapping of strings to numbers, got 'sampler'"),
+        (["rollout.backend=ray", "ray.worker_resources={sampler: many}"],
+         "ray.worker_resources['sampler'] must be a number, got 'many'"),
         (["async.inflight_update=abort", "async.sync_when_idle=true"],
          "async.sync_when_idle has no effect with async.inflight_update=abort"),
         (["async.inflight_update=pause"], "async.inflight_update must be one of 'drain', 'keep'"),
@@ -182,6 +195,16 @@ def test_the_decoder_reads_from_yaml_as_written(tmp_path):
     recipe.write_text("rollout:\n  decoder: python\n")
     assert load_config(recipe).rollout.decoder == "python"
     assert load_config(None, ["rollout.decoder=native"]).rollout.decoder == "native"
+
+
+def test_ray_resources_are_mappings_from_yaml_or_an_override(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rollout:\n  backend: ray\n"
+                      "ray:\n  learner: actor\n  learner_resources:\n    trainer: 1\n")
+    c = load_config(recipe, ['ray.worker_resources={sampler: 0.5, "node:10.0.0.2": 0.01}'])
+    assert c.ray.learner_resources == {"trainer": 1.0}
+    assert c.ray.worker_resources == {"sampler": 0.5, "node:10.0.0.2": 0.01}
+    assert load_config(None, ["rollout.backend=ray"]).ray.worker_resources == {}
 
 
 def test_gpu_rollout_actors_are_accepted_with_the_ray_backend():

@@ -110,6 +110,9 @@ def describe_type(tp: Any) -> str:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (list, tuple):
         return f"list of {describe_type(typing.get_args(tp)[0])}s"
+    if origin is dict:
+        names, amounts = (describe_type(a) for a in typing.get_args(tp))
+        return f"mapping of {names}s to {amounts}s"
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return f"{describe_type(args[0])} or null"
@@ -146,6 +149,12 @@ def coerce(key: str, tp: Any, value: Any) -> Any:
         else:
             raise wrong
         return tuple(value) if origin is tuple else list(value)
+    if origin is dict:  # a YAML mapping, also from an override: key={name: 1, other: 0.5}
+        if not isinstance(value, Mapping):
+            raise wrong
+        names, amounts = typing.get_args(tp)
+        return {coerce(f"{key} (a name)", names, k): coerce(f"{key}[{k!r}]", amounts, v)
+                for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise wrong
@@ -174,6 +183,8 @@ def _a(noun: str) -> str:
     """'integer' → 'an integer'; leaves choices and compound names alone."""
     if noun in ("integer",):
         return "an integer"
+    if noun.startswith("mapping "):
+        return f"a {noun}"
     if noun in ("number", "string"):
         return f"a {noun}"
     return noun
@@ -187,7 +198,8 @@ def _scalar(text: str) -> Any:
 
 def check_range(key: str, value: Any, meta: Mapping[str, Any]) -> None:
     lo, hi, choices = meta.get("min"), meta.get("max"), meta.get("choices")
-    values = value if isinstance(value, list | tuple) else [value]
+    values = (list(value.values()) if isinstance(value, Mapping)
+              else value if isinstance(value, list | tuple) else [value])
     for v in values:
         if v is None:
             continue

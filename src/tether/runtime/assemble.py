@@ -177,22 +177,24 @@ def ray_actors(cfg: Config, prepared: Prepared, session: Any, stack: contextlib.
                run_dir: Path | None) -> tuple[Any, Evaluate]:
     """The learner as Ray actors, one per rank, in one placement group; rank 0 evaluates and puts
     the weights into the object store."""
-    from tether.rollout.backends.ray.pool import RayOptions, check_fits
+    from tether.rollout.backends.ray.pool import RayOptions, check_fits, check_resources
     from tether.train.ranks import RankGroup
     from tether.train.ray_ranks import ActorRanks, check_placement
 
-    # before any actor starts: the ranks alone, then the ranks beside the rollout actors
+    # before any actor starts: the custom resources, the ranks alone, then the ranks beside the
+    # rollout actors
+    check_resources(session.ray, cfg.rollout.num_workers, RayOptions.of(cfg))
     check_placement(session.ray, cfg)
     check_fits(session.ray, cfg.rollout.num_workers, RayOptions.of(cfg))
     transport = ActorRanks(session.ray, cfg, str(prepared.model_path), _held_out(prepared), run_dir=run_dir)
     group = RankGroup(transport)
     stack.callback(group.close)
     if group.world == 1:
-        log.info("ray: learner actor ready (pid %s)", group.pids[0])
+        log.info("ray: learner actor ready (pid %s) on node %s", group.pids[0], str(transport.nodes[0])[:8])
     else:
-        log.info("ray: %d learner rank actors ready (pids %s) in placement group(s) %s (%s)",
-                 group.world, group.pids, sorted(set(map(str, transport.placement))),
-                 cfg.ray.learner_placement)
+        log.info("ray: %d learner rank actors ready (pids %s) on nodes %s in placement group(s) %s (%s)",
+                 group.world, group.pids, ", ".join(str(n)[:8] for n in transport.nodes),
+                 sorted(set(map(str, transport.placement))), cfg.ray.learner_placement)
     return group, group.evaluate
 
 

@@ -104,9 +104,10 @@ def learner_gpus(cfg: Config) -> float:
 
 
 def rank_bundle(cfg: Config) -> dict[str, float]:
-    """What each learner rank actor reserves: train.threads CPUs, and a GPU when it trains on CUDA."""
+    """What each learner rank actor reserves: train.threads CPUs, a GPU when it trains on CUDA,
+    and ``ray.learner_resources``."""
     gpus = learner_gpus(cfg)
-    return {"CPU": float(cfg.train.threads), **({"GPU": gpus} if gpus else {})}
+    return {"CPU": float(cfg.train.threads), **({"GPU": gpus} if gpus else {}), **cfg.ray.learner_resources}
 
 
 def check_placement(ray: Any, cfg: Config) -> None:
@@ -153,7 +154,8 @@ class ActorRanks:
             placement = self._place(cfg, startup_timeout_s)
             remote = ray.remote(_LearnerActor)
             self.handles = [
-                remote.options(num_cpus=cfg.train.threads, num_gpus=gpus, max_restarts=0,
+                remote.options(num_cpus=cfg.train.threads, num_gpus=gpus,
+                               resources=dict(cfg.ray.learner_resources), max_restarts=0,
                                name=f"tether-learner-{rank}-{os.getpid()}-{id(self):x}", **placement[rank],
                                ).remote(cfg, str(model_path), eval_data, rank, self.world,
                                         None if run_dir is None else str(run_dir))

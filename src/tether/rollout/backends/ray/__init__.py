@@ -59,6 +59,25 @@ class RaySection:
         "CPUs. The learner trains where train.device says.",
         min=0,
     )
+    learner_resources: dict[str, float] = knob(
+        {},
+        "With ray.learner=actor: Ray custom resources the learner's actor (each rank's actor, and "
+        "its placement group bundle) requests besides its CPUs and GPU, e.g. {trainer: 1} to place it "
+        "on the nodes started with `ray start --resources '{\"trainer\": 1}'`. Empty = any node.",
+    )
+    worker_resources: dict[str, float] = knob(
+        {},
+        "Ray custom resources every rollout actor requests besides ray.cpus_per_worker and "
+        "ray.gpus_per_worker, e.g. {sampler: 1} to place them on the nodes started with that "
+        "resource. Empty = any node.",
+    )
+
+
+# Ray's own resources, requested through their own keys
+_BUILT_IN = {
+    ("worker_resources", "CPU"): "ray.cpus_per_worker", ("learner_resources", "CPU"): "train.threads",
+    ("worker_resources", "GPU"): "ray.gpus_per_worker", ("learner_resources", "GPU"): "train.device",
+}
 
 
 class _Ray(BackendPlugin):
@@ -76,6 +95,20 @@ class _Ray(BackendPlugin):
             raise ConfigError(f"ray.learner_placement={r.learner_placement} places learner ranks, which "
                               "exist only with ray.learner=actor and train.world_size > 1; set both, or "
                               "remove ray.learner_placement")
+        if r.learner_resources and r.learner != "actor":
+            raise ConfigError("ray.learner_resources places the learner's Ray actor, and ray.learner="
+                              f"{r.learner}; set ray.learner=actor, or remove ray.learner_resources")
+        for key in ("learner_resources", "worker_resources"):
+            for name, amount in getattr(r, key).items():
+                if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                    instead = _BUILT_IN.get((key, name))
+                    raise ConfigError(f"ray.{key} names Ray's built-in resource {name!r}; "
+                                      + (f"request it with {instead}" if instead else
+                                         "it is not a resource to place actors by") + ", and remove it from "
+                                      f"ray.{key}")
+                if amount <= 0:
+                    raise ConfigError(f"ray.{key}[{name!r}] must be > 0, got {amount:g}; remove the "
+                                      "entry to request none")
 
     @contextlib.contextmanager
     def session(self, cfg: Any, run_dir: Path):

@@ -34,7 +34,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -67,17 +67,32 @@ class RayOptions:
     """CPUs other actors of the run take (the learner's), counted when checking the workers fit."""
     reserved_gpus: float = 0.0
     """GPUs other actors of the run take (a learner actor on CUDA), counted the same way."""
+    worker_resources: Mapping[str, float] = field(default_factory=dict)
+    """Custom resources each rollout actor requests (``ray.worker_resources``)."""
+    learner: Mapping[str, float] = field(default_factory=dict)
+    """What each learner actor requests (CPU, GPU and ``ray.learner_resources``); empty without
+    learner actors."""
+    learner_actors: int = 0
+    """How many learner actors the run starts (``train.world_size`` with ``ray.learner=actor``)."""
 
     @classmethod
     def of(cls, cfg: Any) -> RayOptions:
         """The ``ray`` section of ``cfg``, with what the learner's actors reserve."""
         r, t = cfg.ray, cfg.train
         actors = r.learner == "actor"
+        gpu = 1.0 if actors and t.device != "cpu" else 0.0
+        learner = {"CPU": float(t.threads), **({"GPU": gpu} if gpu else {}), **r.learner_resources}
         return cls(address=r.address, local_cpus=r.local_cpus,
                    cpus_per_worker=r.cpus_per_worker or float(cfg.rollout.threads_per_worker),
                    gpus_per_worker=r.gpus_per_worker,
                    reserved_cpus=float(t.threads * t.world_size) if actors else 0.0,
-                   reserved_gpus=(1.0 if actors and t.device != "cpu" else 0.0) * t.world_size)
+                   reserved_gpus=gpu * t.world_size, worker_resources=dict(r.worker_resources),
+                   learner=learner if actors else {}, learner_actors=t.world_size if actors else 0)
+
+    def worker_request(self) -> dict[str, float]:
+        """What one rollout actor requests, built-in resources and custom ones."""
+        gpus = {"GPU": self.gpus_per_worker} if self.gpus_per_worker else {}
+        return {"CPU": self.cpus_per_worker, **gpus, **self.worker_resources}
 
 
 @runtime_checkable
@@ -123,9 +138,66 @@ def ray_temp_dir(run_dir: Path) -> tuple[str, Path | None]:
     return f"/tmp/tether-ray-{digest}", inside
 
 
+_NOT_SHOWN = ("memory", "object_store_memory")
+
+
+def describe_nodes(nodes: Sequence[Mapping[str, Any]]) -> str:
+    """Each alive node's id (8 hex digits), address and the resources it offers, for a refusal."""
+    def offered(res: Mapping[str, float]) -> str:
+        shown = sorted((k not in ("CPU", "GPU"), k, v) for k, v in res.items()
+                       if k not in _NOT_SHOWN and not k.startswith("node:"))
+        return ", ".join(f"{k} {v:g}" for _, k, v in shown)
+
+    return "; ".join(f"node {n['NodeID'][:8]} ({n.get('NodeManagerAddress', '?')}): {offered(n['Resources'])}"
+                     for n in nodes) or "none"
+
+
+def _holds(node: Mapping[str, Any], request: Mapping[str, float]) -> bool:
+    return all(node["Resources"].get(k, 0.0) >= v for k, v in request.items())
+
+
+def check_resources(ray, num_workers: int, o: RayOptions) -> None:
+    """Refuse at once custom resources (``ray.worker_resources``, ``ray.learner_resources``) the
+    cluster can never give: a resource no node has, more of it than any node has, an actor's whole
+    request (CPUs, GPU and custom resources) that no single node holds, or more of a resource in all
+    than the cluster has. The message names the key and lists every node's resources. Checked
+    before any actor of the run starts."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    learner_custom = {k: v for k, v in o.learner.items() if k not in ("CPU", "GPU")}
+    parts = [("ray.worker_resources", "rollout actor", o.worker_resources, o.worker_request())]
+    if o.learner_actors:
+        parts.append(("ray.learner_resources", "learner actor", learner_custom, o.learner))
+    listing = f"The cluster's nodes: {describe_nodes(nodes)}"
+    for key, what, custom, request in parts:
+        for name, amount in custom.items():
+            most = max((n["Resources"].get(name, 0.0) for n in nodes), default=0.0)
+            if amount > most:
+                has = "no node of the Ray cluster has it" if most == 0 else f"no node has more than {most:g}"
+                raise ConfigError(
+                    f"{key} asks each {what} for {amount:g} of the resource {name!r}, and {has}; start "
+                    f"nodes that offer it (`ray start --address=<head>:6379 --resources='{{\"{name}\": "
+                    f"{amount:g}}}'`) or change {key}. {listing}")
+        if custom and not any(_holds(n, request) for n in nodes):
+            asked = ", ".join(f"{k} {v:g}" for k, v in request.items())
+            raise ConfigError(f"no node of the Ray cluster holds a whole {what} ({asked}: {key} with its "
+                              f"CPUs and GPUs); change {key} or the CPUs it asks for. {listing}")
+    for name in sorted({*o.worker_resources, *learner_custom}):
+        terms = [(count, amount, f"{what} × ray.{key}[{name!r}]") for count, amount, what, key in (
+            (num_workers, o.worker_resources.get(name, 0.0), "rollout actor(s)", "worker_resources"),
+            (o.learner_actors, learner_custom.get(name, 0.0), "learner actor(s)", "learner_resources"))
+            if count and amount]
+        need = sum(count * amount for count, amount, _ in terms)
+        have = sum(n["Resources"].get(name, 0.0) for n in nodes)
+        if need > have:
+            asked = " and ".join(f"{count} {what}={amount:g}" for count, amount, what in terms)
+            raise ConfigError(f"{asked} need {need:g} of {name!r}, and the Ray cluster has {have:g}; lower "
+                              f"rollout.num_workers or the amounts, or add nodes that offer it. {listing}")
+
+
 def check_fits(ray, num_workers: int, o: RayOptions) -> None:
     """Refuse at once a request the cluster can never place (instead of waiting on it): the rollout
     actors with what the learner's actors reserve. Checked before any actor of the run starts."""
+    check_resources(ray, num_workers, o)
     alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     nodes = [r.get("CPU", 0.0) for r in alive]
     need = num_workers * o.cpus_per_worker + o.reserved_cpus
@@ -319,8 +391,9 @@ class RayPool(DispatchingPool):
                 self.layout = self.snapshot.layout
             self._start_actors()
             metrics = self._load_all(initial_weights, initial_version)
-            log.info("ray: %d rollout actor(s) ready; version %d loaded in %.2fs", len(self._workers),
-                     initial_version, metrics["sync/load_s"])
+            log.info("ray: %d rollout actor(s) ready on node(s) %s; version %d loaded in %.2fs",
+                     len(self._workers), ", ".join(str(w.node)[:8] for w in self._workers), initial_version,
+                     metrics["sync/load_s"])
         except BaseException:
             self.close()
             raise
@@ -348,7 +421,8 @@ class RayPool(DispatchingPool):
         s, o = self.settings, self.options
         spec = s.worker_spec(i, self.version, device="cuda" if o.gpus_per_worker > 0 else "cpu")
         handle = self.ray.remote(_RolloutActor).options(
-            num_cpus=o.cpus_per_worker, num_gpus=o.gpus_per_worker, max_restarts=0,
+            num_cpus=o.cpus_per_worker, num_gpus=o.gpus_per_worker,
+            resources=dict(o.worker_resources), max_restarts=0,
             name=f"tether-rollout-{i}-{os.getpid()}-{id(self):x}-{self.restarts}",
             max_concurrency=1 if s.inflight.drains else 2,
         ).remote(Sealed(spec), self.layout)
@@ -379,7 +453,8 @@ class RayPool(DispatchingPool):
                 raise RolloutError(
                     f"did not start within {s.startup_timeout_s:.0f}s; the cluster may lack the "
                     f"resources it asks for (ray.cpus_per_worker={o.cpus_per_worker:g}, "
-                    f"ray.gpus_per_worker={o.gpus_per_worker:g}; available: "
+                    f"ray.gpus_per_worker={o.gpus_per_worker:g}, ray.worker_resources="
+                    f"{dict(o.worker_resources)}; available: "
                     f"{ray.available_resources()})", worker=w.name)
             msg = self._get(w, ref, "while starting")
             if msg[0] == "error":
