@@ -4,8 +4,10 @@ The protocol logic (dispatch, the completion FIFO, whole-batch checks) is ``Disp
 this backend adds processes. A collector thread watches every worker's result pipe and process
 sentinel, accepts each complete scored batch, and turns a worker's error — or its death — into a
 ``RolloutError`` that names the worker, the batch and the cause, with the original traceback.
-Weights go through the shared-memory ``WeightChannel``; workers load them only while the pool is
-quiesced — or, with ``async.inflight_update`` other than drain, switch to each new version
+Weights go through the shared-memory ``WeightChannel``, or with ``rollout.weight_sync=collective``
+a broadcast from this process to every worker (``tether.rollout.collective``; rank 0 here, worker
+``i`` rank ``i + 1``, its group formed once every worker is ready); workers load them only while
+the pool is quiesced — or, with ``async.inflight_update`` other than drain, switch to each new version
 between decode steps (``tether.rollout.worker._ChannelWorker``).
 
 Workers die with the driver however it ends: each holds the read end of a *lifeline* pipe whose
@@ -30,7 +32,8 @@ import torch
 from tether.control import BatchQueue
 from tether.errors import QueueTimeoutError, RolloutError
 from tether.procinfo import Sealed, stop_signals_deferred
-from tether.rollout.channel import WeightChannel
+from tether.rollout.channel import Layout, WeightChannel
+from tether.rollout.collective import CollectivePublisher
 from tether.rollout.dispatch import DispatchingPool, WorkerSlot
 from tether.rollout.settings import PoolSettings
 from tether.rollout.worker import worker_main
@@ -90,12 +93,23 @@ class ProcessPool(DispatchingPool):
         self._collector: threading.Thread | None = None
         self._lifeline: Connection | None = None  # the write end; closing it ends every worker
         self.channel: WeightChannel | None = None
+        self.sync: CollectivePublisher | None = None
         try:
-            # a stop signal between creating the shared block and holding it here would leak it
-            with stop_signals_deferred():
-                self.channel = WeightChannel.for_tensors(initial_weights)
-            self.channel.publish(initial_weights, initial_version)
+            if settings.cfg.rollout.weight_sync == "collective":
+                r = settings.cfg.rollout
+                self.sync = CollectivePublisher(Layout.of(initial_weights),
+                                                [f"rollout-{i}" for i in range(settings.num_workers)],
+                                                timeout_s=r.weight_sync_timeout_s, port=r.weight_sync_port,
+                                                gone=self._gone)
+            else:
+                # a stop signal between creating the shared block and holding it here would leak it
+                with stop_signals_deferred():
+                    self.channel = WeightChannel.for_tensors(initial_weights)
+                self.channel.publish(initial_weights, initial_version)
             self._start_workers()
+            if self.sync is not None:
+                self.sync.join()
+                self._broadcast(initial_weights, initial_version, told=True)
         except BaseException:
             self.close()
             raise
@@ -109,8 +123,12 @@ class ProcessPool(DispatchingPool):
         for i in range(s.num_workers):
             req_recv, req_send = ctx.Pipe(duplex=False)
             res_recv, res_send = ctx.Pipe(duplex=False)
-            spec = s.worker_spec(i, self.version, channel_name=self.channel.name,
-                                 channel_layout=self.channel.layout)
+            if self.sync is not None:
+                spec = s.worker_spec(i, self.version, group=self.sync.address,
+                                     channel_layout=self.sync.layout)
+            else:
+                spec = s.worker_spec(i, self.version, channel_name=self.channel.name,
+                                     channel_layout=self.channel.layout)
             proc = ctx.Process(target=worker_main, args=(Sealed(spec), req_recv, res_send, lifeline_r),
                                daemon=True, name=f"tether-rollout-{i}")
             proc.start()
@@ -165,9 +183,14 @@ class ProcessPool(DispatchingPool):
         self._acks.close()
         if self.channel is not None:
             self.channel.close()
+        if self.sync is not None:
+            self.sync.close()
 
     def published_weights(self) -> dict[str, torch.Tensor]:
         """A copy of the weights the workers hold (the channel's snapshot, checked whole)."""
+        if self.sync is not None:
+            self.sync.block.verify(self.version)
+            return {name: t.clone() for name, t in self.sync.block.views.items()}
         self.channel.verify(self.version)
         return {name: t.clone() for name, t in self.channel.views().items()}
 
@@ -181,11 +204,40 @@ class ProcessPool(DispatchingPool):
         self._send(w, ("generate", item))  # a failure is reported through the queues
 
     def _load_all(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        if self.sync is not None:
+            return self._broadcast(weights, version, told=False)
         metrics = dict(self.channel.publish(weights, version))
         for w in self._workers:
             err = self._send(w, ("load", version))
             if err is not None:
                 raise err
+        metrics["sync/load_s"] = self._loaded(version)
+        return metrics
+
+    def _broadcast(self, weights: Mapping[str, torch.Tensor], version: int, *,
+                   told: bool) -> dict[str, float]:
+        """The collective channel: tell every worker to receive ``version`` (unless it already
+        waits for it: the first, at joining), broadcast it, and wait for every worker's load."""
+        if not told:
+            for w in self._workers:
+                err = self._send(w, ("load", version))
+                if err is not None:
+                    raise err
+        metrics = dict(self.sync.publish(weights, version))
+        metrics["sync/load_s"] = self._loaded(version)
+        return metrics
+
+    def _gone(self) -> list[str]:
+        """The workers whose process has ended (waiting up to 2 s for one that is ending)."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            gone = [w.name for w in self._workers if not w.process.is_alive()]
+            if gone or time.monotonic() > deadline:
+                return gone
+            time.sleep(0.05)
+
+    def _loaded(self, version: int) -> float:
+        """Wait until every worker reports it loaded ``version``; the slowest load's seconds."""
         loads = []
         for _ in self._workers:
             try:
@@ -194,8 +246,7 @@ class ProcessPool(DispatchingPool):
                 raise RolloutError(f"workers did not load version {version} in time") from None
             assert got == version, (got, version)
             loads.append(seconds)
-        metrics["sync/load_s"] = max(loads)
-        return metrics
+        return max(loads)
 
     def _put_inflight(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         return dict(self.channel.publish(weights, version))  # workers watch the channel's header

@@ -52,4 +52,5 @@ class _Vllm(EnginePlugin):
 VLLM = _Vllm("vllm", kinds=frozenset({"token"}), section=("vllm", VllmSection),
              inflight_updates=INFLIGHT_UPDATE_CHOICES, lora=True, devices=("cpu", "cuda"),
              dtypes=("float32", "bfloat16", "float16"), dtype_key="vllm.dtype",
-             notes={"kinds": "vLLM serves language models"})
+             notes={"kinds": "vLLM serves language models",
+                    "weight_channels": "its workers do not join a collective weight group yet"})
