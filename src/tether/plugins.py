@@ -130,9 +130,10 @@ class BackendPlugin:
 
     def __post_init__(self) -> None:
         check_declared(self)
-        for channel in (self.weight_channel, *self.other_channels):
+        for field_, channel in [("weight_channel", self.weight_channel),
+                                *(("other_channels", c) for c in self.other_channels)]:
             if channel not in WEIGHT_CHANNELS:
-                raise PluginError(f"backend {self.name!r} declares weight channel {channel!r}; "
+                raise PluginError(f"backend {self.name!r} declares {field_}={channel!r}; "
                                   f"it must be one of {', '.join(WEIGHT_CHANNELS)}")
 
     def channel(self, cfg: Any) -> str:
