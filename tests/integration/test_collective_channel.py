@@ -202,3 +202,41 @@ def test_a_channel_the_backend_does_not_deliver_is_refused():
     with pytest.raises(ConfigError, match=r"backend=local delivers weights through shm or collective"):
         config("rollout.weight_sync=object_store")
     assert config("rollout.weight_sync=collective").rollout.weight_sync == "collective"
+
+
+# -- on CUDA (scripts/device_check.sh; skipped without CUDA) -----------------------------------------
+
+def _receive_on_cuda(address, layout, device, results):
+    receiver = CollectiveReceiver(address, 1, layout, device=device)
+    receiver.receive(3)
+    results.put({k: t.cpu() for k, t in receiver.views().items()})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_a_broadcast_of_cuda_tensors_arrives_whole(backend):
+    """NCCL between two CUDA devices (the receiver on the second GPU where there is one, else on the
+    same one, which NCCL may refuse: then skipped, saying so); gloo carrying CUDA tensors."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    ctx, tensors = mp.get_context("spawn"), {k: t.cuda() for k, t in _tensors().items()}
+    there = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    publisher = CollectivePublisher(Layout.of(tensors), ["rollout-0"], timeout_s=60, device="cuda:0",
+                                    backend=backend, bucket_bytes=4096)
+    results = ctx.Queue()
+    proc = ctx.Process(target=_receive_on_cuda, args=(publisher.address, publisher.layout, there, results),
+                       daemon=True)
+    proc.start()
+    try:
+        publisher.join()
+        publisher.publish(tensors, 3)
+        got = results.get(timeout=60)
+    except WeightSyncError as exc:
+        if backend == "nccl" and there == "cuda:0" and "uplicate" in str(exc.__cause__):
+            pytest.skip(f"NCCL refuses two ranks on one GPU here: {exc}")
+        raise
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert all(torch.equal(got[k], tensors[k].cpu()) for k in tensors)

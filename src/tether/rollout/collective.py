@@ -81,6 +81,11 @@ class _Member:
     """One end of the group: its block of the channel's format and the bucketed broadcast."""
 
     def __init__(self, layout: Layout, address: GroupAddress, device: str) -> None:
+        if address.backend == "nccl" and not str(device).startswith("cuda"):
+            raise WeightSyncError(f"the NCCL weight group broadcasts CUDA tensors, and this end's block "
+                                  f"is on {device}")
+        if address.backend == "nccl":  # NCCL binds a rank to the current device
+            torch.cuda.set_device(torch.device(device))
         self.layout = layout
         self.address = address
         self.timeout = datetime.timedelta(seconds=address.timeout_s)
@@ -115,7 +120,7 @@ class CollectivePublisher(_Member):
 
     def __init__(self, layout: Layout, workers: Sequence[str], *, timeout_s: float, device: str = "cpu",
                  host: str = "127.0.0.1", port: int = 0, bucket_bytes: int = BUCKET_BYTES,
-                 gone: Callable[[], list[str]] | None = None) -> None:
+                 gone: Callable[[], list[str]] | None = None, backend: str | None = None) -> None:
         import torch.distributed as dist
 
         self.workers = list(workers)
@@ -128,7 +133,7 @@ class CollectivePublisher(_Member):
                                   f"({type(exc).__name__}: {exc}); set rollout.weight_sync_port to a free "
                                   "port, or 0 to pick one") from exc
         address = GroupAddress(host, self.store.port, len(self.workers) + 1, timeout_s,
-                               backend_for(device), bucket_bytes)
+                               backend or backend_for(device), bucket_bytes)
         super().__init__(layout, address, device)
 
     def join(self) -> None:
