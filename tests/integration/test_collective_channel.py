@@ -59,6 +59,17 @@ def test_a_collective_run_trains_batch_for_batch_like_shared_memory(runs):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_ray_actors_take_weights_through_the_collective_group_batch_for_batch(runs, tiny_model_dir, tmp_path):
+    pytest.importorskip("ray")
+    run_dir = tmp_path / "ray"
+    train(load_config(None, recipe(tiny_model_dir, *BASE, "rollout.weight_sync=collective",
+                                   "rollout.backend=ray", "ray.local_cpus=2")), run_dir, progress_plain=True)
+    shm, coll = rows(runs["shm"] / "metrics.jsonl"), rows(run_dir / "metrics.jsonl")
+    assert [{k: m[k] for k in KEYS} for m in shm] == [{k: m[k] for k in KEYS} for m in coll]
+    assert all(m["sync/buckets"] >= 1 for m in coll if "sync/bytes" in m)
+    assert not any("sync/put_s" in m for m in coll)  # nothing went through the object store
+
+
 # -- the channel alone, between this process and real worker processes ---------------------------
 
 def _receive(address, rank, layout, versions, exit_after_header, results):
@@ -189,7 +200,7 @@ def test_a_killed_worker_stops_the_next_publication_naming_it_and_leaves_nothing
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["rollout.engine=vllm"], r"collective, which rollout\.engine=vllm cannot take \(its workers do not"),
-    (["rollout.backend=ray"], r"rollout\.backend=ray delivers weights through object_store only"),
+    (["rollout.backend=ray", "ray.learner=actor"], r"ray\.learner=actor keeps the weights in the learner's"),
     (["train.world_size=2"], r"one learner process, and train\.world_size=2"),
     (["async.inflight_update=keep"], r"between batches only .* async\.inflight_update=keep"),
 ])
@@ -201,6 +212,8 @@ def test_collective_is_refused_where_it_cannot_run(overrides, message):
 def test_a_channel_the_backend_does_not_deliver_is_refused():
     with pytest.raises(ConfigError, match=r"backend=local delivers weights through shm or collective"):
         config("rollout.weight_sync=object_store")
+    with pytest.raises(ConfigError, match=r"backend=ray delivers weights through object_store or collective"):
+        config("rollout.weight_sync=shm", "rollout.backend=ray")
     assert config("rollout.weight_sync=collective").rollout.weight_sync == "collective"
 
 
