@@ -117,8 +117,8 @@ def _object_store(params, repeats: int) -> dict:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     snapshot = Snapshot.for_tensors(params)
     nbytes = snapshot.layout.total_bytes
-    ray.init(address="local", num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False,
-             object_store_memory=max(2 * nbytes + (256 << 20), 512 << 20))
+    ray.init(address="local", num_cpus=1, include_dashboard=False, configure_logging=False,
+             log_to_driver=False, object_store_memory=max(2 * nbytes + (256 << 20), 512 << 20))
     layout = snapshot.layout
 
     @ray.remote(num_cpus=1)
