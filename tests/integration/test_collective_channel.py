@@ -199,7 +199,6 @@ def test_a_killed_worker_stops_the_next_publication_naming_it_and_leaves_nothing
 # -- refusals when the recipe is read -------------------------------------------------------------
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["rollout.engine=vllm"], r"collective, which rollout\.engine=vllm cannot take \(its workers do not"),
     (["rollout.backend=ray", "ray.learner=actor"], r"ray\.learner=actor keeps the weights in the learner's"),
     (["train.world_size=2"], r"one learner process, and train\.world_size=2"),
     (["async.inflight_update=keep"], r"between batches only .* async\.inflight_update=keep"),

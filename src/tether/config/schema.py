@@ -145,7 +145,7 @@ class RolloutSection:
         "object store; 'collective' = a torch.distributed broadcast from the learner's process to every "
         "worker, in buckets (gloo; NCCL for weights on CUDA), each version checked by version and "
         "checksum as the other channels are. collective runs with rollout.backend=local or ray (with "
-        "ray.learner=driver), an engine that declares it (torch), one learner process and "
+        "ray.learner=driver), an engine that declares it (torch, vllm), one learner process and "
         "async.inflight_update=drain "
         "(docs/distributed.md, 'What crosses the network').",
         choices=("auto", "shm", "object_store", "collective"),
