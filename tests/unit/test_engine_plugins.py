@@ -104,10 +104,10 @@ def test_the_collective_weight_channel_is_what_an_engine_declares(plugin):
     with pytest.raises(ConfigError, match=rf"rollout.backend=local publishes weights through collective, "
                                           rf"which rollout.engine=echo_{tag} cannot take; it takes shared "
                                           r"memory or object store or in process; set rollout.weight_sync="
-                                          r"auto, or rollout.engine torch$"):
+                                          r"auto, or rollout.engine torch or vllm$"):
         load_config(None, [plugins, f"rollout.engine=echo_{tag}", "rollout.weight_sync=collective"])
     load_config(None, [plugins, f"rollout.engine=echo_{tag}", "rollout.weight_sync=shm"])
-    assert "collective" in registry.engines.get("torch").weight_channels
+    assert all("collective" in registry.engines.get(e).weight_channels for e in ("torch", "vllm"))
 
 
 def test_an_engines_dtypes_are_its_declaration_checked_at_load(plugin):
