@@ -196,6 +196,27 @@ def test_a_killed_worker_stops_the_next_publication_naming_it_and_leaves_nothing
     assert [p for p in children(os.getpid()) if p in pids] == []
 
 
+def test_a_killed_ray_actor_stops_the_next_broadcast_naming_it(tiny_model_dir, tmp_path):
+    pytest.importorskip("ray")
+    from tether.modeling import load_causal_lm, unique_parameters
+    from tether.rollout.backends.ray.pool import RayOptions, RayPool
+
+    settings = pool_settings(tiny_model_dir, "rollout.weight_sync=collective", "rollout.num_workers=2",
+                             "rollout.weight_sync_timeout_s=20", startup_timeout_s=120)
+    weights = unique_parameters(load_causal_lm(tiny_model_dir)[0])
+    pool = RayPool(settings, lambda i: [], weights, options=RayOptions(local_cpus=2),
+                   run_dir=tmp_path / "run")
+    try:
+        pids = pool.pids
+        pool.publish(weights, 1)
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(WeightSyncError, match=r"version 2 failed: worker rollout-1 is gone"):
+            pool.publish(weights, 2)
+    finally:
+        pool.close()
+    assert wait_gone(pids, timeout=20) == []
+
+
 # -- refusals when the recipe is read -------------------------------------------------------------
 
 @pytest.mark.parametrize(("overrides", "message"), [
