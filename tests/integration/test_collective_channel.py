@@ -255,7 +255,7 @@ def test_a_broadcast_of_cuda_tensors_arrives_whole(backend):
     ctx, tensors = mp.get_context("spawn"), {k: t.cuda() for k, t in _tensors().items()}
     there = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
     publisher = CollectivePublisher(Layout.of(tensors), ["rollout-0"], timeout_s=60, device="cuda:0",
-                                    backend=backend, bucket_bytes=4096)
+                                    nccl=backend == "nccl", bucket_bytes=4096)
     results = ctx.Queue()
     proc = ctx.Process(target=_receive_on_cuda, args=(publisher.address, publisher.layout, there, results),
                        daemon=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tether import registry
+from tether.control.inflight import inflight_mode
 from tether.errors import ConfigError
 from tether.plugins import section_name
 
@@ -203,10 +204,10 @@ def check_weight_sync(cfg: Any, family: Any, engine: Any, backend: Any) -> None:
     if cfg.train.world_size > 1:
         raise ConfigError(f"{asked} broadcasts from one learner process, and train.world_size="
                           f"{cfg.train.world_size}; set train.world_size=1 or rollout.weight_sync=auto")
-    if cfg.async_.inflight_update != "drain" or family.drains_at_turns(cfg):
+    if not inflight_mode(cfg.async_.inflight_update).drains or family.drains_at_turns(cfg):
         raise ConfigError(f"{asked} hands weights over between batches only (every worker joins each "
                           f"broadcast), and async.inflight_update={cfg.async_.inflight_update}; set "
-                          "async.inflight_update=drain or rollout.weight_sync=auto")
+                          "async.inflight_update=drain (without turn boundaries) or rollout.weight_sync=auto")
 
 
 def _those(fits: Callable[[Any], bool]) -> str:

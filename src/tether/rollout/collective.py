@@ -52,7 +52,8 @@ class GroupAddress:
     world: int
     """Ranks in all: the publisher (0) and one per worker (1 … world-1)."""
     timeout_s: float
-    backend: str = "gloo"
+    nccl: bool = False
+    """NCCL (both ends' blocks on CUDA) instead of gloo."""
     bucket_bytes: int = BUCKET_BYTES
 
 
@@ -62,15 +63,10 @@ def layout_digest(layout: Layout) -> int:
     return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little") >> 1
 
 
-def backend_for(device: str) -> str:
-    """NCCL for weights on CUDA, gloo otherwise."""
-    return "nccl" if device.startswith("cuda") else "gloo"
-
-
-def _group(store, rank: int, world: int, backend: str, timeout: datetime.timedelta):
+def _group(store, rank: int, world: int, nccl: bool, timeout: datetime.timedelta):
     import torch.distributed as dist
 
-    if backend == "nccl":
+    if nccl:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world, options)
@@ -81,10 +77,10 @@ class _Member:
     """One end of the group: its block of the channel's format and the bucketed broadcast."""
 
     def __init__(self, layout: Layout, address: GroupAddress, device: str) -> None:
-        if address.backend == "nccl" and not str(device).startswith("cuda"):
+        if address.nccl and torch.device(device).type != "cuda":
             raise WeightSyncError(f"the NCCL weight group broadcasts CUDA tensors, and this end's block "
                                   f"is on {device}")
-        if address.backend == "nccl":  # NCCL binds a rank to the current device
+        if address.nccl:  # NCCL binds a rank to the current device
             torch.cuda.set_device(torch.device(device))
         self.layout = layout
         self.address = address
@@ -120,7 +116,7 @@ class CollectivePublisher(_Member):
 
     def __init__(self, layout: Layout, workers: Sequence[str], *, timeout_s: float, device: str = "cpu",
                  host: str = "127.0.0.1", port: int = 0, bucket_bytes: int = BUCKET_BYTES,
-                 gone: Callable[[], list[str]] | None = None, backend: str | None = None) -> None:
+                 gone: Callable[[], list[str]] | None = None, nccl: bool | None = None) -> None:
         import torch.distributed as dist
 
         self.workers = list(workers)
@@ -133,14 +129,14 @@ class CollectivePublisher(_Member):
                                   f"({type(exc).__name__}: {exc}); set rollout.weight_sync_port to a free "
                                   "port, or 0 to pick one") from exc
         address = GroupAddress(host, self.store.port, len(self.workers) + 1, timeout_s,
-                               backend or backend_for(device), bucket_bytes)
+                               torch.device(device).type == "cuda" if nccl is None else nccl, bucket_bytes)
         super().__init__(layout, address, device)
 
     def join(self) -> None:
         """Form the group: returns once every worker joined; a ``WeightSyncError`` naming those
         that did not within the timeout."""
         try:
-            self.group = _group(self.store, 0, self.address.world, self.address.backend, self.timeout)
+            self.group = _group(self.store, 0, self.address.world, self.address.nccl, self.timeout)
         except Exception as exc:
             missing = [w for i, w in enumerate(self.workers, 1) if not self.store.check([f"joined/{i}"])]
             who = f"worker {', '.join(missing)}" if missing else "a worker"
@@ -193,7 +189,7 @@ class CollectiveReceiver(_Member):
         try:
             store = dist.TCPStore(address.host, address.port, address.world, False, timeout=self.timeout)
             store.set(f"joined/{rank}", "1")
-            self.group = _group(store, rank, address.world, address.backend, self.timeout)
+            self.group = _group(store, rank, address.world, address.nccl, self.timeout)
         except Exception as exc:
             raise WeightSyncError(f"rank {rank} could not join the collective weight group at "
                                   f"{address.host}:{address.port} within {address.timeout_s:g}s "

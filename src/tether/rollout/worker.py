@@ -211,7 +211,7 @@ class _CollectiveWorker(Rollout):
         spec = self.spec
         assert spec.group is not None and spec.channel_layout is not None
         self.receiver = CollectiveReceiver(spec.group, spec.worker_id + 1, spec.channel_layout,
-                                           device="cuda" if spec.group.backend == "nccl" else "cpu")
+                                           device="cuda" if spec.group.nccl else "cpu")
         seconds = self.receiver.receive(spec.initial_version)
         self.use_weights(self.receiver.views(), spec.initial_version)
         return seconds
