@@ -140,6 +140,17 @@ def test_a_worker_that_never_joins_is_named():
     assert not proc.is_alive()
 
 
+def test_a_port_in_use_is_named_with_the_key_to_change():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(WeightSyncError, match=rf"cannot listen on 127.0.0.1:{port} .* weight_sync_port"):
+            CollectivePublisher(Layout.of(_tensors()), ["rollout-0"], timeout_s=3, port=port)
+
+
 def test_a_corrupted_bucket_fails_the_checksum():
     tensors = _tensors()
     publisher = CollectivePublisher(Layout.of(tensors), ["rollout-0"], timeout_s=30, bucket_bytes=1024)
