@@ -284,3 +284,17 @@ def test_a_broadcast_of_cuda_tensors_arrives_whole(backend):
         if proc.is_alive():
             proc.kill()
     assert all(torch.equal(got[k], tensors[k].cpu()) for k in tensors)
+
+
+def test_the_channel_benchmark_runs():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "benchmarks/channel_compare.py", "--size", "tiny", "--repeats", "1",
+                          "--only", "shm,collective", "--json"], cwd=root, capture_output=True, text=True,
+                         timeout=240, check=True)
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["collective"]["buckets"] == 1 and figures["shm"]["wall_s"] > 0
