@@ -147,7 +147,8 @@ def test_a_port_in_use_is_named_with_the_key_to_change():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(WeightSyncError, match=rf"cannot listen on 127.0.0.1:{port} .* weight_sync_port"):
+        named = rf"(?s)cannot listen on 127.0.0.1:{port} .*; set rollout.weight_sync_port to a free port"
+        with pytest.raises(WeightSyncError, match=named):
             CollectivePublisher(Layout.of(_tensors()), ["rollout-0"], timeout_s=3, port=port)
 
 
