@@ -18,6 +18,12 @@ Target (issue 3): publish + load throughput ≥ 50% of the plain copy, for a ≥
     python benchmarks/weight_channel.py [--size base] [--repeats 9] [--json]
     python benchmarks/weight_channel.py --adapters [--size small|base] [--rank 16]
 
+``--channels``: the shared-memory channel, Ray's object store and the collective broadcast side by
+side, each to one worker process (``benchmarks/channel_compare.py``; ``--model PATH`` for a Hugging
+Face model folder instead of ``--size``).
+
+    python benchmarks/weight_channel.py --channels [--size base] [--model PATH] [--repeats 9]
+
 ``--adapters``: LoRA adapters against whole weights through the same channel, the engine's merge
 included, and the prediction for a 7B model with rank-16 adapters (``benchmarks/lora_channel.py``).
 """
@@ -100,7 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--adapters", action="store_true", help="LoRA adapters against whole weights")
     ap.add_argument("--rank", type=int, default=16, help="the adapters' rank (with --adapters)")
+    ap.add_argument("--channels", action="store_true", help="shm, object store and collective side by side")
+    ap.add_argument("--model", default=None, help="a Hugging Face model folder (with --channels)")
     a = ap.parse_args(argv)
+    if a.channels:
+        import channel_compare
+
+        return channel_compare.main(["--size", a.size, "--repeats", str(a.repeats),
+                                     *(["--model", a.model] if a.model else []),
+                                     *(["--json"] if a.json else [])])
     if a.adapters:
         import lora_channel
 

@@ -16,6 +16,7 @@
 # one without it (the same steps, a lower peak of allocated memory), and two ranks with
 # train.cpu_offload (FSDP2's CPUOffloadPolicy) against one GPU (tests marked `gpu`); where diffusers is installed, a
 # diffusers pipeline's rollout worker on the GPU in float32 and bfloat16 against the CPU learner;
+# the collective weight channel's broadcast on CUDA (NCCL, and gloo carrying CUDA tensors);
 # then the engine and learner benchmarks
 # on the GPU (engine_cuda.json and learner_cuda.json beside the log); and, where vLLM's CUDA build is
 # installed, the vLLM engine on the GPU beside the built-in one (tokens/s, weight loads, its
@@ -31,6 +32,9 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   "$py" -c "import sys, torch, transformers; print('torch', torch.__version__, '| cuda', torch.cuda.is_available(), '| transformers', transformers.__version__); sys.exit(0 if torch.cuda.is_available() else 'no CUDA device here: nothing to check')" || exit 1
   "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra -m gpu tests/integration/test_gpu.py
   status=$?
+  # the collective weight channel on CUDA: NCCL (a second GPU, or one shared) and gloo with CUDA tensors
+  "$py" -m pytest -q -p no:cacheprovider -o addopts=-ra -m gpu tests/integration/test_collective_channel.py \
+    || status=1
   if "$py" -c "import diffusers" 2>/dev/null; then
     # a diffusers pipeline's rollout worker on the GPU, float32 and flow.dtype=bfloat16
     "$py" -m pytest -q -s -p no:cacheprovider -o addopts=-ra -m gpu tests/integration/test_flow_diffusers.py \

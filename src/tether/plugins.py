@@ -19,6 +19,9 @@ sample from):
     shared_memory   a file in /dev/shm the worker maps (local workers)
     object_store    Ray's object store (Ray actors)
     in_process      the learner's own tensors, copied in (workers in the driver's process)
+    collective      a torch.distributed broadcast from the learner's process (``rollout.weight_sync=
+                    collective``; ``tether.rollout.collective``): an engine takes it only when it
+                    declares it, since its worker must join the group and load what it receives
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from typing import Any
 from tether.errors import PluginError
 
 ENGINE_KINDS = ("token", "step")
-WEIGHT_CHANNELS = ("shared_memory", "object_store", "in_process")
+WEIGHT_CHANNELS = ("shared_memory", "object_store", "in_process", "collective")
+HOST_CHANNELS = WEIGHT_CHANNELS[:3]
+"""The channels an engine takes unless it declares otherwise: those that hand it tensors."""
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -57,8 +62,9 @@ class EnginePlugin:
     """Whether it samples from published LoRA adapters (``train.lora_rank``; ``use_adapter``)."""
     devices: tuple[str, ...] = ("cpu",)
     """Device types it samples on (a backend says where its workers run)."""
-    weight_channels: tuple[str, ...] = WEIGHT_CHANNELS
-    """Channels it can take published weights from (``WEIGHT_CHANNELS``)."""
+    weight_channels: tuple[str, ...] = HOST_CHANNELS
+    """Channels it can take published weights from (``WEIGHT_CHANNELS``; ``collective`` only when
+    declared)."""
     dtypes: tuple[str, ...] = ("float32",)
     """Precisions it samples in (its weights and activations; ``DTYPES``)."""
     dtype_key: str | None = None
@@ -108,7 +114,9 @@ class BackendPlugin:
     keys: tuple[str, ...] = ()
     """Keys of shared sections only it reads (``section.key``)."""
     weight_channel: str = "shared_memory"
-    """How its workers receive published weights (``WEIGHT_CHANNELS``)."""
+    """How its workers receive published weights (``WEIGHT_CHANNELS``): ``rollout.weight_sync=auto``."""
+    other_channels: tuple[str, ...] = ()
+    """Channels its pool also delivers through when ``rollout.weight_sync`` asks for one."""
     inflight_updates: tuple[str, ...] = ("drain",)
     """``async.inflight_update`` modes its pool runs: anything but drain needs weights that reach
     workers while they generate."""
@@ -122,9 +130,16 @@ class BackendPlugin:
 
     def __post_init__(self) -> None:
         check_declared(self)
-        if self.weight_channel not in WEIGHT_CHANNELS:
-            raise PluginError(f"backend {self.name!r} declares weight_channel={self.weight_channel!r}; "
-                              f"it must be one of {', '.join(WEIGHT_CHANNELS)}")
+        for field_, channel in [("weight_channel", self.weight_channel),
+                                *(("other_channels", c) for c in self.other_channels)]:
+            if channel not in WEIGHT_CHANNELS:
+                raise PluginError(f"backend {self.name!r} declares {field_}={channel!r}; "
+                                  f"it must be one of {', '.join(WEIGHT_CHANNELS)}")
+
+    def channel(self, cfg: Any) -> str:
+        """The channel the recipe's ``rollout.weight_sync`` picks (``WEIGHT_CHANNELS``)."""
+        asked = cfg.rollout.weight_sync
+        return self.weight_channel if asked == "auto" else {"shm": "shared_memory"}.get(asked, asked)
 
     def worker_device(self, cfg: Any) -> str:
         """The device type its workers sample on (``DEVICES``)."""

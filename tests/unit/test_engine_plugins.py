@@ -99,6 +99,17 @@ def test_what_an_engine_does_not_declare_is_refused_at_load(plugin):
     load_config(None, [plugins, f"rollout.engine=cpu_only_{tag}", "async.inflight_update=keep"])
 
 
+def test_the_collective_weight_channel_is_what_an_engine_declares(plugin):
+    plugins, tag = plugin
+    with pytest.raises(ConfigError, match=rf"rollout.backend=local publishes weights through collective, "
+                                          rf"which rollout.engine=echo_{tag} cannot take; it takes shared "
+                                          r"memory or object store or in process; set rollout.weight_sync="
+                                          r"auto, or rollout.engine torch or vllm$"):
+        load_config(None, [plugins, f"rollout.engine=echo_{tag}", "rollout.weight_sync=collective"])
+    load_config(None, [plugins, f"rollout.engine=echo_{tag}", "rollout.weight_sync=shm"])
+    assert all("collective" in registry.engines.get(e).weight_channels for e in ("torch", "vllm"))
+
+
 def test_an_engines_dtypes_are_its_declaration_checked_at_load(plugin):
     plugins, tag = plugin
     with pytest.raises(ConfigError, match=rf"rollout.dtype=bfloat16: rollout.engine=cpu_only_{tag} samples "

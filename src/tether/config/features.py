@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tether import registry
+from tether.control.inflight import inflight_mode
 from tether.errors import ConfigError
 from tether.plugins import section_name
 
@@ -176,11 +177,41 @@ def check_engine(cfg: Any, family: Any, engine: Any, backend: Any) -> None:
         raise ConfigError(f"rollout.backend={backend.name} puts its workers on {device}, and {key} samples "
                           f"on {' or '.join(engine.devices)} only" + _note(engine, "devices")
                           + f"; use rollout.engine {fit}")
-    if backend.weight_channel not in engine.weight_channels:
+    check_weight_sync(cfg, family, engine, backend)
+
+
+def check_weight_sync(cfg: Any, family: Any, engine: Any, backend: Any) -> None:
+    """``rollout.weight_sync`` against what the backend delivers through and the engine takes."""
+    channel, asked = backend.channel(cfg), f"rollout.weight_sync={cfg.rollout.weight_sync}"
+    offered = (backend.weight_channel, *backend.other_channels)
+    if channel not in offered:
+        names = {"shared_memory": "shm"}
+        raise ConfigError(f"{asked}: rollout.backend={backend.name} delivers weights through "
+                          f"{' or '.join(names.get(c, c) for c in offered)} only"
+                          + _note(backend, "weight_channels")
+                          + "; set rollout.weight_sync=auto or one of them")
+    if channel not in engine.weight_channels:
+        via = "" if cfg.rollout.weight_sync != "auto" else f" (the default of rollout.backend={backend.name})"
         raise ConfigError(f"rollout.backend={backend.name} publishes weights through "
-                          f"{backend.weight_channel.replace('_', ' ')}, which {key} cannot take"
+                          f"{channel.replace('_', ' ')}{via}, which rollout.engine={engine.name} cannot take"
                           + _note(engine, "weight_channels") + f"; it takes "
-                          f"{' or '.join(c.replace('_', ' ') for c in engine.weight_channels)}")
+                          f"{' or '.join(c.replace('_', ' ') for c in engine.weight_channels)}"
+                          + ("; set rollout.weight_sync=auto, or rollout.engine "
+                             f"{_those(lambda e: channel in e.weight_channels)}"
+                             if channel == "collective" else ""))
+    if channel != "collective":
+        return
+    if cfg.train.world_size > 1:
+        raise ConfigError(f"{asked} broadcasts from one learner process, and train.world_size="
+                          f"{cfg.train.world_size}; set train.world_size=1 or rollout.weight_sync=auto")
+    if not inflight_mode(cfg.async_.inflight_update).drains or family.drains_at_turns(cfg):
+        raise ConfigError(f"{asked} hands weights over between batches only (every worker joins each "
+                          f"broadcast), and async.inflight_update={cfg.async_.inflight_update}; set "
+                          "async.inflight_update=drain (without turn boundaries) or rollout.weight_sync=auto")
+    if cfg.rollout.on_worker_loss == "replace":
+        raise ConfigError(f"{asked} forms its group once, with every worker, so a lost worker cannot be "
+                          "replaced into it, and rollout.on_worker_loss=replace (the default); set "
+                          "rollout.on_worker_loss=stop, or rollout.weight_sync=auto")
 
 
 def _those(fits: Callable[[Any], bool]) -> str:

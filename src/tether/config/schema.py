@@ -157,6 +157,29 @@ class RolloutSection:
         choices=registry.engines,
         resume=Resume.ACCEPTED,
     )
+    weight_sync: Literal["auto", "shm", "object_store", "collective"] = knob(
+        "auto",
+        "How published weights reach the workers: 'auto' = the backend's own channel (shm for local, "
+        "object_store for ray); 'shm' = one shared-memory block on this host; 'object_store' = Ray's "
+        "object store; 'collective' = a torch.distributed broadcast from the learner's process to every "
+        "worker, in buckets (gloo; NCCL for weights on CUDA), each version checked by version and "
+        "checksum as the other channels are. collective runs with rollout.backend=local or ray (with "
+        "ray.learner=driver), an engine that declares it (torch, vllm), one learner process and "
+        "async.inflight_update=drain "
+        "(docs/distributed.md, 'What crosses the network').",
+        choices=("auto", "shm", "object_store", "collective"),
+        resume=Resume.ACCEPTED,
+    )
+    weight_sync_timeout_s: float = knob(
+        300.0,
+        "With weight_sync=collective: the longest the group waits for every worker to join, and for "
+        "each broadcast call; past it the run stops naming the worker and the version.",
+        min=0.1, resume=Resume.ACCEPTED,
+    )
+    weight_sync_port: int = knob(
+        0, "With weight_sync=collective: the TCP port the learner's process listens on for workers to "
+           "join its group (0 = a free one).", min=0, max=65535, resume=Resume.ACCEPTED,
+    )
     lora_apply: Literal["merge", "terms"] = knob(
         "merge",
         "How the built-in engine applies published LoRA adapters (train.lora_rank): 'merge' = into its "

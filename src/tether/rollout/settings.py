@@ -13,6 +13,7 @@ from tether.control.inflight import InflightMode, inflight_mode
 
 if TYPE_CHECKING:
     from tether.rollout.channel import Layout
+    from tether.rollout.collective import GroupAddress
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class WorkerSpec:
     channel_name: str | None = None
     """The shared-memory weight channel (process workers); None where weights come otherwise."""
     channel_layout: Layout | None = None
+    group: GroupAddress | None = None
+    """The collective weight group to join as rank ``worker_id + 1`` (``rollout.weight_sync=
+    collective``), with ``channel_layout``; None otherwise."""
     device: str = "cpu"
     """Where the engine samples: ``cpu``, or ``cuda`` for a Ray actor given a GPU."""
 

@@ -2,7 +2,7 @@
 
 ``Rollout`` (engine + reward: generate and score one batch) is shared with the Ray backend's
 actors (``tether.rollout.backends.ray.pool``); this module adds the process's message loop and its
-shared-memory weight reader.
+weight readers (the shared-memory channel's, or the collective group's).
 
 It receives whole rollout batches (prompts, group size, sampling parameters, behavior version),
 generates, scores every sample, and sends back one complete payload (the family's scored batch)
@@ -46,11 +46,18 @@ def worker_main(sealed: Sealed, requests: Connection, results: Connection,
     if lifeline is not None:  # exit when the driver is gone, even mid-batch; at once if it already is
         exit_when_closed(lifeline.fileno())
     try:
-        worker = _ChannelWorker(sealed.open())
+        spec = sealed.open()
+        worker = _CollectiveWorker(spec) if spec.group is not None else _ChannelWorker(spec)
     except BaseException as exc:
         results.send(("error", None, f"failed to start: {type(exc).__name__}: {exc}", failure_traceback(exc)))
         return
     results.send(("ready", os.getpid()))
+    if isinstance(worker, _CollectiveWorker):  # the driver forms the group once every worker is ready
+        try:
+            results.send(("loaded", spec.initial_version, worker.join()))
+        except BaseException as exc:
+            results.send(("error", None, f"{type(exc).__name__}: {exc}", failure_traceback(exc)))
+            return
     worker.on_switch = lambda version: results.send(("took", version))
     while True:
         try:
@@ -189,3 +196,27 @@ class _ChannelWorker(Rollout):
         if not self.spec.inflight.drains:
             self.start_at(item.version, self.WAIT_S)
         return super().generate(item)
+
+
+class _CollectiveWorker(Rollout):
+    """A process worker of ``rollout.weight_sync=collective``: it joins the learner's broadcast
+    group (``tether.rollout.collective``) and, told to load a version, receives it into its private
+    block, verifies version and checksum, and loads it. Its parameters are bound to that block
+    (on CPU), so each version lands in them as it is received and verified."""
+
+    def join(self) -> float:
+        """Join the group and take the first version; returns the seconds it took to receive."""
+        from tether.rollout.collective import CollectiveReceiver
+
+        spec = self.spec
+        assert spec.group is not None and spec.channel_layout is not None
+        self.receiver = CollectiveReceiver(spec.group, spec.worker_id + 1, spec.channel_layout,
+                                           device="cuda" if spec.group.nccl else "cpu")
+        seconds = self.receiver.receive(spec.initial_version)
+        self.use_weights(self.receiver.views(), spec.initial_version)
+        return seconds
+
+    def load(self, version: int) -> float:
+        seconds = self.receiver.receive(version)
+        self.engine.load_weights(self.receiver.views(), version)
+        return seconds

@@ -1,5 +1,6 @@
 """The local backend's plug-in (``rollout.backend=local``): worker processes of this machine,
-weights through shared memory (``pool.ProcessPool``). Importing it loads no torch."""
+weights through shared memory or a collective broadcast (``pool.ProcessPool``). Importing it loads
+no torch."""
 
 from __future__ import annotations
 
@@ -14,5 +15,5 @@ class _Local(BackendPlugin):
         return ProcessPool(settings, batches, weights, initial_version=initial_version, extras=extras)
 
 
-LOCAL = _Local("local", weight_channel="shared_memory",
+LOCAL = _Local("local", weight_channel="shared_memory", other_channels=("collective",),
                inflight_updates=INFLIGHT_UPDATE_CHOICES)

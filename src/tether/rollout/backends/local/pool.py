@@ -6,8 +6,10 @@ sentinel, accepts each complete scored batch, and turns a worker's error into a 
 that names the worker, the batch and the cause, with the original traceback — and its death into
 the same, or, with ``rollout.on_worker_loss: replace``, into a new process in its place
 (``DispatchingPool._recover``).
-Weights go through the shared-memory ``WeightChannel``; workers load them only while the pool is
-quiesced — or, with ``async.inflight_update`` other than drain, switch to each new version
+Weights go through the shared-memory ``WeightChannel``, or with ``rollout.weight_sync=collective``
+a broadcast from this process to every worker (``tether.rollout.collective``; rank 0 here, worker
+``i`` rank ``i + 1``, its group formed once every worker is ready); workers load them only while
+the pool is quiesced — or, with ``async.inflight_update`` other than drain, switch to each new version
 between decode steps (``tether.rollout.worker._ChannelWorker``).
 
 Workers die with the driver however it ends: each holds the read end of a *lifeline* pipe whose
@@ -32,7 +34,8 @@ import torch
 from tether.control import BatchQueue
 from tether.errors import QueueTimeoutError, RolloutError
 from tether.procinfo import Sealed, stop_signals_deferred
-from tether.rollout.channel import WeightChannel
+from tether.rollout.channel import Layout, WeightChannel
+from tether.rollout.collective import CollectivePublisher
 from tether.rollout.dispatch import DispatchingPool, WorkerSlot
 from tether.rollout.settings import PoolSettings
 from tether.rollout.worker import worker_main
@@ -95,12 +98,23 @@ class ProcessPool(DispatchingPool):
         self._lifeline: Connection | None = None  # the write end; closing it ends every worker
         self._lifeline_r: Connection | None = None  # the read end, handed to each worker started
         self.channel: WeightChannel | None = None
+        self.sync: CollectivePublisher | None = None
         try:
-            # a stop signal between creating the shared block and holding it here would leak it
-            with stop_signals_deferred():
-                self.channel = WeightChannel.for_tensors(initial_weights)
-            self.channel.publish(initial_weights, initial_version)
+            if settings.cfg.rollout.weight_sync == "collective":
+                r = settings.cfg.rollout
+                self.sync = CollectivePublisher(Layout.of(initial_weights),
+                                                [f"rollout-{i}" for i in range(settings.num_workers)],
+                                                timeout_s=r.weight_sync_timeout_s, port=r.weight_sync_port,
+                                                gone=self._gone)
+            else:
+                # a stop signal between creating the shared block and holding it here would leak it
+                with stop_signals_deferred():
+                    self.channel = WeightChannel.for_tensors(initial_weights)
+                self.channel.publish(initial_weights, initial_version)
             self._start_workers()
+            if self.sync is not None:
+                self.sync.join()
+                self._broadcast(initial_weights, initial_version, told=True)
         except BaseException:
             self.close()
             raise
@@ -118,12 +132,17 @@ class ProcessPool(DispatchingPool):
         self._collector.start()
 
     def _spawn(self, i: int, version: int) -> _Handle:
-        """Start worker process ``i``, to load ``version`` from the channel."""
+        """Start worker process ``i``, to load ``version`` from the channel (or to join the
+        collective group)."""
         ctx = self._ctx
         req_recv, req_send = ctx.Pipe(duplex=False)
         res_recv, res_send = ctx.Pipe(duplex=False)
-        spec = self.settings.worker_spec(i, version, channel_name=self.channel.name,
-                                         channel_layout=self.channel.layout)
+        if self.sync is not None:
+            spec = self.settings.worker_spec(i, version, group=self.sync.address,
+                                             channel_layout=self.sync.layout)
+        else:
+            spec = self.settings.worker_spec(i, version, channel_name=self.channel.name,
+                                             channel_layout=self.channel.layout)
         proc = ctx.Process(target=worker_main, args=(Sealed(spec), req_recv, res_send, self._lifeline_r),
                            daemon=True, name=f"tether-rollout-{i}")
         proc.start()
@@ -188,9 +207,14 @@ class ProcessPool(DispatchingPool):
         self._acks.close()
         if self.channel is not None:
             self.channel.close()
+        if self.sync is not None:
+            self.sync.close()
 
     def published_weights(self) -> dict[str, torch.Tensor]:
         """A copy of the weights the workers hold (the channel's snapshot, checked whole)."""
+        if self.sync is not None:
+            self.sync.block.verify(self.version)
+            return {name: t.clone() for name, t in self.sync.block.views.items()}
         self.channel.verify(self.version)
         return {name: t.clone() for name, t in self.channel.views().items()}
 
@@ -204,6 +228,8 @@ class ProcessPool(DispatchingPool):
         self._send(w, ("generate", item))  # a failure is reported through the queues
 
     def _load_all(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        if self.sync is not None:
+            return self._broadcast(weights, version, told=False)
         metrics = dict(self.channel.publish(weights, version))
         waiting = set()
         for w in self._workers:
@@ -228,6 +254,45 @@ class ProcessPool(DispatchingPool):
         self._recover(version)  # a death between the last ack and now
         metrics["sync/load_s"] = max(loads)
         return metrics
+
+    def _broadcast(self, weights: Mapping[str, torch.Tensor], version: int, *,
+                   told: bool) -> dict[str, float]:
+        """The collective channel: tell every worker to receive ``version`` (unless it already
+        waits for it: the first, at joining), broadcast it, and wait for every worker's load."""
+        if not told:
+            for w in self._workers:
+                err = self._send(w, ("load", version))
+                if err is not None:
+                    raise err
+        metrics = dict(self.sync.publish(weights, version))
+        metrics["sync/load_s"] = self._loaded(version)
+        return metrics
+
+    def _gone(self) -> list[str]:
+        """The workers whose process has ended (waiting up to 2 s for one that is ending)."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            gone = [w.name for w in self._workers if not w.process.is_alive()]
+            if gone or time.monotonic() > deadline:
+                return gone
+            time.sleep(0.05)
+
+    def _loaded(self, version: int) -> float:
+        """Wait until every worker reports it loaded ``version`` (the collective channel, whose
+        workers are not replaced: ``rollout.on_worker_loss=stop``); the slowest load's seconds."""
+        loads = []
+        for _ in self._workers:
+            try:
+                ack = self._acks.get(timeout=self.settings.startup_timeout_s)
+            except QueueTimeoutError:
+                raise RolloutError(f"workers did not load version {version} in time") from None
+            if ack is None:
+                raise RolloutError(f"a worker ended while loading version {version}: "
+                                   f"{', '.join(self._gone()) or 'unknown'}")
+            _worker, got, seconds = ack
+            assert got == version, (got, version)
+            loads.append(seconds)
+        return max(loads)
 
     def _put_inflight(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         return dict(self.channel.publish(weights, version))  # workers watch the channel's header

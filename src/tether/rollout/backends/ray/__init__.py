@@ -109,6 +109,10 @@ class _Ray(BackendPlugin):
                 if amount <= 0:
                     raise ConfigError(f"ray.{key}[{name!r}] must be > 0, got {amount:g}; remove the "
                                       "entry to request none")
+        if cfg.rollout.weight_sync == "collective" and r.learner == "actor":
+            raise ConfigError("rollout.weight_sync=collective broadcasts from the driver's process, and "
+                              "ray.learner=actor keeps the weights in the learner's actor; set ray.learner="
+                              "driver or rollout.weight_sync=auto")
 
     @contextlib.contextmanager
     def session(self, cfg: Any, run_dir: Path):
@@ -127,6 +131,6 @@ class _Ray(BackendPlugin):
                        initial_version=initial_version, extras=extras)
 
 
-RAY = _Ray("ray", section=("ray", RaySection), weight_channel="object_store",
+RAY = _Ray("ray", section=("ray", RaySection), weight_channel="object_store", other_channels=("collective",),
            inflight_updates=INFLIGHT_UPDATE_CHOICES, supervised=True,
            local_workers=False)

@@ -14,8 +14,10 @@
   object. Each actor fetches it (zero-copy on its node), verifies version and checksum, and binds
   its parameters to it (an actor on a GPU copies it to the device instead). The pool holds a
   reference to the newest version only, and an actor drops its old snapshot when it binds the
-  next, so each version's object is released once no worker needs it. A collective (NCCL)
-  backend would replace ``_load_all`` on GPUs.
+  next, so each version's object is released once no worker needs it. With
+  ``rollout.weight_sync=collective`` the driver broadcasts each version to the actors instead
+  (``tether.rollout.collective``, gloo over TCP between host blocks: an actor on a GPU copies what
+  it received to its device).
 - A collector thread waits on the actors' result references and accepts finished batches in
   completion order (ties within one wake-up are ordered by the actors' finish times).
 
@@ -41,6 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 from tether.errors import ConfigError, RolloutError
 from tether.procinfo import Sealed, failure_traceback
 from tether.rollout.channel import Layout, Snapshot, open_snapshot
+from tether.rollout.collective import CollectivePublisher
 from tether.rollout.dispatch import DispatchingPool, WorkerSlot
 from tether.rollout.settings import PoolSettings, WorkerSpec
 from tether.vocabulary import Example, WorkItem
@@ -331,6 +334,29 @@ class _RolloutActor:
             return ("error", None, f"verifying version {version}: {type(exc).__name__}: {exc}",
                     traceback.format_exc())
 
+    def join(self, address, rank: int, version: int) -> tuple:
+        """Join the collective weight group as ``rank`` and take ``version``, the first."""
+        try:
+            from tether.rollout.collective import CollectiveReceiver
+
+            self.receiver = CollectiveReceiver(address, rank, self.layout)
+            seconds = self.receiver.receive(version)
+            self.rollout.use_weights(self.receiver.views(), version)
+            return ("loaded", version, seconds)
+        except BaseException as exc:
+            return ("error", None, f"joining the weight group: {type(exc).__name__}: {exc}",
+                    traceback.format_exc())
+
+    def receive(self, version: int) -> tuple:
+        """Receive ``version`` from the collective group, verify it, and load it."""
+        try:
+            seconds = self.receiver.receive(version)
+            self.rollout.engine.load_weights(self.receiver.views(), version)
+            return ("loaded", version, seconds)
+        except BaseException as exc:
+            return ("error", None, f"receiving version {version}: {type(exc).__name__}: {exc}",
+                    traceback.format_exc())
+
     def held(self) -> int:
         """The version the engine samples with now."""
         return self.rollout.engine.version
@@ -379,6 +405,8 @@ class RayPool(DispatchingPool):
         self._wake = threading.Event()
         self._weights_ref = None
         self._staged_version: int | None = None  # the version in the staging block, if any
+        self.sync: CollectivePublisher | None = None
+        self._receiving: dict[Any, _Actor] = {}  # the actors' calls in the broadcast under way
         self._collector: threading.Thread | None = None
         self._own_session = session is None
         self.session = RaySession(options, run_dir) if session is None else session
@@ -390,7 +418,10 @@ class RayPool(DispatchingPool):
                 self.snapshot: Snapshot | None = Snapshot.for_tensors(initial_weights)
                 self.layout = self.snapshot.layout
             self._start_actors()
-            metrics = self._load_all(initial_weights, initial_version)
+            if settings.cfg.rollout.weight_sync == "collective":
+                metrics = self._join_group(initial_weights, initial_version)
+            else:
+                metrics = self._load_all(initial_weights, initial_version)
             log.info("ray: %d rollout actor(s) ready on node(s) %s; version %d loaded in %.2fs",
                      len(self._workers), ", ".join(str(w.node)[:8] for w in self._workers), initial_version,
                      metrics["sync/load_s"])
@@ -478,6 +509,8 @@ class RayPool(DispatchingPool):
             w.alive = False
         self._running.clear()
         self._weights_ref = None
+        if self.sync is not None:
+            self.sync.close()
         self._completed.close()
         if self._own_session:
             self.session.close()
@@ -485,6 +518,9 @@ class RayPool(DispatchingPool):
     def published_weights(self) -> dict[str, Any]:
         """A copy of the weights the actors hold: the staging block when this process publishes,
         else the newest snapshot fetched back from the object store (checked whole)."""
+        if self.sync is not None:
+            self.sync.block.verify(self.version)
+            return {name: t.clone() for name, t in self.sync.block.views.items()}
         if self.snapshot is not None and self._staged_version == self.version:
             array = self.snapshot.array
         else:
@@ -507,6 +543,9 @@ class RayPool(DispatchingPool):
         dead = [w.name for w in self._workers if not w.alive]
         if dead:
             raise RolloutError(f"cannot publish version {version}: {', '.join(dead)} died")
+        if self.sync is not None:
+            return self._broadcast({w.handle.receive.remote(version): w for w in self._workers},
+                                   weights, version)
         if isinstance(weights, RemoteWeights):
             ref, metrics = weights.put(version)
         else:
@@ -531,6 +570,44 @@ class RayPool(DispatchingPool):
         self._recover(version)
         metrics["sync/load_s"] = max(seconds)
         return metrics
+
+    def _join_group(self, weights: Mapping[str, Any], version: int) -> dict[str, float]:
+        """``rollout.weight_sync=collective``: open the group on this node, have every actor join
+        it, and broadcast the first version."""
+        r = self.settings.cfg.rollout
+        self.sync = CollectivePublisher(self.layout, [w.name for w in self._workers],
+                                        timeout_s=r.weight_sync_timeout_s, port=r.weight_sync_port,
+                                        host=self.ray.util.get_node_ip_address(), gone=self._gone)
+        calls = {w.handle.join.remote(self.sync.address, w.id + 1, version): w for w in self._workers}
+        self._receiving = calls
+        self.sync.join()
+        return self._broadcast(calls, weights, version)
+
+    def _broadcast(self, calls: dict, weights: Mapping[str, Any], version: int) -> dict[str, float]:
+        """Broadcast ``version`` while every actor's ``calls`` receive it; wait for their loads."""
+        self._receiving = calls
+        metrics = dict(self.sync.publish(weights, version))
+        seconds = []
+        for call, w in calls.items():
+            msg = self._get(w, call, f"while receiving version {version}",
+                            timeout=self.settings.cfg.rollout.weight_sync_timeout_s)
+            if msg[0] == "error":
+                raise RolloutError(msg[2], worker=w.name, remote_traceback=msg[3])
+            seconds.append(msg[2])
+        self._receiving = {}
+        metrics["sync/load_s"] = max(seconds)
+        return metrics
+
+    def _gone(self) -> list[str]:
+        """The actors of the broadcast under way that died (waiting up to 2 s for their calls)."""
+        ray, gone = self.ray, []
+        ready, _ = ray.wait(list(self._receiving), num_returns=len(self._receiving), timeout=2.0)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                gone.append(self._receiving[ref].name)
+        return gone
 
     def _put_inflight(self, weights: Mapping[str, Any] | RemoteWeights, version: int) -> dict[str, float]:
         return self._load_all(weights, version, method="offer")

@@ -9,7 +9,7 @@ from typing import Any
 
 from tether.control.inflight import INFLIGHT_UPDATE_CHOICES
 from tether.errors import ConfigError
-from tether.plugins import EnginePlugin
+from tether.plugins import WEIGHT_CHANNELS, EnginePlugin
 
 
 class _Torch(EnginePlugin):
@@ -49,5 +49,5 @@ class _Torch(EnginePlugin):
 
 TORCH = _Torch("torch", kinds=frozenset({"token", "step"}), keys=("rollout.decoder", "rollout.lora_apply"),
                inflight_updates=INFLIGHT_UPDATE_CHOICES, lora=True, devices=("cpu", "cuda"),
-               dtypes=("float32", "bfloat16"), dtype_key="rollout.dtype",
+               dtypes=("float32", "bfloat16"), dtype_key="rollout.dtype", weight_channels=WEIGHT_CHANNELS,
                notes={"dtypes": "float16 is vLLM's, vllm.dtype"})

@@ -12,7 +12,7 @@ from typing import Any
 
 from tether.control.inflight import INFLIGHT_UPDATE_CHOICES
 from tether.errors import ConfigError
-from tether.plugins import EnginePlugin
+from tether.plugins import WEIGHT_CHANNELS, EnginePlugin
 from tether.rollout.engines.vllm.section import (
     VLLM_INSTALL_HINT,
     VLLM_LORA_RANKS,
@@ -52,4 +52,5 @@ class _Vllm(EnginePlugin):
 VLLM = _Vllm("vllm", kinds=frozenset({"token"}), section=("vllm", VllmSection),
              inflight_updates=INFLIGHT_UPDATE_CHOICES, lora=True, devices=("cpu", "cuda"),
              dtypes=("float32", "bfloat16", "float16"), dtype_key="vllm.dtype",
+             weight_channels=WEIGHT_CHANNELS,
              notes={"kinds": "vLLM serves language models"})

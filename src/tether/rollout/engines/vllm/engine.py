@@ -13,7 +13,9 @@ What it guarantees, checked by ``tests/vllm_cpu``:
 - weights: a publication goes in place through a worker extension that calls vLLM's own
   ``reload_weights`` (vLLM repacks linear weights after loading, so writing into its parameters
   would not work), then the prefix cache is reset so nothing computed under older weights
-  survives;
+  survives. With ``rollout.weight_sync=collective`` the rollout worker (the one process that holds
+  vLLM's engine core and its worker) receives each broadcast version into its block, verifies it,
+  and hands the block's tensors to the same extension;
 - seeds: every prompt's request carries its own seed (the batch seed plus its index), so the same
   seed, weights and prompts give the same tokens whatever else is batched with them (on CPU; see
   docs/rollout.md for GPUs);
