@@ -201,9 +201,6 @@ def check_weight_sync(cfg: Any, family: Any, engine: Any, backend: Any) -> None:
                              if channel == "collective" else ""))
     if channel != "collective":
         return
-    if cfg.train.world_size > 1:
-        raise ConfigError(f"{asked} broadcasts from one learner process, and train.world_size="
-                          f"{cfg.train.world_size}; set train.world_size=1 or rollout.weight_sync=auto")
     if not inflight_mode(cfg.async_.inflight_update).drains or family.drains_at_turns(cfg):
         raise ConfigError(f"{asked} hands weights over between batches only (every worker joins each "
                           f"broadcast), and async.inflight_update={cfg.async_.inflight_update}; set "
