@@ -100,6 +100,28 @@ def test_learner_and_rollout_actors_run_on_the_nodes_their_resources_name(cluste
     assert [m for m in metrics if "sync/load_s" in m]  # the actors' loads (checksums verified) timed
 
 
+def test_the_collective_channel_reaches_actors_on_other_nodes(cluster, tiny_model_dir, tmp_path, caplog):
+    """rollout.weight_sync=collective with the learner in the driver (on the head's host) and a
+    rollout actor on each sampler node: every version is broadcast to them over gloo (TCP), each
+    verifies it, and the run follows the control rules' schedule."""
+    caplog.set_level(logging.INFO, logger="tether")
+    cfg = load_config(None, on_cluster(cluster, tiny_model_dir, "ray.learner=driver",
+                                       "ray.worker_resources={sampler: 1}", "rollout.num_workers=2",
+                                       "rollout.weight_sync=collective", "rollout.on_worker_loss=stop",
+                                       "async.max_staleness=1", "async.max_inflight=2", "eval.interval=0"))
+    run_dir = tmp_path / "run"
+    summary = train(cfg, run_dir, progress_plain=True)
+    metrics, _plan = assert_follows_plan(cfg, run_dir, summary)
+    _head, samplers = node_ids(cluster)
+    workers = [r.getMessage() for r in caplog.records
+               if re.match(r"ray: 2 rollout actor\(s\) ready on node\(s\)", r.getMessage())]
+    placed = re.search(r"on node\(s\) ([0-9a-f]{8}), ([0-9a-f]{8});", workers[0]).groups()
+    assert set(placed) == samplers
+    broadcasts = [m for m in metrics if "sync/buckets" in m]
+    assert broadcasts and all(m["sync/buckets"] >= 1 for m in broadcasts)
+    assert max(m["async/behavior_version"] for m in metrics) > 0
+
+
 def test_learner_ranks_on_two_nodes_make_the_single_process_update(cluster, tiny_model_dir):
     """train.world_size=2 with ray.learner_resources={sampler: 1}: one rank actor on each sampler
     node (a node offers one), meeting over gloo on TCP; the same rollout batches trained by them and
