@@ -2,7 +2,7 @@
 once; rollout workers verify the version and a checksum before using them.
 
 The same block format travels as one object per version through Ray's object store
-(``Snapshot``/``open_snapshot``, used by ``tether.rollout.backends.ray.pool``), so both backends verify
+(``Snapshot``/``open_snapshot``, used by ``tether.rollout.backends.ray``), so both backends verify
 weights the same way.
 
 Layout: a 64-byte header, then every tensor at a 64-byte-aligned offset.
