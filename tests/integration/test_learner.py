@@ -264,6 +264,19 @@ def test_shared_prompt_forward_gives_the_model_forwards_logprobs_and_gradients(t
     check_shared_prompt_forward(model.train(), tok)
 
 
+def test_shared_prompt_forward_on_a_model_whose_head_is_not_its_embedding(tmp_path):
+    """A tied head takes the lookup's gradient sparse, added into its own; an untied embedding's
+    gradient stays dense (the optimizers take no sparse gradient)."""
+    from tether.data.tiny_model import init_model
+
+    init_model(tmp_path / "m", arch="qwen3", size="tiny", seed=2)
+    model, tok = load_causal_lm(tmp_path / "m")
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    assert model.lm_head.weight is not model.get_input_embeddings().weight
+    check_shared_prompt_forward(model.train(), tok)
+
+
 def test_shared_prompt_forward_on_a_model_fsdp2_shards(tmp_path):
     """Learner ranks shard the model with FSDP2, whose weights outside a module's forward are
     shards: the shared-prompt forward then runs as FSDP forward methods, and gives the model's
@@ -320,6 +333,7 @@ def check_shared_prompt_forward(model, tok):
         assert torch.allclose(a_ent[on], b_ent[on], atol=1e-5)
         assert (b_lp[~on] == 0).all()
         for name, grad in a_grad.items():
+            assert not b_grad[name].is_sparse, name  # what AdamW and clipping take
             assert grad.abs().sum() > 0, name  # every weight's gradient reached it
             assert torch.allclose(grad, b_grad[name], atol=1e-5, rtol=1e-4), name
     with torch.no_grad():  # as the learner computes π_old and the reference's log-probs
