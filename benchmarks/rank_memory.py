@@ -4,9 +4,7 @@ training forward and backward, the optimizer step, a second update. What ``bench
 
     python benchmarks/rank_memory.py [--model /tmp/tether-scale/qwen2-0.5b] [--world-size 2]
 
-The allocator is set up as the ``tether`` command sets up its ranks' (``tether.hostmem``: large
-freed blocks go back to the kernel in a rank; ``TETHER_MALLOC=system`` for glibc's defaults
-throughout). Each rank is a process of its own (gloo, one thread), shards the model as the learner does
+Each rank is a process of its own (gloo, one thread), shards the model as the learner does
 (``tether.train.fsdp.shard`` per decoder layer and the root) and runs the learner's shared-prompt
 forward (``SharedPrefixForward``) over 2 prompts × 4 samples of 8 + 32 tokens. After each phase it
 reads its resident memory and the peak since the phase before (``VmHWM``, reset between phases
@@ -59,9 +57,6 @@ def _reset_peak() -> None:
 
 
 def _rank(rank: int, world: int, model_path: str, port: int, out: str) -> None:
-    from tether import hostmem
-
-    hostmem.release_freed_memory()  # as a learner rank does (tether.hostmem)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     marks: list[dict] = []
@@ -115,9 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    from tether import hostmem
-
-    hostmem.keep_freed_memory()  # as the tether command does (TETHER_MALLOC=system: not)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

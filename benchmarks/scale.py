@@ -64,10 +64,8 @@ def build(size: str, cache: Path) -> Path:
     return out
 
 
-def run(model: Path, out: Path, overrides: list[str], batches: int, new_tokens: int,
-        malloc: str = "reuse") -> list[dict]:
-    """One ``tether train`` run (``TETHER_MALLOC=malloc``: tether.hostmem); its metrics rows after
-    the warm-up batch."""
+def run(model: Path, out: Path, overrides: list[str], batches: int, new_tokens: int) -> list[dict]:
+    """One ``tether train`` run; its metrics rows after the warm-up batch."""
     args = [
         f"model.path={model}", "data.task=arithmetic", "data.num_eval=1",
         f"reward.function={HERE / 'scale_reward.py'}:varied",
@@ -77,8 +75,7 @@ def run(model: Path, out: Path, overrides: list[str], batches: int, new_tokens: 
         "train.drop_zero_std=false", "train.lr=1e-6", "eval.interval=0", "checkpoint.interval=0", *overrides,
     ]
     cmd = [str(Path(sys.executable).with_name("tether")), "train", *args, "--run-dir", str(out), "--plain"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**env, "TETHER_MALLOC": malloc})
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"run failed ({' '.join(overrides)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -142,8 +139,7 @@ def peak_gflops(threads: int, bf16: bool) -> float:
 
 
 def measure(size: str, settings: list[str], worlds: list[int], lora: int, batches: int,
-            new_tokens: int, cache: Path, engine_dtype: str = "float32",
-            mallocs: tuple[str, ...] = ("reuse",)) -> dict:
+            new_tokens: int, cache: Path, engine_dtype: str = "float32") -> dict:
     model = build(size, cache)
     s = shape(model)
     base_mb = baseline_mb()
@@ -152,14 +148,14 @@ def measure(size: str, settings: list[str], worlds: list[int], lora: int, batche
                  "engine_dtype": engine_dtype,
                  "baseline_mb": base_mb, "new_tokens": new_tokens, "batches": batches, "settings": {}}
     flops = needed_flops(s, new_tokens)
-    for world, name, malloc in itertools.product(worlds, settings, mallocs):
+    for world, name in itertools.product(worlds, settings):
         overrides = [*SETTINGS[name], f"train.world_size={world}", f"rollout.dtype={engine_dtype}"]
         if lora:
             overrides.append(f"train.lora_rank={lora}")
         bf16 = "train.dtype=bfloat16" in overrides
         peak = peak_gflops(1, bf16)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            rows = run(model, Path(tmp) / "run", overrides, batches, new_tokens, malloc)
+            rows = run(model, Path(tmp) / "run", overrides, batches, new_tokens)
 
         def med(key: str, rows: list[dict] = rows) -> float:
             return statistics.median(r[key] for r in rows if key in r)
@@ -174,8 +170,7 @@ def measure(size: str, settings: list[str], worlds: list[int], lora: int, batche
         channel = med("sync/bytes") / 2**20 if any("sync/bytes" in r for r in rows) else 0.0
         engine_weights = s["parameters"] * (2 if engine_dtype == "bfloat16" else 4) / 2**20
         theory = state + base_mb + channel / world
-        label = f"{name} ×{world}" + (" sys" if malloc == "system" else "")
-        out["settings"][label] = {
+        out["settings"][f"{name} ×{world}"] = {
             "generate_s": med("time/generate"), "train_s": train_s, "sync_s": med("time/sync"),
             "learner_peak_mb": learner_mb, "engine_peak_mb": engine_mb, "channel_mb": channel,
             "engine_theoretical_mb": engine_weights + channel + base_mb,
@@ -200,9 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--cache", default=os.environ.get("TETHER_SCALE_CACHE", "/tmp/tether-scale"))
-    ap.add_argument("--malloc", default="reuse",
-                    help="comma-separated TETHER_MALLOC values to run each setting under: reuse (the "
-                         "tether command's default) and/or system (rows marked 'sys')")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     settings = a.settings.split(",")
@@ -212,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
     r = measure(a.size, settings, [int(w) for w in a.world_size.split(",")], a.lora, a.batches,
-                a.new_tokens, cache, a.engine_dtype, tuple(a.malloc.split(",")))
+                a.new_tokens, cache, a.engine_dtype)
     if a.json:
         print(json.dumps(r))
         return 0

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tether import __version__, hostmem
+from tether import __version__
 from tether.cli import config_cmd, data_cmds, eval_cmd, export_cmd, plan, train_cmd
 from tether.errors import TetherError
 
@@ -51,16 +51,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def entry() -> int:
-    """The ``tether`` console command: ``main`` in a process that keeps its freed host memory for
-    reuse, as do the processes it starts (``tether.hostmem``; ``TETHER_MALLOC=system`` opts out)."""
-    try:
-        hostmem.keep_freed_memory()
-    except TetherError as exc:
-        print(f"tether: error: {exc}", file=sys.stderr)
-        return 2
-    return main()
-
-
 if __name__ == "__main__":
-    sys.exit(entry())
+    sys.exit(main())

@@ -28,7 +28,6 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Protocol
 
-from tether import hostmem
 from tether.config import Config
 from tether.errors import LearnerError, LearnerLostError
 from tether.procinfo import Sealed, failure_traceback
@@ -61,8 +60,6 @@ class RankServer:
 
         cfg = self.cfg
         torch.set_num_threads(cfg.train.threads)
-        if self.world > 1:  # FSDP2's buffers would fragment a heap that keeps every freed block
-            hostmem.release_freed_memory()
         self.learner = TorchLearner(self.model_path, cfg, group=group)
         if self.rank == 0 and self.eval_data is not None and self.world == 1:
             self._build_evaluator(self.learner.model, self.learner.tokenizer)
