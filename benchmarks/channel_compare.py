@@ -110,7 +110,7 @@ def _object_store(params, repeats: int) -> dict:
 
     import ray
 
-    from tether.rollout.backends.ray.session import put_snapshot
+    from tether.rollout.backends.ray.cluster import put_snapshot
     from tether.rollout.channel import Snapshot, open_snapshot
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

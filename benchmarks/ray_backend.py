@@ -31,8 +31,8 @@ def _pools(model_dir: Path, weights, tmp: Path):
     from tether.data.stream import PromptStream
     from tether.data.tasks import get_task
     from tether.rollout.backends.local.pool import ProcessPool
+    from tether.rollout.backends.ray.cluster import RayOptions
     from tether.rollout.backends.ray.pool import RayPool
-    from tether.rollout.backends.ray.session import RayOptions
     from tether.rollout.settings import PoolSettings
 
     stream = PromptStream(get_task("arithmetic").examples("train", 100, seed=0), batch_size=1)

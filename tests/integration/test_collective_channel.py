@@ -226,8 +226,8 @@ def test_a_killed_worker_stops_the_next_publication_naming_it_and_leaves_nothing
 def test_a_killed_ray_actor_stops_the_next_broadcast_naming_it(tiny_model_dir, tmp_path):
     pytest.importorskip("ray")
     from tether.modeling import load_causal_lm, unique_parameters
+    from tether.rollout.backends.ray.cluster import RayOptions
     from tether.rollout.backends.ray.pool import RayPool
-    from tether.rollout.backends.ray.session import RayOptions
 
     settings = pool_settings(tiny_model_dir, "rollout.weight_sync=collective", "rollout.on_worker_loss=stop",
                              "rollout.num_workers=2", "rollout.weight_sync_timeout_s=20",

@@ -19,8 +19,8 @@ from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
 from tether.errors import ConfigError, RolloutError  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
+from tether.rollout.backends.ray.cluster import RayOptions  # noqa: E402
 from tether.rollout.backends.ray.pool import RayPool  # noqa: E402
-from tether.rollout.backends.ray.session import RayOptions  # noqa: E402
 from tether.vocabulary import GenerationRequest  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

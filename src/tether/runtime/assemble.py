@@ -177,7 +177,7 @@ def ray_actors(cfg: Config, prepared: Prepared, session: Any, stack: contextlib.
                run_dir: Path | None) -> tuple[Any, Evaluate]:
     """The learner as Ray actors, one per rank, in one placement group; rank 0 evaluates and puts
     the weights into the object store."""
-    from tether.rollout.backends.ray.session import RayOptions, check_fits, check_resources
+    from tether.rollout.backends.ray.cluster import RayOptions, check_fits, check_resources
     from tether.train.ranks import RankGroup
     from tether.train.ray_ranks import ActorRanks, check_placement
 

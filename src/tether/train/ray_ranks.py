@@ -72,7 +72,7 @@ class _LearnerActor(RankServer):
     def put(self, version: int) -> tuple[Any, dict[str, float]] | None:
         import ray
 
-        from tether.rollout.backends.ray.session import put_snapshot
+        from tether.rollout.backends.ray.cluster import put_snapshot
 
         weights = self.learner.export_weights()
         return put_snapshot(ray, self.snapshot, weights, version) if self.rank == 0 else None

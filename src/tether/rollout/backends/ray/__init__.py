@@ -85,7 +85,7 @@ class _Ray(BackendPlugin):
         return "cuda" if cfg.ray.gpus_per_worker > 0 else "cpu"
 
     def check_here(self, cfg: Any) -> None:
-        from tether.rollout.backends.ray.session import require_ray
+        from tether.rollout.backends.ray.cluster import require_ray
 
         require_ray()
 
@@ -116,7 +116,7 @@ class _Ray(BackendPlugin):
 
     @contextlib.contextmanager
     def session(self, cfg: Any, run_dir: Path):
-        from tether.rollout.backends.ray.session import RayOptions, RaySession
+        from tether.rollout.backends.ray.cluster import RayOptions, RaySession
 
         session = RaySession(RayOptions.of(cfg), run_dir)
         try:
@@ -125,8 +125,8 @@ class _Ray(BackendPlugin):
             session.close()
 
     def pool(self, settings, batches, weights, session, *, initial_version, extras):
+        from tether.rollout.backends.ray.cluster import RayOptions
         from tether.rollout.backends.ray.pool import RayPool
-        from tether.rollout.backends.ray.session import RayOptions
 
         return RayPool(settings, batches, weights, options=RayOptions.of(settings.cfg), session=session,
                        initial_version=initial_version, extras=extras)

@@ -21,7 +21,8 @@
 - A collector thread waits on the actors' result references and accepts finished batches in
   completion order (ties within one wake-up are ordered by the actors' finish times).
 
-The session, the start-up checks and the object-store write are ``session.py``'s.
+Connecting to Ray (``RaySession``), the start-up resource checks and the object-store write are
+``cluster.py``'s.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 
 from tether.errors import RolloutError
 from tether.procinfo import Sealed, failure_traceback
-from tether.rollout.backends.ray.session import (
+from tether.rollout.backends.ray.cluster import (
     RayOptions,
     RaySession,
     RemoteWeights,

@@ -1,4 +1,4 @@
-"""The Ray session and what a run asks of the cluster: ``RayOptions`` (the ``ray`` section),
+"""Connecting to Ray and what a run asks of the cluster: ``RayOptions`` (the ``ray`` section),
 ``RaySession`` (connect to ``ray.address`` or start a local instance with no dashboard, no usage
 reporting, its temporary directory inside the run directory; it shuts down only what it started),
 the start-up checks that refuse a request no node can give (``check_resources``, ``check_fits``,
