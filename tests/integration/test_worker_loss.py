@@ -82,6 +82,33 @@ def wait_rows(run_dir: Path, proc: subprocess.Popen, n: int, timeout: float = 12
         assert time.monotonic() < deadline, f"fewer than {n} batches trained in {timeout:.0f}s"
         time.sleep(0.05)
 
+def kill_twice_past_the_cap(model_dir, run_dir: Path, gate: Gate, *extra: str, timeout: float = 120):
+    """A run allowed one replacement: its held worker killed once, the replacement left to train
+    three more batches, then killed too. (first pid, second pid, the run's process family before
+    the second kill, the ended process, its stderr)."""
+    proc = start(model_dir, run_dir, gate, *extra, "train.num_batches=400", "checkpoint.interval=2",
+                 "rollout.max_worker_restarts=1")
+    try:
+        wait_rows(run_dir, proc, 2, timeout=timeout)
+        first = gate.kill_the_held_worker(proc)
+        wait_rows(run_dir, proc, 5, timeout=timeout)  # the replacement trains on
+        family = descendants(proc.pid)
+        second = gate.kill_the_held_worker(proc)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return first, second, family, proc, err
+
+
+def resume_three_more(run_dir: Path, timeout: float) -> tuple[int, subprocess.CompletedProcess]:
+    """``tether train --resume`` to three batches past the newest checkpoint: (that total, the run)."""
+    newest = sorted((run_dir / "checkpoints").iterdir())[-1]
+    total = json.loads((newest / "state.json").read_text())["trained_batches"] + 3
+    return total, subprocess.run(
+        [sys.executable, "-m", "tether.cli.main", "train", "--resume", str(run_dir), "--plain", "--no-report",
+         f"train.num_batches={total}"], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
 
 def assert_staleness_follows_the_launches(run_dir: Path) -> list[dict]:
     """Each trained batch was sampled under the version of its *last* launch (a lost batch's new
@@ -138,32 +165,16 @@ def test_a_killed_worker_is_replaced_and_the_run_trains_every_batch_once(replace
 
 
 def test_past_the_cap_the_run_stops_naming_the_key_leaves_no_process_and_resumes(tiny_model_dir, tmp_path):
-    gate, run_dir = Gate(tmp_path), tmp_path / "run"
-    proc = start(tiny_model_dir, run_dir, gate, "train.num_batches=400", "checkpoint.interval=2",
-                 "rollout.max_worker_restarts=1")
-    try:
-        wait_rows(run_dir, proc, 2)
-        first = gate.kill_the_held_worker(proc)
-        wait_rows(run_dir, proc, 5)  # the replacement trains on
-        family = descendants(proc.pid)
-        second = gate.kill_the_held_worker(proc)
-        assert second != first
-        _out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    run_dir = tmp_path / "run"
+    first, second, family, proc, err = kill_twice_past_the_cap(tiny_model_dir, run_dir, Gate(tmp_path))
+    assert second != first
     assert proc.returncode == 2, err[-3000:]
     assert "WorkerRestartLimitError" in err or "worker rollout-0" in err, err[-3000:]
     assert (f"worker process (pid {second}) died from signal SIGKILL" in err
             and "1 worker(s) already replaced in this run, the most rollout.max_worker_restarts=1 allows: "
                 "raise rollout.max_worker_restarts" in err), err[-3000:]
     assert wait_gone(family) == []  # the replacement, the forkserver: nothing outlives the run
-    newest = sorted((run_dir / "checkpoints").iterdir())[-1]
-    trained = json.loads((newest / "state.json").read_text())["trained_batches"]
-    total = trained + 3
-    resume = subprocess.run(
-        [sys.executable, "-m", "tether.cli.main", "train", "--resume", str(run_dir), "--plain", "--no-report",
-         f"train.num_batches={total}"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    total, resume = resume_three_more(run_dir, timeout=180)
     assert resume.returncode == 0, resume.stderr[-3000:]
     metrics = rows(run_dir / "metrics.jsonl")
     assert sorted(m["batch_index"] for m in metrics) == list(range(total))  # every batch once

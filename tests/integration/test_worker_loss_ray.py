@@ -2,9 +2,6 @@
 `ray.kill`, its process SIGKILLed in a whole run, and its node removed from a Ray cluster of three
 nodes; each time it is held inside its reward (a gate file), so it dies while generating a batch."""
 
-import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -13,11 +10,18 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 ray = pytest.importorskip("ray")
 
-from test_train import ROOT, rows  # noqa: E402
-from test_worker_loss import Gate, assert_staleness_follows_the_launches, start, wait_rows  # noqa: E402
+from test_train import rows  # noqa: E402
+from test_worker_loss import (  # noqa: E402
+    Gate,
+    assert_staleness_follows_the_launches,
+    kill_twice_past_the_cap,
+    resume_three_more,
+    start,
+    wait_rows,
+)
 
 from configs import pool_settings  # noqa: E402
-from procs import descendants, wait_gone  # noqa: E402
+from procs import wait_gone  # noqa: E402
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
@@ -93,20 +97,10 @@ def test_an_actor_killed_with_ray_kill_is_replaced_holding_the_published_version
 
 
 def test_a_run_replaces_a_sigkilled_actor_then_stops_past_the_cap_and_resumes(tiny_model_dir, tmp_path):
-    gate, run_dir = Gate(tmp_path), tmp_path / "run"
-    proc = start(tiny_model_dir, run_dir, gate, *RAY, "train.num_batches=400", "checkpoint.interval=2",
-                 "rollout.max_worker_restarts=1")
-    try:
-        wait_rows(run_dir, proc, 2, timeout=180)
-        first = gate.kill_the_held_worker(proc)
-        wait_rows(run_dir, proc, 5, timeout=180)  # the replacement trains on
-        family = descendants(proc.pid)
-        second = gate.kill_the_held_worker(proc)
-        assert second != first
-        _out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    run_dir = tmp_path / "run"
+    first, second, family, proc, err = kill_twice_past_the_cap(tiny_model_dir, run_dir, Gate(tmp_path), *RAY,
+                                                               timeout=180)
+    assert second != first
     assert proc.returncode == 2, err[-3000:]
     assert ("Ray actor (pid " in err and "1 worker(s) already replaced in this run, the most "
             "rollout.max_worker_restarts=1 allows: raise rollout.max_worker_restarts" in err), err[-3000:]
@@ -116,11 +110,7 @@ def test_a_run_replaces_a_sigkilled_actor_then_stops_past_the_cap_and_resumes(ti
     assert restarts[0] == 0 and restarts[-1] == 1  # the first loss replaced, the run went on
     (lost,) = [e for e in rows(run_dir / "events.jsonl") if e["kind"] == "worker_lost"]
     assert f"pid {first}" in lost["cause"]
-    newest = sorted((run_dir / "checkpoints").iterdir())[-1]
-    total = json.loads((newest / "state.json").read_text())["trained_batches"] + 3
-    resume = subprocess.run(
-        [sys.executable, "-m", "tether.cli.main", "train", "--resume", str(run_dir), "--plain", "--no-report",
-         f"train.num_batches={total}"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    total, resume = resume_three_more(run_dir, timeout=240)
     assert resume.returncode == 0, resume.stderr[-3000:]
     metrics = rows(run_dir / "metrics.jsonl")
     assert sorted(m["batch_index"] for m in metrics) == list(range(total))
