@@ -109,3 +109,21 @@ def test_the_demo_recipe_on_vllm_publishes_without_draining_within_the_budget(de
         if m["staleness/multi_version_seq_frac"] > 0:
             assert len(versions) > 1 and m["staleness/token_min_updates"] < m["staleness/updates"]
     assert all(m["rollout/wasted_tokens"] == 0 for m in metrics)
+
+
+def test_vllm_trains_batch_for_batch_through_the_collective_group_as_through_shared_memory(demo_model,
+                                                                                           tmp_path):
+    """rollout.weight_sync=collective: the rollout worker that holds vLLM's engine core receives
+    each broadcast version, verifies it, and loads it through vLLM's worker extension."""
+    keys = ("step", "batch_index", "async/behavior_version", "async/train_version", "staleness/updates",
+            "reward/mean", "loss/policy")
+    out = {}
+    for sync in ("shm", "collective"):
+        cfg = load_config(DEMO, short(demo_model, "train.num_batches=4", "data.num_eval=8", "eval.interval=0",
+                                      f"rollout.weight_sync={sync}", "rollout.on_worker_loss=stop"))
+        train(cfg, tmp_path / sync, progress_plain=True)
+        out[sync] = rows(tmp_path / sync / "metrics.jsonl")
+    shm, collective = ([{k: m[k] for k in keys} for m in out[s]] for s in ("shm", "collective"))
+    assert shm == collective
+    published = [m for m in out["collective"] if "sync/bytes" in m]
+    assert published and all(m["sync/buckets"] >= 1 for m in published)
