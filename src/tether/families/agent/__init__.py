@@ -74,13 +74,9 @@ class AgentFamily(TextFamily):
                 f"env.max_turn_tokens={e.max_turn_tokens} leaves no room for an observation in "
                 f"env.max_episode_tokens={e.max_episode_tokens}; lower the first or raise the second"
             )
-        if e.env_class:
-            from tether.families.agent.env import factory
-            from tether.pyload import load_python_object
+        from tether.families.agent.sampler import environment_factory
 
-            factory(
-                load_python_object(e.env_class, what="env.env_class"), {}
-            )  # refuses a non-environment now
+        environment_factory(cfg)  # refuses a non-environment, or arguments its constructor cannot take, now
 
     def drains_at_turns(self, cfg: Any) -> bool:
         """``drain`` with ``env.switch_at=turn`` (``InflightMode.turn_mode``): a publication waits
