@@ -213,7 +213,8 @@ class Player:
              ) -> list[Episode]:
         """Play one episode per (task row, environment seed), all at once; returns them in the
         order given, each ended (``Episode.status``)."""
-        episodes = [Episode(i, task, env_seed, lane=self.threads.lane()) for i, (task, env_seed) in enumerate(tasks)]
+        episodes = [Episode(i, task, env_seed, lane=self.threads.lane())
+                    for i, (task, env_seed) in enumerate(tasks)]
         if self.chat:
             from tether.families.agent.chat import ChatTurns
 
