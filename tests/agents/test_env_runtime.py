@@ -144,3 +144,32 @@ def test_budgets_past_the_models_context_are_refused_when_the_run_starts(tiny_mo
         cfg.family().data(cfg, Path(tiny_model_dir))
     within = config(tiny_model_dir, "Tabled", "env.kwargs={table: t}", f"env.max_episode_tokens={n}")
     assert within.family().data(within, Path(tiny_model_dir)).train
+
+
+def test_skyrl_gyms_own_search_env_is_built_from_env_config_and_max_turns():
+    """skyrl-gym's SearchEnv as the adapter builds it: its tool's URL from env_config, its turn
+    limit from extras['max_turns'] (no request is made: the answer ends the episode)."""
+    pytest.importorskip("skyrl_gym")
+    from skyrl_gym.envs.search.env import SearchEnv
+
+    from tether.families.agent.env import as_step, factory
+
+    env = factory(SearchEnv, {}, env_config={"search_url": "http://127.0.0.1:9/retrieve", "topk": 2, "timeout": 1,
+                                             "log_requests": False}, extras={"max_turns": 3})()
+    row = {"prompt": "Who?", "answer": "Ada",  # a SkyRL search row carries its own reward_spec
+           "reward_spec": {"method": "rule", "ground_truth": {"target": ["Ada"]}}}
+    assert env.reset(row, 0) == "Who?"
+    assert env.env.max_turns == 3
+    assert (env.env.tool_group.search_url, env.env.tool_group.topk) == ("http://127.0.0.1:9/retrieve", 2)
+    step = as_step(env.step("<answer>Ada</answer>"))
+    assert step.done and step.reward == 1.0
+    env.close()
+
+
+def test_without_omegaconf_env_config_reads_its_keys_as_attributes():
+    from tether.families.agent.env import Attributes
+
+    config = Attributes({"search_url": "u", "retry": {"times": 2}})
+    assert (config.search_url, config.retry.times, config.get("topk", 3)) == ("u", 2, 3)
+    with pytest.raises(AttributeError, match="env.env_config has no key 'topk'"):
+        _ = config.topk
