@@ -154,8 +154,8 @@ def test_skyrl_gyms_own_search_env_is_built_from_env_config_and_max_turns():
 
     from tether.families.agent.env import as_step, factory
 
-    env = factory(SearchEnv, {}, env_config={"search_url": "http://127.0.0.1:9/retrieve", "topk": 2, "timeout": 1,
-                                             "log_requests": False}, extras={"max_turns": 3})()
+    settings = {"search_url": "http://127.0.0.1:9/retrieve", "topk": 2, "timeout": 1, "log_requests": False}
+    env = factory(SearchEnv, {}, env_config=settings, extras={"max_turns": 3})()
     row = {"prompt": "Who?", "answer": "Ada",  # a SkyRL search row carries its own reward_spec
            "reward_spec": {"method": "rule", "ground_truth": {"target": ["Ada"]}}}
     assert env.reset(row, 0) == "Who?"
@@ -171,5 +171,5 @@ def test_without_omegaconf_env_config_reads_its_keys_as_attributes():
 
     config = Attributes({"search_url": "u", "retry": {"times": 2}})
     assert (config.search_url, config.retry.times, config.get("topk", 3)) == ("u", 2, 3)
-    with pytest.raises(AttributeError, match="env.env_config has no key 'topk'"):
+    with pytest.raises(AttributeError, match=r"env\.env_config has no key 'topk'"):
         _ = config.topk
