@@ -110,9 +110,11 @@ class Lane:
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
             call, fn = item
-            with self.threads._slot(call) as running:
-                if running:
+            if self.threads._take(call):
+                try:
                     self._run(call, fn)
+                finally:
+                    self.threads._returned(call)
         self._close_loop()
 
     def _run(self, call: Call, fn: Callable[[], Any], *, inline: bool = False) -> None:
@@ -147,26 +149,6 @@ class Lane:
             pass
         finally:
             loop.close()
-
-
-class _Slot:
-    def __init__(self, threads: EnvThreads, call: Call) -> None:
-        self.threads, self.call = threads, call
-
-    def __enter__(self) -> bool:
-        if self.call.cancelled():  # given up while it waited (every slot held past its deadline)
-            self.call = None
-            return False
-        self.threads._slots.acquire()
-        if self.call.set_running_or_notify_cancel():
-            return True
-        self.threads._slots.release()
-        self.call = None
-        return False
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.call is not None:
-            self.threads._returned(self.call)
 
 
 class EnvThreads:
@@ -206,8 +188,15 @@ class EnvThreads:
                 if self.workers and self._overrun >= self.workers and self.jammed_since is None:
                     self.jammed_since = time.monotonic()
 
-    def _slot(self, call: Call) -> _Slot:
-        return _Slot(self, call)
+    def _take(self, call: Call) -> bool:
+        """Wait for a slot for ``call``; False (no slot held) if it was given up meanwhile."""
+        if call.cancelled():  # given up while it waited (every slot held past its deadline)
+            return False
+        self._slots.acquire()
+        if call.set_running_or_notify_cancel():
+            return True
+        self._slots.release()
+        return False
 
     def _returned(self, call: Call) -> None:
         with self._lock:
