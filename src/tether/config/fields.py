@@ -116,7 +116,7 @@ def describe_type(tp: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return f"{describe_type(args[0])} or null"
-    return {int: "integer", float: "number", str: "string", bool: "true/false"}.get(tp, str(tp))
+    return {int: "integer", float: "number", str: "string", bool: "true/false", Any: "value"}.get(tp, str(tp))
 
 
 def coerce(key: str, tp: Any, value: Any) -> Any:
@@ -155,6 +155,8 @@ def coerce(key: str, tp: Any, value: Any) -> Any:
         names, amounts = typing.get_args(tp)
         return {coerce(f"{key} (a name)", names, k): coerce(f"{key}[{k!r}]", amounts, v)
                 for k, v in value.items()}
+    if tp is Any:  # any YAML value (a mapping handed on as it is, e.g. an environment's arguments)
+        return value
     if tp is bool:
         if not isinstance(value, bool):
             raise wrong

@@ -74,13 +74,9 @@ class AgentFamily(TextFamily):
                 f"env.max_turn_tokens={e.max_turn_tokens} leaves no room for an observation in "
                 f"env.max_episode_tokens={e.max_episode_tokens}; lower the first or raise the second"
             )
-        if e.env_class:
-            from tether.families.agent.env import factory
-            from tether.pyload import load_python_object
+        from tether.families.agent.sampler import environment_factory
 
-            factory(
-                load_python_object(e.env_class, what="env.env_class"), {}
-            )  # refuses a non-environment now
+        environment_factory(cfg)  # refuses a non-environment, or arguments its constructor cannot take, now
 
     def drains_at_turns(self, cfg: Any) -> bool:
         """``drain`` with ``env.switch_at=turn`` (``InflightMode.turn_mode``): a publication waits
@@ -131,8 +127,13 @@ class AgentFamily(TextFamily):
         return None  # an episode's reward comes from its environment
 
     def data(self, cfg: Any, model_path: Path) -> DataBundle:
-        """The task rows: a built-in agent task's, or a dataset's (each row passed to ``reset``)."""
+        """The task rows: a built-in agent task's, or a dataset's (each row passed to ``reset``).
+        Refuses token budgets the model's context cannot hold (``check_context``) first."""
         from dataclasses import replace
+
+        from tether.modeling import context_length, model_config
+
+        check_context(cfg, context_length(model_config(model_path)), model_path)
 
         # data.chat_template renders observations here (the player), not the rows' prompts
         plain = replace(cfg, data=replace(cfg.data, chat_template=False))
@@ -187,3 +188,24 @@ class AgentFamily(TextFamily):
 
 
 FAMILY = AgentFamily()
+
+
+def check_context(cfg: Any, context: int | None, model_path: Any) -> None:
+    """Refuse (``ConfigError``) an ``env.max_episode_tokens`` past the model's ``context`` (its
+    config's positions; None: unknown, nothing to check), or a turn budget (``env.max_turn_tokens``,
+    else ``rollout.max_new_tokens``) that leaves no room for an observation in what an episode may
+    hold, so the run stops before it starts rather than mid-rollout."""
+    if context is None:
+        return
+    e = cfg.env
+    where = f"the model's context of {context} positions ({model_path})"
+    if e.max_episode_tokens > context:
+        raise ConfigError(f"env.max_episode_tokens={e.max_episode_tokens} is more than {where}; lower it "
+                          f"to at most {context}, or set 0 (the model's context)")
+    episode = e.max_episode_tokens or context
+    turn, key = (e.max_turn_tokens, "env.max_turn_tokens") if e.max_turn_tokens else (
+        cfg.rollout.max_new_tokens, "rollout.max_new_tokens (env.max_turn_tokens=0)")
+    if turn >= episode:
+        held = f"env.max_episode_tokens={episode}" if e.max_episode_tokens else where
+        raise ConfigError(f"{key.split(' ')[0]}={turn} leaves no room for an observation in {held}; lower "
+                          f"{key}" + ("" if e.max_episode_tokens else " below the context"))

@@ -14,28 +14,33 @@ answered by raising ``ActionError(message)``: the message becomes the observatio
 and the episode goes on (counted as an action error). Any other exception (``SystemExit`` and
 ``KeyboardInterrupt`` included) ends the episode, as does a step whose fields are of the wrong
 kind (``as_step``: a reward that is not a number within ±``REWARD_LIMIT``, a ``done`` that is not a
-bool, ...). The constructor is called with no arguments (skyrl-gym's: ``env_config, extras``);
-``factory`` refuses a class that needs more when the recipe is loaded.
+bool, ...). The constructor is called with ``env.kwargs`` as keyword arguments (none by default;
+skyrl-gym's with ``env_config, extras``); ``factory`` refuses a class that needs more when the recipe
+is loaded. All of one episode's calls run on one thread, and an async environment's on one event
+loop (``envthreads.Lane``), so what ``reset`` opens (a client, a lock, a connection) serves ``step``.
 
 Adapters (duck-typed, so neither package is needed):
 
 - ``skyrl-gym``'s ``BaseTextEnv`` (``init(prompt) -> (messages, metadata)``, ``step(action) ->
   {"observations": [...], "reward", "done", "metadata"}``): built as ``Class(env_config, extras)``
-  with the task row as ``extras`` (plus SkyRL's ``reward_spec.ground_truth`` from the row's answer
-  and an empty ``extra_info`` when the row has none); observation messages' contents are joined;
+  with ``env.env_config`` as ``env_config`` (an OmegaConf ``DictConfig`` as SkyRL passes, or, without
+  omegaconf, a dict whose keys read as attributes too) and the task row as ``extras`` (plus SkyRL's
+  ``reward_spec.ground_truth`` from the row's answer and an empty ``extra_info`` when the row has
+  none, and ``max_turns``: ``env.max_turns``); observation messages' contents are joined;
 - a gymnasium text environment (``reset(seed=..., options=...) -> (observation, info)``): built with
-  no arguments, the task row given as ``options``.
+  ``env.kwargs``, the task row given as ``options``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+from tether.families.agent.envthreads import awaited as _run
 
 
 class ActionError(Exception):
@@ -69,17 +74,6 @@ class Environment(Protocol):
     def reset(self, task: Mapping[str, Any], seed: int) -> str: ...
 
     def step(self, action: str) -> Step: ...
-
-
-def _run(value: Any) -> Any:
-    """``value``, awaited when it is awaitable (each environment thread runs its own event loop)."""
-    if inspect.isawaitable(value):
-        return asyncio.run(_awaited(value))
-    return value
-
-
-async def _awaited(value: Any) -> Any:
-    return await value
 
 
 REWARD_LIMIT = 1e6
@@ -174,17 +168,43 @@ def _messages_text(messages: Any) -> str:
     return "".join(m["content"] if isinstance(m, Mapping) else str(m) for m in messages)
 
 
+class Attributes(dict):
+    """A mapping whose keys also read as attributes (``env_config.search_url``), with nested
+    mappings alike: skyrl-gym's ``env_config`` where omegaconf is not installed."""
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        super().__init__({k: Attributes(v) if isinstance(v, Mapping) else v for k, v in values.items()})
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"env.env_config has no key {name!r}") from None
+
+
+def env_config_of(values: Mapping[str, Any]) -> Any:
+    """skyrl-gym's ``env_config`` from ``env.env_config``: an OmegaConf ``DictConfig``, as SkyRL
+    passes it, or ``Attributes`` without omegaconf (a fresh one each episode: an environment may
+    change its own)."""
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:
+        return Attributes(values)
+    return OmegaConf.create(dict(values))
+
+
 class _SkyRL:
     """``skyrl-gym``'s ``BaseTextEnv`` as an ``Environment`` (the task row is its ``extras``)."""
 
-    def __init__(self, env_class: type, options: Mapping[str, Any]) -> None:
-        self.env_class, self.options, self.env = env_class, options, None
+    def __init__(self, made: EnvFactory) -> None:
+        self.made, self.env = made, None
 
     def reset(self, task: Mapping[str, Any], seed: int) -> str:
-        # SkyRL's rows carry the answer as reward_spec.ground_truth, and extra_info
+        # SkyRL's rows carry the answer as reward_spec.ground_truth, and extra_info; SkyRL's
+        # generator adds max_turns to every row's extras
         extras = {"reward_spec": {"method": "rule", "ground_truth": task.get("answer", "")}, "extra_info": {},
-                  **task}
-        self.env = self.env_class(dict(self.options), extras)
+                  **task, **self.made.extras}
+        self.env = self.made.env_class(env_config_of(self.made.env_config), extras)
         prompt = task.get("prompt", "")
         messages, _ = _run(
             self.env.init([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
@@ -202,8 +222,8 @@ class _SkyRL:
 class _Gymnasium:
     """A gymnasium text environment as an ``Environment`` (the task row is ``reset``'s options)."""
 
-    def __init__(self, env_class: type, options: Mapping[str, Any]) -> None:
-        self.env = env_class(**options)
+    def __init__(self, made: EnvFactory) -> None:
+        self.env = made.env_class(**made.options)
 
     def reset(self, task: Mapping[str, Any], seed: int) -> str:
         out = _run(self.env.reset(seed=seed, options=dict(task)))
@@ -220,8 +240,8 @@ class _Gymnasium:
 class _Native:
     """An ``Environment`` as is (sync or async methods)."""
 
-    def __init__(self, env_class: type, options: Mapping[str, Any]) -> None:
-        self.env = env_class(**options)
+    def __init__(self, made: EnvFactory) -> None:
+        self.env = made.env_class(**made.options)
 
     def reset(self, task: Mapping[str, Any], seed: int) -> str:
         return _run(self.env.reset(task, seed))
@@ -256,32 +276,48 @@ class EnvFactory:
     """Makes one fresh adapted environment a call (on an environment thread, so a slow constructor
     counts against the episode's time); ``name`` is the class's, for messages."""
 
-    adapter: Callable[[type, Mapping[str, Any]], Any]
+    adapter: Callable[[EnvFactory], Any]
     env_class: type
     options: Mapping[str, Any]
+    """The constructor's keyword arguments (``env.kwargs``; not for skyrl-gym's)."""
+    env_config: Mapping[str, Any] = field(default_factory=dict)
+    """skyrl-gym's ``env_config`` (``env.env_config``)."""
+    extras: Mapping[str, Any] = field(default_factory=dict)
+    """What skyrl-gym's ``extras`` hold besides the task row (``max_turns``)."""
 
     @property
     def name(self) -> str:
         return getattr(self.env_class, "__qualname__", repr(self.env_class))
 
     def __call__(self) -> Any:
-        return self.adapter(self.env_class, self.options)
+        return self.adapter(self)
 
 
-def factory(env_class: type, options: Mapping[str, Any]) -> EnvFactory:
-    """What makes environments of ``env_class``; refuses (``ConfigError``) a class that is not an
-    environment, or whose constructor cannot be called the way its adapter calls it, so a recipe
+def factory(env_class: type, options: Mapping[str, Any], *, env_config: Mapping[str, Any] | None = None,
+            extras: Mapping[str, Any] | None = None) -> EnvFactory:
+    """What makes environments of ``env_class``: built with ``options`` as keyword arguments, or,
+    for a skyrl-gym environment, with ``env_config`` and the task row plus ``extras``. Refuses
+    (``ConfigError``) a class that is not an environment, keys meant for the other kind of
+    environment, or a constructor that cannot be called the way its adapter calls it, so a recipe
     fails when it is loaded rather than at its first episode."""
     from tether.errors import ConfigError
 
     kind = kind_of(env_class)
+    name = getattr(env_class, "__qualname__", repr(env_class))
+    if kind == "skyrl" and options:
+        raise ConfigError(f"env.kwargs={dict(options)} is for environments built with keyword arguments; "
+                          f"{name} is a skyrl-gym environment, built as {name}(env_config, extras): put its "
+                          "settings in env.env_config")
+    if kind in ("native", "gymnasium") and env_config:
+        raise ConfigError(f"env.env_config is skyrl-gym's env_config; {name} is not a skyrl-gym environment "
+                          "(it has reset, not init): pass its constructor's arguments as env.kwargs")
     adapter = {"skyrl": _SkyRL, "gymnasium": _Gymnasium, "native": _Native}.get(kind)
     if adapter is None:
         raise ConfigError(
             f"{env_class!r} is not an environment: it needs reset(task, seed) and step(action) "
             "(or skyrl-gym's init(prompt) and step(action)); see docs/agents.md"
         )
-    made = EnvFactory(adapter, env_class, options)
+    made = EnvFactory(adapter, env_class, dict(options), dict(env_config or {}), dict(extras or {}))
     try:
         signature = inspect.signature(env_class)
     except (TypeError, ValueError):  # a class without a readable signature: its first episode will say

@@ -11,13 +11,16 @@ learner scores. An environment that rewrites the history (``Step.new_context``) 
 so far as one sample and starts another from the new context: an episode is then several samples,
 each exactly what the model saw, all with the episode's return.
 
-Environment calls (construction and ``reset`` included) run on ``EnvThreads``, side by side. Turns
+Environment calls (construction and ``reset`` included) run on ``EnvThreads``, side by side, each
+episode's on its own thread and event loop for the episode's whole life (``Lane``). Turns
 are generated in one batched engine call per wave (``env.schedule=waves``: once every call of the
 last turn has returned, so a run is reproducible and resumes exactly), or for whichever episodes are
 ready as soon as any are (``eager``: a slow environment holds back only its own episode; the rows
-of each engine call then follow timing, so sampling is not reproducible run to run). A call past
-its deadline is abandoned and its thread replaced; the threads are daemons, so a hung environment
-never holds the worker process open.
+of each engine call then follow timing, so sampling is not reproducible run to run). A call's
+deadline counts from when it starts (takes one of ``env.workers`` slots), not from when it was
+submitted. A call past its deadline is abandoned: its episode ends as ``timeout`` and the call keeps
+its slot until it returns; the threads are daemons, so a hung environment never holds the worker
+process open.
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tether.families.agent.env import REWARD_LIMIT, ActionError, EnvContractError, EnvFactory, as_step
-from tether.families.agent.envthreads import EnvThreads, is_stop
+from tether.families.agent.envthreads import Call, EnvThreads, is_stop
 from tether.vocabulary import SamplingParams
 
 ENDINGS = ("done", "truncated", "max_turns", "token_budget", "error", "timeout")
@@ -100,6 +103,8 @@ class Episode:
     """Turns cut off at the per-turn token budget."""
     env_s: float = 0.0
     env: Any = None
+    lane: Any = None
+    """Its ``envthreads.Lane``: the thread and event loop all its environment calls run on."""
     chat: Any = None
     """Its ``ChatTurns`` with data.chat_template, else None."""
     closed: list[Sample] = field(default_factory=list)
@@ -208,14 +213,15 @@ class Player:
              ) -> list[Episode]:
         """Play one episode per (task row, environment seed), all at once; returns them in the
         order given, each ended (``Episode.status``)."""
-        episodes = [Episode(i, task, env_seed) for i, (task, env_seed) in enumerate(tasks)]
+        episodes = [Episode(i, task, env_seed, lane=self.threads.lane())
+                    for i, (task, env_seed) in enumerate(tasks)]
         if self.chat:
             from tether.families.agent.chat import ChatTurns
 
             for ep in episodes:
                 ep.chat = ChatTurns(self.tokenizer)
         self.turn_switches = 0
-        pending: dict[Future, tuple[Episode, str, float]] = {}
+        pending: dict[Call, tuple[Episode, str]] = {}
         for ep in episodes:
             self._call(pending, ep, "reset", lambda ep=ep: self._reset(ep))
         try:
@@ -235,36 +241,50 @@ class Player:
                 self._generate(ready, params, seed + 7919 * turn, pending)
                 turn, ready = turn + 1, []
                 continue
-            deadline = min(self._deadline(ep, started) for ep, _, started in pending.values())
-            timeout = max(0.0, deadline - time.monotonic())
+            now = time.monotonic()
+            deadline = min(self._deadline(ep, call, now) for call, (ep, _) in pending.items())
+            timeout = max(0.0, deadline - now)
             if self.whole_turns:  # no turn is generating: the worker is at a safe point while it waits
                 timeout = min(timeout, self.BOUNDARY_POLL_S)
             done, _ = wait(list(pending), timeout=timeout, return_when=FIRST_COMPLETED)
             if self.whole_turns:
                 self._boundary()
             now = time.monotonic()
-            for future in done:
-                ep, kind, started = pending.pop(future)
-                ep.env_s += now - started
-                if self._received(ep, kind, future):
+            for call in done:
+                ep, kind = pending.pop(call)
+                ep.env_s += call.ended - call.started
+                if self._received(ep, kind, call):
                     ready.append(ep)
-            for future, (ep, kind, started) in list(pending.items()):
-                if now >= self._deadline(ep, started):
-                    del pending[future]
-                    future.cancel()
-                    self.threads.abandon()
-                    ep.env_s += now - started
+            for call, (ep, kind) in list(pending.items()):
+                if now >= self._deadline(ep, call, now):
+                    del pending[call]
+                    waited = call.started is None
+                    call.cancel()  # one still waiting for a slot never runs
+                    self.threads.abandon(call)
+                    ep.env_s += now - self._started(call, now)
                     ep.env = None  # in use by the abandoned call: never closed from here
-                    self._end(ep, "timeout", f"{self.env_name}: {kind} ran past its timeout")
+                    ep.lane.close()  # ends once the call returns
+                    self._end(ep, "timeout", f"{self.env_name}: {kind} " + (
+                        f"found every one of the env.workers={self.threads.workers} slots held by calls "
+                        "past their timeout" if waited else "ran past its timeout"))
 
     # -- environment calls -------------------------------------------------------------------
 
     def _call(self, pending: dict, ep: Episode, kind: str, fn: Callable[[], Any]) -> None:
-        pending[self.threads.submit(fn)] = (ep, kind, time.monotonic())
+        pending[ep.lane.submit(fn)] = (ep, kind)
 
-    def _deadline(self, ep: Episode, started: float) -> float:
+    def _deadline(self, ep: Episode, call: Call, now: float) -> float:
+        """When ``call`` times out: its time allowed from when it started. One still waiting for a
+        slot has no deadline yet (the earliest it could have, ``now`` + its time, is returned, so the
+        wait wakes up to look again), unless every slot is held by calls past their deadlines
+        (``EnvThreads.jammed_since``): then it counts from that moment."""
         lim = self.limits
-        return started + min(lim.step_timeout_s, max(0.0, lim.episode_timeout_s - ep.env_s))
+        return self._started(call, now) + min(lim.step_timeout_s, max(0.0, lim.episode_timeout_s - ep.env_s))
+
+    def _started(self, call: Call, now: float) -> float:
+        """When ``call``'s time began: when it started, else when every slot came to be held by
+        calls past their deadlines, else ``now`` (it is waiting for a slot: its time has not begun)."""
+        return call.started or self.threads.jammed_since or now
 
     def _reset(self, ep: Episode) -> tuple[Any, str]:
         """(the environment, its first observation); the episode takes the environment only when
@@ -282,7 +302,7 @@ class Player:
             raise
         return env, obs
 
-    def _received(self, ep: Episode, kind: str, future: Future) -> bool:
+    def _received(self, ep: Episode, kind: str, future: Call) -> bool:
         """Take one finished environment call into ``ep``; True if the model's turn is next. What
         the call raised or returned wrong (anything but a stop of the run, ``is_stop``) ends the
         episode as ``error``, never the batch."""
@@ -420,16 +440,25 @@ class Player:
             self.turn_switches += 1
 
     def _close(self, episodes: list[Episode]) -> None:
-        """Close every environment not held by an abandoned call, on the environment threads; a
-        close that fails is ignored and one that overruns is abandoned (counted), never raised."""
+        """Close every environment not held by an abandoned call, each on its episode's lane, then
+        the lanes; a close that fails is ignored and one that overruns its deadline (from when it
+        starts) is abandoned (counted), never raised."""
         closing = [
-            self.threads.submit(ep.env.close)
+            ep.lane.submit(ep.env.close)
             for ep in episodes
             if ep.env is not None  # an adapter (``tether.families.agent.env``): each has close
         ]
-        if closing:
-            _, late = wait(closing, timeout=self.limits.step_timeout_s)
-            for _ in late:
-                self.threads.abandon()
         for ep in episodes:
+            ep.lane.close()
             ep.env = None
+        timeout = self.limits.step_timeout_s
+        while closing:
+            now = time.monotonic()
+            wake = min(self._started(c, now) for c in closing) + timeout
+            done, _ = wait(closing, timeout=max(0.0, wake - now), return_when=FIRST_COMPLETED)
+            now = time.monotonic()
+            closing = [c for c in closing if c not in done]
+            for call in [c for c in closing if now >= self._started(c, now) + timeout]:
+                call.cancel()
+                self.threads.abandon(call)
+                closing.remove(call)

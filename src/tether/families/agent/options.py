@@ -4,7 +4,7 @@ budgets and timeouts, and how failures count. Refused unless ``model.family=agen
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from tether.config.fields import knob
 
@@ -20,8 +20,22 @@ class EnvSection:
         "gymnasium text environments are adapted. Each task row (data.dataset or data.task) is passed to "
         "reset. Empty: the built-in environment of data.task (kv_lookup, guess_number).",
     )
+    kwargs: dict[str, Any] = knob(
+        {},
+        "Keyword arguments env.env_class is built with, one instance per episode, e.g. {url: "
+        "'http://127.0.0.1:8000', timeout_s: 5} (a gymnasium environment's too). Not for skyrl-gym "
+        "environments: they take env.env_config.",
+    )
+    env_config: dict[str, Any] = knob(
+        {},
+        "A skyrl-gym environment's env_config (its first constructor argument), as SkyRL's "
+        "environment.skyrl_gym.<env> section holds it, e.g. {search_url: 'http://127.0.0.1:8000/retrieve', "
+        "topk: 3}; given as an OmegaConf DictConfig (attribute access: env_config.search_url). Its extras "
+        "are the task row with max_turns = env.max_turns.",
+    )
     max_turns: int = knob(
-        4, "Model turns per episode; an episode still going after them ends as max_turns.", min=1
+        4, "Model turns per episode; an episode still going after them ends as max_turns (a skyrl-gym "
+        "environment also reads it as extras['max_turns']).", min=1
     )
     max_turn_tokens: int = knob(
         0,
@@ -39,8 +53,10 @@ class EnvSection:
     turn_stop: str = knob("\n", "Text that ends a model turn, besides EOS ('' = none).")
     workers: int = knob(
         8,
-        "Threads per rollout worker that run environment calls (construction and reset included), so a "
-        "slow environment never stalls the engine; 0 runs them inline (no timeouts; a baseline).",
+        "Environment calls (construction, reset, step, close) a rollout worker runs at once, off the "
+        "generation path so a slow environment never stalls the engine; a hard bound (a call past "
+        "env.step_timeout_s keeps its place until it returns). Each episode's calls run on one thread and "
+        "one event loop of its own for its whole life. 0 runs them inline (no timeouts; a baseline).",
         min=0,
     )
     schedule: Literal["waves", "eager"] = knob(
@@ -61,8 +77,8 @@ class EnvSection:
         choices=("token", "turn"))
     step_timeout_s: float = knob(
         30.0,
-        "Seconds one environment call (set-up, reset, step) may take; past it the episode ends as "
-        "timeout and the call is abandoned.",
+        "Seconds one environment call (set-up, reset, step) may take, from when it starts (not while it "
+        "waits for one of env.workers); past it the episode ends as timeout and the call is abandoned.",
         min=0.001,
     )
     episode_timeout_s: float = knob(

@@ -28,7 +28,8 @@ from tether.vocabulary import WorkItem
 
 
 def environment_factory(cfg: Any):
-    """What makes one environment of the recipe: ``env.env_class``, else the task's own."""
+    """What makes one environment of the recipe: ``env.env_class``, else the task's own, built with
+    ``env.kwargs`` (skyrl-gym's with ``env.env_config``, and ``env.max_turns`` in its extras)."""
     from tether import registry
     from tether.errors import ConfigError
     from tether.families.agent.env import factory
@@ -46,7 +47,8 @@ def environment_factory(cfg: Any):
                 "path/to/file.py:Class, or data.task to a built-in agent task "
                 "(kv_lookup, guess_number)"
             )
-    return factory(env_class, {})
+    return factory(env_class, cfg.env.kwargs, env_config=cfg.env.env_config,
+                   extras={"max_turns": cfg.env.max_turns})
 
 
 def limits_of(cfg: Any, context: int | None) -> Limits:
