@@ -40,6 +40,8 @@ class EpisodeBatch:
     errors: list[str]
     """Each episode's failure message ('' when it did not fail)."""
     metrics: dict[str, float] = field(default_factory=dict)
+    turn_tokens: list[list[int]] = field(default_factory=list)
+    """Each episode's tokens sampled per turn, in order over its samples (empty: not recorded)."""
 
     @property
     def num_groups(self) -> int:
