@@ -244,9 +244,10 @@ class TorchLearner:
         if tb.turn is not None:  # per (group, turn) slice: env.credit=turn, env.on_failure=mask
             adv = turn_advantages(tb, estimator=s.advantage, std_norm=s.adv_std_norm,
                                   drop_zero_std=s.drop_zero_std, clip=s.adv_clip)
-            stats.add("credit/turn_return_mean", tb.turn_return[tb.turn >= 0].mean() if (tb.turn >= 0).any()
-                      else torch.zeros(()))
             stats.add("credit/turns_max", tb.turn.max() + 1)
+            for name, cols in (("turn", tb.turn >= 0), ("first_turn", tb.turn == 0)):
+                if bool(cols.any()):  # each token's turn return, averaged over the tokens
+                    stats.add(f"credit/{name}_return_mean", tb.turn_return[cols].mean())
             if s.adv_clip:
                 stats.add("train/adv_clipped_frac", adv.clipped_frac)
             keep = adv.keep & ~tb.truncated if s.mask_truncated else adv.keep  # (N,)
