@@ -106,7 +106,12 @@ def sliced_advantages(returns: torch.Tensor, present: torch.Tensor, group_size: 
     zero = torch.ones(e // g, dtype=torch.bool, device=r.device)  # (B,)
     fn = registry.advantages.get(estimator)
     for t in range(k):
-        for b in range(e // g):
+        full = have[:, :, t].all(dim=1)  # (B,) groups whose every episode reached turn t: at once
+        if g > 1 and bool(full.any()):
+            vals = r[full, :, t]  # (b, G)
+            out[full, :, t] = fn(vals, std_norm=std_norm, scope="group", eps=eps)
+            zero[full] = zero[full] & (vals.std(dim=1, unbiased=False) <= eps)
+        for b in (~full & have[:, :, t].any(dim=1)).nonzero().flatten().tolist():
             idx = have[b, :, t].nonzero().flatten()
             if len(idx) < 2:
                 continue
