@@ -109,16 +109,29 @@ def tether(*args):
 
 
 def test_turn_credit_trains_a_built_in_task_and_logs_turn_returns(tiny_model_dir, tmp_path):
+    # a model that sometimes plays kv_lookup right (calling the tool takes two turns, guessing one):
+    # the tiny one warm-started briefly on its scripts, as test_own_env.py does
+    model = tmp_path / "model"
+    tether("warmstart", "model.family=agent", "data.task=kv_lookup", "data.num_train=300", "data.num_eval=16",
+           "env.script_quality=0.5", "warmstart.max_steps=30", "warmstart.eval_every=30",
+           "warmstart.batch_size=16", "warmstart.target_pass_rate=1", "--model", tiny_model_dir,
+           "--out", model)
     run = tmp_path / "run"
-    tether("train", "model.family=agent", f"model.path={tiny_model_dir}", "data.task=guess_number",
-           "data.num_train=64", "data.num_eval=4", "env.max_turns=3", "env.max_turn_tokens=4",
-           "rollout.max_new_tokens=4", "env.credit=turn", "env.gamma=0.9", "train.num_batches=2",
-           "rollout.batch_size=2", "rollout.group_size=4", "eval.interval=0", "--run-dir", run, "--plain",
+    tether("train", "model.family=agent", f"model.path={model}", "data.task=kv_lookup", "data.num_train=300",
+           "data.num_eval=16", "env.max_turns=3", "env.max_turn_tokens=6", "rollout.max_new_tokens=6",
+           "env.credit=turn", "env.gamma=0.9", "train.num_batches=3", "rollout.batch_size=2",
+           "rollout.group_size=4", "train.lr=1e-3", "eval.interval=0", "--run-dir", run, "--plain",
            "--no-report")
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2
-    for m in metrics:
-        assert "credit/turn_return_mean" in m and "credit/first_turn_return_mean" in m
-        assert 1 <= m["credit/turns_max"] <= 3
+    assert len(metrics) == 3
     episodes = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
+    for m in metrics:
+        assert 1 <= m["credit/turns_max"] <= 3
+        mine = [e for e in episodes if e["step"] == m["step"]]
+        # R_0 of an episode is Σ_k γ^k r_k: its mean over the model tokens of first turns lies within
+        # the episodes' discounted returns
+        r0 = [sum(0.9 ** k * r for k, r in enumerate(e["step_rewards"])) for e in mine]
+        assert min(r0) - 1e-6 <= m["credit/first_turn_return_mean"] <= max(r0) + 1e-6
+        assert "credit/turn_return_mean" in m
     assert max(e["turns"] for e in episodes) > 1  # several turns, each credited on its own
+    # (a run that commits no update fails `tether train`: the turn advantages moved the weights)
