@@ -135,3 +135,28 @@ def test_turn_credit_trains_a_built_in_task_and_logs_turn_returns(tiny_model_dir
         assert "credit/turn_return_mean" in m
     assert max(e["turns"] for e in episodes) > 1  # several turns, each credited on its own
     # (a run that commits no update fails `tether train`: the turn advantages moved the weights)
+
+
+@pytest.mark.timeout(300)
+def test_two_learner_ranks_train_turn_credit_as_one_process_does(tiny_model_dir):
+    """One advantage per column travels through mini-batches and ranks as one per row does."""
+    from dataclasses import replace
+
+    from learners import solo_and_ranks, worst_relative
+    from tether.vocabulary import RolloutBatch
+
+    extra = ("env.max_failed_frac=1", "env.failure_reward=-1", "env.credit=turn", "env.gamma=0.5")
+    sampler = sampler_for(config(tiny_model_dir, "FailsOnOddActions", *extra))
+    try:
+        played = [sampler.generate(replace(item(), seed=s, batch_index=s)) for s in (1, 2)]
+    finally:
+        sampler.close()
+    assert max(max(b.turns) for b in played) == 2  # two turns credited apart
+    batches = [RolloutBatch(index=s, behavior_version=0, num_groups=b.num_groups, group_size=G, payload=b)
+               for s, b in zip((1, 2), played, strict=True)]
+    base = (*extra, "train.lr=5e-5", "train.updates_per_batch=2")
+    solo_cfg = config(tiny_model_dir, "FailsOnOddActions", *base)
+    ranks_cfg = config(tiny_model_dir, "FailsOnOddActions", *base, "train.world_size=2")
+    (solo, results), (ranked, _) = solo_and_ranks(tiny_model_dir, solo_cfg, ranks_cfg, batches)
+    assert sum(r.committed_updates for r in results) > 0 and results[0].metrics["credit/turns_max"] == 2
+    assert worst_relative(ranked, solo) <= 1e-5
