@@ -37,7 +37,14 @@ from tether.modeling import (
 )
 from tether.procinfo import peak_rss_mb
 from tether.train import checkpointing, fsdp, learner_state, lora, memory, packing, precision
-from tether.train.advantages import Advantages, group_advantages, overlong_penalty, per_episode, units_of
+from tether.train.advantages import (
+    Advantages,
+    group_advantages,
+    overlong_penalty,
+    per_episode,
+    turn_advantages,
+    units_of,
+)
 from tether.train.collective import Solo
 from tether.train.corrections import correct
 from tether.train.losses import LossInputs, LossSettings, aggregate, loss_for
@@ -234,6 +241,17 @@ class TorchLearner:
     def _advantages(self, tb: Any, stats: _Stats) -> tuple[Advantages, torch.Tensor]:
         """Advantages of the (shaped) rewards, and the loss mask (N, L − 1) of the samples kept."""
         s, shaping = self.s, self.cfg.reward
+        if tb.turn is not None:  # per (group, turn) slice: env.credit=turn, env.on_failure=mask
+            adv = turn_advantages(tb, estimator=s.advantage, std_norm=s.adv_std_norm,
+                                  drop_zero_std=s.drop_zero_std, clip=s.adv_clip)
+            stats.add("credit/turns_max", tb.turn.max() + 1)
+            for name, cols in (("turn", tb.turn >= 0), ("first_turn", tb.turn == 0)):
+                if bool(cols.any()):  # each token's turn return, averaged over the tokens
+                    stats.add(f"credit/{name}_return_mean", tb.turn_return[cols].mean())
+            if s.adv_clip:
+                stats.add("train/adv_clipped_frac", adv.clipped_frac)
+            keep = adv.keep & ~tb.truncated if s.mask_truncated else adv.keep  # (N,)
+            return adv, tb.mask * keep.float()[:, None]
         rewards, lengths, episode = per_episode(tb)  # per row, or per episode when one spans rows
         if shaping.overlong_buffer:
             penalty = overlong_penalty(lengths, max_len=self.norm_constant,

@@ -36,7 +36,8 @@ class LossInputs:
     anchor_logp: torch.Tensor
     """(N, T) log-probs the ratio is taken against (μ for the behavior anchor, π_prox for proximal)."""
     advantages: torch.Tensor
-    """(N,) one advantage per sequence."""
+    """(N,) one advantage per sequence, or (N, T) one per column (the agent family's
+    ``env.credit=turn``, which only ppo_clip and cispo accept)."""
     mask: torch.Tensor
     """(N, T) 1.0 on completion tokens that count, 0.0 elsewhere."""
 
@@ -138,6 +139,11 @@ def _where(fn: object) -> str:
     return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else repr(fn)
 
 
+def _per_column(adv: torch.Tensor) -> torch.Tensor:
+    """Advantages (N,) or (N, T) as a tensor that broadcasts over the columns."""
+    return adv[:, None] if adv.ndim == 1 else adv  # (N, 1) or (N, T)
+
+
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
@@ -151,7 +157,7 @@ def _outside(ratio: torch.Tensor, s: LossSettings) -> torch.Tensor:
 
 def ppo_clip(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     ratio = torch.exp(x.logp - x.anchor_logp)  # (N, T)
-    adv = x.advantages[:, None]  # (N, 1)
+    adv = _per_column(x.advantages)  # (N, 1), or (N, T) per turn
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - s.clip_low, 1 + s.clip_high)
     loss = torch.maximum(unclipped, clipped)
@@ -162,7 +168,7 @@ def ppo_clip(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, to
                    "ratio/clip_frac_high": _masked_mean(high, x.mask),
                    "ratio/outside_clip_frac": _masked_mean(_outside(ratio, s), x.mask)}
     if s.dual_clip > 1.0:
-        bound = -adv * s.dual_clip  # (N, 1), positive where A < 0
+        bound = -adv * s.dual_clip  # positive where A < 0
         dual = (adv < 0) & (loss > bound)
         loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
         metrics["ratio/dual_clip_frac"] = _masked_mean(dual.float().detach(), x.mask)
@@ -192,7 +198,7 @@ def gspo(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.
 def cispo(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     ratio = torch.exp(x.logp - x.anchor_logp)  # (N, T)
     weight = ratio.clamp(1 - s.clip_low, 1 + s.clip_high).detach()
-    loss = -weight * x.advantages[:, None] * x.logp
+    loss = -weight * _per_column(x.advantages) * x.logp
     with torch.no_grad():
         metrics = {"ratio/clip_frac_low": _masked_mean((ratio < 1 - s.clip_low).float(), x.mask),
                    "ratio/clip_frac_high": _masked_mean((ratio > 1 + s.clip_high).float(), x.mask),

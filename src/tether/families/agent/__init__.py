@@ -51,9 +51,10 @@ class AgentFamily(TextFamily):
                 "lora",
                 "mixed_precision",
                 "token_budget",
+                "dynamic_sampling",
             }
         ),
-        notes={"dynamic_sampling": NOT_YET, "attribution": NOT_YET},
+        notes={"attribution": NOT_YET},
     )
     warmstart_fields = ("loss", "pass_at_1")
     records = "episodes.jsonl"  # a line an episode (EpisodeBatch.sample_lines)
@@ -74,6 +75,7 @@ class AgentFamily(TextFamily):
                 f"env.max_turn_tokens={e.max_turn_tokens} leaves no room for an observation in "
                 f"env.max_episode_tokens={e.max_episode_tokens}; lower the first or raise the second"
             )
+        check_credit(cfg)
         from tether.families.agent.sampler import environment_factory
 
         environment_factory(cfg)  # refuses a non-environment, or arguments its constructor cannot take, now
@@ -148,7 +150,9 @@ class AgentFamily(TextFamily):
     def policy(self, cfg: Any):
         from tether.families.agent.policy import AgentPolicy
 
-        return AgentPolicy(cfg.rollout.temperature)
+        e = cfg.env
+        return AgentPolicy(cfg.rollout.temperature, credit=e.credit, gamma=e.gamma,
+                           mask_failures=e.on_failure == "mask")
 
     def evaluator(
         self,
@@ -185,6 +189,35 @@ class AgentFamily(TextFamily):
 
         rows = [r for r in _read_jsonl(run_dir / "metrics.jsonl") if "agent/turns_mean" in r]
         return [report_episodes(rows, out / "episodes.png")] if rows else []
+
+
+def check_credit(cfg: Any) -> None:
+    """Refuse what per-turn credit and masked failures cannot honour, naming the keys."""
+    from tether import registry
+
+    e, t = cfg.env, cfg.train
+    if e.credit == "episode" and e.gamma != 1.0:
+        raise ConfigError(f"env.gamma={e.gamma:g} discounts turn rewards, which only env.credit=turn reads; "
+                          "set env.credit=turn, or leave env.gamma at 1")
+    sliced = e.credit == "turn" or e.on_failure == "mask"
+    if sliced and cfg.reward.overlong_buffer:
+        raise ConfigError("reward.overlong_buffer shapes an episode's return, which advantages per turn "
+                          f"or with failures masked (env.credit={e.credit}, env.on_failure={e.on_failure}) "
+                          "do not read; set reward.overlong_buffer=0, or env.credit=episode and "
+                          "env.on_failure=score")
+    if e.credit != "turn":
+        return
+    loss = registry.losses.canonical(t.loss)
+    if loss not in ("ppo_clip", "cispo"):
+        raise ConfigError(f"env.credit=turn gives each token its turn's advantage, which train.loss={t.loss} "
+                          "does not take (gspo clips the whole sequence on one advantage; a plug-in's loss "
+                          "is written for one per sequence); set train.loss=ppo_clip or cispo, or "
+                          "env.credit=episode")
+    if t.adv_scope != "group" or t.advantage == "reinforce_pp":
+        raise ConfigError(f"env.credit=turn compares each turn with the same turn of its group's other "
+                          f"episodes; train.advantage={t.advantage} with train.adv_scope={t.adv_scope} uses "
+                          "a baseline over the whole batch; set train.advantage=grpo or rloo with "
+                          "train.adv_scope=group, or env.credit=episode")
 
 
 FAMILY = AgentFamily()

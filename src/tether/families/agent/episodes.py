@@ -93,6 +93,8 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     step_rewards: list[float] = field(default_factory=list)
+    turn_tokens: list[int] = field(default_factory=list)
+    """Tokens the engine sampled in each turn, in order (which model tokens are which turn's)."""
     transcript: list[str] = field(default_factory=list)
     """Observation, action, observation, ... as text (the final observation included)."""
     turns: int = 0
@@ -421,6 +423,7 @@ class Player:
             for ep, (c,) in zip(eps, sampled, strict=True):
                 ep.ids += c.token_ids
                 ep.model += [1] * len(c.token_ids)
+                ep.turn_tokens.append(len(c.token_ids))
                 ep.logprobs += list(c.logprobs)
                 ep.versions += list(c.versions)
                 ep.turns += 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tether.config.fields import knob
+from tether.config.fields import Resume, knob
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,24 @@ class EnvSection:
         "The return of an episode that failed (an environment exception, a broken step, a timeout); "
         "it stays in its group.",
     )
+    on_failure: Literal["score", "mask"] = knob(
+        "score",
+        "What a failed episode (an environment error or timeout) trains as. score: its return is "
+        "env.failure_reward and it stays in its group's baseline; mask: its samples leave the loss and "
+        "the advantages (its group's baseline is the other episodes'), counted as agent/masked_failures, "
+        "so infrastructure failures never enter the advantages.",
+        choices=("score", "mask"), resume=Resume.TRAINING)
+    credit: Literal["episode", "turn"] = knob(
+        "episode",
+        "What an episode's tokens are credited with. episode: every token the episode's advantage (its "
+        "return against the group's); turn: each turn's tokens the advantage of the turn's discounted "
+        "return R_t = sum over k >= t of gamma^(k-t) r_k (r_k: the reward after turn k), against the "
+        "same turn of the group's other episodes (docs/agents.md, Credit per turn). turn needs "
+        "train.loss ppo_clip or cispo.",
+        choices=("episode", "turn"), resume=Resume.TRAINING)
+    gamma: float = knob(
+        1.0, "The discount of later turns' rewards in a turn's return (env.credit=turn).", min=0.0, max=1.0,
+        resume=Resume.TRAINING)
     max_failed_frac: float = knob(
         0.25,
         "Most failed episodes a rollout batch may hold, as a share; past it the run stops with the "

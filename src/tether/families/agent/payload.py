@@ -40,6 +40,8 @@ class EpisodeBatch:
     errors: list[str]
     """Each episode's failure message ('' when it did not fail)."""
     metrics: dict[str, float] = field(default_factory=dict)
+    turn_tokens: list[list[int]] = field(default_factory=list)
+    """Each episode's tokens sampled per turn, in order over its samples (empty: not recorded)."""
 
     @property
     def num_groups(self) -> int:
@@ -52,6 +54,8 @@ class EpisodeBatch:
                    ("rewards", "statuses", "turns", "transcripts", "step_rewards", "errors")}
         rows = {name: len(getattr(self, name)) for name in ("ids", "model", "logprobs", "versions")}
         wrong = {k: v for k, v in lengths.items() if v != n}
+        if self.turn_tokens and len(self.turn_tokens) != n:
+            wrong["turn_tokens"] = len(self.turn_tokens)
         wrong.update({k: v for k, v in rows.items() if v != len(self.episode_of)})
         if wrong:
             raise ValueError(

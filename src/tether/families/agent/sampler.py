@@ -70,6 +70,12 @@ def player_for(cfg: Any, engine: Any, tokenizer: Any, context: int | None, threa
                   whole_turns=cfg.env.switch_at == "turn")
 
 
+def env_seed(position: int) -> int:
+    """The environment seed of a task at ``position`` of the task stream; dynamic sampling's extra
+    stream (positions −1 − p) seeds from 2^30 + p, so seeds stay non-negative (NumPy's) and apart."""
+    return position if position >= 0 else 2**30 + (-1 - position)
+
+
 def task_row(example) -> dict[str, Any]:
     """What ``reset`` receives: the row's prompt and answer and its other columns."""
     return {"prompt": example.prompt, "answer": example.answer, **example.fields}
@@ -97,6 +103,8 @@ class AgentSampler:
         )
         self.threads = EnvThreads(cfg.env.workers)
         self.switches = not cfg.budget().drains
+        self.turn_switches = 0
+        """Turn-boundary switches of the batch being played, over every round of dynamic sampling."""
         """Weights may change while a batch is played (its switches are counted)."""
         self.player = player_for(cfg, self.engine, self.tokenizer, context_length(model_config(model_path)),
                                  self.threads)
@@ -104,8 +112,16 @@ class AgentSampler:
     def generate(self, item: WorkItem) -> EpisodeBatch:
         t0 = time.perf_counter()
         g = item.group_size
-        tasks = [(task_row(example), position) for position, example in item.examples for _ in range(g)]
-        episodes = self.player.play(tasks, item.params, item.seed)
+        self.turn_switches = 0
+        if item.dynamic is None:
+            groups, extra_metrics = self._groups(item, item.examples, 0), {}
+        else:  # DAPO's filter on episode returns (tether.rollout.dynamic)
+            from tether.rollout.dynamic import fill
+
+            groups, extra_metrics = fill(len(item.examples), item.examples, item.extra_examples,
+                                         lambda tasks, rnd: self._groups(item, tasks, rnd),
+                                         item.dynamic, item.batch_index)
+        episodes = [ep for group in groups for ep in group.samples]
         wall = time.perf_counter() - t0
         failure = self.cfg.env.failure_reward
         failed = [ep for ep in episodes if ep.failed]
@@ -120,7 +136,7 @@ class AgentSampler:
             )
         samples = [(i, s) for i, ep in enumerate(episodes) for s in ep.samples()]
         batch = EpisodeBatch(
-            positions=[p for p, _ in item.examples],
+            positions=[group.position for group in groups],
             ids=[s.ids for _, s in samples],
             model=[s.model for _, s in samples],
             logprobs=[s.logprobs for _, s in samples],
@@ -133,9 +149,26 @@ class AgentSampler:
             step_rewards=[ep.step_rewards for ep in episodes],
             errors=[ep.error for ep in episodes],
             group_size=g,
+            turn_tokens=[ep.turn_tokens for ep in episodes],
         )
         batch.metrics.update(self._metrics(episodes, batch, wall))
+        batch.metrics.update(extra_metrics)
         return batch
+
+    def _groups(self, item: WorkItem, tasks, round_: int):
+        """Play G episodes of each of ``tasks`` ((position, example) pairs): one ``Group`` each, its
+        samples the episodes and its rewards their returns. Round r > 0 of dynamic sampling plays
+        with its own seed."""
+        from tether.rollout.dynamic import Group
+
+        g, failure = item.group_size, self.cfg.env.failure_reward
+        rows = [(task_row(example), env_seed(position)) for position, example in tasks for _ in range(g)]
+        seed = item.seed if round_ == 0 else item.seed * 7919 + round_
+        episodes = self.player.play(rows, item.params, seed)
+        self.turn_switches += self.player.turn_switches
+        return [Group(position, example, [], episodes[i * g:(i + 1) * g],
+                      [ep.reward(failure) for ep in episodes[i * g:(i + 1) * g]], [])
+                for i, (position, example) in enumerate(tasks)]
 
     def _metrics(self, episodes: list[Episode], batch: EpisodeBatch, wall: float) -> dict[str, float]:
         n = len(episodes)
@@ -157,6 +190,8 @@ class AgentSampler:
             "agent/action_errors": float(sum(ep.action_errors for ep in episodes)),
             "agent/env_errors": float(sum(ep.status == "error" for ep in episodes)),
             "agent/timeouts": float(sum(ep.status == "timeout" for ep in episodes)),
+            "agent/masked_failures": float(sum(ep.failed for ep in episodes)
+                                           if self.cfg.env.on_failure == "mask" else 0),
             "agent/abandoned_calls": float(self.threads.abandoned),
             "agent/turn_truncated_frac": sum(ep.turn_truncations for ep in episodes) / max(sum(turns), 1),
             "agent/env_s_mean": sum(env_s) / n,
@@ -177,8 +212,8 @@ class AgentSampler:
         out["staleness/multi_version_seq_frac"] = sum(len(set(v)) > 1 for v in batch.episode_versions()) / n
         if self.switches:
             wasted, switches = self.engine.take_counts()
-            out["rollout/weight_switches"] = float(switches + self.player.turn_switches)
-            out["rollout/turn_boundary_switches"] = float(self.player.turn_switches)
+            out["rollout/weight_switches"] = float(switches + self.turn_switches)
+            out["rollout/turn_boundary_switches"] = float(self.turn_switches)
             out["rollout/wasted_tokens"] = float(wasted)
         out.update(self.engine.report())
         return out

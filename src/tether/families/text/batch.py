@@ -33,6 +33,13 @@ class TrainBatch:
     """(N,) long, non-decreasing: the episode each row belongs to, when an episode can span several
     rows (an agent episode whose environment rewrote its history). Rows of one episode share its
     reward and advantage, and ``group_size`` counts episodes. None: a row is a sample."""
+    turn: torch.Tensor | None = None
+    """(N, L − 1) long: the turn of its episode (0, 1, …) each loss column belongs to, −1 elsewhere
+    and on rows left out of the advantages (an agent episode's failure under env.on_failure=mask).
+    With it, advantages are computed per (group, turn) slice of ``turn_return`` (``tether.train.
+    advantages.sliced_advantages``). None: one advantage per row, from ``rewards``."""
+    turn_return: torch.Tensor | None = None
+    """(N, L − 1) the return of each column's turn (0 where ``turn`` is −1)."""
 
     @property
     def size(self) -> int:
@@ -49,7 +56,9 @@ class TrainBatch:
         return TrainBatch(self.input_ids[index], self.attention_mask[index], self.targets[index],
                           self.mask[index], self.behavior_logp[index], self.rewards[index], self.group_size,
                           self.behavior_versions[index], self.truncated[index],
-                          None if self.episode is None else self.episode[index])
+                          None if self.episode is None else self.episode[index],
+                          None if self.turn is None else self.turn[index],
+                          None if self.turn_return is None else self.turn_return[index])
 
 
 def to_train_batch(scored: ScoredBatch, pad_id: int) -> TrainBatch:

@@ -1,0 +1,32 @@
+"""Environments for the credit tests (``test_agent_credit.py``), each loaded by path (``env.env_class``)."""
+
+from __future__ import annotations
+
+from tether.families.agent.env import Step
+
+
+class OddTasksVary:
+    """One step. On a task whose answer is odd the reward is the action's length mod 2 (it varies
+    with what the model samples); on an even one it is always 0 (a group with no variance)."""
+
+    def reset(self, task, seed):
+        self.odd = int(task["answer"]) % 2 == 1
+        return "go\n"
+
+    def step(self, action):
+        return Step("ok\n", reward=float(len(action) % 2) if self.odd else 0.0, done=True)
+
+
+class FailsOnOddActions:
+    """Two steps of reward 0.5; a step whose action has an odd length raises (an environment
+    error, not an ``ActionError``): some episodes fail, the others return 1."""
+
+    def reset(self, task, seed):
+        self.n = 0
+        return "go\n"
+
+    def step(self, action):
+        if len(action) % 2:
+            raise RuntimeError("the tool broke")
+        self.n += 1
+        return Step(f"o{self.n}\n", reward=0.5, done=self.n == 2)
