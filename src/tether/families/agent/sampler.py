@@ -101,10 +101,9 @@ class AgentSampler:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(model_path)
         ends = turn_ends_of(cfg, self.tokenizer, generation_eos_ids(model_path))
+        strings = {"stop_strings": ends.strings} if ends.strings else {}  # a plug-in may not take them
         self.engine = registry.engines.get(cfg.rollout.engine).build(
-            cfg, model_path, self.tokenizer, ends.ids, device=device, threads=threads, seed=seed,
-            stop_strings=ends.strings,
-        )
+            cfg, model_path, self.tokenizer, ends.ids, device=device, threads=threads, seed=seed, **strings)
         self.threads = EnvThreads(cfg.env.workers)
         self.switches = not cfg.budget().drains
         """Weights may change while a batch is played (its switches are counted)."""
