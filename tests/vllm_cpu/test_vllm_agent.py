@@ -209,9 +209,14 @@ def test_vllm_and_the_built_in_engine_end_the_same_turns_at_the_same_token(demo_
         try:
             out = sampler.engine.generate(prompts, samples_per_prompt=1, params=greedy, seed=0)
             got[engine] = [(c.token_ids, c.finish_reason) for (c,) in out]
+            if engine == "vllm":  # and stepped one scheduler step at a time (in-flight updates)
+                sampler.engine.watch(lambda: None, KEEP)
+                out = sampler.engine.generate(prompts, samples_per_prompt=1, params=greedy, seed=0)
+                got["vllm stepped"] = [(c.token_ids, c.finish_reason) for (c,) in out]
         finally:
             sampler.close()
             if engine == "vllm":
                 sampler.engine.close()
     assert got["torch"] == expected
     assert got["vllm"] == expected
+    assert got["vllm stepped"] == expected
