@@ -83,10 +83,11 @@ def test_the_end_of_turn_ids_are_the_eos_the_template_s_and_the_generation_confi
     assert turn_ends(tok, "</call>").strings == ("</call>",)  # seven tokens: matched as text
 
 
-def test_a_stop_string_of_several_tokens_ends_the_turn_at_the_token_that_completes_it(tiny_model_dir):
+@pytest.mark.parametrize("decoder", ["auto", "python"])
+def test_a_stop_string_of_several_tokens_ends_the_turn_where_it_completes(tiny_model_dir, decoder):
     """The string is cut from what the model samples anyway, so it must end there; a turn ended by
-    it is a stop, not a truncation."""
-    free = sampler_for(config(tiny_model_dir, "env.turn_stop="))
+    it is a stop, not a truncation. On the native decoder (auto) and the lean decoder's Python path."""
+    free = sampler_for(config(tiny_model_dir, "env.turn_stop=", f"rollout.decoder={decoder}"))
     try:
         turns = sampled_turns(free)
         text = free.tokenizer.decode(turns[0].token_ids, skip_special_tokens=False)
@@ -95,7 +96,7 @@ def test_a_stop_string_of_several_tokens_ends_the_turn_at_the_token_that_complet
     assert len(text) == 12, text  # plain characters (the tiny tokenizer: one token each)
     stop = text[3:6]
     end = text.index(stop) + len(stop)  # where the string first completes
-    cut = sampler_for(with_turn_stop(config(tiny_model_dir), stop))
+    cut = sampler_for(with_turn_stop(config(tiny_model_dir, f"rollout.decoder={decoder}"), stop))
     try:
         stopped = sampled_turns(cut)
     finally:
