@@ -26,8 +26,8 @@ class EnvSection:
     max_turn_tokens: int = knob(
         0,
         "Tokens the model may sample in one turn (a turn also ends at env.turn_stop or an end-of-turn "
-        "token); 0 = "
-        "rollout.max_new_tokens. A turn cut off here still goes to the environment, and is counted.",
+        "token); 0 = rollout.max_new_tokens. A turn cut off here still goes to the environment, and is "
+        "counted.",
         min=0,
     )
     max_episode_tokens: int = knob(
