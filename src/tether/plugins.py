@@ -98,8 +98,11 @@ class EnginePlugin:
         """With local workers (which run this Python): refuse at once what cannot run here."""
 
     def build(self, cfg: Any, model_path: str, tokenizer: Any, stop_ids: Sequence[int], *, device: Any,
-              threads: int, seed: int) -> Any:
-        """A ``tether.vocabulary.TokenEngine`` inside a rollout worker (token engines)."""
+              threads: int, seed: int, stop_strings: Sequence[str] = ()) -> Any:
+        """A ``tether.vocabulary.TokenEngine`` inside a rollout worker (token engines). A completion
+        ends at the first token among ``stop_ids`` or the token that completes one of
+        ``stop_strings`` (text of several tokens, matched on what was sampled; the agent family
+        passes them only when the recipe has some: ``tether.decoding.stops``), that token included."""
         raise NotImplementedError(f"engine {self.name!r} builds no token engine")
 
 

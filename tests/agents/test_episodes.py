@@ -103,7 +103,9 @@ def test_an_episode_is_the_engines_sampled_ids_and_each_observation_encoded_once
             assert turn, f"no engine completion of this episode's turn {k + 1}"
             expected += turn[0]
             flags += [1] * len(turn[0])
-            assert sampler.tokenizer.decode(turn[0], skip_special_tokens=True) == transcript[2 * k + 1]
+            # the action: the turn as sampled, special tokens included, less a final end-of-turn token
+            action = turn[0][:-1] if turn[0][-1] == sampler.tokenizer.eos_token_id else turn[0]
+            assert sampler.tokenizer.decode(action, skip_special_tokens=False) == transcript[2 * k + 1]
         assert ids == expected
         assert model == flags
     assert batch.turns == [3] * 8 and batch.rewards == [0.75] * 8

@@ -162,3 +162,61 @@ def test_on_vllm_a_drain_at_turn_boundaries_waits_for_the_turns_in_flight(demo_m
     assert sum(r["rollout/turn_boundary_switches"] for r in rows) > 0
     waits = [r["sync/turn_wait_s"] for r in rows if "sync/turn_wait_s" in r]
     assert waits and max(waits) < 0.9  # never a whole episode's three 0.3 s steps
+
+
+def test_vllm_and_the_built_in_engine_end_the_same_turns_at_the_same_token(demo_model, tmp_path):
+    """env.turn_stop of three tokens and an end id only the generation config names: greedy turns on
+    vLLM and on the built-in engine are the same ids, each ending at the first token that ends it
+    (the ids of ``tether.decoding.stops``, given to both)."""
+    import json
+    import shutil
+
+    from tether.modeling import load_causal_lm
+    from tether.rollout.engines.torch.engine import TorchEngine
+
+    path = tmp_path / "model"
+    shutil.copytree(demo_model, path)
+    model, tok = load_causal_lm(path)
+    prompts = [tok(p, add_special_tokens=False).input_ids
+               for p in ("key b\n", "go 23\n", "guess 0-9\n", "x=1\n")]
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    free = TorchEngine(model, pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
+    rows = [c.token_ids for (c,) in free.generate(prompts, samples_per_prompt=1, params=greedy, seed=0)]
+    # a random model's greedy turns repeat themselves: the stop string is three plain characters one
+    # row samples, the end id a character another row samples and that one does not before it
+    stop, r = next((tok.decode(row[j:j + 3]), r) for r, row in enumerate(rows) for j in range(1, len(row) - 2)
+                   if len(tok.decode(row[j:j + 3])) == 3 and tok.decode(row[j:j + 3]).isalnum())
+    before = rows[r][:next(k for k in range(len(rows[r])) if stop in tok.decode(rows[r][:k + 1])) + 1]
+    end_id = next(t for q, row in enumerate(rows) if q != r for t in row[1:]
+                  if t not in before and len(tok.decode([t])) == 1)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, end_id]}))
+
+    def first_end(row):  # (the turn, how it ended)
+        for k in range(len(row)):
+            if row[k] in (tok.eos_token_id, end_id) or stop in tok.decode(row[:k + 1]):
+                return row[:k + 1], "stop"
+        return row, "length"
+
+    expected = [first_end(row) for row in rows]
+    assert any(tok.decode(row).endswith(stop) for row, _ in expected)
+    assert any(row[-1] == end_id for row, _ in expected)
+    got = {}
+    for engine in ("torch", "vllm"):
+        cfg = load_config(None, ["model.family=agent", "data.task=kv_lookup", f"model.path={path}",
+                                 f"rollout.engine={engine}", f"env.turn_stop={stop}",  # letters and digits
+                                 "rollout.max_new_tokens=16"])
+        sampler = AgentSampler(cfg, str(path), stop, device=torch.device("cpu"), threads=1, seed=0)
+        try:
+            out = sampler.engine.generate(prompts, samples_per_prompt=1, params=greedy, seed=0)
+            got[engine] = [(c.token_ids, c.finish_reason) for (c,) in out]
+            if engine == "vllm":  # and stepped one scheduler step at a time (in-flight updates)
+                sampler.engine.watch(lambda: None, KEEP)
+                out = sampler.engine.generate(prompts, samples_per_prompt=1, params=greedy, seed=0)
+                got["vllm stepped"] = [(c.token_ids, c.finish_reason) for (c,) in out]
+        finally:
+            sampler.close()
+            if engine == "vllm":
+                sampler.engine.close()
+    assert got["torch"] == expected
+    assert got["vllm"] == expected
+    assert got["vllm stepped"] == expected

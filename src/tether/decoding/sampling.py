@@ -31,6 +31,7 @@ from functools import cache as _memo
 import torch
 
 from tether.control.inflight import KEEP, InflightMode
+from tether.decoding.stops import StopStrings
 from tether.errors import ConfigError
 from tether.vocabulary import SamplingParams
 
@@ -176,6 +177,7 @@ def sample(
     version: int = 0,
     poll: Callable[[], int | None] | None = None,
     inflight: InflightMode = KEEP,
+    stop_strings: StopStrings | None = None,
 ) -> Completions:
     """Sample ``samples_per_prompt`` completions per prompt, prompt-major (prompt 0's samples
     first); each prompt's prefill runs once for its whole group.
@@ -185,7 +187,8 @@ def sample(
     ``version`` is the weights' version now; ``poll``, asked before each decode step, returns a
     newer version once it has put newer weights in place (else None), and ``inflight`` (keep,
     recompute, abort: ``tether.control.inflight``) says what happens to the sequences then (module
-    docstring).
+    docstring). ``stop_strings`` also ends a row at the token that completes one of its strings
+    (its decoded tail is searched after every step, so the loop is never run natively whole).
     """
     if not inflight.switches:
         raise ConfigError(f"async.inflight_update={inflight.name} does not switch weights mid-generation")
@@ -222,8 +225,10 @@ def sample(
         tok = tokens[:, t]
         step_versions.append(version)
         steps = t + 1
-        if len(stop):
+        if len(stop) or stop_strings is not None:
             hit = torch.isin(tok, stop) & ~done
+            if stop_strings is not None:
+                hit |= _completes_string(stop_strings, tokens, t, done)
             lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
             done |= hit
             if bool(done.all()):
@@ -233,7 +238,8 @@ def sample(
         newer = poll() if poll is not None else None
         if newer is None:
             if fuse and stepper.samples_natively:
-                if poll is None:  # nothing can change the weights now: the rest in native calls
+                if poll is None and stop_strings is None:  # nothing changes the weights or ends a row
+                    # by its text now: the rest in native calls
                     steps = _run_natively(stepper, params, generator, tokens, logps, t, vocab, stop, done,
                                           lengths)
                     step_versions += [version] * (steps - len(step_versions))
@@ -251,7 +257,8 @@ def sample(
             return _resample_unfinished(
                 model, prompts, params, tokens[:, :steps], logps[:, :steps], lengths, done, step_versions,
                 switches, stop_ids=stop_ids, pad_id=pad_id, generator=generator, stepper=stepper,
-                samples_per_prompt=samples_per_prompt, version=version, poll=poll, inflight=inflight)
+                samples_per_prompt=samples_per_prompt, version=version, poll=poll, inflight=inflight,
+                stop_strings=stop_strings)
         if inflight.recomputes_prefix:  # the whole prefix again, under the new weights
             prefix = torch.cat([ids.repeat_interleave(samples_per_prompt, 0), tokens[:, :steps]], dim=1)
             prefix_mask = torch.cat([mask.repeat_interleave(samples_per_prompt, 0),
@@ -260,6 +267,14 @@ def sample(
         else:  # keep: the prefix's KV cache stays as the old weights computed it
             logits = stepper.decode(tok)
     return _completions(tokens[:, :steps], logps[:, :steps], lengths, done, step_versions, switches)
+
+
+def _completes_string(stop_strings: StopStrings, tokens: torch.Tensor, t: int, done: torch.Tensor
+                      ) -> torch.Tensor:
+    """(B,) rows not done whose token ``t`` completes a stop string (their tails decoded)."""
+    tails = tokens[:, max(0, t + 1 - stop_strings.window):t + 1].tolist()
+    return torch.tensor([not finished and stop_strings.completes(tail)
+                         for tail, finished in zip(tails, done.tolist(), strict=True)], device=tokens.device)
 
 
 _UNIFORMS_AT_ONCE = 1 << 21  # floats of uniforms _run_natively draws in one call (8 MB)

@@ -140,7 +140,14 @@ class AgentFamily(TextFamily):
         # data.chat_template renders observations here (the player), not the rows' prompts
         plain = replace(cfg, data=replace(cfg.data, chat_template=False))
         bundle = super().data(plain, model_path)
-        return replace(bundle, stop_text=cfg.env.turn_stop)
+        from tether.decoding.stops import generation_eos_ids
+        from tether.families.agent.options import turn_stop_of
+        from tether.families.agent.sampler import turn_ends_of
+        from tether.modeling import load_tokenizer
+
+        # a stop string the tokenizer cannot express is refused here, before any worker starts
+        turn_ends_of(cfg, load_tokenizer(model_path), generation_eos_ids(model_path))
+        return replace(bundle, stop_text=turn_stop_of(cfg.env, cfg.data.chat_template))
 
     def sampler(self, cfg: Any, model_path: str, stop_text: str, *, device: Any, threads: int, seed: int):
         from tether.families.agent.sampler import AgentSampler

@@ -12,6 +12,7 @@ differed, never silently re-tokenized.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from tether.errors import RolloutError
@@ -30,13 +31,16 @@ class ChatTurns:
     """One episode's conversation: ``first`` and ``next`` return the text to encode and append for
     an observation; ``sampled`` records a model turn as it was sampled."""
 
-    def __init__(self, tokenizer: Any, role: str = "user") -> None:
+    def __init__(self, tokenizer: Any, role: str = "user", end_ids: Collection[int] = ()) -> None:
         if not getattr(tokenizer, "chat_template", None):
             from tether.errors import ConfigError
 
             raise ConfigError("data.chat_template is true but the tokenizer has no chat template; set "
                               "data.chat_template=false (observations are then appended as plain text)")
         self.tokenizer, self.role = tokenizer, role
+        self.end_ids = frozenset(end_ids or (tokenizer.eos_token_id,))
+        """End-of-turn ids (``tether.decoding.stops``): a final one the template renders itself is
+        left out of the turn's content."""
         self.messages: list[dict[str, str]] = []
         self.text = ""  # the episode as text: every prompt and model turn so far
 
@@ -50,12 +54,20 @@ class ChatTurns:
         return self.text
 
     def sampled(self, token_ids: list[int]) -> None:
-        """The model's turn as sampled; its content is everything but a final EOS, special tokens
-        included, so the template renders back exactly what the model wrote."""
-        self.text += self.tokenizer.decode(token_ids, skip_special_tokens=False)
-        ends = bool(token_ids) and token_ids[-1] == self.tokenizer.eos_token_id
-        content = self.tokenizer.decode(token_ids[:-1] if ends else token_ids, skip_special_tokens=False)
-        self.messages.append({"role": "assistant", "content": content})
+        """The model's turn as sampled, special tokens included. A final end-of-turn token is left
+        out of its content when the template closes the turn with that very token (ChatML's
+        ``<|im_end|>``, whether or not it is the tokenizer's EOS), so it is not rendered twice;
+        another one (a ``<|endoftext|>`` under ChatML) stays in the content, and the template's own
+        closing follows it."""
+        decode = self.tokenizer.decode
+        self.text += decode(token_ids, skip_special_tokens=False)
+        if token_ids and token_ids[-1] in self.end_ids:
+            self.messages.append({"role": "assistant",
+                                  "content": decode(token_ids[:-1], skip_special_tokens=False)})
+            if self._render(False).startswith(self.text):
+                return
+            self.messages.pop()
+        self.messages.append({"role": "assistant", "content": decode(token_ids, skip_special_tokens=False)})
 
     def next(self, observation: str) -> str:
         closed = self._render(False)

@@ -177,8 +177,12 @@ class Player:
         schedule: str = "waves",
         chat: bool = False,
         whole_turns: bool = False,
+        end_ids: Sequence[int] = (),
     ) -> None:
         self.engine, self.tokenizer, self.make_env = engine, tokenizer, make_env
+        self.end_ids = frozenset(end_ids or (tokenizer.eos_token_id,))
+        """End-of-turn ids (``tether.decoding.stops.TurnEnds.end_ids``): a final one is left out of
+        the action an environment receives and of a chat turn's content."""
         self.env_name = f"environment {make_env.name}"
         """The environment (its class), as the episodes' error messages name it."""
         self.chat = chat
@@ -221,7 +225,7 @@ class Player:
             from tether.families.agent.chat import ChatTurns
 
             for ep in episodes:
-                ep.chat = ChatTurns(self.tokenizer)
+                ep.chat = ChatTurns(self.tokenizer, end_ids=self.end_ids)
         self.turn_switches = 0
         pending: dict[Call, tuple[Episode, str]] = {}
         for ep in episodes:
@@ -369,7 +373,7 @@ class Player:
             if ep.chat is not None:
                 from tether.families.agent.chat import ChatTurns
 
-                ep.chat = ChatTurns(self.tokenizer)
+                ep.chat = ChatTurns(self.tokenizer, end_ids=self.end_ids)
             ids = self.encode_within(text if ep.chat is None else ep.chat.first(text),
                                      self.limits.max_episode_tokens)
             if ids == []:
@@ -431,10 +435,18 @@ class Player:
                     ep.turn_truncations += 1
                 if ep.chat is not None:
                     ep.chat.sampled(c.token_ids)
-                action = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                action = self.action(c.token_ids)
                 ep.transcript.append(action)
                 env = ep.env
                 self._call(pending, ep, "step", lambda env=env, action=action: env.step(action))
+
+    def action(self, token_ids: Sequence[int]) -> str:
+        """What the environment receives for a turn: its text as sampled, special tokens included
+        (a tool-call marker that is a special token stays), but for a final end-of-turn token."""
+        ids = list(token_ids)
+        if ids and ids[-1] in self.end_ids:
+            ids.pop()
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _boundary(self) -> None:
         """A turn boundary, a safe point: the engine takes up the newest weights the worker holds,

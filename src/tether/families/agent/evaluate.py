@@ -20,14 +20,24 @@ from tether.vocabulary import Example, SamplingParams
 log = logging.getLogger("tether.eval")
 
 
+def turn_ends_in_memory(model, tokenizer, cfg: Any):
+    """The recipe's turn ends for a loaded ``model`` (its generation config's end ids)."""
+    from tether.decoding.stops import as_ids
+    from tether.families.agent.sampler import turn_ends_of
+
+    generation = model.generation_config  # None for a model that does not generate
+    return turn_ends_of(cfg, tokenizer, as_ids(None if generation is None else generation.eos_token_id))
+
+
 def eval_engine(model, tokenizer, cfg: Any, decoder: str = "auto"):
     """The built-in engine over ``model`` as it is now (held-out episodes, the warm start's
-    checks); build one per set of weights: it packs them once."""
-    from tether.decoding.sampling import stop_ids_for
+    checks), with the recipe's turn ends; build one per set of weights: it packs them once."""
+    from tether.decoding.stops import StopStrings
     from tether.rollout.engines.torch.engine import TorchEngine
 
-    return TorchEngine(model, pad_id=tokenizer.pad_token_id,
-                       stop_ids=stop_ids_for(tokenizer, cfg.env.turn_stop), decoder=decoder)
+    ends = turn_ends_in_memory(model, tokenizer, cfg)
+    return TorchEngine(model, pad_id=tokenizer.pad_token_id, stop_ids=ends.ids, decoder=decoder,
+                       stop_strings=StopStrings(tokenizer, ends.strings) if ends.strings else None)
 
 
 def play_tasks(engine, tokenizer, cfg: Any, examples: Sequence[Example], params: SamplingParams, *,
@@ -38,7 +48,8 @@ def play_tasks(engine, tokenizer, cfg: Any, examples: Sequence[Example], params:
 
     threads = EnvThreads(cfg.env.workers)
     try:
-        player = player_for(cfg, engine, tokenizer, context_length(engine.model.config.to_dict()), threads)
+        player = player_for(cfg, engine, tokenizer, context_length(engine.model.config.to_dict()), threads,
+                            turn_ends_in_memory(engine.model, tokenizer, cfg))
         tasks = [(task_row(ex), -1 - i) for i, ex in enumerate(examples) for _ in range(repeats)]
         return player.play(tasks, params, seed)
     finally:

@@ -39,8 +39,9 @@ class EnvSection:
     )
     max_turn_tokens: int = knob(
         0,
-        "Tokens the model may sample in one turn (a turn also ends at env.turn_stop or EOS); 0 = "
-        "rollout.max_new_tokens. A turn cut off here still goes to the environment, and is counted.",
+        "Tokens the model may sample in one turn (a turn also ends at env.turn_stop or an end-of-turn "
+        "token); 0 = rollout.max_new_tokens. A turn cut off here still goes to the environment, and is "
+        "counted.",
         min=0,
     )
     max_episode_tokens: int = knob(
@@ -50,7 +51,13 @@ class EnvSection:
         "characters stay in the transcript, not in the sequence). 0 = the model's context.",
         min=0,
     )
-    turn_stop: str = knob("\n", "Text that ends a model turn, besides EOS ('' = none).")
+    turn_stop: str = knob(
+        "auto",
+        "Text that ends a model turn, besides the end-of-turn tokens (EOS, the chat template's, the "
+        "generation config's), of any length (e.g. </call>): the turn ends at the token that completes it, "
+        "which stays in the action. auto = a newline, or none with data.chat_template=true (chat turns end "
+        "at the end-of-turn tokens); '' = none. Text the tokenizer cannot express is refused.",
+    )
     workers: int = knob(
         8,
         "Environment calls (construction, reset, step, close) a rollout worker runs at once, off the "
@@ -121,3 +128,10 @@ class EnvSection:
         min=0.0,
         max=1.0,
     )
+
+
+def turn_stop_of(env: EnvSection, chat: bool) -> str:
+    """``env.turn_stop`` with ``auto`` resolved: a newline for plain-text turns, none for chat turns."""
+    if env.turn_stop == "auto":
+        return "" if chat else "\n"
+    return env.turn_stop

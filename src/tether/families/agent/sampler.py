@@ -10,8 +10,10 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
+from tether.decoding.stops import TurnEnds
 from tether.errors import RolloutError
 from tether.families.agent.envthreads import EnvThreads
 from tether.families.agent.episodes import (
@@ -63,11 +65,23 @@ def limits_of(cfg: Any, context: int | None) -> Limits:
     )
 
 
-def player_for(cfg: Any, engine: Any, tokenizer: Any, context: int | None, threads: EnvThreads) -> Player:
-    """The recipe's episode player over ``engine`` (``context``: the model's positions, or None)."""
+def turn_ends_of(cfg: Any, tokenizer: Any, generation_eos: Sequence[int]) -> TurnEnds:
+    """What ends the recipe's turns (``tether.decoding.stops``): the end-of-turn ids of the
+    tokenizer, its template and ``generation_eos`` (the model's generation config's), and
+    ``env.turn_stop``; a stop string the tokenizer cannot express is refused naming the key."""
+    from tether.decoding.stops import turn_ends
+    from tether.families.agent.options import turn_stop_of
+
+    return turn_ends(tokenizer, turn_stop_of(cfg.env, cfg.data.chat_template), generation_eos=generation_eos)
+
+
+def player_for(cfg: Any, engine: Any, tokenizer: Any, context: int | None, threads: EnvThreads,
+               ends: TurnEnds) -> Player:
+    """The recipe's episode player over ``engine`` (``context``: the model's positions, or None;
+    ``ends``: what ends its turns, as the engine was built with)."""
     return Player(engine, tokenizer, environment_factory(cfg), limits_of(cfg, context), threads,
                   schedule=cfg.env.schedule, chat=cfg.data.chat_template,
-                  whole_turns=cfg.env.switch_at == "turn")
+                  whole_turns=cfg.env.switch_at == "turn", end_ids=ends.end_ids)
 
 
 def env_seed(position: int) -> int:
@@ -86,28 +100,25 @@ class AgentSampler:
     worker."""
 
     def __init__(self, cfg, model_path: str, stop_text: str, *, device, threads: int, seed: int) -> None:
+        """``stop_text`` is the data bundle's copy of ``env.turn_stop``; the turn ends are resolved
+        from the recipe (``turn_ends_of``), the same way the driver checked them."""
         from tether import registry
-        from tether.decoding.sampling import stop_ids_for
+        from tether.decoding.stops import generation_eos_ids
         from tether.modeling import context_length, load_tokenizer, model_config
 
         self.cfg = cfg
         self.tokenizer = load_tokenizer(model_path)
+        ends = turn_ends_of(cfg, self.tokenizer, generation_eos_ids(model_path))
+        strings = {"stop_strings": ends.strings} if ends.strings else {}  # a plug-in may not take them
         self.engine = registry.engines.get(cfg.rollout.engine).build(
-            cfg,
-            model_path,
-            self.tokenizer,
-            stop_ids_for(self.tokenizer, stop_text),
-            device=device,
-            threads=threads,
-            seed=seed,
-        )
+            cfg, model_path, self.tokenizer, ends.ids, device=device, threads=threads, seed=seed, **strings)
         self.threads = EnvThreads(cfg.env.workers)
         self.switches = not cfg.budget().drains
         self.turn_switches = 0
         """Turn-boundary switches of the batch being played, over every round of dynamic sampling."""
         """Weights may change while a batch is played (its switches are counted)."""
         self.player = player_for(cfg, self.engine, self.tokenizer, context_length(model_config(model_path)),
-                                 self.threads)
+                                 self.threads, ends)
 
     def generate(self, item: WorkItem) -> EpisodeBatch:
         t0 = time.perf_counter()

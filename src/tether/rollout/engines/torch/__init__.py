@@ -33,9 +33,10 @@ class _Torch(EnginePlugin):
             raise ConfigError(str(e)) from e
 
     def build(self, cfg: Any, model_path: str, tokenizer: Any, stop_ids: Sequence[int], *, device: Any,
-              threads: int, seed: int) -> Any:
+              threads: int, seed: int, stop_strings: Sequence[str] = ()) -> Any:
         import torch
 
+        from tether.decoding.stops import StopStrings
         from tether.modeling import cast_parameters, load_causal_lm
         from tether.rollout.engines.torch.engine import TorchEngine
 
@@ -44,7 +45,8 @@ class _Torch(EnginePlugin):
         model, _ = load_causal_lm(model_path, dtype=getattr(torch, cfg.rollout.dtype))
         model = cast_parameters(model.to(device), cfg.rollout.dtype)
         return TorchEngine(model, pad_id=tokenizer.pad_token_id, stop_ids=stop_ids,
-                           decoder=cfg.rollout.decoder)
+                           decoder=cfg.rollout.decoder,
+                           stop_strings=StopStrings(tokenizer, stop_strings) if stop_strings else None)
 
 
 TORCH = _Torch("torch", kinds=frozenset({"token", "step"}), keys=("rollout.decoder", "rollout.lora_apply"),

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from tether.decoding.sampling import sample, stepper_for
+from tether.decoding.stops import StopStrings
 from tether.rollout.engines import check_context
 from tether.rollout.model_engine import ModelEngine
 from tether.vocabulary import Completion, SamplingParams
@@ -16,10 +17,13 @@ class TorchEngine(ModelEngine):
     """Batched KV-cache sampling on a local model; stamps its version on every token."""
 
     def __init__(self, model: torch.nn.Module, *, pad_id: int, stop_ids: Sequence[int],
-                 max_positions: int | None = None, version: int = 0, decoder: str = "auto") -> None:
+                 max_positions: int | None = None, version: int = 0, decoder: str = "auto",
+                 stop_strings: StopStrings | None = None) -> None:
         super().__init__(model, version=version)
         self.pad_id = pad_id
         self.stop_ids = list(stop_ids)
+        self.stop_strings = stop_strings
+        """Text that also ends a completion, at the token that completes it (``tether.decoding.stops``)."""
         self.max_positions = max_positions or getattr(model.config, "max_position_embeddings", None)
         self.stepper = stepper_for(self.model, decoder=decoder)
         self.wasted_tokens = 0  # by abort, since the last ``take_counts``
@@ -59,7 +63,7 @@ class TorchEngine(ModelEngine):
         out = sample(self.model, [list(p) for p in prompts], params, stop_ids=self.stop_ids,
                      pad_id=self.pad_id, generator=generator, stepper=self.stepper,
                      samples_per_prompt=samples_per_prompt, version=self._version, poll=self.poll,
-                     inflight=self.inflight)
+                     inflight=self.inflight, stop_strings=self.stop_strings)
         self.wasted_tokens += out.wasted_tokens
         self.switches += out.switches
         completions = [

@@ -42,11 +42,12 @@ class _Vllm(EnginePlugin):
                               f"({sys.executable}); {VLLM_INSTALL_HINT}")
 
     def build(self, cfg: Any, model_path: str, tokenizer: Any, stop_ids: Sequence[int], *, device: Any,
-              threads: int, seed: int) -> Any:
+              threads: int, seed: int, stop_strings: Sequence[str] = ()) -> Any:
         from tether.rollout.engines.vllm.engine import VLLMEngine
 
         return VLLMEngine(model_path, stop_ids=stop_ids, device=device.type, options=cfg.vllm,
-                          threads=threads, seed=seed, lora_rank=cfg.train.lora_rank)
+                          threads=threads, seed=seed, lora_rank=cfg.train.lora_rank,
+                          stop_strings=stop_strings)
 
 
 VLLM = _Vllm("vllm", kinds=frozenset({"token"}), section=("vllm", VllmSection),

@@ -140,7 +140,7 @@ class VLLMEngine(Watched):
 
     def __init__(self, model_path: str, *, stop_ids: Sequence[int], device: str = "cpu",
                  options: VllmSection | None = None, threads: int = 1, seed: int = 0,
-                 version: int = 0, lora_rank: int = 0) -> None:
+                 version: int = 0, lora_rank: int = 0, stop_strings: Sequence[str] = ()) -> None:
         options = VllmSection() if options is None else options
         _prepare_environment(device, options, threads)
         try:
@@ -149,6 +149,9 @@ class VLLMEngine(Watched):
             raise ConfigError(f"rollout.engine=vllm, but vLLM cannot be imported here ({exc}); "
                               f"{VLLM_INSTALL_HINT}") from exc
         self.stop_ids = list(stop_ids)
+        self.stop_strings = list(stop_strings)
+        """Text that also ends a completion (vLLM's ``stop``, kept in the output; its tokenizer then
+        detokenizes what it samples, the only reason it loads one)."""
         self._version = version
         self._cached_version = version  # the weights the prefix cache's blocks were computed under
         self.wasted_tokens = 0  # by abort, since the last ``take_counts``
@@ -160,7 +163,7 @@ class VLLMEngine(Watched):
         require_processed_logprobs(vllm.__version__)
         self.adapters = _Adapters(lora_rank) if lora_rank else None
         self.llm = vllm.LLM(
-            model=model_path, skip_tokenizer_init=True, seed=seed, dtype=options.dtype,
+            model=model_path, skip_tokenizer_init=not self.stop_strings, seed=seed, dtype=options.dtype,
             enforce_eager=options.enforce_eager, enable_prefix_caching=options.enable_prefix_caching,
             gpu_memory_utilization=options.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
@@ -200,12 +203,9 @@ class VLLMEngine(Watched):
         check_context(prompts, params, self.max_positions)
         if self.poll is not None:
             return self._generate_stepping(prompts, samples_per_prompt, params, seed)
-        requests = [
-            VSamplingParams(n=samples_per_prompt, temperature=params.temperature, top_k=params.top_k,
-                            top_p=params.top_p, max_tokens=params.max_new_tokens, logprobs=0,
-                            seed=(seed + i) % 2**63, stop_token_ids=self.stop_ids, detokenize=False)
-            for i in range(len(prompts))
-        ]
+        requests = [VSamplingParams(n=samples_per_prompt, max_tokens=params.max_new_tokens,
+                                    seed=(seed + i) % 2**63, **self._request_options(params))
+                    for i in range(len(prompts))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
                                     sampling_params=requests, use_tqdm=False, lora_request=self._lora())
         v, groups = self._version, []
@@ -219,6 +219,15 @@ class VLLMEngine(Watched):
                                         finish_reason=reason))
             groups.append(group)
         return groups
+
+    def _request_options(self, params: SamplingParams) -> dict[str, Any]:
+        """What every request is sampled with besides its length and seed: the sampling settings,
+        the stop ids, and the stop strings with the text that completes them kept (the token that
+        completes one is the last of the completion, as on the built-in engine)."""
+        text = {"stop": self.stop_strings, "include_stop_str_in_output": True, "skip_special_tokens": False,
+                "spaces_between_special_tokens": False} if self.stop_strings else {}
+        return {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+                "logprobs": 0, "stop_token_ids": self.stop_ids, "detokenize": bool(self.stop_strings), **text}
 
     def load_weights(self, weights: Mapping[str, Any], version: int) -> None:
         """Load ``weights`` (name → tensor, e.g. the shared channel's views) into vLLM in place as
@@ -268,10 +277,8 @@ class VLLMEngine(Watched):
             if self.inflight.restarts:
                 self.wasted_tokens += len(row.tokens)
                 row.tokens, row.logprobs, row.versions = [], [], []
-            request = VSamplingParams(
-                n=1, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                max_tokens=params.max_new_tokens - len(prefix), logprobs=0, seed=row.seed,
-                stop_token_ids=self.stop_ids, detokenize=False, output_kind=RequestOutputKind.DELTA)
+            request = VSamplingParams(n=1, max_tokens=params.max_new_tokens - len(prefix), seed=row.seed,
+                                      output_kind=RequestOutputKind.DELTA, **self._request_options(params))
             row.version = self._version
             engine.add_request(rid, TokensPrompt(prompt_token_ids=row.prompt + prefix), request,
                                lora_request=self._lora())
