@@ -19,8 +19,8 @@ class OddTasksVary:
 
 
 class FailsOnOddActions:
-    """Two steps of reward 0.5; a step whose action's character codes sum to an odd number raises (an environment
-    error, not an ``ActionError``): some episodes fail, the others return 1."""
+    """Two steps of reward 0.5; a step whose action's character codes sum to an odd number raises
+    (an environment error, not an ``ActionError``): some episodes fail, the others return 1."""
 
     def reset(self, task, seed):
         self.n = 0

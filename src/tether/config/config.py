@@ -148,6 +148,10 @@ class Config:
                 "set exactly one of data.task (a built-in task) and data.dataset (a local dataset); "
                 f"got data.task={d.task!r}, data.dataset={d.dataset!r}"
             )
+        if (d.system_prompt or d.chat_template_kwargs) and not d.chat_template:
+            key = "data.system_prompt" if d.system_prompt else "data.chat_template_kwargs"
+            raise ConfigError(f"{key} is given to the chat template, but data.chat_template is false; set "
+                              f"data.chat_template=true, or leave {key} empty")
         if d.eval_dataset and not d.dataset:
             raise ConfigError("data.eval_dataset is set but data.dataset is not; built-in tasks have "
                               "their own held-out split")

@@ -12,7 +12,7 @@ the two in step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from tether import registry
 from tether.config.fields import Resume, knob
@@ -308,6 +308,12 @@ class DataSection:
                "model.family=agent: render each observation as a user turn, appending only the new turn's "
                "text (a template that rewrites earlier turns is refused; docs/agents.md)."
     )
+    system_prompt: str = knob(
+        "", "A system message opening every conversation (needs data.chat_template=true): each prompt's, "
+            "or, with model.family=agent, each episode's. '' = none.", resume=Resume.PROMPTS)
+    chat_template_kwargs: dict[str, Any] = knob(
+        {}, "More arguments for the chat template (needs data.chat_template=true), e.g. {enable_thinking: "
+            "false} for Qwen3's.", resume=Resume.PROMPTS)
     max_prompt_tokens: int = knob(128, "Longest prompt, in tokens.", min=1)
     on_long_prompt: Literal["skip", "error"] = knob(
         "skip", "A prompt over max_prompt_tokens is skipped and counted ('skip'), or fails the run ('error')."

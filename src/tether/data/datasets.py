@@ -181,15 +181,20 @@ def load_examples(source: str, *, prompt_column: str = "prompt", answer_column: 
     return out
 
 
-def apply_chat_template(tokenizer, examples: Sequence[Example]) -> list[Example]:
-    """Wrap each prompt as one user turn with the tokenizer's chat template."""
+def apply_chat_template(tokenizer, examples: Sequence[Example], *, system: str = "",
+                        kwargs: Mapping[str, Any] | None = None) -> list[Example]:
+    """Wrap each prompt as one user turn with the tokenizer's chat template, after a ``system``
+    message when one is given (``data.system_prompt``), with more template arguments ``kwargs``
+    (``data.chat_template_kwargs``)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("data.chat_template is true but the tokenizer has no chat template; "
                           "set data.chat_template=false or use a tokenizer that defines one")
+    opening = [{"role": "system", "content": system}] if system else []
     return [
         Example(
-            prompt=tokenizer.apply_chat_template([{"role": "user", "content": ex.prompt}],
-                                                 tokenize=False, add_generation_prompt=True),
+            prompt=tokenizer.apply_chat_template([*opening, {"role": "user", "content": ex.prompt}],
+                                                 tokenize=False, add_generation_prompt=True,
+                                                 **(kwargs or {})),
             answer=ex.answer, fields=ex.fields, demonstration=ex.demonstration,
         )
         for ex in examples

@@ -37,7 +37,9 @@ def resolve_data(d: DataSection, tokenizer, *, seed: int = 0, room: int | None =
         stop_text = ""
         description = dataset_description(d)
     if d.chat_template:
-        train, held_out = apply_chat_template(tokenizer, train), apply_chat_template(tokenizer, held_out)
+        wrap = {"system": d.system_prompt, "kwargs": dict(d.chat_template_kwargs)}
+        train = apply_chat_template(tokenizer, train, **wrap)
+        held_out = apply_chat_template(tokenizer, held_out, **wrap)
     limit, why = d.max_prompt_tokens, None
     if room is not None and room < limit:
         limit, why = room, room_why

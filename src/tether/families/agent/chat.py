@@ -12,7 +12,8 @@ differed, never silently re-tokenized.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from tether.errors import RolloutError
@@ -27,17 +28,46 @@ def _first_difference(a: str, b: str) -> str:
     return f"at character {i}: the episode holds {a[i:i + 40]!r}, the template renders {b[i:i + 40]!r}"
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """What a recipe gives the chat template besides the conversation."""
+
+    system: str = ""
+    """A system message opening every conversation (``data.system_prompt``); '' = none."""
+    tools: Sequence[Mapping[str, Any]] = ()
+    """Tool schemas (``tools.tool_schema``), passed as the template's ``tools`` (``env.tools``)."""
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """More template arguments (``data.chat_template_kwargs``, e.g. ``enable_thinking``)."""
+
+    def render(self, tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        extra = {"tools": list(self.tools)} if self.tools else {}
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=generation_prompt, **extra, **self.kwargs)
+
+    def opening(self) -> list[dict[str, str]]:
+        return [{"role": "system", "content": self.system}] if self.system else []
+
+
+def as_messages(observation: str | Sequence[Mapping[str, str]], role: str = "user") -> list[dict[str, str]]:
+    """An observation as chat messages: text is one message of ``role``; messages stay as given."""
+    if isinstance(observation, str):
+        return [{"role": role, "content": observation}]
+    return [dict(m) for m in observation]
+
+
 class ChatTurns:
     """One episode's conversation: ``first`` and ``next`` return the text to encode and append for
-    an observation; ``sampled`` records a model turn as it was sampled."""
+    an observation (text, a turn of ``role``, or role-tagged messages); ``sampled`` records a model
+    turn as it was sampled."""
 
-    def __init__(self, tokenizer: Any, role: str = "user", end_ids: Collection[int] = ()) -> None:
+    def __init__(self, tokenizer: Any, role: str = "user", end_ids: Collection[int] = (),
+                 options: ChatOptions = ChatOptions()) -> None:
         if not getattr(tokenizer, "chat_template", None):
             from tether.errors import ConfigError
 
             raise ConfigError("data.chat_template is true but the tokenizer has no chat template; set "
                               "data.chat_template=false (observations are then appended as plain text)")
-        self.tokenizer, self.role = tokenizer, role
+        self.tokenizer, self.role, self.options = tokenizer, role, options
         self.end_ids = frozenset(end_ids or (tokenizer.eos_token_id,))
         """End-of-turn ids (``tether.decoding.stops``): a final one the template renders itself is
         left out of the turn's content."""
@@ -45,11 +75,10 @@ class ChatTurns:
         self.text = ""  # the episode as text: every prompt and model turn so far
 
     def _render(self, generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(self.messages, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+        return self.options.render(self.tokenizer, self.messages, generation_prompt)
 
-    def first(self, observation: str) -> str:
-        self.messages.append({"role": self.role, "content": observation})
+    def first(self, observation: str | Sequence[Mapping[str, str]]) -> str:
+        self.messages = self.options.opening() + as_messages(observation, self.role)
         self.text = self._render(True)
         return self.text
 
@@ -69,14 +98,14 @@ class ChatTurns:
             self.messages.pop()
         self.messages.append({"role": "assistant", "content": decode(token_ids, skip_special_tokens=False)})
 
-    def next(self, observation: str) -> str:
+    def next(self, observation: str | Sequence[Mapping[str, str]]) -> str:
         closed = self._render(False)
         if not closed.startswith(self.text):
             raise NotAppendOnly("the chat template does not render the episode so far as it was sampled "
                                 f"({_first_difference(self.text, closed)}); it is not append-only, so "
                                 "set data.chat_template=false and format turns in the environment")
         tail = closed[len(self.text):]
-        self.messages.append({"role": self.role, "content": observation})
+        self.messages += as_messages(observation, self.role)
         opened = self._render(True)
         if not opened.startswith(closed):
             raise NotAppendOnly("adding a turn changes how the chat template renders the earlier ones "

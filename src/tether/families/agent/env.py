@@ -2,7 +2,7 @@
 
 One environment instance plays one episode::
 
-    reset(task, seed) -> observation                        the opening text the model sees
+    reset(task, seed) -> observation                        the opening text (or messages) the model sees
     step(action_text) -> Step(observation, reward, done, truncated, info)
     close()                                                 optional
 
@@ -55,7 +55,10 @@ class EnvContractError(Exception):
 class Step:
     """What one environment step returns."""
 
-    observation: str
+    observation: str | list[dict[str, str]]
+    """Text, or role-tagged chat messages (``observation_of``): with ``data.chat_template`` each
+    message becomes a turn of its role (a ``tool`` message a tool result), without it the contents
+    are appended as text."""
     reward: float = 0.0
     done: bool = False
     truncated: bool = False
@@ -105,14 +108,56 @@ def as_step(value: Any) -> Step:
             "a 5-tuple (observation, reward, terminated, truncated, info) or a "
             "skyrl-gym step output"
         )
-    if not isinstance(obs, str):
-        raise EnvContractError(f"step returned an observation of type {type(obs).__name__}; "
-                               "expected text (str)")
+    obs = observation_of(obs, "step")
     if not isinstance(info, Mapping):
         raise EnvContractError(f"step returned info of type {type(info).__name__}; "
                                "expected a mapping (a dict)")
-    return Step(str(obs), reward_of(reward), flag("done", done), flag("truncated", truncated), info,
+    return Step(obs, reward_of(reward), flag("done", done), flag("truncated", truncated), info,
                 flag("new_context", new_context))
+
+
+ROLES = ("user", "tool", "system")
+"""The roles an observation's messages may have (the model's own turns are ``assistant``)."""
+
+Observation = str | list[dict[str, str]]
+"""What the model is shown next: text, or role-tagged chat messages."""
+
+
+def observation_of(value: Any, call: str) -> Observation:
+    """An observation as text (``str``) or a list of messages (``{"role", "content"}`` with role
+    ``user``, ``tool`` or ``system``, other string fields such as ``name`` kept; one message may be
+    given alone), or ``EnvContractError`` naming the ``call`` that returned it."""
+    if isinstance(value, str):
+        return value
+    many = [value] if isinstance(value, Mapping) else value
+    if not isinstance(many, list | tuple):
+        raise EnvContractError(f"{call} returned an observation of type {type(value).__name__}; expected "
+                               "text (str) or chat messages ({'role', 'content'} dicts, or a list of them)")
+    messages = []
+    for m in many:
+        if not isinstance(m, Mapping) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
+            raise EnvContractError(f"{call} returned the message {_shown(m)}; a message is a dict with "
+                                   f"'role' ({', '.join(ROLES)}) and 'content' (str)")
+        bad = [k for k, v in m.items() if not isinstance(k, str) or not isinstance(v, str)]
+        if bad:
+            raise EnvContractError(f"{call} returned the message {_shown(m)}; its fields must be strings "
+                                   f"({', '.join(map(repr, bad))} is not)")
+        messages.append(dict(m))
+    return messages
+
+
+def plain_text(obs: Observation) -> str:
+    """What a model without a chat template reads of an observation: the text, or the messages'
+    contents concatenated (no roles, no template)."""
+    return obs if isinstance(obs, str) else "".join(m["content"] for m in obs)
+
+
+def transcript_text(obs: Observation) -> str:
+    """An observation as ``episodes.jsonl`` shows it: the text, or one ``[role] content`` line per
+    message (``[tool name]`` for a named tool's)."""
+    if isinstance(obs, str):
+        return obs
+    return "\n".join(f"[{m['role']}{' ' + m['name'] if m.get('name') else ''}] {m['content']}" for m in obs)
 
 
 def reward_of(value: Any) -> float:

@@ -33,7 +33,17 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tether.families.agent.env import REWARD_LIMIT, ActionError, EnvContractError, EnvFactory, as_step
+from tether.families.agent.env import (
+    REWARD_LIMIT,
+    ActionError,
+    EnvContractError,
+    EnvFactory,
+    Observation,
+    as_step,
+    observation_of,
+    plain_text,
+    transcript_text,
+)
 from tether.families.agent.envthreads import Call, EnvThreads, is_stop
 from tether.vocabulary import SamplingParams
 
@@ -44,6 +54,9 @@ timeout. The last two are failures: the episode gets ``env.failure_reward`` and 
 BUDGET_ENDINGS = ("max_turns", "token_budget")
 """Endings that count as truncated (``train.mask_truncated``, ``response/truncated_frac``)."""
 FAILURES = ("error", "timeout")
+COUNTED = ("tool_calls", "tool_errors", "malformed_calls")
+"""Counts a step's ``info`` may carry (``tools.ToolEnv``'s): summed per episode, and per batch as
+``agent/<name>``."""
 RECORD_CHARS = 4096
 """What an episode's transcript keeps of an observation its sequence does not hold (the last one,
 or one that did not fit): its first characters, then a marker with how many were left out."""
@@ -101,6 +114,8 @@ class Episode:
     status: str = "running"
     error: str = ""
     action_errors: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+    """The ``COUNTED`` step counts (tool calls, tool errors, malformed calls) summed over its steps."""
     turn_truncations: int = 0
     """Turns cut off at the per-turn token budget."""
     env_s: float = 0.0
@@ -178,6 +193,7 @@ class Player:
         chat: bool = False,
         whole_turns: bool = False,
         end_ids: Sequence[int] = (),
+        chat_options: Any = None,
     ) -> None:
         self.engine, self.tokenizer, self.make_env = engine, tokenizer, make_env
         self.end_ids = frozenset(end_ids or (tokenizer.eos_token_id,))
@@ -187,6 +203,8 @@ class Player:
         """The environment (its class), as the episodes' error messages name it."""
         self.chat = chat
         """Observations as chat turns of the tokenizer's template (``tether.families.agent.chat``)."""
+        self.chat_options = chat_options
+        """A system prompt, tool schemas and template arguments for the template (``ChatOptions``)."""
         self.whole_turns = whole_turns
         """Take up new weights only between turns, as soon as no turn is generating
         (``env.switch_at=turn``)."""
@@ -197,6 +215,18 @@ class Player:
         self.last_errors: list[str] = []
         self.turn_switches = 0
         """Newer weights taken up between turns (without draining), since the last ``play``."""
+
+    def chat_turns(self) -> Any:
+        """A new conversation (``ChatTurns``) with the recipe's template options."""
+        from tether.families.agent.chat import ChatOptions, ChatTurns
+
+        return ChatTurns(self.tokenizer, end_ids=self.end_ids, options=self.chat_options or ChatOptions())
+
+    def text_of(self, ep: Episode, obs: Observation, first: bool) -> str:
+        """The text an observation appends: its chat turn(s) with a template, else its plain text."""
+        if ep.chat is None:
+            return plain_text(obs)
+        return ep.chat.first(obs) if first else ep.chat.next(obs)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
@@ -222,10 +252,8 @@ class Player:
         episodes = [Episode(i, task, env_seed, lane=self.threads.lane())
                     for i, (task, env_seed) in enumerate(tasks)]
         if self.chat:
-            from tether.families.agent.chat import ChatTurns
-
             for ep in episodes:
-                ep.chat = ChatTurns(self.tokenizer, end_ids=self.end_ids)
+                ep.chat = self.chat_turns()
         self.turn_switches = 0
         pending: dict[Call, tuple[Episode, str]] = {}
         for ep in episodes:
@@ -292,16 +320,13 @@ class Player:
         calls past their deadlines, else ``now`` (it is waiting for a slot: its time has not begun)."""
         return call.started or self.threads.jammed_since or now
 
-    def _reset(self, ep: Episode) -> tuple[Any, str]:
+    def _reset(self, ep: Episode) -> tuple[Any, Observation]:
         """(the environment, its first observation); the episode takes the environment only when
         the call is received in time, so an abandoned set-up is never closed under its thread. An
         environment whose reset fails is closed here (a failing close is not reported over it)."""
         env = self.make_env()
         try:
-            obs = env.reset(ep.task, ep.seed)
-            if not isinstance(obs, str):
-                raise EnvContractError(f"reset returned {type(obs).__name__}; expected the first "
-                                       "observation (str)")
+            obs = observation_of(env.reset(ep.task, ep.seed), "reset")
         except BaseException:
             with contextlib.suppress(Exception):
                 env.close()
@@ -328,16 +353,16 @@ class Player:
             self._end(ep, "error", f"{name}: {kind} raised {_said(exc)}")
             return False
         if kind == "reset":
-            ep.env, text = result
+            ep.env, obs = result
             limit = self.limits.max_episode_tokens
-            ids = self.encode_within(text if ep.chat is None else ep.chat.first(text), limit)
+            ids = self.encode_within(self.text_of(ep, obs, first=True), limit)
             if not ids:
-                ep.transcript.append(clipped(text))
+                ep.transcript.append(clipped(transcript_text(obs)))
                 size = "no" if ids == [] else f"{limit} or more"
                 self._end(ep, "error", f"the first observation is {size} tokens; it must be 1 to "
                           f"env.max_episode_tokens={limit} − 1")
                 return False
-            ep.transcript.append(text)
+            ep.transcript.append(transcript_text(obs))
             self._append(ep, ids)
             return True
         try:
@@ -358,12 +383,18 @@ class Player:
             return False
         if step.info.get("action_error"):
             ep.action_errors += 1
+        for key in COUNTED:
+            value = step.info.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value:
+                ep.counts[key] = ep.counts.get(key, 0) + value
         return self._observe(ep, step.observation, done=step.done, truncated=step.truncated,
                              rewrite=step.new_context)
 
-    def _observe(self, ep: Episode, text: str, *, done: bool, truncated: bool, rewrite: bool = False) -> bool:
+    def _observe(self, ep: Episode, obs: Observation, *, done: bool, truncated: bool, rewrite: bool = False
+                 ) -> bool:
         """Append an observation to the episode's sequence, or end it; the transcript keeps the
         observation whole when the sequence holds it, else its beginning (``clipped``)."""
+        text = transcript_text(obs)
         if done or truncated or ep.turns >= self.limits.max_turns:
             ep.transcript.append(clipped(text))
             self._end(ep, "done" if done else "truncated" if truncated else "max_turns")
@@ -371,18 +402,15 @@ class Player:
         if rewrite:  # the history is replaced: the next turn is sampled from ``text`` alone
             ep.rewrite()
             if ep.chat is not None:
-                from tether.families.agent.chat import ChatTurns
-
-                ep.chat = ChatTurns(self.tokenizer, end_ids=self.end_ids)
-            ids = self.encode_within(text if ep.chat is None else ep.chat.first(text),
-                                     self.limits.max_episode_tokens)
+                ep.chat = self.chat_turns()
+            ids = self.encode_within(self.text_of(ep, obs, first=True), self.limits.max_episode_tokens)
             if ids == []:
                 ep.transcript.append(text)
                 self._end(ep, "error", "the environment rewrote the history to an empty context "
                           "(Step.new_context with no observation text)")
                 return False
         else:
-            ids = self.encode_within(text if ep.chat is None else ep.chat.next(text),
+            ids = self.encode_within(self.text_of(ep, obs, first=False),
                                      self.limits.max_episode_tokens - len(ep.ids))
         if ids is None:
             ep.transcript.append(clipped(text))

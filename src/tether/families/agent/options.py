@@ -33,6 +33,37 @@ class EnvSection:
         "topk: 3}; given as an OmegaConf DictConfig (attribute access: env_config.search_url). Its extras "
         "are the task row with max_turns = env.max_turns.",
     )
+    tools: list[str] = knob(
+        [],
+        "Python functions the model may call, each path/to/file.py:name or module:name (a function, or a "
+        "list or dict of functions); their schemas (from type hints and docstrings) reach the chat "
+        "template as tools. Set without env.env_class: the built-in tool environment plays each task row's "
+        "prompt, runs each parsed call and scores the final answer (a turn without calls) with "
+        "env.answer_reward; with env.env_class, that class must subclass "
+        "tether.families.agent.tools.ToolEnv.",
+    )
+    tool_parser: str = knob(
+        "hermes",
+        "How a model turn's tool calls are read: hermes (<tool_call>{\"name\": ..., \"arguments\": "
+        "...}</tool_call>, any number a turn: Hermes, Qwen2.5/Qwen3), json (the turn is one JSON call or a "
+        "list of them), or path/to/file.py:function returning a tools.ParsedTurn. Read by tool "
+        "environments.",
+    )
+    answer_reward: str = knob(
+        "auto",
+        "How a tool environment scores the final answer: a name reward.function accepts (task, "
+        "exact_match, numeric_match, math, path/to/file.py:function with (prompt, completion, answer, "
+        "fields)). auto = the built-in task's verifier with data.task, else exact_match.",
+    )
+    malformed_call_reward: float = knob(
+        0.0,
+        "Reward added to a tool environment's step for each malformed tool call (not JSON, no name, not "
+        "closed); the call is answered with what was wrong either way, and counted "
+        "(agent/malformed_calls). Negative penalises.",
+        min=-1e6, max=1e6,
+    )
+    max_tool_calls: int = knob(
+        8, "Tool calls of one turn a tool environment runs; the rest are answered as errors.", min=1)
     max_turns: int = knob(
         4, "Model turns per episode; an episode still going after them ends as max_turns (a skyrl-gym "
         "environment also reads it as extras['max_turns']).", min=1

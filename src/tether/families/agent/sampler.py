@@ -18,6 +18,7 @@ from tether.errors import RolloutError
 from tether.families.agent.envthreads import EnvThreads
 from tether.families.agent.episodes import (
     BUDGET_ENDINGS,
+    COUNTED,
     ENDINGS,
     FAILURES,
     Episode,
@@ -29,28 +30,104 @@ from tether.procinfo import peak_rss_mb
 from tether.vocabulary import WorkItem
 
 
-def environment_factory(cfg: Any):
-    """What makes one environment of the recipe: ``env.env_class``, else the task's own, built with
-    ``env.kwargs`` (skyrl-gym's with ``env.env_config``, and ``env.max_turns`` in its extras)."""
+def environment_class(cfg: Any) -> type:
+    """The recipe's environment class: ``env.env_class``; else the built-in tool environment when
+    ``env.tools`` names functions; else the built-in task's own."""
     from tether import registry
     from tether.errors import ConfigError
-    from tether.families.agent.env import factory
     from tether.families.agent.tasks import AgentTask
+    from tether.families.agent.tools import ToolEnv
     from tether.pyload import load_python_object
 
-    if cfg.env.env_class:
-        env_class = load_python_object(cfg.env.env_class, what="env.env_class")
-    else:
-        task = registry.tasks.get(cfg.data.task) if cfg.data.task else None
-        env_class = task.environment if isinstance(task, AgentTask) else None
-        if env_class is None:
-            raise ConfigError(
-                "model.family=agent needs an environment: set env.env_class to "
-                "path/to/file.py:Class, or data.task to a built-in agent task "
-                "(kv_lookup, guess_number)"
-            )
-    return factory(env_class, cfg.env.kwargs, env_config=cfg.env.env_config,
-                   extras={"max_turns": cfg.env.max_turns})
+    e = cfg.env
+    if e.env_class:
+        env_class = load_python_object(e.env_class, what="env.env_class")
+        if e.tools and not (isinstance(env_class, type) and issubclass(env_class, ToolEnv)):
+            raise ConfigError(f"env.tools is set, but env.env_class={e.env_class} is not a tool "
+                              "environment (a subclass of tether.families.agent.tools.ToolEnv); leave "
+                              "env.env_class empty to play the tools with the built-in one, or subclass ToolEnv")
+        return env_class
+    if e.tools:
+        return ToolEnv
+    task = registry.tasks.get(cfg.data.task) if cfg.data.task else None
+    env_class = task.environment if isinstance(task, AgentTask) else None
+    if env_class is None:
+        raise ConfigError(
+            "model.family=agent needs an environment: set env.env_class to "
+            "path/to/file.py:Class, env.tools to Python functions, or data.task to a built-in agent task "
+            "(kv_lookup, guess_number, tool_calc)"
+        )
+    return env_class
+
+
+def is_tool_env(env_class: Any) -> bool:
+    from tether.families.agent.tools import ToolEnv
+
+    return isinstance(env_class, type) and issubclass(env_class, ToolEnv)
+
+
+def tool_arguments(cfg: Any, env_class: type) -> dict[str, Any]:
+    """What a tool environment is built with besides ``env.kwargs``: the functions of
+    ``env.tools`` (else its own ``default_tools``), the parser, the answer reward and the
+    malformed-call reward; the functions are refused unless each has a schema."""
+    from tether.data.rewards import Scorer, load_reward
+    from tether.errors import ConfigError
+    from tether.families.agent.tools import load_parser, load_tools, tool_schema
+
+    e = cfg.env
+    tools = load_tools(e.tools) if e.tools else list(env_class.default_tools)
+    if not tools:
+        raise ConfigError(f"{env_class.__qualname__} has no tools: set env.tools to path/to/file.py:function "
+                          "(or a list of functions)")
+    for fn in tools:
+        tool_schema(fn)  # refuses a function whose schema cannot be stated, now
+    spec = e.answer_reward
+    if spec == "auto":
+        spec = "task" if cfg.data.task else "exact_match"
+    scorer = Scorer(load_reward(spec, task=cfg.data.task or None), spec)
+    return {"tools": tools, "parser": load_parser(e.tool_parser), "answer_reward": AnswerScore(scorer),
+            "malformed_reward": e.malformed_call_reward, "max_calls": e.max_tool_calls}
+
+
+class AnswerScore:
+    """A reward function's ``Scorer`` (its value checked finite and bounded) as a tool environment's
+    answer reward, ``(answer, task row) -> float``."""
+
+    def __init__(self, scorer: Any) -> None:
+        self.scorer = scorer
+
+    def __call__(self, answer: str, task: Any) -> float:
+        from tether.vocabulary import Example
+
+        fields = {k: v for k, v in task.items() if k not in ("prompt", "answer")}
+        return self.scorer(Example(str(task.get("prompt", "")), str(task.get("answer", "")), fields), answer)
+
+
+def environment_factory(cfg: Any):
+    """What makes one environment of the recipe (``environment_class``), built with ``env.kwargs``
+    (a tool environment's with ``tool_arguments`` too; skyrl-gym's with ``env.env_config``, and
+    ``env.max_turns`` in its extras)."""
+    from tether.families.agent.env import factory
+
+    env_class = environment_class(cfg)
+    options = dict(cfg.env.kwargs)
+    if is_tool_env(env_class):
+        options = {**tool_arguments(cfg, env_class), **options}
+    return factory(env_class, options, env_config=cfg.env.env_config, extras={"max_turns": cfg.env.max_turns})
+
+
+def chat_options(cfg: Any) -> Any:
+    """The chat template's options (``ChatOptions``): ``data.system_prompt``, the tool schemas of a
+    tool environment, ``data.chat_template_kwargs``."""
+    from tether.families.agent.chat import ChatOptions
+    from tether.families.agent.tools import load_tools, tool_schema
+
+    env_class = environment_class(cfg)
+    tools = []
+    if is_tool_env(env_class):
+        functions = load_tools(cfg.env.tools) if cfg.env.tools else env_class.default_tools
+        tools = [tool_schema(fn) for fn in functions]
+    return ChatOptions(system=cfg.data.system_prompt, tools=tools, kwargs=dict(cfg.data.chat_template_kwargs))
 
 
 def limits_of(cfg: Any, context: int | None) -> Limits:
@@ -81,7 +158,8 @@ def player_for(cfg: Any, engine: Any, tokenizer: Any, context: int | None, threa
     ``ends``: what ends its turns, as the engine was built with)."""
     return Player(engine, tokenizer, environment_factory(cfg), limits_of(cfg, context), threads,
                   schedule=cfg.env.schedule, chat=cfg.data.chat_template,
-                  whole_turns=cfg.env.switch_at == "turn", end_ids=ends.end_ids)
+                  whole_turns=cfg.env.switch_at == "turn", end_ids=ends.end_ids,
+                  chat_options=chat_options(cfg) if cfg.data.chat_template else None)
 
 
 def env_seed(position: int) -> int:
@@ -199,6 +277,7 @@ class AgentSampler:
             "agent/turns_max": float(max(turns)),
             "agent/success_frac": sum(ep.succeeded for ep in episodes) / n,
             "agent/action_errors": float(sum(ep.action_errors for ep in episodes)),
+            **{f"agent/{key}": float(sum(ep.counts.get(key, 0) for ep in episodes)) for key in COUNTED},
             "agent/env_errors": float(sum(ep.status == "error" for ep in episodes)),
             "agent/timeouts": float(sum(ep.status == "timeout" for ep in episodes)),
             "agent/masked_failures": float(sum(ep.failed for ep in episodes)

@@ -18,18 +18,24 @@ from tether.train.supervised import WarmstartResult, warmstart_loop, write_recor
 from tether.vocabulary import Progress, SamplingParams
 
 
-def encode_transcript(tokenizer, segments, *, chat: bool = False) -> tuple[list[int], list[int]]:
+def encode_transcript(tokenizer, segments, *, chat: bool = False, options=None, end_ids=()
+                      ) -> tuple[list[int], list[int]]:
     """(ids, labels): each segment encoded on its own, as the player encodes observations (with
-    ``chat``, each observation as the chat turn the player would append); labels are the ids on
+    ``chat``, each observation (text or messages) as the chat turn the player would append, with
+    the recipe's ``ChatOptions``: system prompt, tool schemas, and the end-of-turn ids the player
+    uses); labels are the ids on
     the model's segments and −100 elsewhere."""
-    from tether.families.agent.chat import ChatTurns
+    from tether.families.agent.chat import ChatOptions, ChatTurns
+    from tether.families.agent.env import plain_text
 
-    turns = ChatTurns(tokenizer) if chat else None
+    turns = ChatTurns(tokenizer, end_ids=end_ids, options=options or ChatOptions()) if chat else None
     ids: list[int] = []
     labels: list[int] = []
     for text, by_model in segments:
         if turns is not None and not by_model:
             text = turns.first(text) if not ids else turns.next(text)
+        elif not by_model:
+            text = plain_text(text)
         piece = list(tokenizer(text, add_special_tokens=False).input_ids)
         if turns is not None and by_model:
             turns.sampled(piece)
@@ -73,12 +79,17 @@ def run_agent_warmstart(
     data = cfg.family().data(cfg, model_dir)
     rng = random.Random(cfg.run.seed)
     quality = cfg.env.script_quality
+    from tether.decoding.stops import generation_eos_ids
+    from tether.families.agent.sampler import chat_options, turn_ends_of
+
+    options = chat_options(cfg) if cfg.data.chat_template else None
+    end_ids = turn_ends_of(cfg, tokenizer, generation_eos_ids(model_dir)).end_ids
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
 
     def loss_at(step: int) -> torch.Tensor:
         chosen = rng.sample(data.train, min(s.batch_size, len(data.train)))
-        encoded = [encode_transcript(tokenizer, task.script(ex, rng, quality), chat=cfg.data.chat_template)
-                   for ex in chosen]
+        encoded = [encode_transcript(tokenizer, task.script(ex, rng, quality), chat=cfg.data.chat_template,
+                                     options=options, end_ids=end_ids) for ex in chosen]
         ids, mask, labels = transcript_batch(encoded, tokenizer.pad_token_id)
         return model(input_ids=ids, attention_mask=mask, labels=labels).loss
 
