@@ -45,7 +45,8 @@ def environment_class(cfg: Any) -> type:
         if e.tools and not (isinstance(env_class, type) and issubclass(env_class, ToolEnv)):
             raise ConfigError(f"env.tools is set, but env.env_class={e.env_class} is not a tool "
                               "environment (a subclass of tether.families.agent.tools.ToolEnv); leave "
-                              "env.env_class empty to play the tools with the built-in one, or subclass ToolEnv")
+                              "env.env_class empty to play the tools with the built-in one, or subclass "
+                              "ToolEnv")
         return env_class
     if e.tools:
         return ToolEnv
