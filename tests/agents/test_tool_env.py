@@ -169,6 +169,8 @@ def test_recipes_naming_tools_build_the_tool_environment_with_their_schemas():
     ([f"env.tools=[{TOOLS}:untyped_varargs]"], "untyped_varargs takes \\*args"),
     ([f"env.tools=[{TOOLS}:add]", "env.tool_parser=xml"], "env.tool_parser='xml'"),
     ([f"env.tools=[{TOOLS}:add]", "env.answer_reward=nope"], "unknown reward 'nope'"),
+    (["env.env_class=tests/agents/envs.py:Echo", "env.tool_parser=json"], "env.tool_parser=json configure"),
+    (["env.max_tool_calls=3", "env.malformed_call_reward=-1"], "reward=-1.0, env.max_tool_calls=3 configure"),
     (["data.system_prompt=hi"], "data.system_prompt is given to the chat template"),
     (["data.chat_template_kwargs={enable_thinking: false}"], "data.chat_template_kwargs is given"),
 ])

@@ -42,6 +42,8 @@ class EpisodeBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     turn_tokens: list[list[int]] = field(default_factory=list)
     """Each episode's tokens sampled per turn, in order over its samples (empty: not recorded)."""
+    counts: list[dict[str, int]] = field(default_factory=list)
+    """Each episode's step counts (tool calls, tool errors, malformed calls; empty: none recorded)."""
 
     @property
     def num_groups(self) -> int:
@@ -87,7 +89,8 @@ class EpisodeBatch:
         """What ``episodes.jsonl`` holds of each episode, in group order (``metrics.record_every``):
         its task position, group and place, how it ended (and why, when it failed), its return and
         the reward of every step, turns, rewrites of its history, model tokens, the oldest and
-        newest version of those tokens, and its transcript (observation, action, …, the final
+        newest version of those tokens, its tool calls, tool errors and malformed calls (when its
+        environment counts them), and its transcript (observation, action, …, the final
         observation included)."""
         samples = Counter(self.episode_of)
         versions = self.episode_versions()  # one per model token
@@ -98,6 +101,7 @@ class EpisodeBatch:
              "step_rewards": self.step_rewards[e], "turns": self.turns[e], "rewrites": samples[e] - 1,
              "model_tokens": len(versions[e]),
              "versions": [min(versions[e]), max(versions[e])] if versions[e] else [],
+             **(self.counts[e] if self.counts else {}),
              "transcript": self.transcripts[e]}
             for e in range(len(self.rewards))
         ]

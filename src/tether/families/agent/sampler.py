@@ -240,6 +240,7 @@ class AgentSampler:
             errors=[ep.error for ep in episodes],
             group_size=g,
             turn_tokens=[ep.turn_tokens for ep in episodes],
+            counts=[dict(ep.counts) for ep in episodes] if any(ep.counts for ep in episodes) else [],
         )
         batch.metrics.update(self._metrics(episodes, batch, wall))
         batch.metrics.update(extra_metrics)
