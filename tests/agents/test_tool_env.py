@@ -177,3 +177,14 @@ def test_recipes_naming_tools_build_the_tool_environment_with_their_schemas():
 def test_tool_recipe_mistakes_are_refused_when_the_recipe_loads(extra, says):
     with pytest.raises(ConfigError, match=says):
         config(*extra)
+
+
+def test_text_prompts_get_the_system_prompt_and_template_arguments_too(chat_model):
+    from tether.data.datasets import apply_chat_template
+    from tether.vocabulary import Example
+
+    _, tokenizer = load_causal_lm(chat_model)
+    tokenizer.chat_template = TEMPLATE + "{% if think %}<think>{% endif %}"
+    (ex,) = apply_chat_template(tokenizer, [Example("2+3?", "5")], system="be brief", kwargs={"think": True})
+    assert ex.prompt == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\n2+3?<|im_end|>\n"
+                         "<|im_start|>assistant\n<think>")
