@@ -93,6 +93,8 @@ ALLOWED_PROBES: dict[str, tuple[frozenset[str], str]] = {
     # a user's function, class or module, read as Python defines them
     "api.py": (frozenset({"__file__", "__module__", "__qualname__"}), "where a user's object is defined"),
     "registry.py": (frozenset({"__file__"}), "the script that runs (``__main__``) may have no file"),
+    "families/agent/tools.py": (frozenset({"__name__"}), "a tool is any callable; a partial or an "
+                                "instance with __call__ has no name (refused, naming it)"),
     "config/keys.py": (frozenset({"RESUME"}), "a section is a plain dataclass of knobs its plug-in writes; "
                        "its optional ``RESUME`` class variable has no base class to default it"),
     "train/losses.py": (frozenset({"__code__"}), "a user's loss may be any callable"),
