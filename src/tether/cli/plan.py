@@ -74,6 +74,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "rollout.max_new_tokens (plan.mean_length)")
     p.add_argument("--prefill-cost", type=float,
                    help="recompute: one prefix token run again, in decode steps (plan.prefill_cost)")
+    p.add_argument("--closed-form", action="store_true",
+                   help="also print the mean staleness in closed form (Tether's for the recipe's "
+                   "publication rule, and Applied Compute's queueing forms with their five parameters) "
+                   "beside the simulation's")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     p.add_argument("--width", type=int, default=72, help="timeline width in characters")
     p.add_argument("--all", action="store_true", dest="show_all",
@@ -132,11 +136,36 @@ def run(ns: argparse.Namespace) -> int:
             "extra_prompts_of_batch_k": f"positions {(draws - 1) * b}·k … {(draws - 1) * b}·k + "
                                         f"{(draws - 1) * b - 1} of the extra stream",
         }
+    if ns.closed_form:
+        from tether.control.closed_form import closed_forms
+
+        t = timings_of(cfg)
+        doc["closed_form"] = closed_forms(cfg, gen_time=t.gen_time, train_time=t.train_time,
+                                          sync_time=t.sync_time)
     if ns.json:
         print(json.dumps(doc, indent=2))
     else:
         print(render_text(sim, doc, width=ns.width, show_all=ns.show_all))
+        if ns.closed_form:
+            print("\n" + "\n".join(closed_form_lines(doc["closed_form"],
+                                                     doc["summary"]["mean_staleness_batches"])))
     return 0
+
+
+def closed_form_lines(forms: dict, simulated: float, measured: float | None = None) -> list[str]:
+    """The closed forms beside the simulated (and a run's measured) mean staleness, in batches."""
+    ac = forms["applied_compute"]
+    how = {"lazy": "lazy publication rule: exact", "idle": "idle syncs: approximate",
+           "eager": "a publication every step: approximate"}[forms["rule"]]
+    seen = f"simulated {simulated:.2f}" + ("" if measured is None else f", measured {measured:.2f}")
+    capped = "" if ac["uncapped_batches"] <= ac["mean_staleness_batches"] else \
+        f" (uncapped {ac['uncapped_batches']:.2f}; no batch trains staler than S)"
+    return [
+        f"mean staleness (batches): {seen}",
+        f"  closed form ({how}): {forms['mean_staleness_batches']:.2f}",
+        f"  Applied Compute's {ac['regime']} form: {ac['mean_staleness_batches']:.2f}{capped}  "
+        f"[rho={ac['rho']:.2f}, B={ac['B']}, C={ac['C']:g}, q={ac['q']:g}, M_tail={ac['M_tail']:.2f}]",
+    ]
 
 
 def render_text(sim: Simulation, doc: dict, *, width: int = 72, show_all: bool = False) -> str:
