@@ -134,8 +134,8 @@ def main() -> None:
         print(f"{'recipe':9s} {'rule':5s} {'rho':>5s}  {'measured':>8s} {'simulated':>9s} {'Tether':>7s} "
               f"{'AC':>6s}")
         for r in runs:
-            print(f"{r['recipe']:9s} {r['rule']:5s} {r['rho']:5.2f}  {r['measured']:8.2f} {r['simulated']:9.2f} "
-                  f"{r['tether']:7.2f} {r['applied_compute']:6.2f}")
+            print(f"{r['recipe']:9s} {r['rule']:5s} {r['rho']:5.2f}  {r['measured']:8.2f} "
+                  f"{r['simulated']:9.2f} {r['tether']:7.2f} {r['applied_compute']:6.2f}")
 
 
 if __name__ == "__main__":
