@@ -79,6 +79,15 @@ def print_sweep(rows: list[dict]) -> None:
                   f"{r['tether']:7.2f} {r['applied_compute']:6.2f}")
 
 
+REWARD = Path(__file__).resolve()
+
+
+def varied_reward(prompt: str, completion: str, answer: str, fields) -> float:
+    """A reward that varies within a group of a random model's samples (so every batch commits its
+    updates and the publication schedule is the recipe's), by the completion's length."""
+    return (len(completion) % 3) / 2
+
+
 RUNS = {
     "lazy S=1": ["async.max_staleness=1", "async.max_inflight=2"],
     "lazy S=3": ["async.max_staleness=3", "async.max_inflight=4"],
@@ -102,7 +111,8 @@ def real_runs(batches: int) -> list[dict]:
         init_model(model, arch="qwen3", size="tiny", seed=0)
         for name, extra in RUNS.items():
             cfg = load_config(None, [
-                f"model.path={model}", "data.task=arithmetic", "data.num_eval=10", "rollout.batch_size=4",
+                f"model.path={model}", "data.task=arithmetic", f"reward.function={REWARD}:varied_reward",
+                "data.num_eval=10", "rollout.batch_size=4",
                 "rollout.group_size=8", "rollout.max_new_tokens=6", f"train.num_batches={batches}",
                 "train.drop_zero_std=false", "eval.interval=0", "checkpoint.interval=0", *extra])
             run = Path(tmp) / name.replace(" ", "_").replace("=", "")
@@ -130,7 +140,8 @@ def main() -> None:
         return
     print_sweep(rows)
     if runs:
-        print("\nreal runs (tiny model, arithmetic; timings measured; mean staleness in batches):")
+        print("\nreal runs (tiny model, arithmetic prompts, a length reward; timings measured; mean staleness "
+              "in batches):")
         print(f"{'recipe':9s} {'rule':5s} {'rho':>5s}  {'measured':>8s} {'simulated':>9s} {'Tether':>7s} "
               f"{'AC':>6s}")
         for r in runs:
