@@ -220,6 +220,19 @@ def test_an_episode_its_client_abandoned_is_closed_on_the_server_once_idle():
         assert server.expired == 1
 
 
+def test_shutting_the_server_down_closes_the_episodes_still_open():
+    module = sys.modules[env_class(f"{RUNTIME_ENVS}:AsyncClient").__module__]
+    module.CLOSED.clear()
+    server = serve(env_class(f"{RUNTIME_ENVS}:AsyncClient"))
+    try:
+        for seed in range(3):
+            RemoteEnv(server.url, timeout_s=5).reset({}, seed)
+        assert server.episodes == 3
+    finally:
+        server.shutdown()
+    assert module.CLOSED == ["same"] * 3
+
+
 def test_a_step_for_an_episode_the_server_does_not_hold_is_an_error_naming_it():
     with serve(env_class(f"{ENVS}:Echo")) as server:
         client = RemoteEnv(server.url, timeout_s=5)
@@ -254,3 +267,23 @@ def test_tether_env_serve_serves_from_a_subprocess_until_sigterm():
     assert proc.poll() == 0
     with pytest.raises(Exception, match="ConnectionRefusedError"):
         RemoteEnv(url, timeout_s=5).reset({}, 0)
+
+
+@pytest.mark.timeout(180)
+def test_tether_train_plays_its_episodes_on_a_served_environment(tiny_model_dir, tmp_path):
+    """Summarises (its returns vary with the actions, so updates commit), served here; the run (a
+    subprocess) reaches it by env.kwargs.url."""
+    with serve(env_class(f"{ENVS}:Summarises")) as server:
+        run = tmp_path / "run"
+        out = subprocess.run(
+            [sys.executable, "-m", "tether.cli.main", "train", "model.family=agent", "data.task=kv_lookup",
+             f"model.path={tiny_model_dir}", f"env.env_class={REMOTE}", f"env.kwargs={{url: '{server.url}'}}",
+             "train.num_batches=2", "rollout.batch_size=2", "rollout.group_size=4", "eval.interval=0",
+             "--run-dir", run, "--plain", "--no-report"],
+            cwd=ROOT, capture_output=True, text=True, timeout=150)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert server.opened >= 2 * 2 * 4 and server.episodes == 0  # every episode closed again
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    assert all(m["agent/env_errors"] == 0 and m["agent/timeouts"] == 0 and m["agent/env_tokens_mean"] > 0
+               for m in metrics)

@@ -72,6 +72,8 @@ class EnvServer:
         self.threads = EnvThreads(max(1, workers))
         self.idle_timeout_s = idle_timeout_s
         self.log = log
+        self.opened = 0
+        """Episodes reset since the start."""
         self.expired = 0
         """Episodes closed for having been idle past ``idle_timeout_s``."""
         self._episodes: dict[str, Served] = {}
@@ -154,6 +156,7 @@ class EnvServer:
             raise
         with self._lock:
             self._episodes[episode] = served
+            self.opened += 1
         return answer
 
     def step(self, body: Mapping[str, Any]) -> dict[str, Any]:
