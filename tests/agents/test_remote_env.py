@@ -155,6 +155,7 @@ class Garbage(BaseHTTPRequestHandler):
     (200, b'{"obs": "x"}', r"/step answered without 'observation': '{\"obs\": \"x\"}'"),
     (200, b'{"observation": "x", "done": "yes"}', r"step returned done='yes'; expected True or False"),
     (500, b"Internal Server Error", r"/step answered HTTP 500: 'Internal Server Error'"),
+    (500, b'{"detail": "Environment error: boom"}', r"/step answered HTTP 500: Environment error: boom$"),
     (500, b'{"error": {"type": "environment_error", "message": "the sandbox died"}}',
      r"/step: the sandbox died"),
 ])
@@ -190,7 +191,9 @@ def test_a_hung_server_times_the_episodes_out_at_the_step_timeout_never_hanging_
     ("{url: 'http://127.0.0.1:99999'}", r"url 'http://127.0.0.1:99999' has a bad port"),
     ("{url: 'http://127.0.0.1:8000/?x=1'}", r"not a query"),
     ("{url: 'http://127.0.0.1:8000', timeout_s: 0}", r"timeout_s=0 must be a number of seconds above 0"),
-    ("{url: 'http://127.0.0.1:8000', timeout: 3}", r"environment RemoteEnv cannot be built: .*'timeout'"),
+    ("{url: 'http://127.0.0.1:8000', timeout: 3}",
+     r"env.kwargs for RemoteEnv: unknown key 'timeout'; valid: url, timeout_s, headers"),
+    ("{url: 'http://127.0.0.1:8000', headers: [a]}", r"headers=\['a'\] must map header names to text"),
 ])
 def test_a_remote_environment_the_recipe_gets_wrong_is_refused_when_it_loads(tiny_model_dir, kwargs, says):
     with pytest.raises(ConfigError, match=says):
@@ -241,6 +244,13 @@ def test_a_step_for_an_episode_the_server_does_not_hold_is_an_error_naming_it():
             client.step("x")
         with urllib.request.urlopen(f"{server.url}/health", timeout=5) as answer:
             assert json.load(answer) == {"status": "healthy", "environment": "Echo", "episodes": 0}
+
+
+def test_the_server_and_the_client_load_without_torch():
+    code = ("import sys, tether.cli.main, tether.families.agent.serve, tether.families.agent.remote\n"
+            "print(','.join(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == ""
 
 
 def test_tether_env_serve_serves_from_a_subprocess_until_sigterm():

@@ -107,6 +107,9 @@ class RemoteEnv:
     @staticmethod
     def check_kwargs(kwargs: Mapping[str, Any]) -> None:
         """Refuse (``ValueError``) ``env.kwargs`` this client cannot use, when the recipe loads."""
+        unknown = sorted(set(kwargs) - {"url", "timeout_s", "headers"})
+        if unknown:
+            raise ValueError(f"unknown key {', '.join(map(repr, unknown))}; valid: url, timeout_s, headers")
         check_url(kwargs.get("url", ""))
         timeout = kwargs.get("timeout_s", 60.0)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
@@ -179,6 +182,8 @@ class RemoteEnv:
             if error.get("type") == "action_error":
                 raise ActionError(error["message"])
             raise RemoteError(f"{self.url}{path}: {error['message']}")
+        if isinstance(payload, dict) and isinstance(payload.get("detail"), str):  # FastAPI (OpenEnv) errors
+            raise RemoteError(f"{self.url}{path} answered HTTP {status}: {payload['detail']}")
         raise RemoteError(f"{self.url}{path} answered HTTP {status}: {shown(raw)}")
 
     def _field(self, out: dict[str, Any], path: str, name: str) -> Any:
