@@ -268,6 +268,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server_version = "tether-env"
+    disable_nagle_algorithm = True
+    """Headers and body go out in two writes: with Nagle's algorithm the body would wait for the
+    client's delayed ACK (40 ms a call on Linux)."""
 
     def setup(self) -> None:
         self.timeout = self.server.env_server.idle_timeout_s  # a dead client's connection is dropped
