@@ -24,6 +24,7 @@ import torch
 
 from tether.config.config import load_config
 from tether.errors import ConfigError
+from tether.families.agent.env import Step
 from tether.families.agent.remote import RemoteEnv
 from tether.families.agent.serve import serve
 from tether.pyload import load_python_object
@@ -234,6 +235,27 @@ def test_shutting_the_server_down_closes_the_episodes_still_open():
     finally:
         server.shutdown()
     assert module.CLOSED == ["same"] * 3
+
+
+class Messages:
+    """Observations as role-tagged messages, and an info dict, for the protocol to carry unchanged."""
+
+    def reset(self, task, seed):
+        return [{"role": "system", "content": "be brief"}, {"role": "user", "content": task["prompt"]}]
+
+    def step(self, action):  # a step's observation is text until as_step takes messages
+        return Step(action.upper(), reward=1.0, done=True, info={"calls": [1, 2], "tool": {"name": "shout"}})
+
+
+def test_observations_and_info_travel_as_the_json_they_are():
+    with serve(Messages) as server:
+        client = RemoteEnv(server.url, timeout_s=5)
+        assert client.reset({"prompt": "hi"}, 0) == [{"role": "system", "content": "be brief"},
+                                                      {"role": "user", "content": "hi"}]
+        step = client.step("ok")
+        assert step == Step("OK", 1.0, True, False, {"calls": [1, 2], "tool": {"name": "shout"}})
+        client.close()
+        assert server.episodes == 0
 
 
 def test_a_step_for_an_episode_the_server_does_not_hold_is_an_error_naming_it():
