@@ -140,8 +140,8 @@ def main() -> None:
         return
     print_sweep(rows)
     if runs:
-        print("\nreal runs (tiny model, arithmetic prompts, a length reward; timings measured; mean staleness "
-              "in batches):")
+        print("\nreal runs (tiny model, arithmetic prompts, a length reward; timings measured; mean "
+              "staleness in batches):")
         print(f"{'recipe':9s} {'rule':5s} {'rho':>5s}  {'measured':>8s} {'simulated':>9s} {'Tether':>7s} "
               f"{'AC':>6s}")
         for r in runs:
