@@ -243,8 +243,9 @@ class Messages:
     def reset(self, task, seed):
         return [{"role": "system", "content": "be brief"}, {"role": "user", "content": task["prompt"]}]
 
-    def step(self, action):  # a step's observation is text until as_step takes messages
-        return Step(action.upper(), reward=1.0, done=True, info={"calls": [1, 2], "tool": {"name": "shout"}})
+    def step(self, action):
+        return Step([{"role": "tool", "name": "shout", "content": action.upper()}], reward=1.0, done=True,
+                    info={"calls": [1, 2], "tool": {"name": "shout"}})
 
 
 def test_observations_and_info_travel_as_the_json_they_are():
@@ -253,7 +254,8 @@ def test_observations_and_info_travel_as_the_json_they_are():
         assert client.reset({"prompt": "hi"}, 0) == [{"role": "system", "content": "be brief"},
                                                       {"role": "user", "content": "hi"}]
         step = client.step("ok")
-        assert step == Step("OK", 1.0, True, False, {"calls": [1, 2], "tool": {"name": "shout"}})
+        assert step == Step([{"role": "tool", "name": "shout", "content": "OK"}], 1.0, True, False,
+                            {"calls": [1, 2], "tool": {"name": "shout"}})
         client.close()
         assert server.episodes == 0
 
