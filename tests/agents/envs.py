@@ -116,6 +116,14 @@ class SummarisesByTuple(Summarises):
         return step.observation, step.reward, step.done, False, {"new_context": step.new_context}
 
 
+class OddEcho(Echo):
+    """Echo rewarding actions of odd length (so a group's returns differ and updates commit)."""
+
+    def step(self, action):
+        step = super().step(action)
+        return Step(step.observation, reward=float(len(action) % 2), done=step.done)
+
+
 class SlowEcho(Echo):
     """Echo whose every step takes ``STEP_S`` seconds (a tool that takes its time), rewarding
     actions of odd length (so a group's returns differ and updates commit)."""

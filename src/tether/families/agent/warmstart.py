@@ -1,6 +1,7 @@
 """The agent family's warm start: supervised fine-tuning on the task's scripted transcripts with the
-same mask RL uses (loss on the model's turns only, never on observations), until held-out greedy
-episode success reaches ``warmstart.target_pass_rate``. ``env.script_quality`` says how good a
+same mask RL uses (loss on the model's turns only, never on observations), split into the samples
+the player would make of it, until held-out greedy episode success reaches
+``warmstart.target_pass_rate``. ``env.script_quality`` says how good a
 player the transcripts show."""
 
 from __future__ import annotations
@@ -18,24 +19,33 @@ from tether.train.supervised import WarmstartResult, warmstart_loop, write_recor
 from tether.vocabulary import Progress, SamplingParams
 
 
-def encode_transcript(tokenizer, segments, *, chat: bool = False) -> tuple[list[int], list[int]]:
-    """(ids, labels): each segment encoded on its own, as the player encodes observations (with
-    ``chat``, each observation as the chat turn the player would append); labels are the ids on
-    the model's segments and −100 elsewhere."""
-    from tether.families.agent.chat import ChatTurns
+def encode_transcript(tokenizer, segments, *, chat: bool = False) -> list[tuple[list[int], list[int]]]:
+    """The training sequences of a scripted transcript, each (ids, labels): every segment encoded
+    on its own, as the player encodes observations (with ``chat``, each observation as the chat
+    turn the player would append); labels are the ids on the model's segments and −100 elsewhere.
+    One sequence, or, as the player starts a new sample where the chat template does not reproduce
+    the conversation so far, one more from each such point, whose context is the template's
+    rendering of the whole conversation (earlier model turns unlabelled there)."""
+    from tether.families.agent.chat import ChatTurns, NotAppendOnly
 
     turns = ChatTurns(tokenizer) if chat else None
+    sequences: list[tuple[list[int], list[int]]] = []
     ids: list[int] = []
     labels: list[int] = []
     for text, by_model in segments:
         if turns is not None and not by_model:
-            text = turns.first(text) if not ids else turns.next(text)
+            try:
+                text = turns.next(text) if turns.messages else turns.first(text)
+            except NotAppendOnly:
+                sequences.append((ids, labels))
+                ids, labels = [], []
+                text = turns.restart(text)
         piece = list(tokenizer(text, add_special_tokens=False).input_ids)
         if turns is not None and by_model:
             turns.sampled(piece)
         ids += piece
         labels += piece if by_model else [-100] * len(piece)
-    return ids, labels
+    return [*sequences, (ids, labels)]
 
 
 def transcript_batch(encoded, pad_id: int):
@@ -77,8 +87,9 @@ def run_agent_warmstart(
 
     def loss_at(step: int) -> torch.Tensor:
         chosen = rng.sample(data.train, min(s.batch_size, len(data.train)))
-        encoded = [encode_transcript(tokenizer, task.script(ex, rng, quality), chat=cfg.data.chat_template)
-                   for ex in chosen]
+        encoded = [sequence for ex in chosen
+                   for sequence in encode_transcript(tokenizer, task.script(ex, rng, quality),
+                                                     chat=cfg.data.chat_template)]
         ids, mask, labels = transcript_batch(encoded, tokenizer.pad_token_id)
         return model(input_ids=ids, attention_mask=mask, labels=labels).loss
 
