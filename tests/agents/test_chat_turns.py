@@ -68,13 +68,14 @@ def chat_model(tiny_model_dir, tmp_path_factory):
     return path
 
 
-def play(path, template=None, episodes=4, env=Echo):
+def play(path, template=None, episodes=4, env=Echo, max_episode_tokens=256):
     model, tokenizer = load_causal_lm(path)
     if template is not None:
         tokenizer.chat_template = template
     engine = TorchEngine(model, pad_id=tokenizer.pad_token_id, stop_ids=stop_ids_for(tokenizer, ""))
     threads = EnvThreads(2)
-    player = Player(engine, tokenizer, factory(env, {}), Limits(4, 6, 256, 10, 60), threads, chat=True)
+    limits = Limits(4, 6, max_episode_tokens, 10, 60)
+    player = Player(engine, tokenizer, factory(env, {}), limits, threads, chat=True)
     try:
         return tokenizer, player.play([({}, 0)] * episodes, SamplingParams(max_new_tokens=6), seed=1)
     finally:
@@ -275,6 +276,21 @@ def test_tether_train_trains_turn_credit_across_a_thinking_templates_samples(thi
     assert len(episodes) == 16
     assert {(e["turns"], e["rewrites"], e["template_rewrites"]) for e in episodes} == {(3, 2, 2)}
     assert all(m["credit/turns_max"] == 3 for m in metrics)
+
+
+def test_a_rendering_of_the_whole_conversation_over_the_token_budget_ends_the_episode(chat_model):
+    # the first prompt and a turn (at most 6 tokens) fit in 45; the thinking template's rendering
+    # of the conversation after the first observation does not
+    tokenizer, episodes = play(chat_model, THINKING, max_episode_tokens=45)
+    for ep in episodes:
+        assert ep.status == "token_budget" and ep.turns == 1
+        assert len(ep.samples()) == 1 and ep.rewrites == ep.template_rewrites == 0
+        assert len(ep.transcript) == 3  # the observation that did not fit is kept in the transcript
+        messages = [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(ep.transcript)]
+        first, whole = (len(tokenizer(tokenizer.apply_chat_template(messages[:n], tokenize=False,
+                                                                    add_generation_prompt=True),
+                                      add_special_tokens=False).input_ids) for n in (1, 3))
+        assert first + 6 < 45 <= whole
 
 
 def test_an_append_only_template_never_starts_a_new_sample(chat_model):
