@@ -124,6 +124,21 @@ class OddEcho(Echo):
         return Step(step.observation, reward=float(len(action) % 2), done=step.done)
 
 
+class FailsLateOnOddTasks:
+    """Two steps; on a task whose answer is odd the second raises (an environment error after a
+    turn or more), on an even one the episode returns the parity of its actions' lengths."""
+
+    def reset(self, task, seed):
+        self.n, self.odd = 0, int(task["answer"]) % 2 == 1
+        return "go\n"
+
+    def step(self, action):
+        self.n += 1
+        if self.odd and self.n == 2:
+            raise RuntimeError("the tool broke")
+        return Step(f"o{self.n}\n", reward=float(len(action) % 2), done=self.n == 2)
+
+
 class SlowEcho(Echo):
     """Echo whose every step takes ``STEP_S`` seconds (a tool that takes its time), rewarding
     actions of odd length (so a group's returns differ and updates commit)."""

@@ -147,16 +147,24 @@ def with_template(model_dir, template, tmp_path_factory, *, spaces: bool = False
     return path
 
 
-def sampler_for(model_dir):
+def sampler_for(model_dir, env=f"{ENVS}:Echo", *extra):
     import torch
 
     from tether.config.config import load_config
     from tether.families.agent.sampler import AgentSampler
 
     cfg = load_config(None, ["model.family=agent", "data.task=kv_lookup", f"model.path={model_dir}",
-                             f"env.env_class={ENVS}:Echo", "data.chat_template=true", "env.max_turns=4",
-                             "env.max_turn_tokens=6", "rollout.max_new_tokens=6", "rollout.group_size=4"])
+                             f"env.env_class={env}", "data.chat_template=true", "env.max_turns=4",
+                             "env.max_turn_tokens=6", "rollout.max_new_tokens=6", "rollout.group_size=4",
+                             *extra])
     return AgentSampler(cfg, str(model_dir), cfg.env.turn_stop, device=torch.device("cpu"), threads=1, seed=0)
+
+
+def work_item():
+    from tether.vocabulary import Example, WorkItem
+
+    return WorkItem(batch_index=0, version=0, examples=[(i, Example(f"task {i}", str(i))) for i in range(2)],
+                    group_size=4, params=SamplingParams(max_new_tokens=6, temperature=1.0), seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +176,6 @@ def thinking_model(chat_model, tmp_path_factory):
 def rewriting(request, chat_model, tmp_path_factory):
     """(template name, the model, its tokenizer, a batch of 2 tasks × 4 Echo episodes, and what the
     engine was asked and sampled, turn by turn), under a template that rewrites earlier turns."""
-    from tether.vocabulary import Example, WorkItem
-
     path = (request.getfixturevalue("thinking_model") if request.param == "THINKING"
             else with_template(chat_model, TRIM, tmp_path_factory, spaces=True))
     sampler = sampler_for(path)
@@ -182,10 +188,8 @@ def rewriting(request, chat_model, tmp_path_factory):
         return out
 
     sampler.engine.generate = recording
-    work = WorkItem(batch_index=0, version=0, examples=[(i, Example(f"task {i}", str(i))) for i in range(2)],
-                    group_size=4, params=SamplingParams(max_new_tokens=6, temperature=1.0), seed=5)
     try:
-        yield request.param, path, sampler.tokenizer, sampler.generate(work), calls
+        yield request.param, path, sampler.tokenizer, sampler.generate(work_item()), calls
     finally:
         sampler.close()
 
@@ -256,6 +260,28 @@ def test_the_learner_scores_each_sample_of_a_rewritten_episode_as_the_engine_did
         assert sorted(set(turn[row][on[row]].tolist())) == list(range(before[e], before[e] + n))
         before[e] += n
     assert before == batch.turns
+
+
+def test_a_masked_failure_leaves_the_loss_with_every_sample_the_template_started(thinking_model):
+    import torch
+
+    from tether.families.agent.episodes import FAILURES
+
+    # two steps; on task 1 the second raises: its episodes fail in their second sample
+    sampler = sampler_for(thinking_model, f"{ENVS}:FailsLateOnOddTasks", "env.max_failed_frac=1",
+                          "env.on_failure=mask")
+    try:
+        batch = sampler.generate(work_item())
+    finally:
+        sampler.close()
+    failed = [status in FAILURES for status in batch.statuses]
+    assert failed == [False] * 4 + [True] * 4 and batch.template_rewrites == [1] * 8
+    policy = sampler.cfg.family().policy(sampler.cfg)
+    policy.pad_id = sampler.tokenizer.pad_token_id
+    train = policy.batch(batch)
+    rows_failed = torch.as_tensor([failed[e] for e in batch.episode_of])
+    assert train.mask[rows_failed].sum() == 0 and train.mask[~rows_failed].sum() > 0
+    assert batch.metrics["agent/masked_failures"] == sum(failed)
 
 
 @pytest.mark.timeout(300)
