@@ -86,6 +86,7 @@ def test_each_observation_appends_only_its_own_turn_and_the_model_ids_stay_as_sa
     tokenizer, episodes = play(chat_model)
     for ep in episodes:
         assert ep.status == "done" and ep.turns == 3
+        assert ep.rewrites == ep.template_rewrites == 0  # an append-only template: one sample
         text = tokenizer.decode(ep.ids, skip_special_tokens=False)
         assert text == ep.chat.text  # the sequence is the episode's text, token for token
         runs, start = [], None  # the runs of model tokens: one per turn
@@ -317,11 +318,6 @@ def test_a_rendering_of_the_whole_conversation_over_the_token_budget_ends_the_ep
                                                                     add_generation_prompt=True),
                                       add_special_tokens=False).input_ids) for n in (1, 3))
         assert first + 6 < 45 <= whole
-
-
-def test_an_append_only_template_never_starts_a_new_sample(chat_model):
-    _, episodes = play(chat_model)
-    assert [ep.rewrites for ep in episodes] == [ep.template_rewrites for ep in episodes] == [0] * 4
 
 
 def test_a_template_that_drops_past_reasoning_restarts_from_its_rendering_of_the_whole(chat_model):
