@@ -1,8 +1,8 @@
 """The agent family's warm start: supervised fine-tuning on the task's scripted transcripts with the
-same mask RL uses (loss on the model's turns only, never on observations), split into the samples
-the player would make of it, until held-out greedy episode success reaches
-``warmstart.target_pass_rate``. ``env.script_quality`` says how good a
-player the transcripts show."""
+same mask RL uses (loss on the model's turns only, never on observations) and cut into the same
+samples (where the chat template rewrites the conversation), until held-out greedy episode success
+reaches ``warmstart.target_pass_rate``. ``env.script_quality`` says how good a player the
+transcripts show."""
 
 from __future__ import annotations
 
