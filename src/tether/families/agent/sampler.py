@@ -241,6 +241,7 @@ class AgentSampler:
             group_size=g,
             turn_tokens=[ep.turn_tokens for ep in episodes],
             counts=[dict(ep.counts) for ep in episodes] if any(ep.counts for ep in episodes) else [],
+            template_rewrites=[ep.template_rewrites for ep in episodes],
         )
         batch.metrics.update(self._metrics(episodes, batch, wall))
         batch.metrics.update(extra_metrics)
@@ -291,6 +292,7 @@ class AgentSampler:
             "agent/model_tokens_mean": sum(model_tokens) / n,
             "agent/env_tokens_mean": sum(lengths) / n - sum(model_tokens) / n,
             "agent/rewrites": float(sum(ep.rewrites for ep in episodes)),
+            "agent/template_rewrites": float(sum(ep.template_rewrites for ep in episodes)),
             "agent/episode_tokens_p50": float(statistics.median(lengths)),
             "agent/episode_tokens_p90": float(lengths[min(n - 1, int(0.9 * n))]),
             "agent/episode_tokens_max": float(lengths[-1]),
