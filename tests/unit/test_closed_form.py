@@ -80,3 +80,24 @@ def test_plan_prints_the_closed_forms_beside_the_simulation(capsys):
     assert "mean staleness (batches): simulated 1.50" in out
     assert "closed form (lazy publication rule: exact): 1.50" in out
     assert "Applied Compute's rollout-bound form: 2.40  [rho=0.40, B=32, C=64, q=2, M_tail=1.00]" in out
+
+
+def test_kv_versions_are_the_turns_prefill_under_keep_and_the_tokens_own_otherwise():
+    import torch
+
+    from tether.control.inflight import MODES, cache_metrics, cache_versions
+    from tether.train.attribution import cache_versions as cache_versions_of
+
+    row = [3, 3, 4, 5, -1, -1, 5, 6, 6, -1]  # a turn switched twice, an observation, a turn switched once
+    assert cache_versions(row, MODES["keep"]) == [3, 3, 3, 3, -1, -1, 5, 5, 5, -1]
+    for name in ("drain", "recompute", "abort"):
+        assert cache_versions(row, MODES[name]) == row
+    m = cache_metrics([row, [7, 7]], MODES["keep"])
+    assert m["staleness/kv_mixed_token_frac"] == pytest.approx(4 / 9)
+    assert m["staleness/kv_lag_updates_mean"] == pytest.approx((1 + 2 + 1 + 1) / 4)
+    assert cache_metrics([row], MODES["recompute"])["staleness/kv_mixed_token_frac"] == 0
+    versions = torch.tensor([row, [7, 7, 8, 0, 0, 0, 0, 0, 0, 0]])
+    mask = versions >= 0
+    mask[1, 3:] = False
+    kv = cache_versions_of(versions, mask)
+    assert kv[0][mask[0]].tolist() == [3, 3, 3, 3, 5, 5, 5] and kv[1][mask[1]].tolist() == [7, 7, 7]

@@ -223,8 +223,13 @@ class TorchLearner:
         assert self.attribution is not None
         self.attribution.remember(train_version)
         old = old if old is not None else self._no_grad_logp(self.model, tb, mine)
+        kv = None
+        if self.cfg.budget().mode.keeps_cache:  # tokens sampled over an older version's KV cache
+            from tether.train.attribution import cache_versions
+
+            kv = cache_versions(tb.behavior_versions, tb.mask)
         return self.attribution.split(tb.behavior_versions, tb.mask, old, tb.behavior_logp, train_version,
-                                      lambda model: self._no_grad_logp(model, tb, mine))
+                                      lambda model: self._no_grad_logp(model, tb, mine), kv)
 
     def _check_shares(self, minibatches, groups: torch.Tensor) -> None:
         """Every rank needs rows of every mini-batch: refuse mini-batches of fewer prompt groups

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tether.control.inflight import cache_metrics
 from tether.decoding.stops import TurnEnds
 from tether.errors import RolloutError
 from tether.families.agent.envthreads import EnvThreads
@@ -308,6 +309,7 @@ class AgentSampler:
             wasted, switches = self.engine.take_counts()
             out["rollout/weight_switches"] = float(switches + self.turn_switches)
             out["rollout/turn_boundary_switches"] = float(self.turn_switches)
+            out.update(cache_metrics(batch.versions, self.cfg.budget().mode))
             out["rollout/wasted_tokens"] = float(wasted)
         out.update(self.engine.report())
         return out
