@@ -5,7 +5,7 @@ drain, the default; idle: ``async.sync_when_idle``; eager: ``async.inflight_upda
 regimes (ρ from 0.2, rollout-bound, to 12, train-bound: the update's time varied against a batch's
 generation time), the concurrency C (1, 2, 4 engines; ``async.max_inflight`` 2, 4, 8) and the queue
 q (S = 1, 2, 4, 8). For each rule it prints the mean and largest |closed form − simulated| of
-Tether's form and of Applied Compute's queueing forms (``tether.control.closed_form``), overall and
+Tether's form and of Applied Compute's queueing forms (``tether.loop.closed_form``), overall and
 by regime, and a few rows.
 
 Part 2 (``--runs``) trains a tiny model for real under four recipes and prints, for each, the
@@ -26,10 +26,9 @@ from pathlib import Path
 
 
 def sweep() -> list[dict]:
-    from tether.cli.plan import timings_of
     from tether.config import load_config
-    from tether.control.closed_form import closed_forms
-    from tether.loop.virtual import plan_document, simulate
+    from tether.loop.closed_form import closed_forms
+    from tether.loop.virtual import plan_document, simulate, timings_of
 
     rules = {"lazy": [], "idle": ["async.sync_when_idle=true"], "eager": ["async.inflight_update=keep"]}
     rows = []

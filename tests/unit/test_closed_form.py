@@ -8,10 +8,9 @@ import random
 import pytest
 
 from tether.cli.main import main
-from tether.cli.plan import timings_of
 from tether.config import load_config
-from tether.control.closed_form import closed_forms, lazy_staleness_updates, tail_multiplier
-from tether.loop.virtual import plan_document, simulate
+from tether.loop.closed_form import closed_forms, lazy_staleness_updates, tail_multiplier
+from tether.loop.virtual import plan_document, simulate, timings_of
 
 
 def planned(cfg):

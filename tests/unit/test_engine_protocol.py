@@ -101,10 +101,13 @@ ALLOWED_PROBES: dict[str, tuple[frozenset[str], str]] = {
     "data/rewards.py": (frozenset({"tether_batched", "shape", "item"}),
                         "``tether.batched`` marks a user's function (a function has no declared "
                         "defaults); a reward may be a NumPy or torch scalar"),
-    "families/agent/env.py": (frozenset({"init", "step", "reset", "close", "__qualname__", "shape", "item"}),
+    "families/agent/env.py": (frozenset({"init", "step", "reset", "close", "__qualname__", "shape", "item",
+                                         "check_kwargs"}),
                               "the adapters that turn a user's environment class (Tether's protocol, "
-                              "gymnasium's or skyrl-gym's, close optional) into the declared Environment; "
-                              "a step reward may be a NumPy or torch scalar"),
+                              "gymnasium's or skyrl-gym's, close optional, check_kwargs optional) into the "
+                              "declared Environment; a step reward may be a NumPy or torch scalar"),
+    "families/agent/remote.py": (frozenset({"tolist"}), "what an environment returns may hold NumPy "
+                                 "values, sent as the JSON of their lists"),
 }
 
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from tether.config import Config, load_config
 from tether.control import MODES, inflight_mode
 from tether.errors import ConfigError
-from tether.loop.virtual import Simulation, Timings, plan_document, simulate
+from tether.loop.virtual import Simulation, plan_document, simulate, timings_of
 
 # flag → recipe key; a flag wins over the recipe and over key=value overrides.
 FLAG_KEYS = {
@@ -105,20 +105,6 @@ def config_from_args(ns: argparse.Namespace) -> Config:
     return load_config(recipe, overrides)
 
 
-def timings_of(cfg: Config) -> Timings:
-    p = cfg.plan
-    if p.mean_length > 0 and p.gen_jitter > 0:
-        raise ConfigError("plan.mean_length models each sequence's length, which makes batches vary by "
-                          "itself; set plan.gen_jitter=0 (or plan.mean_length=0 for jittered batches)")
-    # episodes (agent family): each turn waits on the environment once, beside the engine's time
-    return Timings(gen_time=p.gen_time + p.turns * p.env_time, gen_jitter=p.gen_jitter,
-                   train_time=p.train_time, sync_time=p.sync_time, eval_time=p.eval_time,
-                   save_time=p.save_time,
-                   workers=cfg.rollout.num_workers, commits=tuple(p.commits), seed=p.seed,
-                   mean_length=p.mean_length, max_length=cfg.rollout.max_new_tokens,
-                   prefill_cost=p.prefill_cost)
-
-
 def run(ns: argparse.Namespace) -> int:
     cfg = config_from_args(ns)
     if inflight_mode(cfg.async_.inflight_update).extra_work and cfg.plan.mean_length <= 0:
@@ -137,7 +123,7 @@ def run(ns: argparse.Namespace) -> int:
                                         f"{(draws - 1) * b - 1} of the extra stream",
         }
     if ns.closed_form:
-        from tether.control.closed_form import closed_forms
+        from tether.loop.closed_form import closed_forms
 
         t = timings_of(cfg)
         doc["closed_form"] = closed_forms(cfg, gen_time=t.gen_time, train_time=t.train_time,

@@ -229,13 +229,12 @@ def staleness_forms(run_dir: Path) -> dict[str, Any] | None:
     """A run's mean staleness three ways, in batches: measured (its ``staleness/batches``),
     simulated (``tether plan`` with the run's recipe and its measured mean timings: a batch's
     ``time/generate``, an update's share of ``time/train``, a publication's ``time/sync``) and in
-    closed form (``tether.control.closed_form``); None for a run with no trained batch."""
+    closed form (``tether.loop.closed_form``); None for a run with no trained batch."""
     from dataclasses import replace
 
-    from tether.cli.plan import timings_of
     from tether.config import load_config
-    from tether.control.closed_form import closed_forms
-    from tether.loop.virtual import plan_document, simulate
+    from tether.loop.closed_form import closed_forms
+    from tether.loop.virtual import plan_document, simulate, timings_of
 
     metrics = [r for r in _read_jsonl(Path(run_dir) / "metrics.jsonl") if "staleness/batches" in r]
     if not metrics:

@@ -246,7 +246,7 @@ class TorchLearner:
     def _advantages(self, tb: Any, stats: _Stats) -> tuple[Advantages, torch.Tensor]:
         """Advantages of the (shaped) rewards, and the loss mask (N, L − 1) of the samples kept."""
         s, shaping = self.s, self.cfg.reward
-        if tb.turn is not None:  # per (group, turn) slice: env.credit=turn, env.on_failure=mask
+        if self.policy.sliced_by_turn(tb):  # per (group, turn) slice: env.credit=turn, env.on_failure=mask
             adv = turn_advantages(tb, estimator=s.advantage, std_norm=s.adv_std_norm,
                                   drop_zero_std=s.drop_zero_std, clip=s.adv_clip)
             stats.add("credit/turns_max", tb.turn.max() + 1)
