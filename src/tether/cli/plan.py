@@ -78,6 +78,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also print the mean staleness in closed form (Tether's for the recipe's "
                    "publication rule, and Applied Compute's queueing forms with their five parameters) "
                    "beside the simulation's")
+    p.add_argument("--optimize", action="store_true",
+                   help="search recipes (S, max_inflight, workers, the publication rule; batch and group "
+                   "size with --vary-batch/--vary-group) for the most samples/s from the recipe's measured "
+                   "plan.gen_time / train_time / sync_time, and print the best few")
+    p.add_argument("--cores", type=int, help="--optimize: cores for the learner's threads and the "
+                   "engines (default: this machine's)")
+    p.add_argument("--staleness-cap", type=int, default=8, help="--optimize: the largest S to consider")
+    p.add_argument("--vary-batch", action="store_true",
+                   help="--optimize: also half and double rollout.batch_size")
+    p.add_argument("--vary-group", action="store_true",
+                   help="--optimize: also half and double rollout.group_size")
+    p.add_argument("--min-samples-per-s", type=float,
+                   help="--optimize: rank by lowest mean staleness among recipes reaching this throughput")
+    p.add_argument("--top", type=int, default=5, help="--optimize: alternatives to print")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     p.add_argument("--width", type=int, default=72, help="timeline width in characters")
     p.add_argument("--all", action="store_true", dest="show_all",
@@ -105,7 +119,42 @@ def config_from_args(ns: argparse.Namespace) -> Config:
     return load_config(recipe, overrides)
 
 
+def optimize(ns: argparse.Namespace) -> int:
+    import os
+    from dataclasses import asdict
+
+    from tether.loop.optimize import search
+
+    recipe, overrides = split_recipe_args(ns.args)
+    for flag, key in FLAG_KEYS.items():
+        value = getattr(ns, flag)
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    cores = ns.cores or os.cpu_count() or 1
+    best, ranked, given = search(recipe, overrides, cores=cores, staleness_cap=ns.staleness_cap,
+                                 vary_batch=ns.vary_batch, vary_group=ns.vary_group,
+                                 min_samples_per_s=ns.min_samples_per_s)
+    if ns.json:
+        print(json.dumps({"best": asdict(best), "given": asdict(given),
+                          "ranked": [asdict(c) for c in ranked[:max(ns.top, 1)]],
+                          "candidates": len(ranked), "cores": cores}, indent=2))
+        return 0
+    goal = ("most samples/s" if ns.min_samples_per_s is None
+            else f"least mean staleness at {ns.min_samples_per_s:g} samples/s or more")
+    print(f"tether plan --optimize: {len(ranked)} distinct outcomes simulated on {cores} cores, "
+          f"S ≤ {ns.staleness_cap}; goal: {goal}")
+    print("as given:\n  " + given.line())
+    print("chosen:\n  " + best.line())
+    print("then:")
+    for c in ranked[1:max(ns.top, 1) + 1]:
+        print("  " + c.line())
+    print("run it: tether train " + " ".join([*([recipe] if recipe else []), *best.overrides]))
+    return 0
+
+
 def run(ns: argparse.Namespace) -> int:
+    if ns.optimize:
+        return optimize(ns)
     cfg = config_from_args(ns)
     if inflight_mode(cfg.async_.inflight_update).extra_work and cfg.plan.mean_length <= 0:
         raise ConfigError(f"the extra work of async.inflight_update={cfg.async_.inflight_update} (a prefix "
