@@ -135,7 +135,8 @@ def test_run_directory_evals_at_boundaries_and_checkpoints(tiny_model_dir, tmp_p
     from tether.runtime.report import write_report
 
     plots = write_report(run_dir)
-    names = ["reward.png", "staleness.png", "ratios.png", "timeline.png", "study.json", "study.png"]
+    names = ["reward.png", "staleness.png", "ratios.png", "timeline.png", "study.json", "study.png",
+             "lengths.png"]
     assert [p.name for p in plots] == names
     assert all(p.stat().st_size > 1000 for p in plots)
     study = json.loads((run_dir / "plots" / "study.json").read_text())

@@ -164,6 +164,12 @@ def report(ns: argparse.Namespace) -> int:
     from tether.cli.plan import closed_form_lines
     from tether.runtime.report import staleness_forms
 
+    lengths = Path(ns.run) / "plots" / "lengths.json"
+    if lengths.is_file():
+        from tether.runtime.lengths import summary_lines as length_lines
+
+        for line in length_lines(json.loads(lengths.read_text())):
+            print(line)
     forms = staleness_forms(Path(ns.run))
     if forms is not None:
         for line in closed_form_lines(forms["closed_form"], forms["simulated_batches"],

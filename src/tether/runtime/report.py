@@ -147,6 +147,12 @@ def write_report(run_dir: Path, *, study_low: float | None = None,
 
     paths.append(_timeline(plt, events, out / "timeline.png"))
     paths += _study(plt, metrics, out, low=study_low, high=study_high)
+    from tether.runtime import lengths
+
+    bias = lengths.length_bias(run_dir)
+    if bias is not None:
+        (out / "lengths.json").write_text(json.dumps(bias, indent=2) + "\n")
+        paths.append(lengths.plot(bias, out / "lengths.png"))
     paths += _family(run_dir).report(run_dir, evals, out)
     return paths
 
