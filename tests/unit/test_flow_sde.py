@@ -3,6 +3,7 @@
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -180,3 +181,13 @@ def test_a_non_finite_engine_step_names_the_settings_that_produce_it():
     for words in ("non-finite values at step", "flow.noise_level=1e+06", "flow.shift=1", "flow.steps=8",
                   "flow.guidance_scale=1"):
         assert words in text, text
+    # the learner's own guard on a batch's log-probs names them too
+    from tether.families.flow.learn import to_flow_batch
+    from tether.families.flow.rollout import FlowBatch
+
+    batch = FlowBatch(positions=[0], prompts=["p"], cond={"words": cond["words"][:1].numpy()},
+                      latents=latents.numpy(), logprobs=np.full(tuple(logps.shape), np.nan, np.float32),
+                      versions=[[0] * 8] * 2, rewards=[0.0] * 2, times=sampling.times().numpy(),
+                      noise_level=1e6, group_size=2)
+    with pytest.raises(RolloutError, match=r"flow.noise_level=1e\+06, flow.guidance_scale=1"):
+        to_flow_batch(batch)
