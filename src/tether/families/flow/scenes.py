@@ -57,13 +57,20 @@ MIN_BLOB = 12
 SHAPE_AREA = (20, 60)
 """The pixels a shape covers (the drawn ones: 36 and 37)."""
 MIN_ASPECT = 0.75
+"""Short over long side of a shape's bounding box (drawn: 1; a 3 × 12 bar 0.25, 5 × 7 0.71)."""
 MIN_SOLIDITY = 0.85
+"""A shape's area over its convex hull's (drawn square 1, circle 0.90; an L, a cross 0.80, a ring
+0.82)."""
 MIN_SYMMETRY = 0.75
+"""A shape's least overlap with its mirror images (drawn: 1; an L 0.47, a notched square 0.63)."""
 SQUARE_FILL = 0.88
+"""A shape's area over its bounding box's, from which it is a square (drawn 1); below, down to
+``CIRCLE_FILL``, a circle (drawn 0.76; a disc π/4)."""
 CIRCLE_FILL = 0.65
 COLOUR_SHARE = 0.8
 POSITION_SHARE = 0.9
 DARK_SHARE = 0.6
+"""The least share of the frame unlit (two drawn shapes leave 71%; a painted half 50%)."""
 COLOUR_RADIUS = 110.0
 """How far (RGB distance) a lit pixel may be from a palette colour to have it."""
 DARK_MEAN = 32.0
