@@ -3,6 +3,7 @@
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,3 +91,103 @@ def test_every_steps_mean_and_std_equal_the_references_at_any_shift(shift):
     if shift == 3.0:  # the step the old guard max(1 − t, |dt|) got wrong: 0.684 against 0.749
         std = step_mean_std(x, v, float(sigmas[1]), float(sigmas[2]), 0.7)[1]
         assert std == pytest.approx(0.749, abs=1e-3)
+
+
+# -- bounds: where the SDE stays finite -----------------------------------------------------------
+
+def sampled_size(noise_level: float, times: torch.Tensor, n: int = 256) -> float:
+    """The largest |x| after sampling from noise over ``times`` with the exact velocity of data
+    N(0, 0.5²): a sound schedule ends near the data (|x| ≲ 2.5), a blown one far from it."""
+    v = gaussian_velocity(0.0, 0.5)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 48, generator=gen, dtype=torch.float64)
+    for t, s in itertools.pairwise(times.tolist()):
+        x = sde_step(x, v(x, t), t, s, noise_level, generator=gen)[0]
+    return float(x.abs().max())
+
+
+def test_the_bounds_hold_the_sde_finite_and_outside_them_it_blows_up():
+    from tether.families.flow.sde import NOISE_LEVEL_MAX, SHIFT_RANGE, step_ratios
+
+    uniform = timesteps(8)
+    assert sampled_size(0.7, uniform) < 3 and sampled_size(NOISE_LEVEL_MAX, uniform) < 3
+    assert sampled_size(5.0, uniform) > 1e3            # the issue's 5: the first step's factor is −11.5
+    for shift in SHIFT_RANGE:  # at either end, at the noise level the load check allows
+        times = timesteps(8, shift=shift)
+        a = min(0.7, 2 / math.sqrt(float(step_ratios(times).max())))
+        assert sampled_size(a, times) < 10, shift
+    from tether.families.flow.sde import START
+
+    assert (timesteps(8, shift=1e6)[:-1] >= START).all()  # every time but the last rounds to 1: one step
+    shifted = timesteps(8, shift=3)
+    assert float(step_ratios(shifted).max()) == pytest.approx(1.2, abs=0.01)  # a ≤ 2/√1.2 = 1.83 at shift 3
+
+
+def test_a_first_time_rounded_below_one_is_the_start():
+    """SD3's scheduler at shift 0.1 gives a first sigma of 0.9999976 (float32 rounding): taken at
+    face value, 1/(1 − t) = 4·10⁵ would blow the first step up."""
+    times = timesteps(8, shift=0.1)
+    rounded = times.clone()
+    rounded[0] = 0.9999976
+    x, v = torch.randn(4, 3), torch.randn(4, 3)
+    assert step_mean_std(x, v, float(rounded[0]), float(rounded[1]), 0.7)[1] == pytest.approx(
+        step_mean_std(x, v, 1.0, float(rounded[1]), 0.7)[1], rel=1e-4)
+    assert sampled_size(0.7, rounded) < 3
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["flow.noise_level=5"], "flow.noise_level=5 is outside the SDE's finite range [0.01, 2]"),
+    (["flow.noise_level=2.01"], "flow.noise_level=2.01 is outside the SDE's finite range [0.01, 2]"),
+    (["flow.shift=1e6"], "flow.shift=1e+06 is outside [0.1, 20] (or 0, the model's own)"),
+    (["flow.shift=1e-12"], "flow.shift=1e-12 is outside [0.1, 20] (or 0, the model's own)"),
+    (["flow.shift=3", "flow.noise_level=2"], "the SDE stays finite for flow.noise_level ≤ 1.83"),
+])
+def test_noise_level_and_shift_outside_the_finite_range_are_refused_at_load(overrides, message):
+    from tether.config.config import load_config
+    from tether.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.family=flow", "data.task=shapes", *overrides])
+    assert message in str(err.value)
+
+
+def test_settings_at_the_bounds_load():
+    from tether.config.config import load_config
+
+    for overrides in (["flow.noise_level=2"], ["flow.shift=0.1"], ["flow.shift=20", "flow.noise_level=0.7"],
+                      ["flow.shift=3", "flow.noise_level=1.8"]):
+        load_config(None, ["model.family=flow", "data.task=shapes", *overrides])
+
+
+def test_a_non_finite_engine_step_names_the_settings_that_produce_it():
+    """Past the load check (a recipe read before it, or a model that produces it), the engine's
+    batch is refused naming the step and flow.noise_level, flow.shift, flow.steps, guidance."""
+    from tether.errors import RolloutError
+    from tether.families.flow import scenes
+    from tether.families.flow.model import FlowModel, FlowModelConfig
+    from tether.families.flow.policy import FlowSampling
+    from tether.families.flow.rollout import FlowEngine, check_finite
+
+    torch.manual_seed(0)
+    model = FlowModel(FlowModelConfig(vocab=scenes.WORDS, width=32, depth=2, patch=4))
+    sampling = FlowSampling(steps=8, noise_level=1e6, shift=1.0)
+    engine = FlowEngine(model, sampling)
+    cond = model.encode_prompts(["one red square left"] * 2)
+    latents, logps, _ = engine.generate(cond, seed=0)
+    assert not torch.isfinite(latents).all()
+    with pytest.raises(RolloutError) as err:
+        check_finite(latents, logps, sampling)
+    text = str(err.value)
+    for words in ("non-finite values at step", "flow.noise_level=1e+06", "flow.shift=1", "flow.steps=8",
+                  "flow.guidance_scale=1"):
+        assert words in text, text
+    # the learner's own guard on a batch's log-probs names them too
+    from tether.families.flow.learn import to_flow_batch
+    from tether.families.flow.rollout import FlowBatch
+
+    batch = FlowBatch(positions=[0], prompts=["p"], cond={"words": cond["words"][:1].numpy()},
+                      latents=latents.numpy(), logprobs=np.full(tuple(logps.shape), np.nan, np.float32),
+                      versions=[[0] * 8] * 2, rewards=[0.0] * 2, times=sampling.times().numpy(),
+                      noise_level=1e6, group_size=2)
+    with pytest.raises(RolloutError, match=r"flow.noise_level=1e\+06, flow.guidance_scale=1"):
+        to_flow_batch(batch)

@@ -55,6 +55,9 @@ class FlowFamily(FamilyBase):
 
         if (Path(cfg.model.path) / "model_index.json").is_file():  # before any process loads it
             check_pipeline(cfg.model.path)
+        from tether.families.flow.sde import check_sde
+
+        check_sde(cfg.flow.noise_level, cfg.flow.shift, cfg.flow.steps)
         if cfg.flow.train_steps > cfg.flow.steps:
             raise ConfigError(f"flow.train_steps={cfg.flow.train_steps} exceeds the flow.steps="
                               f"{cfg.flow.steps} steps of a trajectory; lower it (0 trains all of them)")

@@ -98,7 +98,11 @@ def to_flow_batch(payload, train_steps: int = 0, choice: str = "random") -> Flow
                           "and corrections")
     logp = torch.tensor(payload.logprobs, dtype=torch.float32)  # a copy: Ray's arrays are read-only
     if not torch.isfinite(logp).all():
-        raise RolloutError("the engine's step log-probs contain non-finite values")
+        times = ", ".join(f"{float(t):.4g}" for t in payload.times)
+        raise RolloutError(f"the engine's step log-probs contain non-finite values (flow.noise_level="
+                           f"{payload.noise_level:g}, flow.guidance_scale={payload.guidance_scale:g}, times "
+                           f"{times}: flow.shift and flow.steps set them); lower flow.noise_level or "
+                           "flow.guidance_scale, or bring flow.shift nearer 1 (docs/flow.md, \"Bounds\")")
     n, steps = logp.shape
     chosen = trained_steps(n, steps, train_steps, payload.seed, choice)
     return FlowTrainBatch(

@@ -47,7 +47,10 @@ class FlowSection:
         0.7,
         "a in the SDE's σ_t = a·√(t/(1 − t)): how much each step explores; Flow-GRPO uses 0.7. 0 would be "
         "the ODE, whose steps have no density, and near it a step's log-probability is float32 rounding "
-        "divided by a vanishing σ (the ratios are noise), so at least 0.01.",
+        "divided by a vanishing σ (the ratios are noise), so at least 0.01; at most 2, where the first "
+        "step's factor on x, 1 − a²/2, reaches −1 (above, samples blow up), and lower where flow.shift "
+        "makes a step's r = |dt|/(1 − t) larger than 1 (a ≤ 2/√r, checked at load; docs/flow.md, "
+        "\"Bounds\").",
         min=0.01,
     )
     shift: float = knob(
@@ -55,7 +58,8 @@ class FlowSection:
         "Timestep shift of the sampling schedule towards the noise end, as SD3's scheduler does (t ↦ "
         "s·t/(1 + (s − 1)·t)); training trajectories and the evaluation ODE both use it. 0 = the model's "
         "own: uniform (1) for the built-in model, a diffusers pipeline's scheduler shift (SD3: 3) and its "
-        "sigmas.",
+        "sigmas. Otherwise 0.1–20: below, float32 rounding moves the first time off 1 (NaN at 1e-12); above, "
+        "the last steps' noise grows as shift/flow.steps (NaN at 1e6).",
         min=0.0,
     )
     guidance_scale: float = knob(

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tether.data.rewards import score_all
+from tether.errors import RolloutError
 from tether.families.flow import conditioning
 from tether.families.flow.model import load_flow_model
 from tether.families.flow.policy import FlowSampling, sample
@@ -127,6 +128,7 @@ class FlowSampler:
         cond = model.encode_prompts([ex.prompt for _, ex in item.examples])  # once per prompt
         per_sample = conditioning.rows(cond, torch.arange(len(item.examples)).repeat_interleave(g))
         latents, logps, versions = self.engine.generate(per_sample, seed=item.seed)
+        check_finite(latents, logps, self.sampling)
         generate_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         pixels = model.decode(latents[:, -1])
@@ -158,6 +160,22 @@ class FlowSampler:
                          group_size=g, metrics=metrics, seed=item.seed,
                          negative=None if negative is None else conditioning.as_numpy(negative),
                          guidance_scale=self.sampling.guidance_scale)
+
+
+def check_finite(latents: torch.Tensor, logps: torch.Tensor, sampling: FlowSampling) -> None:
+    """Refuse a batch whose SDE went non-finite, naming the first such step and the settings that
+    shape it (a model whose weights went non-finite gives the same; the message says both)."""
+    bad = ~torch.isfinite(latents.flatten(2)).all(2)[:, 1:] | ~torch.isfinite(logps)
+    if not bad.any():
+        return
+    j = int(bad.any(0).nonzero()[0])
+    times = sampling.times()
+    raise RolloutError(
+        f"the SDE sampled non-finite values at step {j} of {sampling.steps} (t = {float(times[j]):.6g} → "
+        f"{float(times[j + 1]):.6g}) under flow.noise_level={sampling.noise_level:g}, flow.shift="
+        f"{sampling.shift:g}, flow.steps={sampling.steps}, flow.guidance_scale={sampling.guidance_scale:g}: "
+        "lower flow.noise_level or flow.guidance_scale, or bring flow.shift nearer 1 (docs/flow.md, "
+        "\"Bounds\"); with settings inside them, the model's weights may have gone non-finite")
 
 
 def sampling_of(cfg, model=None) -> FlowSampling:

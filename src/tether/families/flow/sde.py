@@ -25,6 +25,51 @@ import torch
 
 from tether.errors import ConfigError
 
+START = 1 - 1e-5
+"""Times at or above this are t = 1, the start of the trajectory (float32 rounds 1 to 1 − 2.4·10⁻⁶
+in a scheduler's shift arithmetic)."""
+NOISE_LEVEL_MAX = 2.0
+"""The largest ``a``: a step multiplies x by 1 − a²·r/2, r = |dt|/(1 − t) (``step_ratios``), and
+the first step's r is 1 at any schedule; above 2 that factor leaves [−1, 1], the step expands the
+noise it should shrink (by 11.5 at a = 5) and the sample blows up."""
+SHIFT_RANGE = (0.1, 20.0)
+"""The shifts allowed (besides 0, the model's own). Below 0.1 float32 rounding moves the schedule's
+first time away from 1 (SD3's scheduler: 1.013 at 0.001, 7.5·10⁻⁵ at 10⁻⁶, NaN at 10⁻¹²); above
+20 the last steps' r grows as shift/T, and at 10⁶ every float32 time is 1 (NaN)."""
+
+
+def step_ratios(times: torch.Tensor) -> torch.Tensor:
+    """r = |dt|/(1 − t) of each step that has an SDE term (from t > 0), 1 at the first (``START``):
+    the step's mean is x·(1 − a²·r/2) + (a multiple of v), so it stays bounded while a²·r ≤ 4."""
+    t, s = times[:-1].double(), times[1:].double()
+    r = torch.where(t >= START, torch.ones_like(t), (t - s) / (1 - t).clamp_min(1e-300))
+    return r[t > 0]
+
+
+def check_sde(noise_level: float, shift: float, steps: int) -> None:
+    """Refuse settings whose SDE does not stay finite: ``flow.noise_level`` above
+    ``NOISE_LEVEL_MAX``, ``flow.shift`` outside ``SHIFT_RANGE``, and (on the shift formula's times,
+    those of the built-in model and, up to its last step, of SD3's scheduler) a step whose factor
+    on x, 1 − a²·r/2, leaves [−1, 1]."""
+    lo, hi = SHIFT_RANGE
+    if noise_level > NOISE_LEVEL_MAX:
+        raise ConfigError(f"flow.noise_level={noise_level:g} is outside the SDE's finite range [0.01, "
+                          f"{NOISE_LEVEL_MAX:g}]: its first step multiplies x by 1 − a²/2 = "
+                          f"{1 - noise_level ** 2 / 2:.3g}, which blows the samples up; Flow-GRPO uses 0.7")
+    if shift and not lo <= shift <= hi:
+        raise ConfigError(f"flow.shift={shift:g} is outside [{lo:g}, {hi:g}] (or 0, the model's own): "
+                          "below, float32 rounding moves the schedule's first time away from 1; above, the "
+                          "last steps' noise grows as shift/flow.steps until the times round to 1 (NaN). SD3 "
+                          "uses 3")
+    r = float(step_ratios(timesteps(steps, shift=shift or 1.0)).max())
+    if noise_level ** 2 * r > 4:
+        factor = 1 - noise_level ** 2 * r / 2
+        raise ConfigError(f"flow.noise_level={noise_level:g} with flow.shift={shift:g} and flow.steps="
+                          f"{steps}: a step of this schedule multiplies x by 1 − a²·r/2 = {factor:.3g} (r = "
+                          f"|dt|/(1 − t) = {r:.3g}), which blows the samples up; at this shift and steps the "
+                          f"SDE stays finite for flow.noise_level ≤ {2 / math.sqrt(r):.3g}; lower it, lower "
+                          "flow.shift or raise flow.steps")
+
 
 def timesteps(steps: int, *, shift: float = 1.0) -> torch.Tensor:
     """``steps`` + 1 times from 1 to 0 (uniform, or bent towards the noise end by ``shift`` as
@@ -40,10 +85,11 @@ def step_coefficients(t, s, noise_level: float) -> tuple[torch.Tensor, ...]:
     in float64: (σ_t²/(2t), 1 − t, dt = s − t, the std σ_t·√|dt|). σ_t = a·√(t / (1 − t)); at
     t = 1, where it is infinite, 1 − t is replaced by 1 − s, the next timestep's, as Flow-GRPO's
     reference does (its ``sigma_max``), at any shift of the schedule. A step from t = 0 has no
-    SDE term."""
+    SDE term. A time within float32 rounding of 1 (``START``: SD3's scheduler gives 0.9999976 at
+    shift 0.1) is the start: 1/(1 − t) there would be 4·10⁵."""
     t = torch.as_tensor(t, dtype=torch.float64)
     dt = torch.as_tensor(s, dtype=torch.float64) - t
-    sig = noise_level * torch.sqrt(t / torch.where(t >= 1, dt.abs(), 1 - t))
+    sig = noise_level * torch.sqrt(t / torch.where(t >= START, dt.abs(), 1 - t))
     coef = torch.where(t > 0, sig * sig / (2 * t), torch.zeros_like(t))
     return coef, 1 - t, dt, sig * torch.sqrt(-dt)
 
