@@ -3,7 +3,10 @@ scripted chats encode as the player appends them, a Hermes call parsed from a mo
 task's tool and the answer is scored by the task's verifier, and a short ``tether train`` of the
 recipe plays episodes that call the tools."""
 
+import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,3 +131,33 @@ def test_guessing_is_rarely_right():
     exs = TOOL_CALC.examples("train", 400, difficulty=1)
     right = sum(TOOL_CALC.verify(TOOL_CALC.script(ex, rng, 0.0)[-1][0].removesuffix(END), ex) for ex in exs)
     assert right / len(exs) < 0.1
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_the_recipe_trains_episodes_that_call_the_tools(tmp_path):
+    """``recipes/agent-tools.yaml`` cut short (a tiny chat model warm-started on chats that all call
+    a tool, 3 batches): its episodes call the tools through the parser and get tool messages."""
+    model, run = tmp_path / "model", tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "tether.cli.main", "train", "recipes/agent-tools.yaml", "--run-dir", run,
+         "--plain", "--no-report", f"model.path={model}", "model.init_size=tiny", "data.num_train=64",
+         "data.num_eval=8", "env.script_quality=1.0", "warmstart.max_steps=300", "warmstart.eval_every=300",
+         "warmstart.batch_size=8", "train.num_batches=3", "rollout.batch_size=4", "rollout.group_size=4",
+         "eval.interval=3", "checkpoint.interval=3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=550)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "tiny qwen3 chat model" in out.stderr
+    from transformers import AutoTokenizer
+
+    from tether.data.tiny_model import CHATML_TEMPLATE
+
+    assert AutoTokenizer.from_pretrained(model).chat_template == CHATML_TEMPLATE
+    episodes = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
+    assert len(episodes) == 3 * 4 * 4 and all(e["status"] != "error" for e in episodes)
+    assert all(e["transcript"][0].startswith("[user] ") for e in episodes)
+    calls = [t for e in episodes for t in e["transcript"][1::2] if t.startswith("<tool_call>{")]
+    replies = [t for e in episodes for t in e["transcript"][2::2] if t.startswith("[tool ")]
+    assert calls and replies
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m["agent/tool_calls"] for m in metrics) > 0

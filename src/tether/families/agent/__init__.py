@@ -111,8 +111,9 @@ class AgentFamily(TextFamily):
                               chat=chat)
             logging.getLogger("tether.data").info(
                 "built a %s %s%s model (%d parameters); warm-starting it on scripted transcripts",
-                cfg.model.init_size, " chat" if chat else "",
+                cfg.model.init_size,
                 cfg.model.init_arch,
+                " chat" if chat else "",
                 info.parameters,
             )
             warm = run_agent_warmstart(cfg, init, out, on_progress)
