@@ -133,6 +133,13 @@ class Workspace:
                 words[words.index("train.num_batches=2")] = "train.num_batches=3"
         elif words[:1] == ["warmstart"]:
             words += self.small_eval(words)
+        elif words[:1] == ["sweep"]:  # two values of the first key, one seed, runs of two batches
+            at = words.index("--set") + 1
+            key, _, values = words[at].partition("=")
+            words[at] = f"{key}={','.join(values.split(',')[:2])}"
+            if "--seeds" in words:
+                words[words.index("--seeds") + 1] = "1"
+            words += ["train.num_batches=2", *self.small_eval(words), "--out", "runs/sweep"]
         return [self.tether(cmd.venv), *words]
 
     def placeholder(self, word: str) -> str:

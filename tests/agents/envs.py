@@ -116,6 +116,29 @@ class SummarisesByTuple(Summarises):
         return step.observation, step.reward, step.done, False, {"new_context": step.new_context}
 
 
+class OddEcho(Echo):
+    """Echo rewarding actions of odd length (so a group's returns differ and updates commit)."""
+
+    def step(self, action):
+        step = super().step(action)
+        return Step(step.observation, reward=float(len(action) % 2), done=step.done)
+
+
+class FailsLateOnOddTasks:
+    """Two steps; on a task whose answer is odd the second raises (an environment error after a
+    turn or more), on an even one the episode returns the parity of its actions' lengths."""
+
+    def reset(self, task, seed):
+        self.n, self.odd = 0, int(task["answer"]) % 2 == 1
+        return "go\n"
+
+    def step(self, action):
+        self.n += 1
+        if self.odd and self.n == 2:
+            raise RuntimeError("the tool broke")
+        return Step(f"o{self.n}\n", reward=float(len(action) % 2), done=self.n == 2)
+
+
 class SlowEcho(Echo):
     """Echo whose every step takes ``STEP_S`` seconds (a tool that takes its time), rewarding
     actions of odd length (so a group's returns differ and updates commit)."""

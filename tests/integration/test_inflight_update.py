@@ -191,6 +191,14 @@ def test_every_mode_trains_within_the_budget_and_reports_per_token_staleness(tin
             assert m["attribution/numeric_logratio_abs_max"] < 1e-5
         elif m["staleness/multi_version_seq_frac"] > 0:  # the old prefix cache shows as numerics
             assert m["attribution/numeric_logratio_abs_max"] > 1e-4
+        if mode == "keep":  # tokens after a switch were sampled over the prefill's older cache
+            assert (m["staleness/kv_mixed_token_frac"] > 0) == (m["staleness/multi_version_seq_frac"] > 0)
+            assert m["attribution/kv_mixed_token_frac"] == pytest.approx(m["staleness/kv_mixed_token_frac"])
+            assert m["attribution/same_kv_numeric_abs_mean"] < 1e-6  # the same cache: numerics alone
+            if m["attribution/kv_mixed_token_frac"] > 0:  # the kept cache's gap, per token
+                assert m["attribution/kv_gap_abs_max"] > 1e-4 and m["staleness/kv_lag_updates_mean"] >= 1
+        else:  # the cache is always the token's own version's
+            assert m["staleness/kv_mixed_token_frac"] == 0 and "attribution/kv_gap_abs_mean" not in m
     published = [e for e in rows(tmp_path / "run" / "events.jsonl") if e["kind"] == "sync" and e["published"]]
     assert any(not e["drained"] for e in published)  # published with generation running
     assert all(e["drained"] for e in published if {"eval", "save"} & set(e["reasons"]))

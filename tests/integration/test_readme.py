@@ -93,6 +93,10 @@ def check_output(ws: Workspace, cmd: Command, argv: list[str], text: str) -> Non
             assert len(doc["batches"]) == doc["settings"]["num_batches"]
         else:
             assert "staleness" in text
+    elif verb == "sweep":
+        doc = json.loads((ws.root / "runs" / "sweep" / "sweep.json").read_text())
+        assert len(doc["rows"]) == 2 and all(r["done"] for r in doc["rows"]), doc
+        assert (ws.root / "runs" / "sweep" / "sweep.png").stat().st_size > 0
     elif verb == "config":
         assert "max_staleness" in text
     elif verb == "tasks":

@@ -66,6 +66,16 @@ def test_staleness_and_publications_match_tether_plan(tiny_model_dir, tmp_path, 
     noted = [e["code"] for e in rows(tmp_path / "run" / "events.jsonl") if e["kind"] == "note"]
     assert noted == [code for code, _ in plan.trace.notes] == (["no_overlap"] if s == 0 else [])
     assert max(m["staleness/batches"] for m in metrics) == s
+    # `tether report`'s three figures: measured, simulated from the run's timings, and the lazy
+    # rule's closed form, which is exact
+    from tether.runtime.report import staleness_forms
+
+    forms = staleness_forms(tmp_path / "run")
+    assert forms["batches"] == 8 and forms["closed_form"]["rule"] == "lazy"
+    measured = sum(m["staleness/batches"] for m in metrics) / len(metrics)
+    assert forms["measured_batches"] == pytest.approx(measured)
+    assert forms["closed_form"]["mean_staleness_batches"] == pytest.approx(measured)
+    assert forms["simulated_batches"] == pytest.approx(measured)
 
 
 def test_run_directory_evals_at_boundaries_and_checkpoints(tiny_model_dir, tmp_path, capsys):
@@ -125,7 +135,8 @@ def test_run_directory_evals_at_boundaries_and_checkpoints(tiny_model_dir, tmp_p
     from tether.runtime.report import write_report
 
     plots = write_report(run_dir)
-    names = ["reward.png", "staleness.png", "ratios.png", "timeline.png", "study.json", "study.png"]
+    names = ["reward.png", "staleness.png", "ratios.png", "timeline.png", "study.json", "study.png",
+             "lengths.png"]
     assert [p.name for p in plots] == names
     assert all(p.stat().st_size > 1000 for p in plots)
     study = json.loads((run_dir / "plots" / "study.json").read_text())

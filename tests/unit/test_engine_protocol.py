@@ -93,16 +93,21 @@ ALLOWED_PROBES: dict[str, tuple[frozenset[str], str]] = {
     # a user's function, class or module, read as Python defines them
     "api.py": (frozenset({"__file__", "__module__", "__qualname__"}), "where a user's object is defined"),
     "registry.py": (frozenset({"__file__"}), "the script that runs (``__main__``) may have no file"),
+    "families/agent/tools.py": (frozenset({"__name__"}), "a tool is any callable; a partial or an "
+                                "instance with __call__ has no name (refused, naming it)"),
     "config/keys.py": (frozenset({"RESUME"}), "a section is a plain dataclass of knobs its plug-in writes; "
                        "its optional ``RESUME`` class variable has no base class to default it"),
     "train/losses.py": (frozenset({"__code__"}), "a user's loss may be any callable"),
     "data/rewards.py": (frozenset({"tether_batched", "shape", "item"}),
                         "``tether.batched`` marks a user's function (a function has no declared "
                         "defaults); a reward may be a NumPy or torch scalar"),
-    "families/agent/env.py": (frozenset({"init", "step", "reset", "close", "__qualname__", "shape", "item"}),
+    "families/agent/env.py": (frozenset({"init", "step", "reset", "close", "__qualname__", "shape", "item",
+                                         "check_kwargs"}),
                               "the adapters that turn a user's environment class (Tether's protocol, "
-                              "gymnasium's or skyrl-gym's, close optional) into the declared Environment; "
-                              "a step reward may be a NumPy or torch scalar"),
+                              "gymnasium's or skyrl-gym's, close optional, check_kwargs optional) into the "
+                              "declared Environment; a step reward may be a NumPy or torch scalar"),
+    "families/agent/remote.py": (frozenset({"tolist"}), "what an environment returns may hold NumPy "
+                                 "values, sent as the JSON of their lists"),
 }
 
 

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from tether import __version__
-from tether.cli import config_cmd, data_cmds, eval_cmd, export_cmd, plan, train_cmd
+from tether.cli import config_cmd, data_cmds, env_cmd, eval_cmd, export_cmd, plan, sweep, train_cmd
 from tether.errors import TetherError
 
 
@@ -24,8 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     eval_cmd.add_parser(sub)
     export_cmd.add_parser(sub)
     plan.add_parser(sub)
+    sweep.add_parser(sub)
     config_cmd.add_parser(sub)
     data_cmds.add_parsers(sub)
+    env_cmd.add_parser(sub)
     return parser
 
 

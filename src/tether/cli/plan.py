@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from tether.config import Config, load_config
 from tether.control import MODES, inflight_mode
 from tether.errors import ConfigError
-from tether.loop.virtual import Simulation, Timings, plan_document, simulate
+from tether.loop.virtual import Simulation, plan_document, simulate, timings_of
 
 # flag → recipe key; a flag wins over the recipe and over key=value overrides.
 FLAG_KEYS = {
@@ -74,6 +74,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "rollout.max_new_tokens (plan.mean_length)")
     p.add_argument("--prefill-cost", type=float,
                    help="recompute: one prefix token run again, in decode steps (plan.prefill_cost)")
+    p.add_argument("--closed-form", action="store_true",
+                   help="also print the mean staleness in closed form (Tether's for the recipe's "
+                   "publication rule, and Applied Compute's queueing forms with their five parameters) "
+                   "beside the simulation's")
+    p.add_argument("--optimize", action="store_true",
+                   help="search recipes (S, max_inflight, workers, the publication rule; batch and group "
+                   "size with --vary-batch/--vary-group) for the most samples/s from the recipe's measured "
+                   "plan.gen_time / train_time / sync_time, and print the best few")
+    p.add_argument("--cores", type=int, help="--optimize: cores for the learner's threads and the "
+                   "engines (default: this machine's)")
+    p.add_argument("--staleness-cap", type=int, default=8, help="--optimize: the largest S to consider")
+    p.add_argument("--vary-batch", action="store_true",
+                   help="--optimize: also half and double rollout.batch_size")
+    p.add_argument("--vary-group", action="store_true",
+                   help="--optimize: also half and double rollout.group_size")
+    p.add_argument("--min-samples-per-s", type=float,
+                   help="--optimize: rank by lowest mean staleness among recipes reaching this throughput")
+    p.add_argument("--top", type=int, default=5, help="--optimize: alternatives to print")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     p.add_argument("--width", type=int, default=72, help="timeline width in characters")
     p.add_argument("--all", action="store_true", dest="show_all",
@@ -101,21 +119,42 @@ def config_from_args(ns: argparse.Namespace) -> Config:
     return load_config(recipe, overrides)
 
 
-def timings_of(cfg: Config) -> Timings:
-    p = cfg.plan
-    if p.mean_length > 0 and p.gen_jitter > 0:
-        raise ConfigError("plan.mean_length models each sequence's length, which makes batches vary by "
-                          "itself; set plan.gen_jitter=0 (or plan.mean_length=0 for jittered batches)")
-    # episodes (agent family): each turn waits on the environment once, beside the engine's time
-    return Timings(gen_time=p.gen_time + p.turns * p.env_time, gen_jitter=p.gen_jitter,
-                   train_time=p.train_time, sync_time=p.sync_time, eval_time=p.eval_time,
-                   save_time=p.save_time,
-                   workers=cfg.rollout.num_workers, commits=tuple(p.commits), seed=p.seed,
-                   mean_length=p.mean_length, max_length=cfg.rollout.max_new_tokens,
-                   prefill_cost=p.prefill_cost)
+def optimize(ns: argparse.Namespace) -> int:
+    import os
+    from dataclasses import asdict
+
+    from tether.loop.optimize import search
+
+    recipe, overrides = split_recipe_args(ns.args)
+    for flag, key in FLAG_KEYS.items():
+        value = getattr(ns, flag)
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    cores = ns.cores or os.cpu_count() or 1
+    best, ranked, given = search(recipe, overrides, cores=cores, staleness_cap=ns.staleness_cap,
+                                 vary_batch=ns.vary_batch, vary_group=ns.vary_group,
+                                 min_samples_per_s=ns.min_samples_per_s)
+    if ns.json:
+        print(json.dumps({"best": asdict(best), "given": asdict(given),
+                          "ranked": [asdict(c) for c in ranked[:max(ns.top, 1)]],
+                          "candidates": len(ranked), "cores": cores}, indent=2))
+        return 0
+    goal = ("most samples/s" if ns.min_samples_per_s is None
+            else f"least mean staleness at {ns.min_samples_per_s:g} samples/s or more")
+    print(f"tether plan --optimize: {len(ranked)} distinct outcomes simulated on {cores} cores, "
+          f"S ≤ {ns.staleness_cap}; goal: {goal}")
+    print("as given:\n  " + given.line())
+    print("chosen:\n  " + best.line())
+    print("then:")
+    for c in ranked[1:max(ns.top, 1) + 1]:
+        print("  " + c.line())
+    print("run it: tether train " + " ".join([*([recipe] if recipe else []), *best.overrides]))
+    return 0
 
 
 def run(ns: argparse.Namespace) -> int:
+    if ns.optimize:
+        return optimize(ns)
     cfg = config_from_args(ns)
     if inflight_mode(cfg.async_.inflight_update).extra_work and cfg.plan.mean_length <= 0:
         raise ConfigError(f"the extra work of async.inflight_update={cfg.async_.inflight_update} (a prefix "
@@ -132,11 +171,36 @@ def run(ns: argparse.Namespace) -> int:
             "extra_prompts_of_batch_k": f"positions {(draws - 1) * b}·k … {(draws - 1) * b}·k + "
                                         f"{(draws - 1) * b - 1} of the extra stream",
         }
+    if ns.closed_form:
+        from tether.loop.closed_form import closed_forms
+
+        t = timings_of(cfg)
+        doc["closed_form"] = closed_forms(cfg, gen_time=t.gen_time, train_time=t.train_time,
+                                          sync_time=t.sync_time)
     if ns.json:
         print(json.dumps(doc, indent=2))
     else:
         print(render_text(sim, doc, width=ns.width, show_all=ns.show_all))
+        if ns.closed_form:
+            print("\n" + "\n".join(closed_form_lines(doc["closed_form"],
+                                                     doc["summary"]["mean_staleness_batches"])))
     return 0
+
+
+def closed_form_lines(forms: dict, simulated: float, measured: float | None = None) -> list[str]:
+    """The closed forms beside the simulated (and a run's measured) mean staleness, in batches."""
+    ac = forms["applied_compute"]
+    how = {"lazy": "lazy publication rule: exact", "idle": "idle syncs: approximate",
+           "eager": "a publication every step: approximate"}[forms["rule"]]
+    seen = f"simulated {simulated:.2f}" + ("" if measured is None else f", measured {measured:.2f}")
+    capped = "" if ac["uncapped_batches"] <= ac["mean_staleness_batches"] else \
+        f" (uncapped {ac['uncapped_batches']:.2f}; no batch trains staler than S)"
+    return [
+        f"mean staleness (batches): {seen}",
+        f"  closed form ({how}): {forms['mean_staleness_batches']:.2f}",
+        f"  Applied Compute's {ac['regime']} form: {ac['mean_staleness_batches']:.2f}{capped}  "
+        f"[rho={ac['rho']:.2f}, B={ac['B']}, C={ac['C']:g}, q={ac['q']:g}, M_tail={ac['M_tail']:.2f}]",
+    ]
 
 
 def render_text(sim: Simulation, doc: dict, *, width: int = 72, show_all: bool = False) -> str:

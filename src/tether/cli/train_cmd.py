@@ -161,6 +161,20 @@ def report(ns: argparse.Namespace) -> int:
     study = Path(ns.run) / "plots" / "study.json"
     for line in summary_lines(json.loads(study.read_text())):
         print(line)
+    from tether.cli.plan import closed_form_lines
+    from tether.runtime.report import staleness_forms
+
+    lengths = Path(ns.run) / "plots" / "lengths.json"
+    if lengths.is_file():
+        from tether.runtime.lengths import summary_lines as length_lines
+
+        for line in length_lines(json.loads(lengths.read_text())):
+            print(line)
+    forms = staleness_forms(Path(ns.run))
+    if forms is not None:
+        for line in closed_form_lines(forms["closed_form"], forms["simulated_batches"],
+                                      forms["measured_batches"]):
+            print(line)
     return 0
 
 

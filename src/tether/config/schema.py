@@ -306,7 +306,8 @@ class DataSection:
     chat_template: bool = knob(
         False, "Wrap each prompt as a user turn with the tokenizer's chat template (it must have one). With "
                "model.family=agent: render each observation as a user turn, appending only the new turn's "
-               "text (a template that rewrites earlier turns is refused; docs/agents.md)."
+               "text (where the template rewrites earlier turns, a new sample starts from its rendering; "
+               "docs/agents.md)."
     )
     system_prompt: str = knob(
         "", "A system message opening every conversation (needs data.chat_template=true): each prompt's, "

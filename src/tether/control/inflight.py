@@ -23,6 +23,7 @@ Pure Python, like the rest of ``tether.control``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -122,6 +123,42 @@ TURN_SAFE: tuple[str, ...] = tuple(n for n, m in MODES.items() if m.turn_mode is
 """The modes ``env.switch_at=turn`` runs with."""
 SWITCHING: tuple[str, ...] = tuple(n for n, m in MODES.items() if m.switches)
 """The modes an engine's ``watch`` takes."""
+
+
+def cache_versions(versions: Sequence[int], mode: InflightMode) -> list[int]:
+    """Each token's KV version: the oldest weights version among the keys and values it was sampled
+    over. Under ``keep_cache`` a switch leaves the prefix's cache as older weights computed it, and
+    the oldest entries are the prefill's, so a token's KV version is the version of the first token of
+    its run of model tokens (a turn: −1 marks the tokens no model sampled, an observation's, which a
+    new turn prefills again). In every other mode nothing is sampled over another version's cache
+    (the publication waited, the prefix was computed again, or the sequence started over): a
+    token's KV version is its own. −1 stays −1."""
+    if not mode.keeps_cache:
+        return list(versions)
+    out, first = [], -1
+    for i, v in enumerate(versions):
+        if v >= 0 and (i == 0 or versions[i - 1] < 0):
+            first = v
+        out.append(first if v >= 0 else -1)
+    return out
+
+
+def cache_metrics(rows: Sequence[Sequence[int]], mode: InflightMode) -> dict[str, float]:
+    """``staleness/kv_mixed_token_frac``: the share of model tokens sampled over a KV cache older
+    than their own version (a version the prefill wrote, the token's by a later switch: neither
+    policy's token); ``staleness/kv_lag_updates_mean``: how many updates older that cache was, on
+    those tokens (0 when none). Only ``keep`` has any."""
+    tokens = mixed = lag = 0
+    for versions in rows:
+        for v, kv in zip(versions, cache_versions(versions, mode), strict=True):
+            if v < 0:
+                continue
+            tokens += 1
+            if kv != v:
+                mixed += 1
+                lag += v - kv
+    return {"staleness/kv_mixed_token_frac": mixed / tokens if tokens else 0.0,
+            "staleness/kv_lag_updates_mean": lag / mixed if mixed else 0.0}
 
 
 def inflight_mode(name: str | InflightMode) -> InflightMode:

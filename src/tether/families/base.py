@@ -115,3 +115,9 @@ class PolicyBase:
         from safetensors.torch import load_file
 
         return load_file(str(Path(folder) / "model.safetensors"))
+
+    def sliced_by_turn(self, batch: Any) -> bool:
+        """Whether ``batch``'s columns carry their turn (``turn``, ``turn_return``: the agent
+        family's per-turn credit and masked failures), so advantages are computed per (group, turn)
+        slice (``tether.train.advantages.turn_advantages``); by default they are not."""
+        return False

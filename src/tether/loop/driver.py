@@ -300,8 +300,11 @@ class Driver:
             "%d dropped so far",
             batch.index, staleness.updates, self.settings.staleness_budget, self.dropped,
         )
+        length = batch.metrics.get("response/length_mean")  # what `tether report` weighs against
         self._emit("drop", batch=batch.index, version=batch.behavior_version,
-                   detail={"staleness_updates": staleness.updates})
+                   detail={"staleness_updates": staleness.updates,
+                           "samples": batch.num_groups * batch.group_size,
+                           **({} if length is None else {"length_mean": float(length)})})
         limit = self.settings.max_consecutive_drops
         if self.consecutive_drops >= limit:
             raise ControlError(

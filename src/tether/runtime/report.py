@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,12 @@ def write_report(run_dir: Path, *, study_low: float | None = None,
 
     paths.append(_timeline(plt, events, out / "timeline.png"))
     paths += _study(plt, metrics, out, low=study_low, high=study_high)
+    from tether.runtime import lengths
+
+    bias = lengths.length_bias(run_dir)
+    if bias is not None:
+        (out / "lengths.json").write_text(json.dumps(bias, indent=2) + "\n")
+        paths.append(lengths.plot(bias, out / "lengths.png"))
     paths += _family(run_dir).report(run_dir, evals, out)
     return paths
 
@@ -222,3 +229,44 @@ def _save(fig, path: Path) -> Path:
 
     plt.close(fig)
     return path
+
+
+def staleness_forms(run_dir: Path) -> dict[str, Any] | None:
+    """A run's mean staleness three ways, in batches: measured (its ``staleness/batches``),
+    simulated (``tether plan`` with the run's recipe and its measured mean timings: a batch's
+    ``time/generate``, an update's share of ``time/train``, a publication's ``time/sync``) and in
+    closed form (``tether.loop.closed_form``); None for a run with no trained batch."""
+    from dataclasses import replace
+
+    from tether.config import load_config
+    from tether.loop.closed_form import closed_forms
+    from tether.loop.virtual import plan_document, simulate, timings_of
+
+    metrics = [r for r in _read_jsonl(Path(run_dir) / "metrics.jsonl") if "staleness/batches" in r]
+    if not metrics:
+        return None
+    cfg = load_config(Path(run_dir) / "config.yaml")
+
+    def mean(key: str, rows=metrics) -> float:
+        values = [float(r[key]) for r in rows if key in r and math.isfinite(float(r[key]))]
+        return sum(values) / len(values) if values else 0.0
+
+    syncs = [r for r in metrics if float(r.get("time/sync", 0.0)) > 0]
+    gen = mean("time/generate")
+    train = mean("time/train") / cfg.train.updates_per_batch
+    sync = mean("time/sync", syncs) if syncs else 0.0
+    n = len(metrics)
+    from tether.control import inflight_mode
+
+    # the run's own commits (skipped updates stretch its periods); lengths where the mode's work needs them
+    commits = [int(r.get("async/optimizer_updates", cfg.train.updates_per_batch)) for r in metrics]
+    length = mean("response/length_mean") if inflight_mode(cfg.async_.inflight_update).extra_work else 0.0
+    cfg = replace(cfg, train=replace(cfg.train, num_batches=n),
+                  plan=replace(cfg.plan, gen_time=gen, train_time=train, sync_time=sync, gen_jitter=0.0,
+                               mean_length=length, turns=0.0, env_time=0.0, commits=commits))
+    sim = simulate(cfg.budget(), timings_of(cfg), num_groups=cfg.rollout.batch_size,
+                   group_size=cfg.rollout.group_size, anchor=cfg.train.anchor)
+    return {"measured_batches": mean("staleness/batches"), "batches": n,
+            "simulated_batches": plan_document(sim)["summary"]["mean_staleness_batches"],
+            "timings": {"gen_time": gen, "train_time": train, "sync_time": sync},
+            "closed_form": closed_forms(cfg, gen_time=gen, train_time=train, sync_time=sync)}

@@ -31,6 +31,17 @@ from collections.abc import Callable, Iterator
 import torch
 
 
+def cache_versions(versions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(N, T) each token's KV version under ``keep_cache`` (``tether.control.inflight.cache_versions``):
+    the version of the first token of its run of ``mask``ed (model) tokens, the turn's prefill."""
+    m = mask.bool()
+    start = m.clone()
+    start[:, 1:] &= ~m[:, :-1]
+    index = torch.arange(m.shape[1], device=m.device).expand_as(m)
+    first = torch.cummax(torch.where(start, index, torch.zeros_like(index)), dim=1).values
+    return versions.gather(1, first)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This process's part of ``t`` (a rank's shard of an FSDP2 parameter, else ``t``)."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -74,11 +85,18 @@ class Attribution:
 
     def split(self, versions: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor,
               behavior_logp: torch.Tensor, train_version: int,
-              logp_of: Callable[[torch.nn.Module], torch.Tensor]) -> dict[str, float]:
+              logp_of: Callable[[torch.nn.Module], torch.Tensor],
+              kv_versions: torch.Tensor | None = None) -> dict[str, float]:
         """``attribution/*`` for one batch: ``versions`` (N, T) each token's version, ``mask``
         (N, T) the completion tokens, ``old_logp`` log π_old, ``behavior_logp`` log μ, and
         ``logp_of(model)`` a model's log-probs of the batch (N, T). The model's weights must be
-        ``train_version``'s, kept by ``remember``."""
+        ``train_version``'s, kept by ``remember``.
+
+        With ``kv_versions`` (N, T: each token's KV version, ``keep``), the numeric part is also
+        reported apart on the tokens sampled over an older version's cache: there π_v is the new
+        weights over a prefix they computed themselves and μ the new weights over the prefix the
+        old ones left in the cache, so log π_v/μ is the kept cache's gap (plus the kernels'
+        numerics, which the other tokens' part measures)."""
         m = mask.bool()
         at_version = torch.full_like(old_logp, float("nan"))
         at_version[m & (versions == train_version)] = old_logp[m & (versions == train_version)]
@@ -108,4 +126,14 @@ class Attribution:
             "attribution/staleness_share": float(stale.abs().sum() / size) if size > 0 else float("nan"),
             "attribution/residual_abs_max": float((total - stale - numeric).abs().max()),
         })
+        if kv_versions is not None:
+            mixed = (kv_versions != versions)[covered]
+            gap = numeric[mixed].abs()
+            same = numeric[~mixed].abs()
+            out.update({
+                "attribution/kv_mixed_token_frac": float(mixed.float().mean()),
+                "attribution/kv_gap_abs_mean": float(gap.mean()) if gap.numel() else 0.0,
+                "attribution/kv_gap_abs_max": float(gap.max()) if gap.numel() else 0.0,
+                "attribution/same_kv_numeric_abs_mean": float(same.mean()) if same.numel() else 0.0,
+            })
         return out

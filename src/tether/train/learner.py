@@ -223,8 +223,13 @@ class TorchLearner:
         assert self.attribution is not None
         self.attribution.remember(train_version)
         old = old if old is not None else self._no_grad_logp(self.model, tb, mine)
+        kv = None
+        if self.cfg.budget().mode.keeps_cache:  # tokens sampled over an older version's KV cache
+            from tether.train.attribution import cache_versions
+
+            kv = cache_versions(tb.behavior_versions, tb.mask)
         return self.attribution.split(tb.behavior_versions, tb.mask, old, tb.behavior_logp, train_version,
-                                      lambda model: self._no_grad_logp(model, tb, mine))
+                                      lambda model: self._no_grad_logp(model, tb, mine), kv)
 
     def _check_shares(self, minibatches, groups: torch.Tensor) -> None:
         """Every rank needs rows of every mini-batch: refuse mini-batches of fewer prompt groups
@@ -241,7 +246,7 @@ class TorchLearner:
     def _advantages(self, tb: Any, stats: _Stats) -> tuple[Advantages, torch.Tensor]:
         """Advantages of the (shaped) rewards, and the loss mask (N, L − 1) of the samples kept."""
         s, shaping = self.s, self.cfg.reward
-        if tb.turn is not None:  # per (group, turn) slice: env.credit=turn, env.on_failure=mask
+        if self.policy.sliced_by_turn(tb):  # per (group, turn) slice: env.credit=turn, env.on_failure=mask
             adv = turn_advantages(tb, estimator=s.advantage, std_norm=s.adv_std_norm,
                                   drop_zero_std=s.drop_zero_std, clip=s.adv_clip)
             stats.add("credit/turns_max", tb.turn.max() + 1)

@@ -55,6 +55,11 @@ class Policy(Protocol):
         """A faster forward of ``model`` when asked for and possible, else None."""
         ...
 
+    def sliced_by_turn(self, batch: Any) -> bool:
+        """Whether ``batch``'s columns carry their turn (``turn`` (N, T) long, −1 outside a turn, and
+        ``turn_return``), so advantages are computed per (group, turn) slice (``PolicyBase``'s: no)."""
+        ...
+
     def layers(self, model: Any) -> list[Any]:
         """``model``'s repeated blocks in order (a language model's decoder layers, a transformer's
         blocks), the units learner ranks shard one by one and ``train.activation_checkpointing``

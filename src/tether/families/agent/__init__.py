@@ -28,6 +28,8 @@ from tether.families.text import TextFamily
 from tether.vocabulary import Capabilities, DataBundle
 
 NOT_YET = "not supported by the agent family yet"
+TOOL_KEYS = ("tool_parser", "answer_reward", "malformed_call_reward", "max_tool_calls")
+"""``env`` keys only a tool environment reads."""
 
 
 class AgentFamily(TextFamily):
@@ -77,9 +79,16 @@ class AgentFamily(TextFamily):
                 f"env.max_episode_tokens={e.max_episode_tokens}; lower the first or raise the second"
             )
         check_credit(cfg)
-        from tether.families.agent.sampler import environment_factory
+        from tether.families.agent.sampler import environment_factory, is_tool_env
 
-        environment_factory(cfg)  # refuses a non-environment, or arguments its constructor cannot take, now
+        made = environment_factory(cfg)  # refuses a non-environment, or arguments its constructor cannot take
+        if not is_tool_env(made.env_class):
+            default = EnvSection()
+            unread = [f"env.{k}={getattr(e, k)}" for k in TOOL_KEYS if getattr(e, k) != getattr(default, k)]
+            if unread:
+                raise ConfigError(f"{', '.join(unread)} configure a tool environment, but "
+                                  f"{made.name} is not one; leave them at their defaults, or set env.tools "
+                                  "(the built-in tool environment) or an env.env_class subclassing ToolEnv")
 
     def drains_at_turns(self, cfg: Any) -> bool:
         """``drain`` with ``env.switch_at=turn`` (``InflightMode.turn_mode``): a publication waits

@@ -1,13 +1,17 @@
-"""Observations as chat turns (``data.chat_template: true`` with the agent family), appended only.
+"""Observations as chat turns (``data.chat_template: true`` with the agent family).
 
 The conversation is rendered with the tokenizer's template to find the text of each new turn, and
-only that text is encoded and appended; the model's sampled ids are never re-encoded. Rendering
-the conversation so far must reproduce, character for character, the text the episode already
-holds: the previous prompt, then exactly what the model sampled (special tokens included), then
-whatever the template closes an assistant turn with (e.g. ChatML's newline after ``<|im_end|>``),
-which is appended before the next observation. A template that rewrites earlier turns (strips
-reasoning, moves a system prompt, trims whitespace) is not append-only; it is refused with what
-differed, never silently re-tokenized.
+only that text is encoded and appended; the model's sampled ids are never re-encoded. Appending is
+right only while rendering the conversation so far reproduces, character for character, the text
+the episode already holds: the previous prompt, then exactly what the model sampled (special
+tokens included), then whatever the template closes an assistant turn with (e.g. ChatML's newline
+after ``<|im_end|>``), which is appended before the next observation.
+
+A template that rewrites earlier turns (Qwen3's removal of past reasoning, a Llama-3-style
+``| trim``, a system prompt that moves) is not append-only: ``next`` raises ``NotAppendOnly`` with
+what differed, and the player starts a new sample instead (``restart``): its context is the
+template's rendering of the whole conversation as it renders it now, with the new observation and
+the generation prompt, encoded once. The sequence is never silently re-tokenized in place.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from tether.errors import RolloutError
 
 
 class NotAppendOnly(RolloutError):
-    """The chat template renders earlier turns differently once a new turn is added."""
+    """The chat template does not reproduce the episode so far once a new turn is added; the
+    conversation goes on from ``ChatTurns.restart``."""
 
 
 def _first_difference(a: str, b: str) -> str:
@@ -57,8 +62,9 @@ def as_messages(observation: str | Sequence[Mapping[str, str]], role: str = "use
 
 class ChatTurns:
     """One episode's conversation: ``first`` and ``next`` return the text to encode and append for
-    an observation (text, a turn of ``role``, or role-tagged messages); ``sampled`` records a model
-    turn as it was sampled."""
+    an observation (text, a turn of ``role``, or role-tagged messages), ``restart`` the whole
+    context of a new sample when ``next`` cannot append; ``sampled`` records a model turn as it was
+    sampled."""
 
     def __init__(self, tokenizer: Any, role: str = "user", end_ids: Collection[int] = (),
                  options: ChatOptions = ChatOptions()) -> None:
@@ -72,6 +78,7 @@ class ChatTurns:
         """End-of-turn ids (``tether.decoding.stops``): a final one the template renders itself is
         left out of the turn's content."""
         self.messages: list[dict[str, str]] = []
+        self._closing: dict[int, bool] = {}  # end-of-turn id → whether the template closes turns with it
         self.text = ""  # the episode as text: every prompt and model turn so far
 
     def _render(self, generation_prompt: bool) -> str:
@@ -85,7 +92,8 @@ class ChatTurns:
     def sampled(self, token_ids: list[int]) -> None:
         """The model's turn as sampled, special tokens included. A final end-of-turn token is left
         out of its content when the template closes the turn with that very token (ChatML's
-        ``<|im_end|>``, whether or not it is the tokenizer's EOS), so it is not rendered twice;
+        ``<|im_end|>``, whether or not it is the tokenizer's EOS; a template that also rewrites the
+        turn is asked with a probe, ``_closes_turns_with``), so it is not rendered twice;
         another one (a ``<|endoftext|>`` under ChatML) stays in the content, and the template's own
         closing follows it."""
         decode = self.tokenizer.decode
@@ -93,24 +101,48 @@ class ChatTurns:
         if token_ids and token_ids[-1] in self.end_ids:
             self.messages.append({"role": "assistant",
                                   "content": decode(token_ids[:-1], skip_special_tokens=False)})
-            if self._render(False).startswith(self.text):
+            if self._render(False).startswith(self.text) or self._closes_turns_with(token_ids[-1]):
                 return
             self.messages.pop()
         self.messages.append({"role": "assistant", "content": decode(token_ids, skip_special_tokens=False)})
+
+    def _closes_turns_with(self, token_id: int) -> bool:
+        """Whether the template closes an assistant turn with ``token_id``'s text, seen on a probe
+        conversation: a template that rewrites the turn itself (``| trim`` on ``ok <|im_end|>``)
+        renders the episode differently with the token or without it, and the token is still its
+        own closing (``ok<|im_end|>``, not ``ok <|im_end|><|im_end|>``)."""
+        if token_id not in self._closing:
+            end = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            probe = [{"role": self.role, "content": "hello"}, {"role": "assistant", "content": "ok"}]
+            try:
+                rendered = self.options.render(self.tokenizer, self.options.opening() + probe, False)
+            except Exception:  # a template that refuses the probe's roles: only the rendering decides
+                rendered = ""
+            self._closing[token_id] = f"ok{end}" in rendered
+        return self._closing[token_id]
 
     def next(self, observation: str | Sequence[Mapping[str, str]]) -> str:
         closed = self._render(False)
         if not closed.startswith(self.text):
             raise NotAppendOnly("the chat template does not render the episode so far as it was sampled "
-                                f"({_first_difference(self.text, closed)}); it is not append-only, so "
-                                "set data.chat_template=false and format turns in the environment")
+                                f"({_first_difference(self.text, closed)}); it is not append-only")
         tail = closed[len(self.text):]
-        self.messages += as_messages(observation, self.role)
+        added = as_messages(observation, self.role)
+        self.messages += added
         opened = self._render(True)
         if not opened.startswith(closed):
+            self.messages = self.messages[:len(self.messages) - len(added)]
             raise NotAppendOnly("adding a turn changes how the chat template renders the earlier ones "
-                                f"({_first_difference(closed, opened)}); it is not append-only, so set "
-                                "data.chat_template=false and format turns in the environment")
+                                f"({_first_difference(closed, opened)}); it is not append-only")
         appended = tail + opened[len(closed):]
         self.text += appended
         return appended
+
+    def restart(self, observation: str | Sequence[Mapping[str, str]]) -> str:
+        """The context of a new sample, after ``next`` raised ``NotAppendOnly`` for ``observation``:
+        every message so far as the template renders it now (earlier turns as it rewrites them),
+        ``observation`` as a new turn, and the generation prompt. The episode's text starts over
+        from it."""
+        self.messages += as_messages(observation, self.role)
+        self.text = self._render(True)
+        return self.text

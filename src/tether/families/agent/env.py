@@ -16,8 +16,10 @@ and the episode goes on (counted as an action error). Any other exception (``Sys
 kind (``as_step``: a reward that is not a number within ±``REWARD_LIMIT``, a ``done`` that is not a
 bool, ...). The constructor is called with ``env.kwargs`` as keyword arguments (none by default;
 skyrl-gym's with ``env_config, extras``); ``factory`` refuses a class that needs more when the recipe
-is loaded. All of one episode's calls run on one thread, and an async environment's on one event
-loop (``envthreads.Lane``), so what ``reset`` opens (a client, a lock, a connection) serves ``step``.
+is loaded, and ``env.kwargs`` a class's own static ``check_kwargs(kwargs)`` refuses (raising
+``ValueError`` or ``TypeError``: ``remote.RemoteEnv``'s url). All of one episode's calls run on one
+thread, and an async environment's on one event loop (``envthreads.Lane``), so what ``reset`` opens
+(a client, a lock, a connection) serves ``step``.
 
 Adapters (duck-typed, so neither package is needed):
 
@@ -362,6 +364,12 @@ def factory(env_class: type, options: Mapping[str, Any], *, env_config: Mapping[
             f"{env_class!r} is not an environment: it needs reset(task, seed) and step(action) "
             "(or skyrl-gym's init(prompt) and step(action)); see docs/agents.md"
         )
+    check = getattr(env_class, "check_kwargs", None)
+    if kind != "skyrl" and callable(check):  # the class's own look at its arguments (RemoteEnv's url)
+        try:
+            check(dict(options))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"env.kwargs for {name}: {exc}") from None
     made = EnvFactory(adapter, env_class, dict(options), dict(env_config or {}), dict(extras or {}))
     try:
         signature = inspect.signature(env_class)

@@ -36,7 +36,12 @@ def is_stop(exc: BaseException, *, inline: bool = False) -> bool:
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 
 
-_current = threading.local()
+class _Current(threading.local):
+    lane: Lane | None = None
+    """The lane whose call this thread is running, if any."""
+
+
+_current = _Current()
 """The lane whose call this thread is running (``awaited`` runs coroutines on its loop)."""
 
 
@@ -46,7 +51,7 @@ def awaited(value: Any) -> Any:
     episode's call, on a loop of its own."""
     if not inspect.isawaitable(value):
         return value
-    lane = getattr(_current, "lane", None)
+    lane = _current.lane
     if lane is None:
         return asyncio.run(_await(value))
     if lane.loop is None:
@@ -118,7 +123,7 @@ class Lane:
         self._close_loop()
 
     def _run(self, call: Call, fn: Callable[[], Any], *, inline: bool = False) -> None:
-        before = getattr(_current, "lane", None)
+        before = _current.lane
         _current.lane = self
         call.started = time.monotonic()
         try:

@@ -9,7 +9,9 @@ each observation is encoded once when it arrives and appended (``model`` 0, log-
 Every turn is generated from the ids so far, so what the model conditioned on is exactly what the
 learner scores. An environment that rewrites the history (``Step.new_context``) closes the sequence
 so far as one sample and starts another from the new context: an episode is then several samples,
-each exactly what the model saw, all with the episode's return.
+each exactly what the model saw, all with the episode's return. A chat template that does not
+reproduce the episode so far (one that drops earlier reasoning or trims turns) does the same: the
+new sample's context is its rendering of the whole conversation (``tether.families.agent.chat``).
 
 Environment calls (construction and ``reset`` included) run on ``EnvThreads``, side by side, each
 episode's on its own thread and event loop for the episode's whole life (``Lane``). Turns
@@ -125,7 +127,9 @@ class Episode:
     chat: Any = None
     """Its ``ChatTurns`` with data.chat_template, else None."""
     closed: list[Sample] = field(default_factory=list)
-    """The samples before the last rewrite of the history (``Step.new_context``), in order."""
+    """The samples before the last rewrite of the history, in order."""
+    template_rewrites: int = 0
+    """Rewrites by the chat template rather than the environment (``ChatTurns.restart``)."""
 
     @property
     def failed(self) -> bool:
@@ -146,7 +150,8 @@ class Episode:
 
     @property
     def rewrites(self) -> int:
-        """How many times the environment rewrote the history."""
+        """How many times the history was rewritten, by the environment (``Step.new_context``) or
+        by the chat template (``template_rewrites``)."""
         return len(self.closed)
 
     def samples(self) -> list[Sample]:
@@ -410,8 +415,7 @@ class Player:
                           "(Step.new_context with no observation text)")
                 return False
         else:
-            ids = self.encode_within(self.text_of(ep, obs, first=False),
-                                     self.limits.max_episode_tokens - len(ep.ids))
+            ids = self._next_ids(ep, obs)
         if ids is None:
             ep.transcript.append(clipped(text))
             self._end(ep, "token_budget")  # the observation is in the transcript, not the sequence
@@ -419,6 +423,25 @@ class Player:
         ep.transcript.append(text)
         self._append(ep, ids)
         return True
+
+    def _next_ids(self, ep: Episode, obs: Observation) -> list[int] | None:
+        """The ids to append for the observation ``obs``, or None when they would not fit. Where
+        the chat template does not reproduce the episode so far, the episode starts a new sample
+        whose context is the template's rendering of the whole conversation (``ChatTurns.restart``)."""
+        from tether.families.agent.chat import NotAppendOnly
+
+        room = self.limits.max_episode_tokens - len(ep.ids)
+        if ep.chat is None:
+            return self.encode_within(plain_text(obs), room)
+        try:
+            appended = ep.chat.next(obs)
+        except NotAppendOnly:
+            ids = self.encode_within(ep.chat.restart(obs), self.limits.max_episode_tokens)
+            if ids is not None:  # else the episode ends (token_budget) with the samples it has
+                ep.rewrite()
+                ep.template_rewrites += 1
+            return ids
+        return self.encode_within(appended, room)
 
     @staticmethod
     def _append(ep: Episode, ids: list[int]) -> None:

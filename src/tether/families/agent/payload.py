@@ -4,7 +4,7 @@ Per sample it carries the token sequence with a per-token ``model`` flag (1: sam
 engine; 0: an observation), the engine's log-probs and versions on model tokens (0.0 and −1
 elsewhere), and the episode it belongs to; per episode, the return, how it ended and its
 transcript. An episode is one sample, or one more for each time its environment rewrote the
-history (``Step.new_context``).
+history (``Step.new_context``) or its chat template did not reproduce it.
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ class EpisodeBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     turn_tokens: list[list[int]] = field(default_factory=list)
     """Each episode's tokens sampled per turn, in order over its samples (empty: not recorded)."""
+    counts: list[dict[str, int]] = field(default_factory=list)
+    """Each episode's step counts (tool calls, tool errors, malformed calls; empty: none recorded)."""
+    template_rewrites: list[int] = field(default_factory=list)
+    """Each episode's new samples that its chat template, not its environment, started (empty: not
+    recorded)."""
 
     @property
     def num_groups(self) -> int:
@@ -56,6 +61,8 @@ class EpisodeBatch:
         wrong = {k: v for k, v in lengths.items() if v != n}
         if self.turn_tokens and len(self.turn_tokens) != n:
             wrong["turn_tokens"] = len(self.turn_tokens)
+        if self.template_rewrites and len(self.template_rewrites) != n:
+            wrong["template_rewrites"] = len(self.template_rewrites)
         wrong.update({k: v for k, v in rows.items() if v != len(self.episode_of)})
         if wrong:
             raise ValueError(
@@ -86,8 +93,10 @@ class EpisodeBatch:
     def sample_lines(self) -> list[dict]:
         """What ``episodes.jsonl`` holds of each episode, in group order (``metrics.record_every``):
         its task position, group and place, how it ended (and why, when it failed), its return and
-        the reward of every step, turns, rewrites of its history, model tokens, the oldest and
-        newest version of those tokens, and its transcript (observation, action, …, the final
+        the reward of every step, turns, rewrites of its history (new samples, by the environment
+        or the chat template) and those by the template, model tokens, the oldest and newest
+        version of those tokens, its tool calls, tool errors and malformed calls (when its
+        environment counts them), and its transcript (observation, action, …, the final
         observation included)."""
         samples = Counter(self.episode_of)
         versions = self.episode_versions()  # one per model token
@@ -96,8 +105,10 @@ class EpisodeBatch:
             {"position": self.positions[e // g], "group": e // g, "episode": e % g,
              "status": self.statuses[e], "error": self.errors[e], "return": self.rewards[e],
              "step_rewards": self.step_rewards[e], "turns": self.turns[e], "rewrites": samples[e] - 1,
+             "template_rewrites": self.template_rewrites[e] if self.template_rewrites else 0,
              "model_tokens": len(versions[e]),
              "versions": [min(versions[e]), max(versions[e])] if versions[e] else [],
+             **(self.counts[e] if self.counts else {}),
              "transcript": self.transcripts[e]}
             for e in range(len(self.rewards))
         ]

@@ -139,6 +139,9 @@ class AgentPolicy(TextPolicy):
         return to_train_batch(payload, self.pad_id, credit=self.credit, gamma=self.gamma,
                               mask_failures=self.mask_failures)
 
+    def sliced_by_turn(self, batch: TrainBatch) -> bool:
+        return batch.turn is not None
+
     def fast_forward(self, model, enabled: bool):
         if enabled:
             log.info(

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tether.control.inflight import cache_metrics
 from tether.decoding.stops import TurnEnds
 from tether.errors import RolloutError
 from tether.families.agent.envthreads import EnvThreads
@@ -240,6 +241,8 @@ class AgentSampler:
             errors=[ep.error for ep in episodes],
             group_size=g,
             turn_tokens=[ep.turn_tokens for ep in episodes],
+            counts=[dict(ep.counts) for ep in episodes] if any(ep.counts for ep in episodes) else [],
+            template_rewrites=[ep.template_rewrites for ep in episodes],
         )
         batch.metrics.update(self._metrics(episodes, batch, wall))
         batch.metrics.update(extra_metrics)
@@ -290,6 +293,7 @@ class AgentSampler:
             "agent/model_tokens_mean": sum(model_tokens) / n,
             "agent/env_tokens_mean": sum(lengths) / n - sum(model_tokens) / n,
             "agent/rewrites": float(sum(ep.rewrites for ep in episodes)),
+            "agent/template_rewrites": float(sum(ep.template_rewrites for ep in episodes)),
             "agent/episode_tokens_p50": float(statistics.median(lengths)),
             "agent/episode_tokens_p90": float(lengths[min(n - 1, int(0.9 * n))]),
             "agent/episode_tokens_max": float(lengths[-1]),
@@ -305,6 +309,7 @@ class AgentSampler:
             wasted, switches = self.engine.take_counts()
             out["rollout/weight_switches"] = float(switches + self.turn_switches)
             out["rollout/turn_boundary_switches"] = float(self.turn_switches)
+            out.update(cache_metrics(batch.versions, self.cfg.budget().mode))
             out["rollout/wasted_tokens"] = float(wasted)
         out.update(self.engine.report())
         return out

@@ -291,7 +291,7 @@ def load_tools(specs: Sequence[str]) -> list[Callable[..., Any]]:
 
     tools: list[Callable[..., Any]] = []
     for spec in specs:
-        obj = load_python_object(spec, what="env.tools")
+        obj = load_python_object(spec, what="env.tools", callable_only=False)
         if isinstance(obj, Mapping):
             many = list(obj.values())
         else:

@@ -1,7 +1,8 @@
 """The agent family's warm start: supervised fine-tuning on the task's scripted transcripts with the
-same mask RL uses (loss on the model's turns only, never on observations), until held-out greedy
-episode success reaches ``warmstart.target_pass_rate``. ``env.script_quality`` says how good a
-player the transcripts show."""
+same mask RL uses (loss on the model's turns only, never on observations) and cut into the same
+samples (where the chat template rewrites the conversation), until held-out greedy episode success
+reaches ``warmstart.target_pass_rate``. ``env.script_quality`` says how good a player the
+transcripts show."""
 
 from __future__ import annotations
 
@@ -19,21 +20,30 @@ from tether.vocabulary import Progress, SamplingParams
 
 
 def encode_transcript(tokenizer, segments, *, chat: bool = False, options=None, end_ids=()
-                      ) -> tuple[list[int], list[int]]:
-    """(ids, labels): each segment encoded on its own, as the player encodes observations (with
-    ``chat``, each observation (text or messages) as the chat turn the player would append, with
-    the recipe's ``ChatOptions``: system prompt, tool schemas, and the end-of-turn ids the player
-    uses); labels are the ids on
-    the model's segments and −100 elsewhere."""
-    from tether.families.agent.chat import ChatOptions, ChatTurns
+                      ) -> list[tuple[list[int], list[int]]]:
+    """The training sequences of a scripted transcript, each (ids, labels): every segment encoded
+    on its own, as the player encodes observations (with ``chat``, each observation, text or
+    messages, as the chat turn the player would append, with the recipe's ``ChatOptions`` (system
+    prompt, tool schemas) and the end-of-turn ids the player uses); labels are the ids on the
+    model's segments and −100 elsewhere. One sequence, or, as the player starts a new sample where
+    the chat template does not reproduce the conversation so far, one more from each such point,
+    whose context is the template's rendering of the whole conversation (earlier model turns
+    unlabelled there)."""
+    from tether.families.agent.chat import ChatOptions, ChatTurns, NotAppendOnly
     from tether.families.agent.env import plain_text
 
     turns = ChatTurns(tokenizer, end_ids=end_ids, options=options or ChatOptions()) if chat else None
+    sequences: list[tuple[list[int], list[int]]] = []
     ids: list[int] = []
     labels: list[int] = []
     for text, by_model in segments:
         if turns is not None and not by_model:
-            text = turns.first(text) if not ids else turns.next(text)
+            try:
+                text = turns.next(text) if turns.messages else turns.first(text)
+            except NotAppendOnly:
+                sequences.append((ids, labels))
+                ids, labels = [], []
+                text = turns.restart(text)
         elif not by_model:
             text = plain_text(text)
         piece = list(tokenizer(text, add_special_tokens=False).input_ids)
@@ -41,7 +51,7 @@ def encode_transcript(tokenizer, segments, *, chat: bool = False, options=None, 
             turns.sampled(piece)
         ids += piece
         labels += piece if by_model else [-100] * len(piece)
-    return ids, labels
+    return [*sequences, (ids, labels)]
 
 
 def transcript_batch(encoded, pad_id: int):
@@ -88,8 +98,10 @@ def run_agent_warmstart(
 
     def loss_at(step: int) -> torch.Tensor:
         chosen = rng.sample(data.train, min(s.batch_size, len(data.train)))
-        encoded = [encode_transcript(tokenizer, task.script(ex, rng, quality), chat=cfg.data.chat_template,
-                                     options=options, end_ids=end_ids) for ex in chosen]
+        encoded = [sequence for ex in chosen
+                   for sequence in encode_transcript(tokenizer, task.script(ex, rng, quality),
+                                                     chat=cfg.data.chat_template, options=options,
+                                                     end_ids=end_ids)]
         ids, mask, labels = transcript_batch(encoded, tokenizer.pad_token_id)
         return model(input_ids=ids, attention_mask=mask, labels=labels).loss
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 
+from tether.control.inflight import cache_metrics
 from tether.data.rewards import score_all
 from tether.families.text.payload import ScoredBatch
 from tether.procinfo import peak_rss_mb
@@ -66,6 +67,7 @@ class TextSampler:
                 "rollout/weight_switches": float(switches),
                 "rollout/wasted_tokens": float(wasted),
                 "staleness/multi_version_seq_frac": sum(len(set(v)) > 1 for v in batch.versions) / n,
+                **cache_metrics(batch.versions, self.cfg.budget().mode),
             })
         batch.metrics.update(self.engine.report())
         batch.metrics.update(self.score.take_parts())  # reward.functions: each part's mean

@@ -1,0 +1,102 @@
+"""Mean staleness in closed form: exact under the lazy publication rule (against the simulated
+loop over a grid of recipes), Applied Compute's forms from their five parameters, and the
+approximate forms for idle and eager publication where their regime is clear."""
+
+import itertools
+import random
+
+import pytest
+
+from tether.cli.main import main
+from tether.config import load_config
+from tether.loop.closed_form import closed_forms, lazy_staleness_updates, tail_multiplier
+from tether.loop.virtual import plan_document, simulate, timings_of
+
+
+def planned(cfg):
+    return plan_document(simulate(cfg.budget(), timings_of(cfg), num_groups=cfg.rollout.batch_size,
+                                  group_size=cfg.rollout.group_size))
+
+
+def test_the_lazy_form_is_the_simulated_schedule_batch_for_batch():
+    grid = list(itertools.product([0, 1, 2, 3], [1, 2], [1, 2, 3], [1, 2, 4], [0.5, 3.0], [0.2, 2.0],
+                                  [0, 5], ["", "1,2"]))
+    for s, u, w, m, g, t, ev, commits in random.Random(0).sample(grid, 60):
+        overrides = [f"async.max_staleness={s}", f"train.updates_per_batch={u}", f"rollout.num_workers={w}",
+                     f"async.max_inflight={m}", f"plan.gen_time={g}", f"plan.train_time={t}",
+                     "plan.sync_time=0.01", "train.num_batches=17", f"eval.interval={ev}"]
+        if commits and u == 2:
+            overrides.append(f"plan.commits=[{commits}]")
+        cfg = load_config(None, overrides)
+        doc = planned(cfg)
+        assert [b["staleness_updates"] for b in doc["batches"]] == \
+            lazy_staleness_updates(cfg.budget(), tuple(cfg.plan.commits)), overrides
+        form = closed_forms(cfg, gen_time=g, train_time=t, sync_time=0.01)
+        assert form["rule"] == "lazy" and form["exact"]
+        assert form["mean_staleness_batches"] == pytest.approx(doc["summary"]["mean_staleness_batches"])
+
+
+def test_a_regular_period_averages_half_the_budget():
+    cfg = load_config(None, ["async.max_staleness=3", "train.num_batches=40"])
+    assert closed_forms(cfg, gen_time=1, train_time=1, sync_time=0)["mean_staleness_batches"] == 1.5
+
+
+def test_applied_computes_five_parameters_and_forms_by_hand():
+    cfg = load_config(None, ["async.max_staleness=4", "rollout.num_workers=2", "async.max_inflight=8",
+                             "rollout.batch_size=4", "rollout.group_size=8", "train.updates_per_batch=2",
+                             "async.inflight_update=keep", "plan.mean_length=20"])
+    ac = closed_forms(cfg, gen_time=2.0, train_time=0.25, sync_time=0.1)["applied_compute"]
+    b = 32
+    rho = (2 * b / 2.0) / (b / (2 * 0.25 + 0.1))  # engines' samples/s over the trainer's
+    assert (ac["B"], ac["C"], ac["q"]) == (b, 2 * b, 3)
+    assert ac["rho"] == pytest.approx(rho) and ac["regime"] == "rollout-bound"
+    tail = tail_multiplier(20, cfg.rollout.max_new_tokens, 8)
+    assert ac["M_tail"] == pytest.approx(tail) and tail > 1
+    assert ac["uncapped_batches"] == pytest.approx(2 * tail + rho)
+    slow = closed_forms(cfg, gen_time=0.1, train_time=0.25, sync_time=0.1)["applied_compute"]
+    r = slow["rho"]
+    assert slow["regime"] == "train-bound"
+    assert slow["uncapped_batches"] == pytest.approx(2 * tail / r + (2 * 3 + r - 1) / (2 * r))
+    assert slow["mean_staleness_batches"] == min(slow["uncapped_batches"], 4)
+
+
+@pytest.mark.parametrize("rule", ["async.sync_when_idle=true", "async.inflight_update=keep"])
+@pytest.mark.parametrize("train_time", [0.1, 3.0])
+def test_idle_and_eager_forms_hold_away_from_balance(rule, train_time):
+    cfg = load_config(None, ["async.max_staleness=4", "rollout.num_workers=2", "async.max_inflight=4",
+                             "plan.gen_time=1", f"plan.train_time={train_time}", "train.num_batches=120",
+                             rule])
+    form = closed_forms(cfg, gen_time=1, train_time=train_time, sync_time=0)
+    assert not form["exact"]
+    assert form["mean_staleness_batches"] == pytest.approx(planned(cfg)["summary"]["mean_staleness_batches"],
+                                                           abs=0.3)
+
+
+def test_plan_prints_the_closed_forms_beside_the_simulation(capsys):
+    assert main(["plan", "--max-staleness", "3", "--workers", "2", "--max-inflight", "4", "--gen-time", "1",
+                 "--train-time", "0.2", "--num-batches", "40", "--closed-form"]) == 0
+    out = capsys.readouterr().out
+    assert "mean staleness (batches): simulated 1.50" in out
+    assert "closed form (lazy publication rule: exact): 1.50" in out
+    assert "Applied Compute's rollout-bound form: 2.40  [rho=0.40, B=32, C=64, q=2, M_tail=1.00]" in out
+
+
+def test_kv_versions_are_the_turns_prefill_under_keep_and_the_tokens_own_otherwise():
+    import torch
+
+    from tether.control.inflight import MODES, cache_metrics, cache_versions
+    from tether.train.attribution import cache_versions as cache_versions_of
+
+    row = [3, 3, 4, 5, -1, -1, 5, 6, 6, -1]  # a turn switched twice, an observation, a turn switched once
+    assert cache_versions(row, MODES["keep"]) == [3, 3, 3, 3, -1, -1, 5, 5, 5, -1]
+    for name in ("drain", "recompute", "abort"):
+        assert cache_versions(row, MODES[name]) == row
+    m = cache_metrics([row, [7, 7]], MODES["keep"])
+    assert m["staleness/kv_mixed_token_frac"] == pytest.approx(4 / 9)
+    assert m["staleness/kv_lag_updates_mean"] == pytest.approx((1 + 2 + 1 + 1) / 4)
+    assert cache_metrics([row], MODES["recompute"])["staleness/kv_mixed_token_frac"] == 0
+    versions = torch.tensor([row, [7, 7, 8, 0, 0, 0, 0, 0, 0, 0]])
+    mask = versions >= 0
+    mask[1, 3:] = False
+    kv = cache_versions_of(versions, mask)
+    assert kv[0][mask[0]].tolist() == [3, 3, 3, 3, 5, 5, 5] and kv[1][mask[1]].tolist() == [7, 7, 7]
