@@ -71,8 +71,10 @@ def test_scripts_encode_as_the_whole_chat_renders(chat_model, cfg):
     tools_seen = set()
     for ex in examples():
         segments = TOOL_CALC.script(ex, rng, 1.0)
-        ids, labels = encode_transcript(tok, segments, chat=True, options=options,
-                                        end_ids=turn_ends(tok, "").end_ids)
+        sequences = encode_transcript(tok, segments, chat=True, options=options,
+                                      end_ids=turn_ends(tok, "").end_ids)
+        assert len(sequences) == 1  # append-only: the player never starts a second sample
+        [(ids, labels)] = sequences
         messages = []
         for text, by_model in segments:
             if by_model:
