@@ -223,7 +223,7 @@ class ToolCalc(ToolEnv):
 
     def reset(self, task: Mapping[str, Any], seed: int) -> list[dict[str, str]]:
         super().reset(task, seed)
-        if "lookup" in self.tools:
+        if self.tools.get("lookup") is lookup:  # not a function of env.tools that has the same name
             table = dict(pair.split("=") for pair in task["table"].split())
             self.tools = {**self.tools, "lookup": lambda key: _lookup_in(table, key)}
         return [{"role": "user", "content": task["question"]}]
