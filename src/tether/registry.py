@@ -169,7 +169,8 @@ tasks: Registry[Any] = Registry(
         for name in ("arithmetic", "countdown", "reverse", "sort", "repeat", "question")},
      "shapes": "tether.families.flow.task:SHAPES",
      "kv_lookup": "tether.families.agent.tasks:KV_LOOKUP",
-     "guess_number": "tether.families.agent.tasks:GUESS_NUMBER"})
+     "guess_number": "tether.families.agent.tasks:GUESS_NUMBER",
+     "tool_calc": "tether.families.agent.tasks:TOOL_CALC"})
 rewards: Registry[Callable[..., Any]] = Registry(
     "reward function", "reward.function",
     {"exact_match": "tether.data.rewards:exact_match", "numeric_match": "tether.data.rewards:numeric_match",

@@ -21,7 +21,7 @@ def test_tasks_lists_every_task_with_a_sample():
     assert [(r["name"], r["family"]) for r in rows] == [
         ("arithmetic", "text"), ("countdown", "text"), ("reverse", "text"), ("sort", "text"),
         ("repeat", "text"), ("question", "text"), ("shapes", "flow"), ("kv_lookup", "agent"),
-        ("guess_number", "agent")]
+        ("guess_number", "agent"), ("tool_calc", "agent")]
     for r in rows:
         assert r["sample_prompt"] and r["sample_answer"]
     text = run("tasks").stdout

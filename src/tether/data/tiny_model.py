@@ -1,6 +1,11 @@
 """Models built locally: a character-level tokenizer and a Qwen3, Llama or Qwen2 model with random
 weights, from tiny (tests) to the shapes of Qwen2-0.5B and Qwen2-1.5B (the scale benchmark).
 
+A chat model (``chat=True``) adds ChatML's ``<|im_start|>`` and ``<|im_end|>`` as special tokens,
+Hermes's ``<tool_call>`` and ``</tool_call>`` as tokens of their own (as Qwen2.5's vocabulary has
+them), braces for JSON, and ``CHATML_TEMPLATE``: a ChatML template whose system turn lists the tools
+one line each (``calculator(expression)``), short enough for a character model's context.
+
 Both are written with ``save_pretrained`` and load offline through ``AutoTokenizer`` and
 ``AutoModelForCausalLM`` — the same path a user's real checkpoint takes — so nothing downloads
 and every test, benchmark and demo runs on a real Hugging Face model.
@@ -34,6 +39,26 @@ class ModelSize:
     max_positions: int = 256
     rope_theta: float = 10000.0
 
+
+CHAT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
+TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
+CHAT_MAX_POSITIONS = 512
+"""A chat model's context: its episodes hold the template's turns and the tools' JSON calls."""
+
+CHATML_TEMPLATE = (
+    "{% if messages and messages[0].role == 'system' or tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}"
+    "{% if tools %}{{ '\\n' }}{% endif %}{% endif %}"
+    "{% for tool in tools or [] %}"
+    "{{ tool.function.name }}({{ tool.function.parameters.properties | join(',') }})"
+    "{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if not (loop.first and message.role == 'system') %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML (``<|im_start|>role\ncontent<|im_end|>\n``) with a compact tools block: the system turn
+holds the system prompt, then one line per tool, its name and its arguments' names; a tool's result
+is a ``tool`` turn. Append-only: no turn is rendered differently once another follows."""
 
 QWEN2_VOCAB = 151936
 """Qwen2's vocabulary size (Qwen2 technical report, arXiv:2407.10671, and its released configs)."""
@@ -117,18 +142,33 @@ class TinyModelInfo:
     vocab_size: int
 
 
+def add_chat_tokens(tokenizer) -> None:
+    """Make a character tokenizer a chat one: ChatML's special tokens, the tool-call tags as tokens
+    of their own, and ``CHATML_TEMPLATE``. Its EOS stays ``<eos>``: a turn ends at ``<|im_end|>``,
+    the template's end of turn (``tether.decoding.stops``), as under Qwen's base models."""
+    tokenizer.add_special_tokens({"additional_special_tokens": list(CHAT_SPECIAL_TOKENS)})
+    tokenizer.add_tokens(list(TOOL_CALL_TOKENS))
+    tokenizer.chat_template = CHATML_TEMPLATE
+
+
 def init_model(out: str | Path, *, arch: str = "qwen3", size: str = "small", seed: int = 0,
-               alphabet: str = DEFAULT_ALPHABET, overwrite: bool = False) -> TinyModelInfo:
-    """Build a tokenizer and model and save both to ``out`` (refuses to overwrite by default)."""
+               alphabet: str = DEFAULT_ALPHABET, overwrite: bool = False,
+               chat: bool = False) -> TinyModelInfo:
+    """Build a tokenizer and model and save both to ``out`` (refuses to overwrite by default);
+    ``chat``: a chat model (``add_chat_tokens``, braces added to ``alphabet``, a context of
+    ``CHAT_MAX_POSITIONS``)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"{out} already exists and is not empty; choose another path or pass --overwrite")
     if size not in SIZES:  # before the tokenizer, which reads the size's vocabulary
         raise ConfigError(f"unknown model size {size!r}; choose one of: {', '.join(SIZES)}")
     shape = SIZES[size]
-    tokenizer = build_char_tokenizer(alphabet, vocab_size=shape.vocab_size,
-                                     model_max_length=max(256, shape.max_positions))
-    model = build_model(len(tokenizer), arch=arch, size=size, seed=seed,
+    positions = max(CHAT_MAX_POSITIONS if chat else 256, shape.max_positions)
+    tokenizer = build_char_tokenizer(alphabet + ("{}" if chat else ""), vocab_size=shape.vocab_size,
+                                     model_max_length=positions)
+    if chat:
+        add_chat_tokens(tokenizer)
+    model = build_model(len(tokenizer), arch=arch, size=size, seed=seed, max_positions=positions,
                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                         eos_token_id=tokenizer.eos_token_id)
     info = TinyModelInfo(arch=arch, size=size, seed=seed, vocab_size=len(tokenizer),

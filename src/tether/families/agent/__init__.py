@@ -6,7 +6,8 @@ the training tensors) is a token the model sampled — observation tokens are co
 - ``episodes``: playing episodes token in, token out, with environment calls on threads;
 - ``payload`` / ``policy``: the ``EpisodeBatch`` and its training tensors (loss on model tokens);
 - ``sampler``: a rollout worker's side (engine, environment threads, metrics);
-- ``tasks``: the built-in ``kv_lookup`` and ``guess_number`` tasks with scripted transcripts;
+- ``tasks``: the built-in ``kv_lookup``, ``guess_number`` and ``tool_calc`` tasks with scripted
+  transcripts;
 - ``warmstart`` / ``evaluate``: fine-tuning on transcripts, and held-out episode success;
 - ``options``: its recipe section, ``env``.
 
@@ -66,7 +67,7 @@ class AgentFamily(TextFamily):
         if not e.env_class and not cfg.data.task:
             raise ConfigError(
                 "model.family=agent needs an environment: set env.env_class to path/to/file.py:Class "
-                "(with data.dataset for its task rows), or data.task to kv_lookup or guess_number"
+                "(with data.dataset for its task rows), or data.task to kv_lookup, guess_number or tool_calc"
             )
         if e.switch_at == "turn" and inflight_mode(cfg.async_.inflight_update).turn_mode is None:
             raise ConfigError("env.switch_at=turn takes up published weights between turns, which needs "
@@ -113,11 +114,15 @@ class AgentFamily(TextFamily):
 
         init = out.parent / f"{out.name}.init"
         try:
-            info = init_model(init, arch=cfg.model.init_arch, size=cfg.model.init_size, seed=cfg.run.seed)
+            # a recipe that renders turns with a chat template gets a chat model (tiny_model.CHATML_TEMPLATE)
+            chat = cfg.data.chat_template
+            info = init_model(init, arch=cfg.model.init_arch, size=cfg.model.init_size, seed=cfg.run.seed,
+                              chat=chat)
             logging.getLogger("tether.data").info(
-                "built a %s %s model (%d parameters); warm-starting it on scripted transcripts",
+                "built a %s %s%s model (%d parameters); warm-starting it on scripted transcripts",
                 cfg.model.init_size,
                 cfg.model.init_arch,
+                " chat" if chat else "",
                 info.parameters,
             )
             warm = run_agent_warmstart(cfg, init, out, on_progress)

@@ -10,10 +10,19 @@ or, when right, ends the episode with reward 1.
 
 Both answer an action they cannot parse with ``?`` (an ``ActionError``: the model sees it and may
 try again, and it is counted).
+
+``tool_calc``: a chat task with Python functions as tools (``tools.ToolEnv``, Hermes-format calls,
+``data.chat_template: true``). The user asks ``7*12+3=?`` (the ``calculator`` tool evaluates it) or
+``c=?`` (a key of a hidden table of digits, which the ``lookup`` tool reads), half each; at
+difficulty 2, ``c*12+3=?`` needs both, the key looked up first. A turn without a call is the answer,
+right when it is the number. Answering without the tools is right about 1 time in 20 (a digit's
+chance on the lookups, next to none on the products).
 """
 
 from __future__ import annotations
 
+import ast
+import json
 import random
 import string
 from collections.abc import Callable, Mapping
@@ -22,6 +31,7 @@ from typing import Any
 
 from tether.data.tasks.base import Task
 from tether.families.agent.env import ActionError, Step
+from tether.families.agent.tools import ToolEnv
 from tether.vocabulary import Example
 
 Segment = tuple[str, bool]
@@ -154,4 +164,136 @@ GUESS_NUMBER = AgentTask(
     verify=_no_verifier,
     environment=GuessNumber,
     script=_script_guess,
+)
+
+
+# -- tools: a calculator and a lookup ------------------------------------------------------------
+
+_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+CALC_LIMIT = 10**6
+"""The largest number in size the calculator takes or returns."""
+
+
+def _calc(node: ast.AST) -> int:
+    if isinstance(node, ast.Constant) and type(node.value) is int and abs(node.value) <= CALC_LIMIT:
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_calc(node.operand)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        value = _OPS[type(node.op)](_calc(node.left), _calc(node.right))
+        if abs(value) > CALC_LIMIT:
+            raise ValueError(f"a result past {CALC_LIMIT}")
+        return value
+    raise ValueError("only whole numbers with + - * and parentheses")
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: whole numbers with + - * and parentheses, e.g. 7*12+3
+    """
+    if len(expression) > 64:
+        raise ValueError("an expression of at most 64 characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")  # parsed only: the tree is walked, never run
+    except SyntaxError:
+        raise ValueError(f"cannot read {expression!r}") from None
+    return str(_calc(tree.body))
+
+
+def lookup(key: str) -> str:
+    """Read a key's value from the task's hidden table.
+
+    Args:
+        key: a letter, e.g. c
+    """
+    raise RuntimeError("lookup reads a tool_calc episode's table; ToolCalc.reset binds it")
+
+
+def _lookup_in(table: Mapping[str, str], key: str) -> str:
+    return table.get(key.strip(), "none")
+
+
+class ToolCalc(ToolEnv):
+    """One episode of ``tool_calc``: ``ToolEnv`` with ``calculator`` and ``lookup``; the user sees the
+    row's question, and ``lookup`` reads the row's table."""
+
+    default_tools = (calculator, lookup)
+
+    def reset(self, task: Mapping[str, Any], seed: int) -> list[dict[str, str]]:
+        super().reset(task, seed)
+        if self.tools.get("lookup") is lookup:  # not a function of env.tools that has the same name
+            table = dict(pair.split("=") for pair in task["table"].split())
+            self.tools = {**self.tools, "lookup": lambda key: _lookup_in(table, key)}
+        return [{"role": "user", "content": task["question"]}]
+
+
+def _expression(rng: random.Random, first: str) -> str:
+    """``first`` times a number in 2..19, plus or minus a digit: 7*12+3."""
+    return f"{first}*{rng.randint(2, 19)}{rng.choice('+-')}{rng.randint(1, 9)}"
+
+
+def _draw_tool_calc(rng: random.Random, d: int) -> Example:
+    keys = rng.sample(string.ascii_lowercase[:12], 4)
+    table = {k: str(rng.randrange(10)) for k in keys}
+    row = " ".join(f"{k}={v}" for k, v in table.items())
+    key = rng.choice(keys)
+    if d == 2:
+        expression = _expression(rng, key)
+        answer = calculator(expression.replace(key, table[key], 1))
+    elif rng.random() < 0.5:
+        expression = _expression(rng, str(rng.randint(2, 19)))
+        answer = calculator(expression)
+    else:
+        expression, answer = key, table[key]
+    question = f"{expression}=?"
+    return Example(prompt=f"{question} [{row}]", answer=answer, fields={"question": question, "table": row})
+
+
+END = "<|im_end|>"
+"""The end of a model turn under the built-in chat template (``tiny_model.CHATML_TEMPLATE``)."""
+
+
+def _call(name: str, **arguments: str) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>{END}"
+
+
+def _script_tool_calc(ex: Example, rng: random.Random, quality: float) -> list[Segment]:
+    """Chat segments: the user's question; with probability ``quality`` the calls (lookup, then the
+    calculator on the value; or the one the question needs) each answered by its ``tool`` message,
+    then the answer; otherwise a guess (a digit for a key, else a number of the answer's size)."""
+    question = ex.fields["question"]
+    expression = question.removesuffix("=?")
+    opening: Segment = ([{"role": "user", "content": question}], False)
+    if rng.random() >= quality:
+        guess = str(rng.randrange(10)) if len(expression) == 1 else str(rng.randrange(10 ** len(ex.answer)))
+        return [opening, (guess + END, True)]
+    table = dict(pair.split("=") for pair in ex.fields["table"].split())
+    out = [opening]
+    key = expression[0] if expression[0].isalpha() else ""
+    if key:
+        out += [(_call("lookup", key=key), True),
+                ([{"role": "tool", "name": "lookup", "content": table[key]}], False)]
+        expression = expression.replace(key, table[key], 1)
+    if not expression.isdigit():
+        out += [(_call("calculator", expression=expression), True),
+                ([{"role": "tool", "name": "calculator", "content": calculator(expression)}], False)]
+    return [*out, (ex.answer + END, True)]
+
+
+def _verify_tool_calc(completion: str, ex: Example) -> float:
+    """1 when the final answer is the number asked for, else 0."""
+    return float(completion.strip() == ex.answer)
+
+
+TOOL_CALC = AgentTask(
+    name="tool_calc",
+    description="call a calculator or a lookup tool (Hermes format, chat template), then answer",
+    difficulties=(1, 2),
+    default_difficulty=1,
+    draw=_draw_tool_calc,
+    verify=_verify_tool_calc,
+    environment=ToolCalc,
+    script=_script_tool_calc,
 )
