@@ -18,7 +18,7 @@ class EnvSection:
         "The environment, as path/to/file.py:Class: one instance per episode, reset(task, seed) -> first "
         "observation, step(action) -> Step or a gymnasium 5-tuple, close(); skyrl-gym's BaseTextEnv and "
         "gymnasium text environments are adapted. Each task row (data.dataset or data.task) is passed to "
-        "reset. Empty: the built-in environment of data.task (kv_lookup, guess_number).",
+        "reset. Empty: the built-in environment of data.task (kv_lookup, guess_number, tool_calc).",
     )
     kwargs: dict[str, Any] = knob(
         {},
@@ -154,8 +154,8 @@ class EnvSection:
     )
     script_quality: float = knob(
         1.0,
-        "How good a player the warm start's scripted transcripts show (kv_lookup: the share that "
-        "calls the tool; guess_number: the share of bisection guesses); below 1 leaves room for RL.",
+        "How good a player the warm start's scripted transcripts show (kv_lookup, tool_calc: the share that "
+        "calls the tools; guess_number: the share of bisection guesses); below 1 leaves room for RL.",
         min=0.0,
         max=1.0,
     )

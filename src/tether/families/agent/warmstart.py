@@ -78,7 +78,7 @@ def run_agent_warmstart(
     if not isinstance(task, AgentTask) or task.script is None:
         raise ConfigError(
             "the agent family's warm start needs scripted transcripts: data.task must be a "
-            "built-in agent task (kv_lookup, guess_number); with your own environment, point "
+            "built-in agent task (kv_lookup, guess_number, tool_calc); with your own environment, point "
             "model.path at a model you trained and set model.create_if_missing=false"
         )
     s = cfg.warmstart
