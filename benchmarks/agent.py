@@ -27,7 +27,9 @@ from transformers.utils import logging as hf_logging
 
 from tether.decoding.sampling import stop_ids_for
 from tether.families.agent.env import Step, factory
-from tether.families.agent.episodes import EnvThreads, Limits, Player
+from tether.families.agent.envthreads import EnvThreads
+from tether.families.agent.episode import Limits
+from tether.families.agent.episodes import Player
 from tether.modeling import load_causal_lm
 from tether.rollout.engines.torch.engine import TorchEngine
 from tether.vocabulary import SamplingParams

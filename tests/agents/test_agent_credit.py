@@ -3,17 +3,16 @@ failed episodes scored or masked (``env.on_failure``), and ``env.credit=turn`` t
 ``tether train`` on a built-in task, logging turn returns."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_run import tether
 
 pytest.importorskip("torch")
 import torch
 
 from tether.config.config import load_config
-from tether.families.agent.episodes import FAILURES
+from tether.families.agent.episode import FAILURES
 from tether.rollout.dynamic import informative
 from tether.vocabulary import DynamicSampling, Example, SamplingParams, WorkItem
 
@@ -101,21 +100,10 @@ def test_failed_episodes_are_scored_or_masked_out_of_loss_and_advantages(tiny_mo
     assert scored.values[~rows_failed].gt(0).any()
 
 
-def tether(*args):
-    out = subprocess.run([sys.executable, "-m", "tether.cli.main", *map(str, args)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
-
-
-def test_turn_credit_trains_a_built_in_task_and_logs_turn_returns(tiny_model_dir, tmp_path):
+def test_turn_credit_trains_a_built_in_task_and_logs_turn_returns(kv_lookup_model, tmp_path):
     # a model that sometimes plays kv_lookup right (calling the tool takes two turns, guessing one):
     # the tiny one warm-started briefly on its scripts, as test_own_env.py does
-    model = tmp_path / "model"
-    tether("warmstart", "model.family=agent", "data.task=kv_lookup", "data.num_train=300", "data.num_eval=16",
-           "env.script_quality=0.5", "warmstart.max_steps=30", "warmstart.eval_every=30",
-           "warmstart.batch_size=16", "warmstart.target_pass_rate=1", "--model", tiny_model_dir,
-           "--out", model)
+    model = kv_lookup_model
     run = tmp_path / "run"
     tether("train", "model.family=agent", f"model.path={model}", "data.task=kv_lookup", "data.num_train=300",
            "data.num_eval=16", "env.max_turns=3", "env.max_turn_tokens=6", "rollout.max_new_tokens=6",

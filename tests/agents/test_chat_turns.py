@@ -17,7 +17,8 @@ from tether.decoding.sampling import stop_ids_for
 from tether.families.agent.chat import ChatTurns, NotAppendOnly
 from tether.families.agent.env import factory
 from tether.families.agent.envthreads import EnvThreads
-from tether.families.agent.episodes import Limits, Player
+from tether.families.agent.episode import Limits
+from tether.families.agent.episodes import Player
 from tether.modeling import load_causal_lm
 from tether.rollout.engines.torch.engine import TorchEngine
 from tether.vocabulary import SamplingParams
@@ -266,7 +267,7 @@ def test_the_learner_scores_each_sample_of_a_rewritten_episode_as_the_engine_did
 def test_a_masked_failure_leaves_the_loss_with_every_sample_the_template_started(thinking_model):
     import torch
 
-    from tether.families.agent.episodes import FAILURES
+    from tether.families.agent.episode import FAILURES
 
     # two steps; on task 1 the second raises: its episodes fail in their second sample
     sampler = sampler_for(thinking_model, f"{ENVS}:FailsLateOnOddTasks", "env.max_failed_frac=1",

@@ -142,7 +142,8 @@ def test_a_real_skyrl_gym_environment_plays_through_the_adapter(tiny_model_dir):
 
     from tether.decoding.sampling import stop_ids_for
     from tether.families.agent.envthreads import EnvThreads
-    from tether.families.agent.episodes import Limits, Player
+    from tether.families.agent.episode import Limits
+    from tether.families.agent.episodes import Player
     from tether.modeling import load_causal_lm
     from tether.rollout.engines.torch.engine import TorchEngine
     from tether.vocabulary import SamplingParams

@@ -2,11 +2,10 @@
 over a user's dataset rows, through `tether train` and `tether eval` from its recipe."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_run import tether
 
 pytest.importorskip("torch")
 
@@ -14,21 +13,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def tether(*args):
-    out = subprocess.run([sys.executable, "-m", "tether.cli.main", *map(str, args)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
-
-
-def test_the_own_environment_recipe_trains_and_evaluates_on_its_rows(tiny_model_dir, tmp_path):
+def test_the_own_environment_recipe_trains_and_evaluates_on_its_rows(kv_lookup_model, tmp_path):
     # a model that sometimes answers right: the tiny one, warm-started briefly on kv_lookup's scripts
     # (the format the example's tool speaks), as `make agent-demo` does for the recipe's own model
-    model = tmp_path / "model"
-    tether("warmstart", "model.family=agent", "data.task=kv_lookup", "data.num_train=300", "data.num_eval=16",
-           "env.script_quality=0.5", "warmstart.max_steps=30", "warmstart.eval_every=30",
-           "warmstart.batch_size=16", "warmstart.target_pass_rate=1", "--model", tiny_model_dir,
-           "--out", model)
+    model = kv_lookup_model
     run = tmp_path / "run"
     args = ["recipes/agent-own-env.yaml", f"model.path={model}", "train.num_batches=3",
             "rollout.batch_size=2", "rollout.group_size=4", "eval.interval=3", "--run-dir", run, "--plain",

@@ -15,7 +15,8 @@ from tether.errors import ConfigError
 from tether.families.agent.chat import ChatOptions
 from tether.families.agent.env import factory
 from tether.families.agent.envthreads import EnvThreads
-from tether.families.agent.episodes import Limits, Player
+from tether.families.agent.episode import Limits
+from tether.families.agent.episodes import Player
 from tether.families.agent.tools import ToolEnv, tool_schema
 from tether.modeling import load_causal_lm
 from tether.vocabulary import Completion, SamplingParams

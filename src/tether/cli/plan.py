@@ -110,13 +110,18 @@ def split_recipe_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
     return None, list(args)
 
 
-def config_from_args(ns: argparse.Namespace) -> Config:
+def recipe_and_overrides(ns: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """The recipe and its overrides: the key=value words, then each flag given as its key."""
     recipe, overrides = split_recipe_args(ns.args)
     for flag, key in FLAG_KEYS.items():
         value = getattr(ns, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
-    return load_config(recipe, overrides)
+    return recipe, overrides
+
+
+def config_from_args(ns: argparse.Namespace) -> Config:
+    return load_config(*recipe_and_overrides(ns))
 
 
 def optimize(ns: argparse.Namespace) -> int:
@@ -125,11 +130,7 @@ def optimize(ns: argparse.Namespace) -> int:
 
     from tether.loop.optimize import search
 
-    recipe, overrides = split_recipe_args(ns.args)
-    for flag, key in FLAG_KEYS.items():
-        value = getattr(ns, flag)
-        if value is not None:
-            overrides.append(f"{key}={value}")
+    recipe, overrides = recipe_and_overrides(ns)
     cores = ns.cores or os.cpu_count() or 1
     best, ranked, given = search(recipe, overrides, cores=cores, staleness_cap=ns.staleness_cap,
                                  vary_batch=ns.vary_batch, vary_group=ns.vary_group,

@@ -19,21 +19,8 @@ only where admission failed). From the run's per-sample records (``samples.jsonl
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
-
-
-def _rows(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -45,14 +32,15 @@ def length_bias(run_dir: Path) -> dict[str, Any] | None:
     """The run's lengths against staleness (module docstring); None when it recorded no samples
     (``metrics.record_every: 0``, or a family that records none)."""
     from tether.config import load_config
+    from tether.runtime.report import _read_jsonl
 
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.yaml")
     records = cfg.family().records
     trained_at = {m["step"]: int(m["async/behavior_version"]) + int(m["staleness/updates"])
-                  for m in _rows(run_dir / "metrics.jsonl") if "staleness/updates" in m}
+                  for m in _read_jsonl(run_dir / "metrics.jsonl") if "staleness/updates" in m}
     samples = []  # (staleness in updates, length)
-    for r in _rows(run_dir / records):
+    for r in _read_jsonl(run_dir / records):
         length = r.get("tokens", r.get("model_tokens"))
         if length is None or not r.get("versions") or r.get("step") not in trained_at:
             continue
@@ -74,7 +62,7 @@ def length_bias(run_dir: Path) -> dict[str, Any] | None:
         mean = sum(kept) / len(kept)
         cutoffs.append({"max_staleness_updates": k, "kept_frac": len(kept) / len(samples), "mean": mean,
                         "bias": mean / mean_all - 1.0})
-    drops = [e for e in _rows(run_dir / "events.jsonl") if e.get("kind") == "drop"]
+    drops = [e for e in _read_jsonl(run_dir / "events.jsonl") if e.get("kind") == "drop"]
     dropped_samples = sum(int(e.get("detail", {}).get("samples", 0)) for e in drops)
     dropped_tokens = sum(float(d.get("length_mean", 0.0)) * int(d.get("samples", 0))
                          for d in (e.get("detail", {}) for e in drops))

@@ -50,9 +50,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Attribution:
     """Weight copies by version, and the per-batch split of log π_old/μ."""
 
-    def __init__(self, model: torch.nn.Module, budget_updates: int) -> None:
+    def __init__(self, model: torch.nn.Module, budget_updates: int, *, keeps_cache: bool = False) -> None:
         self.model = model
         self.budget = budget_updates
+        self.keeps_cache = keeps_cache
+        """The in-flight mode keeps a sequence's KV cache across switches (``keep``): tokens after a
+        switch were sampled over an older version's cache, and their numeric part is reported apart."""
         self.copies: dict[int, dict[str, torch.Tensor]] = {}
 
     def remember(self, version: int) -> None:
@@ -85,14 +88,13 @@ class Attribution:
 
     def split(self, versions: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor,
               behavior_logp: torch.Tensor, train_version: int,
-              logp_of: Callable[[torch.nn.Module], torch.Tensor],
-              kv_versions: torch.Tensor | None = None) -> dict[str, float]:
+              logp_of: Callable[[torch.nn.Module], torch.Tensor]) -> dict[str, float]:
         """``attribution/*`` for one batch: ``versions`` (N, T) each token's version, ``mask``
         (N, T) the completion tokens, ``old_logp`` log π_old, ``behavior_logp`` log μ, and
         ``logp_of(model)`` a model's log-probs of the batch (N, T). The model's weights must be
         ``train_version``'s, kept by ``remember``.
 
-        With ``kv_versions`` (N, T: each token's KV version, ``keep``), the numeric part is also
+        With ``keeps_cache`` (each token's KV version: ``cache_versions``), the numeric part is also
         reported apart on the tokens sampled over an older version's cache: there π_v is the new
         weights over a prefix they computed themselves and μ the new weights over the prefix the
         old ones left in the cache, so log π_v/μ is the kept cache's gap (plus the kernels'
@@ -126,8 +128,8 @@ class Attribution:
             "attribution/staleness_share": float(stale.abs().sum() / size) if size > 0 else float("nan"),
             "attribution/residual_abs_max": float((total - stale - numeric).abs().max()),
         })
-        if kv_versions is not None:
-            mixed = (kv_versions != versions)[covered]
+        if self.keeps_cache:
+            mixed = (cache_versions(versions, mask) != versions)[covered]
             gap = numeric[mixed].abs()
             same = numeric[~mixed].abs()
             out.update({

@@ -143,7 +143,9 @@ class TorchLearner:
         if cfg.metrics.attribution:
             from tether.train.attribution import Attribution
 
-            self.attribution = Attribution(self.model, cfg.budget().staleness_budget)
+            budget = cfg.budget()
+            self.attribution = Attribution(self.model, budget.staleness_budget,
+                                           keeps_cache=budget.mode.keeps_cache)
         # the fused kernel: one pass over every parameter instead of a handful of small ops per
         # tensor (2.2 against 9.8 ms a step for the demo model on one CPU thread), and no
         # parameter-sized temporaries (the foreach implementation allocates them each step); FSDP2's
@@ -223,13 +225,8 @@ class TorchLearner:
         assert self.attribution is not None
         self.attribution.remember(train_version)
         old = old if old is not None else self._no_grad_logp(self.model, tb, mine)
-        kv = None
-        if self.cfg.budget().mode.keeps_cache:  # tokens sampled over an older version's KV cache
-            from tether.train.attribution import cache_versions
-
-            kv = cache_versions(tb.behavior_versions, tb.mask)
         return self.attribution.split(tb.behavior_versions, tb.mask, old, tb.behavior_logp, train_version,
-                                      lambda model: self._no_grad_logp(model, tb, mine), kv)
+                                      lambda model: self._no_grad_logp(model, tb, mine))
 
     def _check_shares(self, minibatches, groups: torch.Tensor) -> None:
         """Every rank needs rows of every mini-batch: refuse mini-batches of fewer prompt groups

@@ -3,6 +3,7 @@ episodes against an environment (docs/agents.md). A sample is an episode; an act
 the training tensors) is a token the model sampled — observation tokens are context only.
 
 - ``env``: the environment protocol and the skyrl-gym / gymnasium adapters;
+- ``episode``: one episode as played, the samples it becomes, how it ends, its budgets;
 - ``episodes``: playing episodes token in, token out, with environment calls on threads;
 - ``payload`` / ``policy``: the ``EpisodeBatch`` and its training tensors (loss on model tokens);
 - ``sampler``: a rollout worker's side (engine, environment threads, metrics);

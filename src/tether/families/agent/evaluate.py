@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tether.families.agent.envthreads import EnvThreads
-from tether.families.agent.episodes import Episode
+from tether.families.agent.episode import Episode
 from tether.vocabulary import Example, SamplingParams
 
 log = logging.getLogger("tether.eval")

@@ -15,7 +15,7 @@ import logging
 import torch
 
 from tether.errors import RolloutError
-from tether.families.agent.episodes import BUDGET_ENDINGS, FAILURES
+from tether.families.agent.episode import BUDGET_ENDINGS, FAILURES
 from tether.families.agent.payload import EpisodeBatch
 from tether.families.text.batch import TrainBatch
 from tether.families.text.policy import TextPolicy

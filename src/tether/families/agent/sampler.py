@@ -17,15 +17,8 @@ from tether.control.inflight import cache_metrics
 from tether.decoding.stops import TurnEnds
 from tether.errors import RolloutError
 from tether.families.agent.envthreads import EnvThreads
-from tether.families.agent.episodes import (
-    BUDGET_ENDINGS,
-    COUNTED,
-    ENDINGS,
-    FAILURES,
-    Episode,
-    Limits,
-    Player,
-)
+from tether.families.agent.episode import BUDGET_ENDINGS, COUNTED, ENDINGS, FAILURES, Episode, Limits
+from tether.families.agent.episodes import Player
 from tether.families.agent.payload import EpisodeBatch
 from tether.procinfo import peak_rss_mb
 from tether.vocabulary import WorkItem
