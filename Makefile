@@ -75,7 +75,7 @@ lint: $(STAMP)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 	$(VLLM_PY) -m pytest -q tests/vllm_cpu
 
 test-vllm: $(VLLM_STAMP)

@@ -20,7 +20,24 @@ def test_rollout_bound_recipes_get_every_engine_the_cores_allow():
     assert chosen["rollout.num_workers"] == "3"  # 4 cores less the learner's thread
     assert best.samples_per_s > 2 * given.samples_per_s  # the recipe as given: one engine
     assert ranked[0] is best
-    assert all(a.samples_per_s >= b.samples_per_s for a, b in itertools.pairwise(ranked))
+    near = [c for c in ranked if c.samples_per_s >= 0.97 * max(r.samples_per_s for r in ranked)]
+    assert ranked[:len(near)] == near  # the near-fastest first, by staleness, then by samples/s
+    assert all(a.mean_staleness <= b.mean_staleness for a, b in itertools.pairwise(near))
+    assert all(a.samples_per_s >= b.samples_per_s for a, b in itertools.pairwise(ranked[len(near) - 1:]))
+
+
+def test_a_lead_within_the_tie_does_not_buy_staleness():
+    # train-bound with a publication cost: idle syncs and deeper budgets gain a sliver of samples/s
+    args = ["plan.gen_time=0.18", "plan.train_time=0.49", "plan.sync_time=0.002", "train.num_batches=80",
+            "async.max_staleness=1", "async.max_inflight=2"]
+    exact, ranked_exact, _ = search(None, args, cores=2, staleness_cap=3, tie=0.0)
+    best, _, _ = search(None, args, cores=2, staleness_cap=3)
+    assert best.samples_per_s >= (1 - 0.03) * exact.samples_per_s
+    assert best.mean_staleness < exact.mean_staleness  # tie=0 took S=3 for a rounding-size lead
+    assert all(best.mean_staleness <= c.mean_staleness for c in ranked_exact
+               if c.samples_per_s >= (1 - 0.03) * exact.samples_per_s)
+    with pytest.raises(ConfigError, match=r"--tie 1\.5"):
+        search(None, args, cores=2, staleness_cap=3, tie=1.5)
 
 
 def test_equal_outcomes_go_to_the_candidate_asking_least():

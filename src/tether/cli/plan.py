@@ -91,6 +91,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="--optimize: also half and double rollout.group_size")
     p.add_argument("--min-samples-per-s", type=float,
                    help="--optimize: rank by lowest mean staleness among recipes reaching this throughput")
+    p.add_argument("--tie", type=float, default=None,
+                   help="--optimize: throughputs within this fraction of the fastest count as equal, and the "
+                        "least stale of them is chosen (default 0.03)")
     p.add_argument("--top", type=int, default=5, help="--optimize: alternatives to print")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     p.add_argument("--width", type=int, default=72, help="timeline width in characters")
@@ -134,13 +137,16 @@ def optimize(ns: argparse.Namespace) -> int:
     cores = ns.cores or os.cpu_count() or 1
     best, ranked, given = search(recipe, overrides, cores=cores, staleness_cap=ns.staleness_cap,
                                  vary_batch=ns.vary_batch, vary_group=ns.vary_group,
-                                 min_samples_per_s=ns.min_samples_per_s)
+                                 min_samples_per_s=ns.min_samples_per_s,
+                                 **({} if ns.tie is None else {"tie": ns.tie}))
     if ns.json:
         print(json.dumps({"best": asdict(best), "given": asdict(given),
                           "ranked": [asdict(c) for c in ranked[:max(ns.top, 1)]],
                           "candidates": len(ranked), "cores": cores}, indent=2))
         return 0
-    goal = ("most samples/s" if ns.min_samples_per_s is None
+    tie = 0.03 if ns.tie is None else ns.tie
+    goal = (f"most samples/s (within {tie:.0%} of the fastest: the least stale)"
+            if ns.min_samples_per_s is None
             else f"least mean staleness at {ns.min_samples_per_s:g} samples/s or more")
     print(f"tether plan --optimize: {len(ranked)} distinct outcomes simulated on {cores} cores, "
           f"S ≤ {ns.staleness_cap}; goal: {goal}")

@@ -5,8 +5,8 @@ The recipe's ``plan.gen_time`` (a batch's generation on one engine, environment 
 own batch; other batch shapes are priced in proportion to the samples (a batch of twice the
 samples takes twice as long to generate, an update over twice the samples twice as long to
 train), publication stays the same. Each candidate runs in virtual time (``tether plan``'s loop)
-for ``train.num_batches`` batches (at most 200), and the candidates are ranked by samples/s, or,
-with a throughput floor, by mean staleness.
+for ``train.num_batches`` batches (at most 200), and the candidates are ranked by samples/s (those
+within ``TIE`` of the fastest by mean staleness), or, with a throughput floor, by mean staleness.
 
 Searched: ``async.max_staleness`` (up to the cap), ``async.max_inflight``,
 ``rollout.num_workers`` (the engines and the learner's threads within the cores given),
@@ -31,6 +31,13 @@ RULES: dict[str, tuple[str, ...]] = {
 }
 """The publication rules searched (docs/concepts.md, Mean staleness in closed form): lazy (drain,
 the default), idle syncs, and eager publication with the KV cache kept."""
+
+
+TIE = 0.03
+"""Predicted throughputs this close to the fastest count as equal, and the least stale of them is
+chosen: real runs of the chosen and the given recipe landed within a few percent of the prediction on
+a quiet machine (benchmarks/optimize_check.py, docs/benchmarks.md), so a smaller lead is not worth
+staleness."""
 
 
 @dataclass(frozen=True)
@@ -119,12 +126,17 @@ def evaluate(cfg: Any, extra: Sequence[str], batches: int) -> Candidate:
 
 def search(recipe: str | None, overrides: Sequence[str], *, cores: int, staleness_cap: int,
            vary_batch: bool = False, vary_group: bool = False, min_samples_per_s: float | None = None,
-           load: Callable[..., Any] | None = None) -> tuple[Candidate, list[Candidate], Candidate]:
-    """The best candidate, every distinct candidate ranked (best first: by samples/s, or, with
+           tie: float = TIE, load: Callable[..., Any] | None = None
+           ) -> tuple[Candidate, list[Candidate], Candidate]:
+    """The best candidate, every distinct candidate ranked (best first: by samples/s, those within
+    ``tie`` of the fastest first and by mean staleness among themselves; or, with
     ``min_samples_per_s``, by mean staleness among those that reach it, then samples/s), and the
     recipe as given, simulated the same way."""
     from tether.config import load_config
 
+    if not 0.0 <= tie < 1.0:
+        raise ConfigError(f"--tie {tie:g}: a fraction of the fastest throughput in [0, 1), e.g. 0.03; "
+                          "0 ranks by samples/s alone")
     load = load or load_config
     base = load(recipe, list(overrides))
     if base.plan.gen_time <= 0 or base.plan.train_time <= 0:
@@ -149,6 +161,10 @@ def search(recipe: str | None, overrides: Sequence[str], *, cores: int, stalenes
     ranked = _distinct(ranked)
     if min_samples_per_s is None:
         ranked.sort(key=lambda c: (-c.samples_per_s, c.mean_staleness))
+        floor = ranked[0].samples_per_s * (1.0 - tie)
+        near = sorted((c for c in ranked if c.samples_per_s >= floor),
+                      key=lambda c: (c.mean_staleness, _cost(c)))
+        ranked = [*near, *(c for c in ranked if c.samples_per_s < floor)]
     else:
         ranked.sort(key=lambda c: (c.samples_per_s < min_samples_per_s, c.mean_staleness, -c.samples_per_s))
         if ranked[0].samples_per_s < min_samples_per_s:
