@@ -94,14 +94,7 @@ def main() -> None:
 
     table = []
     for name, (cand, rows) in arms.items():
-        cand_samples = samples
-        for o in cand.overrides:
-            if o.startswith("rollout.batch_size=") or o.startswith("rollout.group_size="):
-                cand_samples = None  # priced shapes: read from the run's config below
-        if cand_samples is None:
-            cfg = load_config(args.recipe, [*args.overrides, *cand.overrides])
-            cand_samples = cfg.rollout.batch_size * cfg.rollout.group_size
-        got = throughput(rows, args.warmup, cand_samples)
+        got = throughput(rows, args.warmup, samples)  # the search keeps the batch's shape (no --vary-*)
         table.append({"arm": name, "predicted": cand.samples_per_s, "measured": got,
                       "error": got / cand.samples_per_s - 1.0, "overrides": list(cand.overrides)})
 

@@ -171,7 +171,7 @@ class Config:
                               f"{', '.join(registry.rewards.names())} or path/to/file.py:function")
         if scored:
             for spec in named:
-                _check_reward_name(spec, "reward.functions" if rw.functions else "reward.function")
+                rw.check_name(spec)
         r, default = self.rollout, RolloutSection()
         if not r.dynamic_sampling and (r.dynamic_sampling_max_draws, r.dynamic_sampling_on_short) != (
                 default.dynamic_sampling_max_draws, default.dynamic_sampling_on_short):
@@ -435,23 +435,6 @@ def _unknown_section(name: str, sections: Mapping[str, type], home: Mapping[str,
         homes = " or ".join(f"{h}.{name}" for h in home[name])
         return f"unknown section {name!r}; {name} is a key: {homes}"
     return f"unknown section {name!r}; valid sections are: {', '.join(sections)}"
-
-
-def _check_reward_name(spec: str, key: str) -> None:
-    """A reward a recipe names exists: ``task``, a registered name, or a function in a file (or
-    module) — the file is imported now, as a plug-in is (it is in every process of the run anyway)."""
-    if spec == "task" or spec in registry.rewards:
-        return
-    if ":" in spec:
-        from tether.pyload import load_python_object
-
-        load_python_object(spec, what=key)
-        return
-    valid = ["task", *registry.rewards.names()]
-    hint = closest(spec, valid)
-    raise ConfigError(f"unknown reward {spec!r} for {key}" + (f" (did you mean {hint!r}?)" if hint else "")
-                      + f"; valid: {', '.join(valid)}, or path/to/file.py:function (plug-ins register more: "
-                      "run.plugins)")
 
 
 def _attr(section: str) -> str:

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from tether import registry
-from tether.config.fields import Resume, knob
+from tether.config.fields import Resume, closest, knob
 from tether.config.learning import CorrectionSection, TrainSection
 from tether.config.outputs import CheckpointSection, EvalSection, MetricsSection
 from tether.config.support import PlanSection, WarmstartSection
+from tether.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -360,6 +361,24 @@ class RewardSection:
     overlong_penalty: float = knob(
         1.0, "The punishment at rollout.max_new_tokens, with reward.overlong_buffer set.", min=0
     )
+
+    def check_name(self, spec: str) -> None:
+        """A reward the recipe names exists: ``task``, a registered name, or a function in a file (or
+        module) — the file is imported now, as a plug-in is (it is in every process of the run anyway)."""
+        key = "reward.functions" if self.functions else "reward.function"
+        if spec == "task" or spec in registry.rewards:
+            return
+        if ":" in spec:
+            from tether.pyload import load_python_object
+
+            load_python_object(spec, what=key)
+            return
+        valid = ["task", *registry.rewards.names()]
+        hint = closest(spec, valid)
+        did = f" (did you mean {hint!r}?)" if hint else ""
+        raise ConfigError(f"unknown reward {spec!r} for {key}{did}"
+                          + f"; valid: {', '.join(valid)}, or path/to/file.py:function (plug-ins register "
+                          "more: run.plugins)")
 
 
 SECTIONS: dict[str, type] = {
