@@ -59,19 +59,24 @@ class Precision:
         with torch.autocast(self.device.type, dtype=DTYPES[self.dtype]):
             yield
 
-    def store_frozen(self, model: torch.nn.Module) -> int:
-        """Keep the parameters the optimizer does not update (a LoRA run's base) in the compute
-        dtype: their float32 copy would only be cast down for every matrix multiply, and a frozen
-        bfloat16 base is half the bytes (PEFT users load a base in bfloat16 for the same reason).
-        Returns the parameters cast. Under autocast the matrix multiplies are the same; the
-        embedding's output, and so the residual stream, become bfloat16."""
-        if not self.mixed:
-            return 0
+    def load_dtype(self, frozen: bool) -> torch.dtype:
+        """The dtype a model is read in: the compute dtype for one that stays frozen but for
+        adapters (a LoRA run's base: its float32 copy would only be cast down for every matrix
+        multiply, and a bfloat16 base is half the bytes; PEFT users load a base in bfloat16 for
+        the same reason), else float32, the optimizer's master weights. Under autocast the matrix
+        multiplies are the same; the embedding's output, and so the residual stream, become
+        bfloat16."""
+        return DTYPES[self.dtype] if frozen else torch.float32
+
+    @staticmethod
+    def settle(model: torch.nn.Module) -> int:
+        """Every parameter the optimizer updates in float32 (PEFT makes a layer's adapters its
+        base weight's dtype); returns the parameters cast."""
         cast = 0
         with torch.no_grad():
-            for p in model.parameters():  # tied weights are one Parameter: cast once, still tied
-                if not p.requires_grad and p.dtype == torch.float32:
-                    p.data = p.data.to(DTYPES[self.dtype])
+            for p in model.parameters():
+                if p.requires_grad and p.dtype != torch.float32:
+                    p.data = p.data.float()
                     cast += p.numel()
         return cast
 
