@@ -145,3 +145,18 @@ def test_load_dtype_is_the_compute_dtype_for_a_frozen_model_only():
     assert Precision("bfloat16", torch.device("cpu")).load_dtype(frozen=True) == torch.bfloat16
     assert Precision("bfloat16", torch.device("cpu")).load_dtype(frozen=False) == torch.float32
     assert Precision("float32", torch.device("cpu")).load_dtype(frozen=True) == torch.float32
+
+
+def test_a_bfloat16_built_in_engine_reads_its_model_part_by_part(tiny_model_dir, request):
+    """``rollout.dtype=bfloat16``: the engine's worker holds no float32 copy at load either."""
+    from tether import registry
+    from tether.config import load_config
+
+    reference = _from_pretrained(tiny_model_dir, torch.bfloat16).state_dict()
+    _, tok = load_causal_lm(tiny_model_dir)
+    request.getfixturevalue("no_from_pretrained")
+    engine = registry.engines.get("torch").build(load_config(None, ["rollout.dtype=bfloat16"]),
+                                                 str(tiny_model_dir), tok, [tok.eos_token_id],
+                                                 device=torch.device("cpu"), threads=1, seed=0)
+    assert all(torch.equal(v, reference[k]) for k, v in engine.model.state_dict().items())
+    assert engine.model.model.rotary_emb.inv_freq.dtype == torch.float32
