@@ -160,3 +160,31 @@ def test_a_bfloat16_built_in_engine_reads_its_model_part_by_part(tiny_model_dir,
                                                  device=torch.device("cpu"), threads=1, seed=0)
     assert all(torch.equal(v, reference[k]) for k, v in engine.model.state_dict().items())
     assert engine.model.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def test_the_shared_prompt_forward_keeps_no_merged_adapted_weight(tiny_model_dir, batch):
+    """With adapters, a training forward reads each adapted layer as its terms, x·W₀ᵀ +
+    (α/r)·(x·Aᵀ)·Bᵀ: autograd keeps no new weight-sized tensor (a merged W₀ + (α/r)·B·A of every
+    layer at once would be a whole base model's worth), and the adapters get their gradients."""
+    from tether.decoding.prefix_forward import SharedPrefixForward
+
+    learner = TorchLearner(tiny_model_dir, config("train.dtype=bfloat16", **LORA))
+    model = learner.model
+    assert isinstance(learner.forward, SharedPrefixForward)
+    sizes = {p.numel() for n, p in model.named_parameters() if ".base_layer." in n}
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = []
+
+    def pack(t):
+        if t.numel() in sizes and t.untyped_storage().data_ptr() not in own:
+            kept.append(tuple(t.shape))
+        return t
+
+    tb = to_train_batch(batch.payload, learner.tokenizer.pad_token_id)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp = learner.policy.forward(model, tb, forward=learner.forward)[0]
+    assert kept == []
+    (logp * tb.mask).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(g is not None for g in grads.values())
+    assert all(g.abs().sum() > 0 for n, g in grads.items() if ".lora_B." in n)  # A's: 0 while B is 0
