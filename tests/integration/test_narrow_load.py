@@ -168,7 +168,7 @@ def test_the_shared_prompt_forward_keeps_no_merged_adapted_weight(tiny_model_dir
     layer at once would be a whole base model's worth), and the adapters get their gradients."""
     from tether.decoding.prefix_forward import SharedPrefixForward
 
-    learner = TorchLearner(tiny_model_dir, config("train.dtype=bfloat16", **LORA))
+    learner = TorchLearner(tiny_model_dir, config("train.dtype=bfloat16", lora_rank=4))  # all-linear
     model = learner.model
     assert isinstance(learner.forward, SharedPrefixForward)
     sizes = {p.numel() for n, p in model.named_parameters() if ".base_layer." in n}
