@@ -188,3 +188,23 @@ def test_the_shared_prompt_forward_keeps_no_merged_adapted_weight(tiny_model_dir
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert all(g is not None for g in grads.values())
     assert all(g.abs().sum() > 0 for n, g in grads.items() if ".lora_B." in n)  # A's: 0 while B is 0
+
+
+def test_two_bfloat16_lora_ranks_make_the_one_process_update(tiny_model_dir, batch):
+    """Learner ranks read the base in bfloat16 too (FSDP2 shards a bfloat16 base beside float32
+    adapters): their update is the one bfloat16 process's to bfloat16's rounding."""
+    from learners import solo_and_ranks
+
+    overrides = ("train.dtype=bfloat16", "train.lora_rank=4", "train.lora_alpha=8", "train.lr=3e-3")
+    (solo, solo_results), (ranked, results) = solo_and_ranks(
+        tiny_model_dir, config(*overrides), config(*overrides, "train.world_size=2"), [batch])
+    assert set(ranked) == set(solo) and all(".lora_" in n for n in ranked)
+    assert {w.dtype for w in ranked.values()} == {torch.float32}
+    # Adam's first step is ±lr for every element whatever its gradient's size, so an element whose
+    # gradient is near 0 takes rounding's sign (worst_relative: 2); the whole update agrees closely
+    gap = (torch.cat([(ranked[n] - solo[n]).flatten() for n in solo]).norm()
+           / torch.cat([solo[n].flatten() for n in solo]).norm())
+    print(f"\ntwo bfloat16 LoRA ranks vs one process: {float(gap):.2e}")
+    assert gap < 0.05
+    for a, b in zip(solo_results, results, strict=True):
+        assert b.committed_updates == a.committed_updates == 1

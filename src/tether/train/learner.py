@@ -107,9 +107,9 @@ class TorchLearner:
         self.token_rows = "token_budget" in features  # for train/pad_frac
         # an allocation that fails names its phase and what lowers it (tether.train.memory)
         self._phase = functools.partial(memory.phase, train=s, bf16="mixed_precision" in features)
-        # train.dtype=bfloat16 with LoRA in one process: the frozen base read straight in bfloat16
-        # (FSDP2 shards a unit's parameters in one dtype: ranks keep float32)
-        frozen = s.lora_rank > 0 and self.group.world == 1
+        # train.dtype=bfloat16 with LoRA: the frozen base read straight in bfloat16 (FSDP2 asks one
+        # dtype of a unit's trained parameters only: the adapters, float32)
+        frozen = s.lora_rank > 0
         self.model, self.tokenizer = self.policy.load(model_path, dtype=self.precision.load_dtype(frozen))
         self._without_dropout(model_path)
         self.model_path = model_path
