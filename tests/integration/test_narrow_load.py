@@ -208,3 +208,22 @@ def test_two_bfloat16_lora_ranks_make_the_one_process_update(tiny_model_dir, bat
     assert gap < 0.05
     for a, b in zip(solo_results, results, strict=True):
         assert b.committed_updates == a.committed_updates == 1
+
+
+def test_a_plug_in_policy_whose_load_takes_no_dtype_reads_float32_and_is_settled_after():
+    """A family's ``load(path)`` written before the dtype: called as before; ``settle`` then casts
+    its frozen parameters to the compute dtype and keeps the trained ones float32."""
+    calls = []
+
+    class Old:
+        def load(self, path):
+            calls.append(path)
+            model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+            model[0].requires_grad_(False)
+            return model, None
+
+    precision = Precision("bfloat16", torch.device("cpu"))
+    model, _ = precision.load(Old(), "here", frozen=True)
+    assert calls == ["here"]
+    assert precision.settle(model) == 6
+    assert [p.dtype for p in model.parameters()] == [torch.bfloat16] * 2 + [torch.float32] * 2

@@ -109,14 +109,13 @@ class TorchLearner:
         self._phase = functools.partial(memory.phase, train=s, bf16="mixed_precision" in features)
         # train.dtype=bfloat16 with LoRA: the frozen base read straight in bfloat16 (FSDP2 asks one
         # dtype of a unit's trained parameters only: the adapters, float32)
-        frozen = s.lora_rank > 0
-        self.model, self.tokenizer = self.policy.load(model_path, dtype=self.precision.load_dtype(frozen))
+        self.model, self.tokenizer = self.precision.load(self.policy, model_path, frozen=s.lora_rank > 0)
         self._without_dropout(model_path)
         self.model_path = model_path
         self.base_fingerprint = None
         if s.lora_rank:  # adapters only train and publish; the reference is the base (lora.disabled)
             self.model = lora.attach(self.model, s)
-            self.precision.settle(self.model)  # what trains in float32, the base as it was read
+            self.precision.settle(self.model)  # what trains in float32, the base in the compute dtype
             if self.group.rank == 0:  # what checkpoints record: the base as it was loaded
                 self.base_fingerprint = fingerprint(model_path)
             if s.lora_dropout and self.group.rank == 0:

@@ -23,7 +23,8 @@ class Policy(Protocol):
     def load(self, path: str | Path, *, dtype: Any = None) -> tuple[Any, Any]:
         """(model, tokenizer or None) from a model directory, its parameters in ``dtype`` (a
         ``torch.dtype``; float32 when not given): the learner reads a LoRA run's frozen base in its
-        compute dtype, without a float32 copy first."""
+        compute dtype, without a float32 copy first. A ``load`` without ``dtype`` is read in
+        float32, and its frozen part cast afterwards."""
         ...
 
     def save(self, model: Any, tokenizer: Any, folder: Path) -> None:
