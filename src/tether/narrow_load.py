@@ -115,5 +115,6 @@ def load(folder: Path, config, dtype: torch.dtype) -> torch.nn.Module | None:
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(folder)
+    model.config.name_or_path = str(folder)  # as from_pretrained records it
     model.eval()
     return model
