@@ -51,6 +51,9 @@ SETTINGS = {
     "ckpt": ["train.activation_checkpointing=true"],
     "bf16": ["train.dtype=bfloat16"],
     "bf16+ckpt": ["train.dtype=bfloat16", "train.activation_checkpointing=true"],
+    "bf16-own": ["train.dtype=bfloat16", "train.shared_prefix=false"],
+    # with --lora: the engine adds the adapters' low-rank terms instead of merging them (no W₀ copy)
+    "bf16+terms": ["train.dtype=bfloat16", "rollout.lora_apply=terms"],
 }
 PROMPTS, GROUP = 2, 4
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from tether import narrow_load
 from tether.errors import ConfigError
 
 log = logging.getLogger("tether.modeling")
@@ -160,7 +161,9 @@ SHARDED_MARKER = "TETHER_SHARDED_CHECKPOINT.txt"
 def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) from a local directory, offline; a clear error when it is not one. The
     model folder of a sharded checkpoint (``checkpoint.sharded``) reads its weights from the
-    shards beside it, whole, in this process."""
+    shards beside it, whole, in this process. In a dtype narrower than float32 the weights are
+    read part by part where the folder allows it (``tether.narrow_load``): the load's peak is the
+    model in ``dtype``, not the folder's float32 weights beside it."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -170,7 +173,9 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32):
     if (path / SHARDED_MARKER).is_file():
         return _from_shards(path, dtype), tokenizer
     config = _without_dropout(path)
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
+    model = narrow_load.load(path, config, dtype) if dtype != torch.float32 else None
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
     disable_dropout(model)
     return model, tokenizer
 

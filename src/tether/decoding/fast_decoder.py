@@ -37,6 +37,7 @@ reference the native one is tested against.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -229,13 +230,14 @@ class FastDecoder:
             qk_norm = torch.cat([a.q_norm.weight.expand(self.heads, -1),
                                  a.k_norm.weight.expand(self.kv_heads, -1)])  # (H + KV, D)
         biases = [bias_of(a.q_proj), bias_of(a.k_proj), bias_of(a.v_proj)]
+        w = functools.partial(weight_of, terms=not detach)  # with gradients: adapters as their terms
         return _Layer(
             ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-            qkv_t=joined(weight_of(a.q_proj), weight_of(a.k_proj), weight_of(a.v_proj)),
+            qkv_t=joined(w(a.q_proj), w(a.k_proj), w(a.v_proj)),
             qkv_bias=cut(torch.cat(biases)) if biases[0] is not None else None,
-            qk_norm=qk_norm, o_t=joined(weight_of(a.o_proj)), o_bias=bias_of(a.o_proj),
-            gate_up_t=joined(weight_of(m.gate_proj), weight_of(m.up_proj)),
-            down_t=joined(weight_of(m.down_proj)),
+            qk_norm=qk_norm, o_t=joined(w(a.o_proj)), o_bias=bias_of(a.o_proj),
+            gate_up_t=joined(w(m.gate_proj), w(m.up_proj)),
+            down_t=joined(w(m.down_proj)),
         )
 
     # -- pieces -------------------------------------------------------------------------------
@@ -245,9 +247,11 @@ class FastDecoder:
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, w, bias)`` with ``w_t`` = wᵀ, or the stacked product of its parts' (a
         layer read with gradients)."""
-        if isinstance(w_t, tuple):
+        if isinstance(w_t, tuple):  # parts (of a LoRA layer: its terms, ``tether.decoding.linear``)
             out = torch.cat([x @ part for part in w_t], dim=-1)
             return out if bias is None else out + bias
+        if not isinstance(w_t, torch.Tensor):  # a LoRA layer's terms
+            return x @ w_t if bias is None else x @ w_t + bias
         if bias is None:
             return x @ w_t
         return torch.addmm(bias, x, w_t) if x.dim() == 2 else x @ w_t + bias

@@ -214,4 +214,6 @@ class SharedPrefixForward(FastDecoder):
 
     def _train_mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
         gate, up = self._linear(self._rms(x, layer.ln2), layer.gate_up_t).chunk(2, dim=-1)
-        return torch.addmm(x, self.act(gate) * up, layer.down_t)
+        if isinstance(layer.down_t, torch.Tensor):
+            return torch.addmm(x, self.act(gate) * up, layer.down_t)
+        return x + self._linear(self.act(gate) * up, layer.down_t)  # a LoRA layer's terms

@@ -107,14 +107,15 @@ class TorchLearner:
         self.token_rows = "token_budget" in features  # for train/pad_frac
         # an allocation that fails names its phase and what lowers it (tether.train.memory)
         self._phase = functools.partial(memory.phase, train=s, bf16="mixed_precision" in features)
-        self.model, self.tokenizer = self.policy.load(model_path)
+        # train.dtype=bfloat16 with LoRA: the frozen base read straight in bfloat16 (FSDP2 asks one
+        # dtype of a unit's trained parameters only: the adapters, float32)
+        self.model, self.tokenizer = self.precision.load(self.policy, model_path, frozen=s.lora_rank > 0)
         self._without_dropout(model_path)
         self.model_path = model_path
         self.base_fingerprint = None
         if s.lora_rank:  # adapters only train and publish; the reference is the base (lora.disabled)
             self.model = lora.attach(self.model, s)
-            if self.group.world == 1:  # FSDP2 shards a unit's parameters in one dtype: ranks keep float32
-                self.precision.store_frozen(self.model)  # train.dtype=bfloat16: a bfloat16 base
+            self.precision.settle(self.model)  # what trains in float32, the base in the compute dtype
             if self.group.rank == 0:  # what checkpoints record: the base as it was loaded
                 self.base_fingerprint = fingerprint(model_path)
             if s.lora_dropout and self.group.rank == 0:

@@ -20,6 +20,7 @@ hands back float32 tensors, outside the autocast region.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -59,19 +60,34 @@ class Precision:
         with torch.autocast(self.device.type, dtype=DTYPES[self.dtype]):
             yield
 
-    def store_frozen(self, model: torch.nn.Module) -> int:
-        """Keep the parameters the optimizer does not update (a LoRA run's base) in the compute
-        dtype: their float32 copy would only be cast down for every matrix multiply, and a frozen
-        bfloat16 base is half the bytes (PEFT users load a base in bfloat16 for the same reason).
-        Returns the parameters cast. Under autocast the matrix multiplies are the same; the
-        embedding's output, and so the residual stream, become bfloat16."""
-        if not self.mixed:
-            return 0
+    def load_dtype(self, frozen: bool) -> torch.dtype:
+        """The dtype a model is read in: the compute dtype for one that stays frozen but for
+        adapters (a LoRA run's base: its float32 copy would only be cast down for every matrix
+        multiply, and a bfloat16 base is half the bytes; PEFT users load a base in bfloat16 for
+        the same reason), else float32, the optimizer's master weights. Under autocast the matrix
+        multiplies are the same; the embedding's output, and so the residual stream, become
+        bfloat16."""
+        return DTYPES[self.dtype] if frozen else torch.float32
+
+    def load(self, policy: Any, path: Any, *, frozen: bool) -> tuple[Any, Any]:
+        """``policy.load`` in ``load_dtype(frozen)``; a plug-in family's ``load`` that takes no
+        dtype reads float32 (``settle`` casts its frozen part afterwards)."""
+        dtype = self.load_dtype(frozen)
+        if dtype == torch.float32 or "dtype" not in inspect.signature(policy.load).parameters:
+            return policy.load(path)
+        return policy.load(path, dtype=dtype)
+
+    def settle(self, model: torch.nn.Module) -> int:
+        """Every parameter the optimizer updates in float32 (PEFT makes a layer's adapters its base
+        weight's dtype), every frozen one in ``load_dtype(frozen=True)`` (what a family's ``load``
+        that takes no dtype read in float32); returns the parameters cast."""
+        frozen = self.load_dtype(frozen=True)
         cast = 0
         with torch.no_grad():
             for p in model.parameters():  # tied weights are one Parameter: cast once, still tied
-                if not p.requires_grad and p.dtype == torch.float32:
-                    p.data = p.data.to(DTYPES[self.dtype])
+                want = torch.float32 if p.requires_grad else frozen
+                if p.dtype != want and p.dtype in (torch.float32, frozen):
+                    p.data = p.data.to(want)
                     cast += p.numel()
         return cast
 

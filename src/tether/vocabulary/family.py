@@ -20,8 +20,11 @@ class Policy(Protocol):
     completion token, a denoising step — so advantages, losses, corrections, aggregation and
     every ratio metric are the same code for every family."""
 
-    def load(self, path: str | Path) -> tuple[Any, Any]:
-        """(model, tokenizer or None) from a model directory."""
+    def load(self, path: str | Path, *, dtype: Any = None) -> tuple[Any, Any]:
+        """(model, tokenizer or None) from a model directory, its parameters in ``dtype`` (a
+        ``torch.dtype``; float32 when not given): the learner reads a LoRA run's frozen base in its
+        compute dtype, without a float32 copy first. A ``load`` without ``dtype`` is read in
+        float32, and its frozen part cast afterwards."""
         ...
 
     def save(self, model: Any, tokenizer: Any, folder: Path) -> None:

@@ -133,10 +133,12 @@ class FlowPolicy(PolicyBase):
         """``exact``: each step's KL over its own variance σ_t²·|dt|; ``reference``: over σ_t², as
         Flow-GRPO's reference code computes it (``flow.kl_units``): |dt| times the exact one."""
 
-    def load(self, path: str | Path):
+    def load(self, path: str | Path, *, dtype: torch.dtype = torch.float32):
         """(model, tokenizer): the trained part of the flow model (a pipeline's transformer, without
-        its text encoders and VAE: conditioning comes with the batch); no tokenizer to save."""
-        return load_flow_model(path, self.cfg, whole=False), None
+        its text encoders and VAE: conditioning comes with the batch); no tokenizer to save. Read
+        whole, then cast to ``dtype`` (a flow model is small beside its load's other costs)."""
+        model = load_flow_model(path, self.cfg, whole=False)
+        return (model if dtype == torch.float32 else model.to(dtype)), None
 
     def save(self, model, tokenizer, folder: Path) -> None:
         model.save_pretrained(folder)

@@ -25,8 +25,8 @@ class TextPolicy(PolicyBase):
         self.temperature = temperature
         self.pad_id: int | None = None
 
-    def load(self, path: str | Path):
-        model, tokenizer = load_causal_lm(path)
+    def load(self, path: str | Path, *, dtype: torch.dtype = torch.float32):
+        model, tokenizer = load_causal_lm(path, dtype=dtype)
         self.pad_id = tokenizer.pad_token_id
         return model, tokenizer
 
