@@ -50,6 +50,11 @@ class FlowFamily(FamilyBase):
                "mixed_precision": "its learner computes in float32; flow.dtype sets its engine's"})
     warmstart_fields = ("loss", "pass_at_1", "reward")
 
+    def resolve(self, cfg: Any, explicit: set[str]) -> Any:
+        from tether.families.flow.options import resolve_flow
+
+        return resolve_flow(cfg, explicit)
+
     def check(self, cfg: Any) -> None:
         from tether.families.flow.pipeline import check_pipeline, is_pipeline
 
@@ -106,7 +111,7 @@ class FlowFamily(FamilyBase):
                                               config.width, config.depth)
         warm = flow_warmstart(out, config, data.train, data.eval, self.scorer(cfg), settings=cfg.warmstart,
                               seed=cfg.run.seed, threads=cfg.train.threads, eval_steps=cfg.flow.eval_steps,
-                              sampling=sampling_of(cfg),
+                              sampling=sampling_of(cfg), cond_dropout=cfg.flow.init_cond_dropout,
                               on_progress=on_progress)
         return (f"warm start: held-out reward {warm.before['reward']:.3f} → {warm.after['reward']:.3f}, "
                 f"pass@1 {100 * warm.pass_at_1_before:.1f}% → {100 * warm.pass_at_1_after:.1f}% in "
@@ -141,7 +146,8 @@ class FlowFamily(FamilyBase):
     def policy(self, cfg: Any):
         from tether.families.flow.learn import FlowPolicy
 
-        return FlowPolicy(cfg.flow.train_steps, cfg.flow.train_step_choice, cfg.flow.kl_units, cfg=cfg)
+        return FlowPolicy(cfg.flow.train_steps, cfg.flow.train_step_choice, cfg.flow.kl_units,
+                          cfg_grad=cfg.flow.cfg_grad, cfg=cfg)
 
     def evaluator(self, cfg: Any, model: Any, tokenizer: Any, data: DataBundle, score: Any, *,
                   num_samples: int | None = None, run_dir: Path | None = None):
