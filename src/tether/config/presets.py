@@ -55,9 +55,9 @@ class Preset:
     kl_estimator: str
     adv_scope: str = "group"
     adv_clip: float = 0.0
-    sets: tuple[tuple[str, Any], ...] = ()
-    """Dotted keys (core sections) with a default of their own that the preset changes unless the
-    recipe names them (``apply_sets``)."""
+    sets: tuple[tuple[str, Any, str], ...] = ()
+    """(dotted key of a core section, value, the key it follows): keys with a default of their own
+    that the preset changes unless the recipe names them or the key they follow (``apply_sets``)."""
 
 
 # Flow-GRPO's reference (yifan123/flow_grpo at ac4c86e): the ratio against the sampler's log-probs
@@ -65,9 +65,9 @@ class Preset:
 # batch (config/grpo.py:48, gradient_accumulation_steps = num_batches_per_epoch // 2); AdamW at 3e-4
 # with weight decay 1e-4 (config/base.py:63, 69) on LoRA adapters of rank 32, α 64
 # (config/base.py:25, scripts/train_sd3.py:430-431).
-FLOW_GRPO_SETS = (("train.anchor", "behavior"), ("correction.tis", "none"), ("train.updates_per_batch", 2),
-                  ("train.lr", 3e-4), ("train.weight_decay", 1e-4), ("train.lora_rank", 32),
-                  ("train.lora_alpha", 64.0))
+FLOW_GRPO_SETS = (("train.anchor", "behavior", ""), ("correction.tis", "none", "train.anchor"),
+                  ("train.updates_per_batch", 2, ""), ("train.lr", 3e-4, ""), ("train.weight_decay", 1e-4, ""),
+                  ("train.lora_rank", 32, ""), ("train.lora_alpha", 64.0, "train.lora_rank"))
 
 
 PRESETS: dict[str, Preset] = {
@@ -111,11 +111,13 @@ def resolve_preset(train: TrainSection) -> TrainSection:
 
 
 def apply_sets(config: Config, explicit: Collection[str]) -> Config:
-    """``config`` with its preset's ``sets`` keys that are not in ``explicit`` (the dotted keys the
-    recipe names). A resolved config names every key, so resolving it again changes nothing."""
+    """``config`` with its preset's ``sets`` keys, each unless ``explicit`` (the dotted keys the
+    recipe names) has it or the key it follows (a recipe's own train.anchor=proximal keeps
+    correction.tis at its default; its own train.lora_rank, train.lora_alpha). A resolved config
+    names every key, so resolving it again changes nothing."""
     by_section: dict[str, dict[str, Any]] = {}
-    for key, value in preset(config.train.algorithm).sets:
-        if key not in explicit:
+    for key, value, follows in preset(config.train.algorithm).sets:
+        if key not in explicit and follows not in explicit:
             section, name = key.split(".", 1)
             by_section.setdefault(section, {})[name] = value
     return dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)

@@ -118,14 +118,19 @@ class FlowFamily(FamilyBase):
                 f"{warm.steps} steps, {warm.seconds:.0f}s")
 
     def build_differences(self, cfg: Any, path: Path) -> list[str]:
+        import json
+
         from tether.families.flow.model import read_config
         from tether.families.flow.pipeline import is_pipeline
 
         if is_pipeline(path):
             return []  # a user's pipeline, not built by the recipe
         config = read_config(path)
+        warm = Path(path) / "warmstart.json"
+        built = json.loads(warm.read_text()).get("settings", {}) if warm.is_file() else {}
         return [f"flow.{key}: built with {have}, the recipe says {getattr(cfg.flow, key)}"
-                for key, have in (("init_width", config.width), ("init_depth", config.depth))
+                for key, have in (("init_width", config.width), ("init_depth", config.depth),
+                                  ("init_cond_dropout", built.get("cond_dropout", 0.0)))
                 if have != getattr(cfg.flow, key)]
 
     def scorer(self, cfg: Any) -> Any:
