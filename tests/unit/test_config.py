@@ -401,8 +401,8 @@ def test_a_key_the_recipe_names_wins_over_the_flow_grpo_preset_even_at_its_defau
 
 @pytest.mark.parametrize(("override", "says"), [
     ("flow.cfg_grad=half", "flow.cfg_grad must be one of 'full', 'conditional'"),
-    ("flow.init_cond_dropout=1", "flow.init_cond_dropout"),
-    ("flow.init_cond_dropout=-0.1", "flow.init_cond_dropout"),
+    ("flow.init_cond_dropout=1", "flow.init_cond_dropout must be <= 0.9"),
+    ("flow.init_cond_dropout=-0.1", "flow.init_cond_dropout must be >= 0"),
 ])
 def test_nonsense_flow_guidance_keys_are_refused_naming_the_key(override, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
