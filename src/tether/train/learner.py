@@ -47,7 +47,7 @@ from tether.train.advantages import (
 )
 from tether.train.collective import Solo
 from tether.train.corrections import correct
-from tether.train.losses import LossInputs, LossSettings, aggregate, loss_for
+from tether.train.losses import LossInputs, LossSettings, aggregate, behavior_outside, loss_for
 from tether.train.schedule import lr_factor
 from tether.vocabulary import RolloutBatch, TrainResult
 
@@ -354,6 +354,9 @@ class TorchLearner:
             anchor = old_mb if weigh else tb.behavior_logp[part]
             inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[part], mask=keep)
             per_token, loss_metrics = self.loss_fn(inputs, settings)
+            behind = behavior_outside(logp.detach(), tb.behavior_logp[part], keep, settings)  # this rank's
+            if behind is not None:
+                stats.add("ratio/behavior_outside_clip_frac", behind)
             policy = aggregate(per_token * weights, keep, s.aggregation, norm_constant=self.norm_constant,
                                total_tokens=total_tokens, total_seqs=total_seqs)
             total = policy
@@ -455,7 +458,7 @@ class TorchLearner:
 
     ALWAYS = ("loss/policy", "loss/total", "train/grad_norm", "train/entropy", "ratio/mean", "ratio/std",
               "ratio/min", "ratio/max", "ratio/clip_frac_low", "ratio/clip_frac_high",
-              "ratio/outside_clip_frac", "ratio/is_weight_mean",
+              "ratio/outside_clip_frac", "ratio/behavior_outside_clip_frac", "ratio/is_weight_mean",
               "ratio/is_weight_std", "ratio/is_weight_min", "ratio/is_weight_max", "ratio/masked_frac",
               "ratio/ess", "mismatch/logprob_abs_diff_mean", "mismatch/logprob_abs_diff_max", "mismatch/k3",
               "mismatch/numeric_token_frac", "mismatch/numeric_logprob_abs_diff_mean",
