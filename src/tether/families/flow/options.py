@@ -79,8 +79,8 @@ class FlowSection:
     guidance_scale: float = knob(
         1.0,
         "Classifier-free guidance w in sampling and in the training forward, v = v_u + w·(v_c − v_u) "
-        "(both branches through the trained model, as Flow-GRPO's reference does); 1 = none. The "
-        "reference uses 4.5 with SD3.5.",
+        "(both branches through the trained model, as Flow-GRPO's reference does; which carry "
+        "gradients: flow.cfg_grad); 1 = none. The reference uses 4.5 with SD3.5.",
         min=0.0,
     )
     negative_prompt: str = knob(
