@@ -393,6 +393,9 @@ def test_a_key_the_recipe_names_wins_over_the_flow_grpo_preset_even_at_its_defau
     assert Config.from_dict(mine.to_dict()) == mine
     resolved = load_config(None, [*FLOW, "train.algorithm=flow_grpo"])
     assert Config.from_dict(resolved.to_dict()) == resolved
+    # the recipe's own steps stand, and the run says so when it starts
+    said = [n.code for n in mine.family().notes(mine)]
+    assert "not_the_reference_steps" in said and not resolved.family().notes(resolved)
     # a key that follows another stays at its default when the recipe names that one
     own = load_config(None, [*FLOW, "train.algorithm=flow_grpo", "train.anchor=proximal",
                              "train.lora_rank=8"])

@@ -78,8 +78,24 @@ class FlowFamily(FamilyBase):
         return cfg.flow.train_steps or cfg.flow.steps
 
     def notes(self, cfg: Any) -> list[AdmissionNote]:
-        """Guidance settings that run, but do not do what they seem to."""
+        """Guidance settings that run, but do not do what they seem to; and, with
+        ``train.algorithm: flow_grpo``, the recipe's own trained steps where they are not the
+        reference's (the recipe named them: ``resolve_flow`` fills them otherwise)."""
+        from tether.families.flow.options import reference_train_steps
+
         f = cfg.flow
+        reference, own = reference_train_steps(f.steps), []
+        mine = (f.train_steps, f.train_step_choice)
+        if cfg.train.algorithm == "flow_grpo" and mine != (reference, "first"):
+            own.append(AdmissionNote(
+                "not_the_reference_steps", f"flow.train_steps={f.train_steps}, flow.train_step_choice="
+                f"{f.train_step_choice} (the recipe's) stand instead of train.algorithm=flow_grpo's "
+                f"timestep fraction 0.99: flow.train_steps={reference}, flow.train_step_choice=first"))
+        return own + self._guidance_notes(f)
+
+    @staticmethod
+    def _guidance_notes(f: Any) -> list[AdmissionNote]:
+        """w = 0 (the prompts do nothing) and a negative prompt without guidance."""
         if f.guidance_scale == 0:
             return [AdmissionNote(
                 "unconditional", "flow.guidance_scale=0 makes every velocity the unconditional branch's, "

@@ -116,6 +116,11 @@ TIMESTEP_FRACTION = 0.99
 int(0.99·T) steps of each trajectory, all but the last, low-noise one."""
 
 
+def reference_train_steps(steps: int) -> int:
+    """K = int(0.99·T), at least 1 (the reference's ``num_train_timesteps``)."""
+    return max(1, int(steps * TIMESTEP_FRACTION))
+
+
 def resolve_flow(cfg: Any, explicit: set[str]) -> Any:
     """``cfg`` with ``train.algorithm: flow_grpo``'s flow keys (the reference's timestep fraction:
     ``flow.train_steps`` = int(0.99·T), ``flow.train_step_choice: first``) for those the recipe does
@@ -125,7 +130,7 @@ def resolve_flow(cfg: Any, explicit: set[str]) -> Any:
     flow = cfg.section("flow")
     fills: dict[str, Any] = {}
     if "flow.train_steps" not in explicit:
-        fills["train_steps"] = max(1, int(flow.steps * TIMESTEP_FRACTION))  # T = 1: its one step
+        fills["train_steps"] = reference_train_steps(flow.steps)
     if "flow.train_step_choice" not in explicit:
         fills["train_step_choice"] = "first"
     return dataclasses.replace(cfg, plugin_sections={**cfg.plugin_sections,
