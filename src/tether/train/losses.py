@@ -158,7 +158,7 @@ def _outside(ratio: torch.Tensor, s: LossSettings) -> torch.Tensor:
 def behavior_outside(logp: torch.Tensor, behavior_logp: torch.Tensor, mask: torch.Tensor,
                      s: LossSettings) -> torch.Tensor | None:
     """``ratio/behavior_outside_clip_frac``: the share of the tokens in ``mask`` whose π_θ/μ is
-    outside [1 − ε_low, 1 + ε_high], whatever the anchor: the seed's and Flow-GRPO's clip
+    outside [1 − ε_low, 1 + ε_high], whatever the anchor (rank 0's rows where there are ranks): the seed's and Flow-GRPO's clip
     fraction against the behaviour policy, which staleness moves even where the proximal anchor's
     ratio is 1. None when ``mask`` holds no token."""
     valid = mask.bool()
