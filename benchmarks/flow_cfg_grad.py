@@ -4,7 +4,8 @@ conditional.
 With classifier-free guidance the training forward computes v = v_u + w·(v_c − v_u). ``full``
 differentiates both branches (the gradient of the guided velocity the sampler used; Flow-GRPO's
 newer upstream); ``conditional`` detaches v_u (the reference at ac4c86e). Both give the same
-log-probabilities; only the update differs. This measures, on the flow demo's warm-started model,
+log-probabilities; only the update differs. This measures, on the flow demo's model warm-started
+with condition dropout (``flow.init_cond_dropout=0.1``, so the unconditional branch is learned),
 the policy gradient of guided trajectories' GRPO loss at ratio 1, −Σ A·log π / (N·T), under each:
 their cosine and norms, per batch of fresh trajectories (8 prompts × 8 images × 8 SDE steps,
 scored by the shapes verifier). With ``--learn N`` it also trains the demo recipe, guided, for N
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+BUILD = ("flow.init_cond_dropout=0.1",)  # the demo's model, with a learned unconditional branch
 
 
 def gradients(model, batch, cfg_grad: str, advantages: torch.Tensor) -> torch.Tensor:
@@ -69,7 +71,7 @@ def learn(model: str, guidance: float, batches: int, threads: int) -> dict[str, 
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("full", "conditional"):
             cfg = load_config(ROOT / "recipes" / "flow-demo.yaml", [
-                f"model.path={model}", f"flow.guidance_scale={guidance}", f"flow.cfg_grad={mode}",
+                f"model.path={model}", f"flow.guidance_scale={guidance}", f"flow.cfg_grad={mode}", *BUILD,
                 f"train.num_batches={batches}", f"eval.interval={batches}", "checkpoint.interval=0",
                 f"train.threads={threads}"])
             summary = train(cfg, Path(tmp) / mode, progress_plain=True)
@@ -85,8 +87,9 @@ def main(argv=None) -> int:
     parser.add_argument("--guidance", type=float, default=4.5, help="flow.guidance_scale w")
     parser.add_argument("--learn", type=int, default=0, help="also train this many batches under each")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--model", default=str(ROOT / "runs" / "models" / "flow-shapes"),
-                        help="the warm-started flow model (built by the demo recipe when missing)")
+    parser.add_argument("--model", default=str(ROOT / "runs" / "models" / "flow-shapes-cfg"),
+                        help="the warm-started flow model (built by the demo recipe with condition "
+                             "dropout 0.1 when missing)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -96,7 +99,8 @@ def main(argv=None) -> int:
     from tether.families.flow.task import SHAPES
 
     cfg = load_config(ROOT / "recipes" / "flow-demo.yaml",
-                      [f"model.path={args.model}", f"flow.guidance_scale={args.guidance}"])
+                      [f"model.path={args.model}", f"flow.guidance_scale={args.guidance}", *BUILD,
+                       f"train.threads={args.threads}"])
     ensure_model(cfg)
     model = FlowModel.from_pretrained(args.model)
     rows = []
