@@ -18,8 +18,9 @@ its ``adv_clip_max``, its β is in the reference's KL units (``flow.kl_units: re
 default); it also sets keys that have a default of their own (``Preset.sets``: the ratio against the
 behaviour policy, two updates a batch, the reference's AdamW and LoRA), and the flow family takes
 its timestep fraction 0.99 (``tether.families.flow.options.resolve_flow``). Every other preset
-normalises per group, clamps nothing and leaves those keys at their defaults. Every preset uses the grpo advantage; ``train.advantage`` (rloo, reinforce_pp) combines with any
-of them, its own normalisation replacing the preset's std norm.
+normalises per group, clamps nothing and leaves those keys at their defaults. Every preset uses
+the grpo advantage; ``train.advantage`` (rloo, reinforce_pp) combines with any of them, its own
+normalisation replacing the preset's std norm.
 
 DAPO's dynamic sampling over-samples until every group has reward variance; the dapo preset drops
 zero-variance groups from the loss instead, which removes the same (zero-advantage) groups without
