@@ -83,6 +83,12 @@ class _Stats:
         return sum(values) / len(values) if values else None
 
 
+def _behind(logp: torch.Tensor, behavior: torch.Tensor, keep: torch.Tensor, settings: LossSettings) -> dict:
+    """``ratio/behavior_outside_clip_frac`` of these rows, when any is in the loss."""
+    value = behavior_outside(logp, behavior, keep, settings)
+    return {} if value is None else {"ratio/behavior_outside_clip_frac": value}
+
+
 def _denominators(keep: torch.Tensor) -> tuple[float, float]:
     """Tokens and sequences that count in a mini-batch's loss."""
     return float(keep.sum()), float((keep.sum(dim=1) > 0).sum())
@@ -354,9 +360,8 @@ class TorchLearner:
             anchor = old_mb if weigh else tb.behavior_logp[part]
             inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[part], mask=keep)
             per_token, loss_metrics = self.loss_fn(inputs, settings)
-            behind = behavior_outside(logp.detach(), tb.behavior_logp[part], keep, settings)  # this rank's
-            if behind is not None:
-                stats.add("ratio/behavior_outside_clip_frac", behind)
+            behavior_mb = tb.behavior_logp[part]
+            loss_metrics = {**loss_metrics, **_behind(logp.detach(), behavior_mb, keep, settings)}
             policy = aggregate(per_token * weights, keep, s.aggregation, norm_constant=self.norm_constant,
                                total_tokens=total_tokens, total_seqs=total_seqs)
             total = policy
@@ -371,7 +376,7 @@ class TorchLearner:
             total.backward()
             if self.group.world > 1:  # the figures of the whole micro-batch, from every rank's rows
                 policy, kl, loss_metrics, logp, entropy, anchor, keep = self._whole(
-                    part, logp.detach(), entropy, anchor, adv, keep, weights,
+                    part, logp.detach(), entropy, anchor, behavior_mb, adv, keep, weights,
                     None if kl_cols is None else kl_cols.detach(), total_tokens, total_seqs, settings)
                 total = policy if kl is None else policy + s.kl_coef * kl
             if kl is not None:
@@ -417,20 +422,21 @@ class TorchLearner:
             stats.add(key, value)
         return corr if corr.keep.any() else None
 
-    def _whole(self, part, logp, entropy, anchor, adv, keep, weights, kl_cols, total_tokens, total_seqs,
-               settings):
+    def _whole(self, part, logp, entropy, anchor, behavior, adv, keep, weights, kl_cols, total_tokens,
+               total_seqs, settings):
         """The loss figures of one micro-batch over every rank's rows (this rank's ``part`` and the
         others'), computed as one process would: (policy, kl, loss metrics, logp, entropy, anchor,
         keep) of those rows. ``kl_cols``: this rank's per-column KL terms (n, T), or None; each
         family's KL basis may have any shape (a step's mean image for flow), its terms are columns."""
         s = self.s
-        fields = torch.stack([logp, entropy, anchor, keep, weights,
+        fields = torch.stack([logp, entropy, anchor, behavior, keep, weights,
                               kl_cols if kl_cols is not None else torch.zeros_like(logp)], dim=1)
         rows, full = self.group.collect(fields, part)
-        logp, entropy, anchor, keep, weights, kl_rows = full.unbind(1)
+        logp, entropy, anchor, behavior, keep, weights, kl_rows = full.unbind(1)
         inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[rows], mask=keep)
         with torch.no_grad():
             per_token, loss_metrics = self.loss_fn(inputs, settings)
+            loss_metrics = {**loss_metrics, **_behind(logp, behavior, keep, settings)}
             policy = aggregate(per_token * weights, keep, s.aggregation, norm_constant=self.norm_constant,
                                total_tokens=total_tokens, total_seqs=total_seqs)
             kl = None

@@ -160,8 +160,7 @@ def behavior_outside(logp: torch.Tensor, behavior_logp: torch.Tensor, mask: torc
     """``ratio/behavior_outside_clip_frac``: the share of the tokens in ``mask`` whose π_θ/μ is
     outside [1 − ε_low, 1 + ε_high], whatever the anchor: the seed's and Flow-GRPO's clip fraction
     against the behaviour policy, which staleness moves even where the proximal anchor's ratio is
-    1. None when ``mask`` holds no token. The learner passes its own rows (rank 0's are the ones
-    reported where there are ranks)."""
+    1. None when ``mask`` holds no token."""
     valid = mask.bool()
     return _outside(torch.exp(logp - behavior_logp)[valid], s).mean() if valid.any() else None
 
