@@ -9,11 +9,15 @@ needs none) and ``proximal``
 ``correction.tis: token``). Two updates per batch (the seed's
 diffusion arms use U = 2), so the second update's ratio is not 1 under either anchor.
 
-Reported per setting: the clip fraction and ratio spread per staleness of the run's own batches
-(at S = 11 the trainer is the slower side, so the run sweeps staleness by itself: the study view
-of ``tether report``), the low-vs-high staleness comparison of the clip fraction with its t, the
-training reward over the last quarter of the batches, and the held-out reward (ODE images of the
-held-out prompts) before and after.
+Reported per setting, in the seed's terms: the clip fraction against the behaviour policy
+(``outside_clip_frac``: the share of steps with |π_θ/μ − 1| > ε whatever the anchor, what the seed
+and Flow-GRPO's reference report; ``ratio/behavior_outside_clip_frac``), the importance-weight
+spread π_old/μ (``is_weight_std``: the proximal anchor's staleness) and the ratio spread per
+staleness of the run's own batches (at S = 11 the trainer is the slower side, so the run sweeps
+staleness by itself: the study view of ``tether report``); the seed's grouping, staleness ≤ 2
+against ≥ 7 (the median split where a run never reaches 7), with Welch's t and its two-sided p;
+the training reward over the last quarter of the batches, and the held-out reward (ODE images of
+the held-out prompts) before and after.
 
     python benchmarks/flow_staleness.py [--batches N] [--seed 0] [--settings 11:behavior,11:proximal] [--json]
 """
@@ -28,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = [(1, "behavior"), (1, "proximal"), (11, "behavior"), (11, "proximal")]
+SEED_LOW, SEED_HIGH = 2, 7  # the seed's grouping: staleness ≤ 2 against ≥ 7, the middle left out
 
 
 def run_one(model: str, run_dir: Path, s: int, anchor: str, batches: int, threads: int,
@@ -45,7 +50,8 @@ def run_one(model: str, run_dir: Path, s: int, anchor: str, batches: int, thread
     summary = train(cfg, run_dir, progress_plain=True)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = summary["evals"]
-    study = staleness_study(metrics)
+    deep = max((m.get("staleness/batches") or 0) for m in metrics) >= SEED_HIGH
+    study = staleness_study(metrics, **({"low": SEED_LOW, "high": SEED_HIGH} if deep else {}))
     tail = metrics[-max(1, len(metrics) // 4):]
     per_level = study["by_staleness"].items()
     return {"S": s, "anchor": anchor, "seed": seed, "batches": len(metrics), "wall_s": summary["wall_s"],
@@ -54,9 +60,20 @@ def run_one(model: str, run_dir: Path, s: int, anchor: str, batches: int, thread
             "reward_last_quarter": sum(m["reward/mean"] for m in tail) / len(tail),
             "eval_reward_first": evals[0]["eval/reward_mean"],
             "eval_reward_last": evals[-1]["eval/reward_mean"],
-            "clip_frac_by_staleness": {k: v["clip_frac"].get("mean") for k, v in per_level},
+            "outside_clip_frac_by_staleness": {k: v["outside_clip_frac"].get("mean") for k, v in per_level},
+            "is_weight_std_by_staleness": {k: v["is_weight_std"].get("mean") for k, v in per_level},
             "ratio_std_by_staleness": {k: v["ratio_std"].get("mean") for k, v in per_level},
-            "clip_frac_high_vs_low": study["grouped"]["clip_frac"]}
+            "binding_clip_frac_by_staleness": {k: v["clip_frac"].get("mean") for k, v in per_level},
+            "grouping": "≤ 2 vs ≥ 7" if deep else "median split",
+            "outside_clip_frac_high_vs_low": study["grouped"]["outside_clip_frac"],
+            "is_weight_std_high_vs_low": study["grouped"]["is_weight_std"]}
+
+
+def _compared(g: dict, fmt: str) -> str:
+    """A grouped comparison as 'low → high (t, p)'."""
+    low, high = g["low"].get("mean", float("nan")), g["high"].get("mean", float("nan"))
+    stats = f" (t {g['t']:.1f}, p {g['p']:.2g})" if "p" in g else ""
+    return f"{low:{fmt}} → {high:{fmt}}{stats}"
 
 
 def main(argv=None) -> int:
@@ -88,14 +105,14 @@ def main(argv=None) -> int:
         print(json.dumps(results, indent=2))
         return 0
     print(f"{'S':>3} {'anchor':>9} {'stale max':>9} {'mean':>5} {'reward (last ¼)':>15} "
-          f"{'held-out reward':>17} {'clip frac, low → high staleness':>34}")
+          f"{'held-out reward':>17} {'grouping':>12}  {'outside clip vs μ, low → high (t, p)':>40}  "
+          f"{'IS weight std, low → high':>26}")
     for r in results:
-        g = r["clip_frac_high_vs_low"]
-        clip = (f"{g['low'].get('mean', float('nan')):.4f} → {g['high'].get('mean', float('nan')):.4f}"
-                + (f" (t {g['t']:.1f})" if "t" in g else ""))
         print(f"{r['S']:>3} {r['anchor']:>9} {r['staleness_max']:>9g} {r['staleness_mean']:>5.2f} "
               f"{r['reward_last_quarter']:>15.3f} {r['eval_reward_first']:>8.3f} → "
-              f"{r['eval_reward_last']:.3f} {clip:>34}")
+              f"{r['eval_reward_last']:.3f} {r['grouping']:>12}  "
+              f"{_compared(r['outside_clip_frac_high_vs_low'], '.4f'):>40}  "
+              f"{_compared(r['is_weight_std_high_vs_low'], '.2e'):>26}")
     return 0
 
 

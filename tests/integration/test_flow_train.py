@@ -150,3 +150,22 @@ def test_flow_on_ray_rollout_actors_trains_batch_for_batch_like_local(flow_model
     local = [{k: m[k] for k in keys} for m in rows(tmp_path / "local" / "metrics.jsonl")]
     on_ray = [{k: m[k] for k in keys} for m in rows(tmp_path / "ray" / "metrics.jsonl")]
     assert local == on_ray  # the learner in a Ray actor too: tests/integration/test_flow_ranks.py
+
+
+def test_the_flow_grpo_preset_trains_the_references_recipe_on_the_built_in_model(flow_model, tmp_path):
+    """train.algorithm: flow_grpo as the reference runs it: LoRA adapters, two updates a batch with
+    the ratio against the engine's log-probs (so its clip fraction is the one against μ), the first
+    int(0.99·T) steps; the recipe's own lr wins."""
+    cfg = recipe(flow_model, "train.algorithm=flow_grpo", "train.num_batches=3", "checkpoint.interval=3")
+    assert (cfg.train.lora_rank, cfg.train.anchor, cfg.train.lr) == (32, "behavior", 1e-3)
+    assert (cfg.flow.train_steps, cfg.flow.train_step_choice) == (3, "first")  # int(0.99 · 4)
+    train(cfg, tmp_path / "run", progress_plain=True)
+    metrics = rows(tmp_path / "run" / "metrics.jsonl")
+    assert len(metrics) == 3
+    for m in metrics:
+        assert m["async/optimizer_updates"] + m["train/skipped_updates"] == 2
+        assert m["ratio/behavior_outside_clip_frac"] == pytest.approx(m["ratio/outside_clip_frac"])
+    assert sum(m["async/optimizer_updates"] for m in metrics) > 0
+    saved = tmp_path / "run" / "checkpoints" / "step-000003" / "learner" / "model"
+    adapter = json.loads((saved / "adapter.json").read_text())  # the adapters alone (docs/lora.md)
+    assert adapter["rank"] == 32 and adapter["alpha"] == 64.0, adapter

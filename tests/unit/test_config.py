@@ -1,6 +1,7 @@
 """Strict typed config: recipes, dotted overrides, and errors that say what to change."""
 
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -354,3 +355,58 @@ def test_the_flow_grpo_preset_is_the_references_setting():
     assert (other.adv_scope, other.adv_clip) == ("group", 0.0)  # every other preset: per group, no clamp
     mine = load_config(None, ["train.algorithm=flow_grpo", "train.adv_clip=2"]).train
     assert mine.adv_clip == 2.0  # a key set in the recipe wins over the preset
+
+
+FLOW = ["model.family=flow", "data.task=shapes"]
+
+
+def test_the_flow_grpo_preset_sets_the_references_keys_that_have_defaults_of_their_own():
+    """Flow-GRPO's reference (ac4c86e; docs/flow.md's table): the ratio against the sampler's
+    log-probs, zero-advantage groups dropped, two updates a batch, AdamW 3e-4 / 1e-4, LoRA 32 / 64,
+    and its timestep fraction 0.99 (the first int(0.99·T) steps)."""
+    cfg = load_config(None, [*FLOW, "train.algorithm=flow_grpo", "flow.steps=10"])
+    t = cfg.train
+    assert (t.anchor, cfg.correction.tis, t.drop_zero_std) == ("behavior", "none", True)
+    assert t.updates_per_batch == 2
+    assert (t.lr, t.weight_decay, t.lora_rank, t.lora_alpha) == (3e-4, 1e-4, 32, 64.0)
+    assert (cfg.flow.train_steps, cfg.flow.train_step_choice) == (9, "first")  # int(9.9)
+    assert load_config(None, [*FLOW, "train.algorithm=flow_grpo", "flow.steps=1"]).flow.train_steps == 1
+    # every other preset leaves those keys at their defaults
+    other = load_config(None, [*FLOW, "train.algorithm=grpo"])
+    assert (other.train.anchor, other.train.lr, other.train.lora_rank, other.train.updates_per_batch,
+            other.correction.tis) == ("proximal", 1e-6, 0, 1, "token")
+    assert (other.flow.train_steps, other.flow.train_step_choice) == (0, "random")
+
+
+def test_a_key_the_recipe_names_wins_over_the_flow_grpo_preset_even_at_its_default():
+    mine = load_config(None, [*FLOW, "train.algorithm=flow_grpo", "train.anchor=proximal",
+                              "correction.tis=token", "train.lr=1e-6", "train.lora_rank=0",
+                              "flow.train_steps=0", "flow.train_step_choice=random",
+                              "train.updates_per_batch=1"])
+    assert (mine.train.anchor, mine.correction.tis, mine.train.lr, mine.train.lora_rank) == (
+        "proximal", "token", 1e-6, 0)
+    assert (mine.flow.train_steps, mine.flow.train_step_choice) == (0, "random")
+    assert mine.train.updates_per_batch == 1
+    # the preset's other keys still apply, and the resolved config (as a run records it and every
+    # process rebuilds it) resolves to itself
+    assert (mine.train.weight_decay, mine.train.drop_zero_std) == (1e-4, True)
+    assert Config.from_dict(mine.to_dict()) == mine
+    resolved = load_config(None, [*FLOW, "train.algorithm=flow_grpo"])
+    assert Config.from_dict(resolved.to_dict()) == resolved
+    # the recipe's own steps stand, and the run says so when it starts
+    said = [n.code for n in mine.family().notes(mine)]
+    assert "not_the_reference_steps" in said and not resolved.family().notes(resolved)
+    # a key that follows another stays at its default when the recipe names that one
+    own = load_config(None, [*FLOW, "train.algorithm=flow_grpo", "train.anchor=proximal",
+                             "train.lora_rank=8"])
+    assert (own.correction.tis, own.train.lora_alpha) == ("token", 16.0)
+
+
+@pytest.mark.parametrize(("override", "says"), [
+    ("flow.cfg_grad=half", "flow.cfg_grad must be one of 'full', 'conditional'"),
+    ("flow.init_cond_dropout=1", "flow.init_cond_dropout must be <= 0.9"),
+    ("flow.init_cond_dropout=-0.1", "flow.init_cond_dropout must be >= 0"),
+])
+def test_nonsense_flow_guidance_keys_are_refused_naming_the_key(override, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config(None, [*FLOW, override])

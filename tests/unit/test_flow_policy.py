@@ -248,3 +248,87 @@ def test_kl_in_the_references_units_is_the_exact_one_times_each_steps_dt():
     sigma_t = stds / dt.sqrt()
     by_hand = (means - ref_means).flatten(2).pow(2).mean(-1) / (2 * sigma_t ** 2)
     assert torch.allclose(kl["reference"], by_hand, rtol=1e-4)
+
+
+def guided_batch(model, guidance=4.5, steps=4, seed=5):
+    """Two prompts × 2 trajectories sampled with guidance away from the empty prompt."""
+    sampling = FlowSampling(steps=steps, noise_level=0.7, guidance_scale=guidance)
+    engine = FlowEngine(FlowModel(model.config), sampling)
+    engine.load_weights(dict(model.named_parameters()), version=0)
+    words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:2]])
+    latents, logps, versions = engine.generate({"words": words.repeat_interleave(2, 0)}, seed=seed)
+    return to_flow_batch(FlowBatch(
+        positions=[0, 1], prompts=["p"] * 2, cond={"words": words.numpy()}, latents=latents.numpy(),
+        logprobs=logps.numpy(), versions=[versions] * 4, rewards=[0.0] * 4,
+        times=sampling.times().numpy(), noise_level=0.7, group_size=2,
+        negative={"words": model.encode_prompts([""])["words"].numpy()}, guidance_scale=guidance))
+
+
+class UnconditionalWithoutGrad(torch.nn.Module):
+    """The model with its unconditional half (the first of ``velocity``'s two) run under no_grad:
+    the detach built by hand, independent of ``flow.cfg_grad``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, t, cond):
+        n = x.shape[0] // 2
+        with torch.no_grad():
+            uncond = self.model(x[:n], t[:n], {k: v[:n] for k, v in cond.items()})
+        return torch.cat([uncond, self.model(x[n:], t[n:], {k: v[n:] for k, v in cond.items()})])
+
+
+def logp_grads(model, batch, policy):
+    model.zero_grad()
+    logp = policy.forward(model, batch)[0]
+    weights = torch.linspace(-1, 1, logp.numel()).view_as(logp)  # an advantage-weighted sum
+    (weights * logp).sum().backward()
+    return logp.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def test_cfg_grad_conditional_detaches_the_unconditional_branch_as_a_hand_built_detach():
+    """flow.cfg_grad: full differentiates both branches of v = v_u + w·(v_c − v_u); conditional is
+    v = sg[v_u] + w·(v_c − sg[v_u]) (the reference at ac4c86e): the same log-probs, other gradients."""
+    torch.set_num_threads(1)
+    model = small_model()
+    batch = guided_batch(model)
+    full_logp, full = logp_grads(model, batch, FlowPolicy(cfg_grad="full"))
+    cond_logp, cond = logp_grads(model, batch, FlowPolicy(cfg_grad="conditional"))
+    hand_logp, hand = logp_grads(UnconditionalWithoutGrad(model), batch, FlowPolicy(cfg_grad="full"))
+    assert torch.equal(full_logp, cond_logp)
+    assert torch.allclose(cond_logp, hand_logp, atol=1e-6)
+    assert torch.allclose(cond, hand, rtol=1e-4, atol=1e-7)
+    cosine = torch.nn.functional.cosine_similarity(full, cond, dim=0)
+    assert cosine < 0.999 and not torch.allclose(full, cond, rtol=1e-2)
+    # without guidance there is no unconditional branch: the two are one
+    plain = guided_batch(model, guidance=1.0)
+    assert torch.equal(logp_grads(model, plain, FlowPolicy(cfg_grad="full"))[1],
+                       logp_grads(model, plain, FlowPolicy(cfg_grad="conditional"))[1])
+
+
+def test_the_warm_start_trains_a_share_of_images_on_the_empty_prompt():
+    """flow.init_cond_dropout: each image's words replaced by the empty prompt's (all <pad>, what an
+    empty flow.negative_prompt encodes to) at that rate; rate 0 keeps every prompt."""
+    from tether.families.flow.warmstart import flow_matching_loss
+
+    torch.set_num_threads(1)
+    model = small_model()
+    seen = []
+    spy = model.forward
+
+    def forward(x, t, cond):
+        seen.append(cond.clone())
+        return spy(x, t, cond)
+
+    model.forward = forward
+    words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:1]]).repeat(2000, 1)
+    images = torch.zeros(2000, 3, 16, 16)
+    for rate in (0.0, 0.1):
+        flow_matching_loss(model, images, words, torch.Generator().manual_seed(0), cond_dropout=rate)
+    kept, dropped = seen
+    assert torch.equal(kept, words)
+    empty = model.encode_prompts([""])["words"][0]
+    is_empty = (dropped == empty).all(1)
+    assert ((dropped == words).all(1) | is_empty).all()  # each row whole: its prompt or none
+    assert 0.07 < is_empty.float().mean() < 0.13  # 2000 draws at 0.1

@@ -102,6 +102,20 @@ def test_tethers_own_losses_are_not_wrapped_and_a_good_plugin_loss_passes_throug
         checked(x, LossSettings())
 
 
+def test_the_clip_fraction_against_the_behaviour_policy_whatever_the_anchor():
+    """π_θ/μ = 1.5, 0.5, 1.1, 0.7 (the third masked out) against ε = 0.2: 1.5 and 0.5 are outside,
+    0.7 is not masked and outside too → 3 of 3; the proximal anchor's ratio does not enter."""
+    from tether.train.losses import behavior_outside
+
+    logp = torch.log(torch.tensor([[1.5, 0.5], [1.1, 0.7]]))
+    mask = torch.tensor([[1.0, 1.0], [0.0, 1.0]])
+    mu = torch.zeros(2, 2)
+    assert float(behavior_outside(logp, mu, mask, LossSettings(0.2, 0.2))) == 1.0
+    # in [0.6, 1.6]: 1.5 and 0.7; outside: 0.5
+    assert float(behavior_outside(logp, mu, mask, LossSettings(0.4, 0.6))) == pytest.approx(1 / 3)
+    assert behavior_outside(logp, mu, torch.zeros(2, 2), LossSettings()) is None
+
+
 def test_ppo_clip_hand_computed():
     x = inputs([[1.5, 0.5], [1.1, 0.7]], [1.0, -1.0])
     loss, m = get_loss("ppo_clip")(x, LossSettings(0.2, 0.2))

@@ -80,3 +80,22 @@ def test_the_seeds_grouping_leaves_the_middle_out_with_welchs_df():
 
     with pytest.raises(ConfigError, match="high above low"):
         staleness_study(metrics, low=7, high=2)
+
+
+def test_the_study_reports_the_seeds_clip_fraction_against_mu_and_the_weight_spread():
+    """outside_clip_frac (|π_θ/μ − 1| > ε, the seed's and the reference's measure) and the
+    π_old/μ spread, per staleness and grouped as the seed did, both in the printed summary."""
+    metrics = rows(100, 9, clip_of=lambda step, stale: 0.0, reward_of=lambda s: 0.5)
+    for m in metrics:
+        stale = m["staleness/batches"]
+        m["ratio/behavior_outside_clip_frac"] = 0.02 * stale + 0.001 * (m["step"] % 3)
+        m["ratio/is_weight_std"] = 0.001 * stale + 0.0001 * (m["step"] % 2)
+    study = staleness_study(metrics, low=2, high=7)
+    assert math.isclose(study["by_staleness"]["9"]["outside_clip_frac"]["mean"], 0.18 + 0.001, abs_tol=1e-3)
+    g = study["grouped"]["outside_clip_frac"]
+    assert g["low"]["n"] == g["high"]["n"] == 30 and g["p"] < 1e-10
+    lines = summary_lines(study)
+    seeds = "outside the clip vs μ staleness ≥ 7 vs ≤ 2"
+    assert any(line.startswith(seeds) and "p = " in line for line in lines)
+    assert any(line.startswith("IS weight std staleness ≥ 7 vs ≤ 2") for line in lines)
+    assert any(line.startswith("staleness 9:") and "IS weight std 9" in line for line in lines)

@@ -22,7 +22,7 @@ import yaml
 from tether import registry
 from tether.config import features, keys
 from tether.config.fields import build_section, closest, section_fields
-from tether.config.presets import resolve_preset
+from tether.config.presets import apply_sets, resolve_preset
 from tether.config.recipe import apply_overrides, parse_override, read_recipe
 from tether.config.schema import (
     SECTIONS,
@@ -85,7 +85,12 @@ class Config:
             else:
                 plugins[name] = section
         config = cls(**built, plugin_sections=plugins)
-        config = dataclasses.replace(config, train=resolve_preset(config.train))
+        explicit = {f"{name}.{key}" for name, value in data.items() if isinstance(value, Mapping)
+                    for key in value}  # the keys the recipe names: they win over the preset
+        config = apply_sets(dataclasses.replace(config, train=resolve_preset(config.train)), explicit)
+        resolve = getattr(config.family(), "resolve", None)  # a family's keys that follow the preset
+        if resolve is not None:
+            config = resolve(config, explicit)
         config.check()
         return config._own_sections_only()
 

@@ -29,7 +29,8 @@ class TrainSection:
     algorithm: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo", "flow_grpo"] = knob(
         "dapo",
         "Preset of loss, aggregation, clip range and advantage settings from its paper (see "
-        "docs/training.md); any of those keys set explicitly wins over the preset.",
+        "docs/training.md; flow_grpo also sets Flow-GRPO's anchor, updates per batch, lr, weight decay, "
+        "LoRA and timestep fraction); any of those keys set explicitly wins over the preset.",
     )
     loss: str | None = knob(None, f"Policy loss ({FROM_PRESET}).", choices=registry.losses)
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",

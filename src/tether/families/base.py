@@ -29,6 +29,11 @@ class FamilyBase:
     def check(self, cfg: Any) -> None:
         """No rules of its own."""
 
+    def resolve(self, cfg: Any, explicit: set[str]) -> Any:
+        """``cfg`` with this family's keys that follow ``train.algorithm`` filled in, except those in
+        ``explicit`` (the dotted keys the recipe names); none here."""
+        return cfg
+
     def norm_constant(self, cfg: Any) -> int:
         return cfg.rollout.max_new_tokens
 

@@ -5,8 +5,11 @@ at step i is (i − 1) mod (S + 1) batches stale), so the seed system's by-hand 
 the run's own metrics (``tether report`` writes it as ``plots/study.json`` and ``study.png``):
 
 - per staleness value: batches, and the mean and standard deviation of the clip fraction (low +
-  high), the ratio spread (``ratio/std``) and the importance-weight spread (``ratio/is_weight_std``,
-  π_old/μ: where staleness shows with ``train.anchor: proximal`` and one update per batch);
+  high: the clips that bind), the seed's and Flow-GRPO's clip fraction (``outside_clip_frac``:
+  |π_θ/μ − 1| > ε against the behaviour policy whatever the anchor,
+  ``ratio/behavior_outside_clip_frac``), the ratio spread (``ratio/std``) and the
+  importance-weight spread (``ratio/is_weight_std``, π_old/μ: where staleness shows with
+  ``train.anchor: proximal`` and one update per batch);
 - the grouped comparison: batches at or below the median staleness against those above it (or,
   with ``low``/``high``, batches at most ``low`` against those at least ``high``, the middle left
   out, as the seed compared ≤ 2 with ≥ 7), each figure's difference with its standard error, t,
@@ -21,7 +24,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-FIGURES = {"clip_frac": ("ratio/clip_frac_low", "ratio/clip_frac_high"), "ratio_std": ("ratio/std",),
+FIGURES = {"clip_frac": ("ratio/clip_frac_low", "ratio/clip_frac_high"),
+           "outside_clip_frac": ("ratio/behavior_outside_clip_frac",), "ratio_std": ("ratio/std",),
            "is_weight_std": ("ratio/is_weight_std",)}
 
 
@@ -150,24 +154,32 @@ def staleness_study(metrics: list[dict[str, Any]], *, low: float | None = None,
 
 
 def summary_lines(study: dict[str, Any]) -> list[str]:
-    """The study in a few printable lines."""
+    """The study in a few printable lines: per staleness the clip fractions (binding; against the
+    behaviour policy, the seed's measure), the ratio spread and the importance-weight spread; each
+    grouped comparison with its t and p; the reward trend."""
     lines = []
     for level, row in study["by_staleness"].items():
         clip = row["clip_frac"]
         if clip.get("n"):
-            spread = row["ratio_std"].get("mean", float("nan"))
-            lines.append(f"staleness {level}: {row['batches']} batches, clip fraction {clip['mean']:.4f} ± "
-                         f"{clip['std']:.4f}, ratio std {spread:.2e}")
+            figures = [f"clip fraction {clip['mean']:.4f} ± {clip['std']:.4f}"]
+            outside, weights = row.get("outside_clip_frac", {}), row.get("is_weight_std", {})
+            if outside.get("n"):
+                figures.append(f"outside the clip vs μ {outside['mean']:.4f} ± {outside['std']:.4f}")
+            figures.append(f"ratio std {row['ratio_std'].get('mean', float('nan')):.2e}")
+            if weights.get("n"):
+                figures.append(f"IS weight std {weights['mean']:.2e}")
+            lines.append(f"staleness {level}: {row['batches']} batches, " + ", ".join(figures))
     grouped = study["grouped"]
-    g = grouped["clip_frac"]
-    if "t" in g:
-        if "median_staleness" in grouped:
-            which = f"above vs at-or-below median staleness {grouped['median_staleness']:g}"
-        else:
-            which = f"staleness ≥ {grouped['high_staleness']:g} vs ≤ {grouped['low_staleness']:g}"
-        tail = f", df = {g['df']:.1f}, p = {g['p']:.2g}" if "p" in g else ""
-        lines.append(f"clip fraction {which}: {g['difference']:+.4f} ± {g['se']:.4f} "
-                     f"(t = {g['t']:.2f}{tail})")
+    if "median_staleness" in grouped:
+        which = f"above vs at-or-below median staleness {grouped['median_staleness']:g}"
+    else:
+        which = f"staleness ≥ {grouped['high_staleness']:g} vs ≤ {grouped['low_staleness']:g}"
+    for name, label in (("clip_frac", "clip fraction"), ("outside_clip_frac", "outside the clip vs μ"),
+                        ("is_weight_std", "IS weight std")):
+        g = grouped.get(name, {})
+        if "t" in g:
+            tail = f", df = {g['df']:.1f}, p = {g['p']:.2g}" if "p" in g else ""
+            lines.append(f"{label} {which}: {g['difference']:+.4f} ± {g['se']:.4f} (t = {g['t']:.2f}{tail})")
     r = study["reward_trend"]
     if "t" in r:
         lines.append(f"reward trend: {r['slope']:+.2e} per batch ± {r['se']:.1e} "

@@ -47,7 +47,7 @@ from tether.train.advantages import (
 )
 from tether.train.collective import Solo
 from tether.train.corrections import correct
-from tether.train.losses import LossInputs, LossSettings, aggregate, loss_for
+from tether.train.losses import LossInputs, LossSettings, aggregate, behavior_outside, loss_for
 from tether.train.schedule import lr_factor
 from tether.vocabulary import RolloutBatch, TrainResult
 
@@ -81,6 +81,12 @@ class _Stats:
     def mean(self, name: str) -> float | None:
         values = self.scalars.get(name)
         return sum(values) / len(values) if values else None
+
+
+def _behind(logp: torch.Tensor, behavior: torch.Tensor, keep: torch.Tensor, settings: LossSettings) -> dict:
+    """``ratio/behavior_outside_clip_frac`` of these rows, when any is in the loss."""
+    value = behavior_outside(logp, behavior, keep, settings)
+    return {} if value is None else {"ratio/behavior_outside_clip_frac": value}
 
 
 def _denominators(keep: torch.Tensor) -> tuple[float, float]:
@@ -355,6 +361,8 @@ class TorchLearner:
             anchor = old_mb if weigh else tb.behavior_logp[part]
             inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[part], mask=keep)
             per_token, loss_metrics = self.loss_fn(inputs, settings)
+            behavior_mb = tb.behavior_logp[part]
+            loss_metrics = {**loss_metrics, **_behind(logp.detach(), behavior_mb, keep, settings)}
             policy = aggregate(per_token * weights, keep, s.aggregation, norm_constant=self.norm_constant,
                                total_tokens=total_tokens, total_seqs=total_seqs)
             total = policy
@@ -369,7 +377,7 @@ class TorchLearner:
             total.backward()
             if self.group.world > 1:  # the figures of the whole micro-batch, from every rank's rows
                 policy, kl, loss_metrics, logp, entropy, anchor, keep = self._whole(
-                    part, logp.detach(), entropy, anchor, adv, keep, weights,
+                    part, logp.detach(), entropy, anchor, behavior_mb, adv, keep, weights,
                     None if kl_cols is None else kl_cols.detach(), total_tokens, total_seqs, settings)
                 total = policy if kl is None else policy + s.kl_coef * kl
             if kl is not None:
@@ -415,20 +423,21 @@ class TorchLearner:
             stats.add(key, value)
         return corr if corr.keep.any() else None
 
-    def _whole(self, part, logp, entropy, anchor, adv, keep, weights, kl_cols, total_tokens, total_seqs,
-               settings):
+    def _whole(self, part, logp, entropy, anchor, behavior, adv, keep, weights, kl_cols, total_tokens,
+               total_seqs, settings):
         """The loss figures of one micro-batch over every rank's rows (this rank's ``part`` and the
         others'), computed as one process would: (policy, kl, loss metrics, logp, entropy, anchor,
         keep) of those rows. ``kl_cols``: this rank's per-column KL terms (n, T), or None; each
         family's KL basis may have any shape (a step's mean image for flow), its terms are columns."""
         s = self.s
-        fields = torch.stack([logp, entropy, anchor, keep, weights,
+        fields = torch.stack([logp, entropy, anchor, behavior, keep, weights,
                               kl_cols if kl_cols is not None else torch.zeros_like(logp)], dim=1)
         rows, full = self.group.collect(fields, part)
-        logp, entropy, anchor, keep, weights, kl_rows = full.unbind(1)
+        logp, entropy, anchor, behavior, keep, weights, kl_rows = full.unbind(1)
         inputs = LossInputs(logp=logp, anchor_logp=anchor, advantages=adv[rows], mask=keep)
         with torch.no_grad():
             per_token, loss_metrics = self.loss_fn(inputs, settings)
+            loss_metrics = {**loss_metrics, **_behind(logp, behavior, keep, settings)}
             policy = aggregate(per_token * weights, keep, s.aggregation, norm_constant=self.norm_constant,
                                total_tokens=total_tokens, total_seqs=total_seqs)
             kl = None
@@ -456,7 +465,7 @@ class TorchLearner:
 
     ALWAYS = ("loss/policy", "loss/total", "train/grad_norm", "train/entropy", "ratio/mean", "ratio/std",
               "ratio/min", "ratio/max", "ratio/clip_frac_low", "ratio/clip_frac_high",
-              "ratio/outside_clip_frac", "ratio/is_weight_mean",
+              "ratio/outside_clip_frac", "ratio/behavior_outside_clip_frac", "ratio/is_weight_mean",
               "ratio/is_weight_std", "ratio/is_weight_min", "ratio/is_weight_max", "ratio/masked_frac",
               "ratio/ess", "mismatch/logprob_abs_diff_mean", "mismatch/logprob_abs_diff_max", "mismatch/k3",
               "mismatch/numeric_token_frac", "mismatch/numeric_logprob_abs_diff_mean",

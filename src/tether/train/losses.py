@@ -155,6 +155,16 @@ def _outside(ratio: torch.Tensor, s: LossSettings) -> torch.Tensor:
     return ((ratio < 1 - s.clip_low) | (ratio > 1 + s.clip_high)).float()
 
 
+def behavior_outside(logp: torch.Tensor, behavior_logp: torch.Tensor, mask: torch.Tensor,
+                     s: LossSettings) -> torch.Tensor | None:
+    """``ratio/behavior_outside_clip_frac``: the share of the tokens in ``mask`` whose π_θ/μ is
+    outside [1 − ε_low, 1 + ε_high], whatever the anchor: the seed's and Flow-GRPO's clip fraction
+    against the behaviour policy, which staleness moves even where the proximal anchor's ratio is
+    1. None when ``mask`` holds no token."""
+    valid = mask.bool()
+    return _outside(torch.exp(logp - behavior_logp)[valid], s).mean() if valid.any() else None
+
+
 def ppo_clip(x: LossInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     ratio = torch.exp(x.logp - x.anchor_logp)  # (N, T)
     adv = _per_column(x.advantages)  # (N, 1), or (N, T) per turn

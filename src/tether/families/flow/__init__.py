@@ -50,6 +50,11 @@ class FlowFamily(FamilyBase):
                "mixed_precision": "its learner computes in float32; flow.dtype sets its engine's"})
     warmstart_fields = ("loss", "pass_at_1", "reward")
 
+    def resolve(self, cfg: Any, explicit: set[str]) -> Any:
+        from tether.families.flow.options import resolve_flow
+
+        return resolve_flow(cfg, explicit)
+
     def check(self, cfg: Any) -> None:
         from tether.families.flow.pipeline import check_pipeline, is_pipeline
 
@@ -73,8 +78,24 @@ class FlowFamily(FamilyBase):
         return cfg.flow.train_steps or cfg.flow.steps
 
     def notes(self, cfg: Any) -> list[AdmissionNote]:
-        """Guidance settings that run, but do not do what they seem to."""
+        """Guidance settings that run, but do not do what they seem to; and, with
+        ``train.algorithm: flow_grpo``, the recipe's own trained steps where they are not the
+        reference's (the recipe named them: ``resolve_flow`` fills them otherwise)."""
+        from tether.families.flow.options import reference_train_steps
+
         f = cfg.flow
+        reference, own = reference_train_steps(f.steps), []
+        mine = (f.train_steps, f.train_step_choice)
+        if cfg.train.algorithm == "flow_grpo" and mine != (reference, "first"):
+            own.append(AdmissionNote(
+                "not_the_reference_steps", f"flow.train_steps={f.train_steps}, flow.train_step_choice="
+                f"{f.train_step_choice} (the recipe's) stand instead of train.algorithm=flow_grpo's "
+                f"timestep fraction 0.99: flow.train_steps={reference}, flow.train_step_choice=first"))
+        return own + self._guidance_notes(f)
+
+    @staticmethod
+    def _guidance_notes(f: Any) -> list[AdmissionNote]:
+        """w = 0 (the prompts do nothing) and a negative prompt without guidance."""
         if f.guidance_scale == 0:
             return [AdmissionNote(
                 "unconditional", "flow.guidance_scale=0 makes every velocity the unconditional branch's, "
@@ -106,21 +127,26 @@ class FlowFamily(FamilyBase):
                                               config.width, config.depth)
         warm = flow_warmstart(out, config, data.train, data.eval, self.scorer(cfg), settings=cfg.warmstart,
                               seed=cfg.run.seed, threads=cfg.train.threads, eval_steps=cfg.flow.eval_steps,
-                              sampling=sampling_of(cfg),
+                              sampling=sampling_of(cfg), cond_dropout=cfg.flow.init_cond_dropout,
                               on_progress=on_progress)
         return (f"warm start: held-out reward {warm.before['reward']:.3f} → {warm.after['reward']:.3f}, "
                 f"pass@1 {100 * warm.pass_at_1_before:.1f}% → {100 * warm.pass_at_1_after:.1f}% in "
                 f"{warm.steps} steps, {warm.seconds:.0f}s")
 
     def build_differences(self, cfg: Any, path: Path) -> list[str]:
+        import json
+
         from tether.families.flow.model import read_config
         from tether.families.flow.pipeline import is_pipeline
 
         if is_pipeline(path):
             return []  # a user's pipeline, not built by the recipe
         config = read_config(path)
+        warm = Path(path) / "warmstart.json"
+        built = json.loads(warm.read_text()).get("settings", {}) if warm.is_file() else {}
         return [f"flow.{key}: built with {have}, the recipe says {getattr(cfg.flow, key)}"
-                for key, have in (("init_width", config.width), ("init_depth", config.depth))
+                for key, have in (("init_width", config.width), ("init_depth", config.depth),
+                                  ("init_cond_dropout", built.get("cond_dropout", 0.0)))
                 if have != getattr(cfg.flow, key)]
 
     def scorer(self, cfg: Any) -> Any:
@@ -141,7 +167,8 @@ class FlowFamily(FamilyBase):
     def policy(self, cfg: Any):
         from tether.families.flow.learn import FlowPolicy
 
-        return FlowPolicy(cfg.flow.train_steps, cfg.flow.train_step_choice, cfg.flow.kl_units, cfg=cfg)
+        return FlowPolicy(cfg.flow.train_steps, cfg.flow.train_step_choice, cfg.flow.kl_units,
+                          cfg_grad=cfg.flow.cfg_grad, cfg=cfg)
 
     def evaluator(self, cfg: Any, model: Any, tokenizer: Any, data: DataBundle, score: Any, *,
                   num_samples: int | None = None, run_dir: Path | None = None):

@@ -122,7 +122,7 @@ class FlowPolicy(PolicyBase):
     """What the learner asks of the flow family (``tether.vocabulary.Policy``)."""
 
     def __init__(self, train_steps: int = 0, choice: str = "random", kl_units: str = "exact", *,
-                 cfg=None) -> None:
+                 cfg_grad: str = "full", cfg=None) -> None:
         self.cfg = cfg
         """The recipe, for a pipeline's prompt length and size (held-out evaluation encodes prompts)."""
         self.train_steps = train_steps
@@ -132,6 +132,9 @@ class FlowPolicy(PolicyBase):
         self.kl_units = kl_units
         """``exact``: each step's KL over its own variance σ_t²·|dt|; ``reference``: over σ_t², as
         Flow-GRPO's reference code computes it (``flow.kl_units``): |dt| times the exact one."""
+        self.cfg_grad = cfg_grad
+        """With guidance, gradients through both branches (``full``) or the conditional one alone
+        (``conditional``; ``flow.cfg_grad``)."""
 
     def load(self, path: str | Path, *, dtype: torch.dtype = torch.float32):
         """(model, tokenizer): the trained part of the flow model (a pipeline's transformer, without
@@ -167,7 +170,8 @@ class FlowPolicy(PolicyBase):
         of its std, μ/σ (n, K, C, H, W); with ``kl_units`` reference, of σ_t = std/√|dt|)."""
         logp, means, stds = step_logprobs(model, batch.latents, batch.sample_cond(), batch.times,
                                           batch.noise_level, batch.steps, negative=batch.negative,
-                                          guidance=batch.guidance_scale)
+                                          guidance=batch.guidance_scale,
+                                          detach_uncond=self.cfg_grad == "conditional")
         entropy = gaussian_entropy(stds) if with_entropy else None
         scale = stds
         if self.kl_units == "reference":  # σ_t = std / √|dt|: the KL the reference's code computes

@@ -1,10 +1,16 @@
 """The flow family's own recipe section (``flow``; ``Family.section``): Flow-GRPO's sampler and the
-tiny model a run builds. Refused unless ``model.family=flow`` (``tether.config.features``)."""
+tiny model a run builds. Refused unless ``model.family=flow`` (``tether.config.features``).
+
+``train.algorithm: flow_grpo`` also sets the reference's timestep fraction here (``resolve_flow``):
+the first int(0.99·T) steps of every trajectory, unless the recipe names ``flow.train_steps`` or
+``flow.train_step_choice``; the run's config records what was resolved.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from tether.config.fields import knob
 
@@ -31,6 +37,14 @@ class FlowSection:
         "steps 0 … K − 1 of every trajectory, Flow-GRPO's reference (timestep_fraction = K/T in order; at "
         "its 0.99 the last, low-noise step is left out).",
         choices=("random", "first"),
+    )
+    cfg_grad: Literal["full", "conditional"] = knob(
+        "full",
+        "With classifier-free guidance in the training forward (flow.guidance_scale ≠ 1), which branches "
+        "the gradient flows through: full = both, the gradient of the guided velocity the sampler used "
+        "(Flow-GRPO's newer upstream); conditional = the unconditional branch detached, v = sg[v_u] + "
+        "w·(v_c − sg[v_u]) (the reference at ac4c86e). docs/flow.md, \"Guidance gradients\".",
+        choices=("full", "conditional"),
     )
     kl_units: Literal["reference", "exact"] = knob(
         "reference",
@@ -65,8 +79,8 @@ class FlowSection:
     guidance_scale: float = knob(
         1.0,
         "Classifier-free guidance w in sampling and in the training forward, v = v_u + w·(v_c − v_u) "
-        "(both branches through the trained model, as Flow-GRPO's reference does); 1 = none. The "
-        "reference uses 4.5 with SD3.5.",
+        "(both branches through the trained model, as Flow-GRPO's reference does; which carry "
+        "gradients: flow.cfg_grad); 1 = none. The reference uses 4.5 with SD3.5.",
         min=0.0,
     )
     negative_prompt: str = knob(
@@ -87,3 +101,37 @@ class FlowSection:
     )
     init_width: int = knob(96, "Width of a flow model built by model.create_if_missing.", min=8)
     init_depth: int = knob(3, "Transformer blocks of a flow model built by model.create_if_missing.", min=1)
+    init_cond_dropout: float = knob(
+        0.1,
+        "Share of the warm start's images of a flow model built by model.create_if_missing that are "
+        "trained with the empty prompt (all <pad>), so the unconditional branch guidance uses "
+        "(flow.guidance_scale ≠ 1, flow.negative_prompt empty) is learned; Stable Diffusion's base models "
+        "drop 10 % of captions. 0 = every image with its prompt.",
+        min=0.0, max=0.9,
+    )
+
+
+TIMESTEP_FRACTION = 0.99
+"""Flow-GRPO's reference ``train.timestep_fraction`` (config/grpo.py): it trains the first
+int(0.99·T) steps of each trajectory, all but the last, low-noise one."""
+
+
+def reference_train_steps(steps: int) -> int:
+    """K = int(0.99·T), at least 1 (the reference's ``num_train_timesteps``)."""
+    return max(1, int(steps * TIMESTEP_FRACTION))
+
+
+def resolve_flow(cfg: Any, explicit: set[str]) -> Any:
+    """``cfg`` with ``train.algorithm: flow_grpo``'s flow keys (the reference's timestep fraction:
+    ``flow.train_steps`` = int(0.99·T), ``flow.train_step_choice: first``) for those the recipe does
+    not name; any other algorithm, or keys the recipe names, are left as they are."""
+    if cfg.train.algorithm != "flow_grpo":
+        return cfg
+    flow = cfg.section("flow")
+    fills: dict[str, Any] = {}
+    if "flow.train_steps" not in explicit:
+        fills["train_steps"] = reference_train_steps(flow.steps)
+    if "flow.train_step_choice" not in explicit:
+        fills["train_step_choice"] = "first"
+    return dataclasses.replace(cfg, plugin_sections={**cfg.plugin_sections,
+                                                     "flow": dataclasses.replace(flow, **fills)})

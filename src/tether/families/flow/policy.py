@@ -101,11 +101,13 @@ def generate_latents(model, cond: dict[str, torch.Tensor], times: torch.Tensor, 
 
 def step_gaussians(model, x: torch.Tensor, t: torch.Tensor, s: torch.Tensor, cond: dict[str, torch.Tensor],
                    noise_level: float, negative: dict[str, torch.Tensor] | None = None,
-                   guidance: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   guidance: float = 1.0, *,
+                   detach_uncond: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gaussians of K recorded steps of each of N trajectories, in one forward over all N·K
     (x_t, t) pairs: x (N, K, C, H, W) the steps' starting points, t and s (N, K) their times
     (each step from t to s < t; any steps, in any order), ``cond`` each trajectory's prompt
-    conditioning (N rows; guided by ``negative`` at ``guidance``). Returns (means (N, K, C, H, W),
+    conditioning (N rows; guided by ``negative`` at ``guidance``, ``detach_uncond`` as
+    ``conditioning.velocity``). Returns (means (N, K, C, H, W),
     stds (N, K)). The coefficients are computed in float64 and rounded once, as the engine's
     Python-float step (``sde.step_mean_std``) does, so both give the same float32 numbers."""
     n, k = t.shape
@@ -113,7 +115,8 @@ def step_gaussians(model, x: torch.Tensor, t: torch.Tensor, s: torch.Tensor, con
     *numbers, std = step_coefficients(t.double(), s.double(), noise_level)
     coef, one_minus_t, dt = (c.float().view(shape).to(x.device) for c in numbers)
     per_step = {key: value.repeat_interleave(k, dim=0) for key, value in cond.items()}
-    v = velocity(model, x.flatten(0, 1), t.flatten().to(x.device), per_step, negative, guidance).view_as(x)
+    v = velocity(model, x.flatten(0, 1), t.flatten().to(x.device), per_step, negative, guidance,
+                 detach_uncond=detach_uncond).view_as(x)
     return gaussian_mean(x, v, coef, one_minus_t, dt), std.float().to(x.device)
 
 
@@ -128,7 +131,7 @@ def _steps_or_all(latents: torch.Tensor, steps: torch.Tensor | None) -> torch.Te
 def step_means(model, latents: torch.Tensor, cond: dict[str, torch.Tensor], times: torch.Tensor,
                noise_level: float, steps: torch.Tensor | None = None, *,
                negative: dict[str, torch.Tensor] | None = None,
-               guidance: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+               guidance: float = 1.0, detach_uncond: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gaussians of recorded trajectories' steps under ``model``: every step, or with
     ``steps`` ((N, K) indices into 0 … T − 1) those of each trajectory. Returns (means
     (N, K, C, H, W), stds (N, K))."""
@@ -136,19 +139,19 @@ def step_means(model, latents: torch.Tensor, cond: dict[str, torch.Tensor], time
     rows = torch.arange(len(latents), device=latents.device)[:, None]
     times = times.to(steps.device)
     return step_gaussians(model, latents[rows, steps], times[steps], times[steps + 1], cond, noise_level,
-                          negative, guidance)
+                          negative, guidance, detach_uncond=detach_uncond)
 
 
 def step_logprobs(model, latents: torch.Tensor, cond: dict[str, torch.Tensor], times: torch.Tensor,
                   noise_level: float, steps: torch.Tensor | None = None, *,
-                  negative: dict[str, torch.Tensor] | None = None, guidance: float = 1.0
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  negative: dict[str, torch.Tensor] | None = None, guidance: float = 1.0,
+                  detach_uncond: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-probs (N, K) of the recorded steps under ``model``, the step means (N, K, C, H, W),
     the stds (N, K)); every step (K = T), or the ``steps`` of each trajectory. Differentiable in
     ``model``'s parameters."""
     steps = _steps_or_all(latents, steps)
     means, stds = step_means(model, latents, cond, times, noise_level, steps, negative=negative,
-                             guidance=guidance)
+                             guidance=guidance, detach_uncond=detach_uncond)
     n, k = stds.shape
     x_next = latents[torch.arange(n, device=latents.device)[:, None], steps + 1]
     z = ((x_next - means) / stds.view(n, k, *[1] * (means.dim() - 2))).flatten(2)
