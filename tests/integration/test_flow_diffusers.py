@@ -72,7 +72,8 @@ def test_engine_and_learner_step_logprobs_agree_for_a_diffusers_pipeline(pipelin
     engine = FlowEngine(model, sampling, negative_prompt="")
     cond = model.encode_prompts(PROMPTS[:3])
     per_sample = conditioning.rows(cond, torch.arange(3).repeat_interleave(2))
-    latents, logps, versions = engine.generate(per_sample, seed=7)
+    out = engine.generate(per_sample, seed=7)
+    latents, logps, versions = out.latents, out.logprobs, out.versions
     assert latents.shape == (6, 5, 4, 16, 16) and versions == [0] * 4
     negative = engine.negative
     batch = FlowBatch(positions=[0, 1, 2], prompts=PROMPTS[:3], cond=conditioning.as_numpy(cond),

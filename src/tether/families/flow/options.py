@@ -32,6 +32,24 @@ class FlowSection:
         "its 0.99 the last, low-noise step is left out).",
         choices=("random", "first"),
     )
+    sde_window: int = knob(
+        0,
+        "K: an SDE window (Flow-GRPO-Fast's, MixGRPO's): only K consecutive steps of each trajectory "
+        "are SDE steps, policy actions with log-probabilities, ratios, advantages and KL; the steps "
+        "before and after are the deterministic ODE's, and a batch records the window's steps alone. "
+        "An update then costs about K/T of one over all T; generation costs the same. The window's "
+        "place: flow.sde_window_range. 0 = every step is an SDE step. At most flow.steps.",
+        min=0,
+    )
+    sde_window_range: int = knob(
+        0,
+        "R: the SDE window lies within steps 0 … R − 1 of each trajectory, its start drawn uniformly "
+        "from 0 … R − K once per rollout batch (from the batch's seed: a resume and every learner "
+        "rank see the same window). Small R keeps the window among the early, high-noise steps, "
+        "where Flow-GRPO-Fast places it. 0 = flow.steps (anywhere). Needs flow.sde_window; from "
+        "flow.sde_window to flow.steps.",
+        min=0,
+    )
     kl_units: Literal["reference", "exact"] = knob(
         "reference",
         "Units of the closed-form KL that train.kl_coef weighs. reference = ‖μ_θ − μ_ref‖²/(2σ_t²), as "
