@@ -301,6 +301,33 @@ def test_a_rollout_worker_samples_the_pipeline_on_its_device_as_the_cpu_learner_
     assert diff <= bound
 
 
+def test_a_pipelines_sde_window_records_and_trains_its_steps_alone(pipeline, prompts):
+    """flow.sde_window on a diffusers pipeline (guided, the scheduler's shifted sigmas): the batch
+    holds the window's K steps at their sigmas, and the transformer-only learner's log-probs of
+    them equal the engine's."""
+    from tether.families.flow.learn import FlowPolicy, to_flow_batch
+    from tether.families.flow.rollout import FlowSampler
+    from tether.vocabulary import Example, SamplingParams, WorkItem
+
+    torch.set_num_threads(1)
+    cfg = recipe(pipeline, prompts, "flow.guidance_scale=4.5", "flow.sde_window=2", "flow.sde_window_range=3")
+    sampler = FlowSampler(cfg, str(pipeline), device=torch.device("cpu"))
+    item = WorkItem(batch_index=0, version=0, examples=[(i, Example(prompt=p, answer="")) for i, p in
+                                                        enumerate(PROMPTS[:3])],
+                    group_size=2, params=SamplingParams(max_new_tokens=1), seed=5)
+    batch = sampler.generate(item)
+    batch.check()
+    start = sampler.sampling.window_steps(5).start
+    assert start == 1 and batch.first_step == start  # seed 5: an ODE step before the window and after and batch.latents.shape[1] == 3 and batch.logprobs.shape == (6, 2)
+    assert torch.equal(torch.as_tensor(batch.times), sampler.sampling.times()[start:start + 3])
+    policy = FlowPolicy()
+    learner_model, _ = policy.load(pipeline)
+    tb = to_flow_batch(batch)
+    with torch.no_grad():
+        diff = (policy.forward(learner_model, tb)[0] - tb.behavior_logp).abs().max().item()
+    assert diff <= 1e-5
+
+
 def _edit_json(path, **changes):
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
