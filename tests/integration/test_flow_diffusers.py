@@ -318,7 +318,8 @@ def test_a_pipelines_sde_window_records_and_trains_its_steps_alone(pipeline, pro
     batch = sampler.generate(item)
     batch.check()
     start = sampler.sampling.window_steps(5).start
-    assert start == 1 and batch.first_step == start  # seed 5: an ODE step before the window and after and batch.latents.shape[1] == 3 and batch.logprobs.shape == (6, 2)
+    assert start == 1  # seed 5: an ODE step before the window and one after it
+    assert batch.first_step == start and batch.latents.shape[1] == 3 and batch.logprobs.shape == (6, 2)
     assert torch.equal(torch.as_tensor(batch.times), sampler.sampling.times()[start:start + 3])
     policy = FlowPolicy()
     learner_model, _ = policy.load(pipeline)

@@ -16,7 +16,8 @@ class FlowSection:
     steps: int = knob(
         8,
         "T: SDE denoising steps of each training sample, each one policy action with its own "
-        "log-probability, ratio and clip (Flow-GRPO's denoising reduction: fewer than evaluation).",
+        "log-probability, ratio and clip (Flow-GRPO's denoising reduction: fewer than evaluation); with "
+        "flow.sde_window, K of them are, the others ODE steps.",
         min=1,
     )
     train_steps: int = knob(

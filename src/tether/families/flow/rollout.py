@@ -4,8 +4,8 @@ scored batch it sends back (``FlowBatch``, the payload the flow learner trains o
 A rollout batch is B prompts × G images, each a trajectory of T denoising steps: SDE steps with
 every step's log-probability under the engine's weights and the version that sampled it, or, with
 an SDE window (``flow.sde_window`` = K), K such steps among ODE steps, of which the batch records
-only the window's (the learner trains nothing else). Arrays travel as
-numpy (pickled through the worker's pipe or Ray's object store; no shared-memory handles).
+only the window's (the learner trains nothing else). Arrays travel as numpy (pickled through the
+worker's pipe or Ray's object store; no shared-memory handles).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def check_finite(out: Trajectories, sampling: FlowSampling) -> None:
     if not bad.any():
         if torch.isfinite(out.final).all():
             return
-        j = sampling.steps - 1  # an ODE step after the window
+        j = sampling.steps - 1  # an ODE step after the window: named by the last one
     else:
         j = out.first_step + int(bad.any(0).nonzero()[0])
     times = sampling.times()
