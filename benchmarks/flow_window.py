@@ -37,10 +37,12 @@ def demo(*overrides: str):
     return load_config(ROOT / "recipes" / "flow-demo.yaml", list(overrides))
 
 
-def timed(fn) -> float:
-    t0 = time.perf_counter()
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of ``fn()``: on a shared machine the CPU time
+    is the work done, the wall time also the waits for a core."""
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def measure(windows: list[int], span: int, repeats: int, threads: int) -> dict:
@@ -68,29 +70,35 @@ def measure(windows: list[int], span: int, repeats: int, threads: int) -> dict:
         cfg = demo(f"model.path={path}", f"flow.sde_window={k}", f"flow.sde_window_range={span if k else 0}",
                    f"train.threads={threads}")
         arms[k] = (FlowSampler(cfg, str(path), device=torch.device("cpu")), TorchLearner(str(path), cfg))
-    gen: dict[int, list[float]] = {k: [] for k in windows}
-    learn: dict[int, list[float]] = {k: [] for k in windows}
+    gen: dict[int, list[tuple[float, float]]] = {k: [] for k in windows}
+    learn: dict[int, list[tuple[float, float]]] = {k: [] for k in windows}
     for r in range(repeats + 1):  # the first round warms up
         for k, (sampler, learner) in arms.items():
-            t0 = time.perf_counter()
-            batch = sampler.generate(item)
-            generate_s = time.perf_counter() - t0
+            out = {}
+            generate = timed(lambda s=sampler, o=out: o.update(batch=s.generate(item)))
+            batch = out["batch"]
             batch.rewards = [float((i * 7) % 5 == 0) for i in range(b * g)]  # variance in every group
             rollout = RolloutBatch(index=0, behavior_version=0, num_groups=b, group_size=g, payload=batch)
-            learn_s = timed(lambda lrn=learner, ro=rollout: lrn.train(ro, train_version=0))
+            update = timed(lambda lrn=learner, ro=rollout: lrn.train(ro, train_version=0))
             if r:
-                gen[k].append(generate_s)
-                learn[k].append(learn_s)
-    steps = base.flow.steps
-    full_gen, full_learn = statistics.median(gen[windows[0]]), statistics.median(learn[windows[0]])
+                gen[k].append(generate)
+                learn[k].append(update)
+
+    def median(runs: list[tuple[float, float]], which: int) -> float:
+        return statistics.median(x[which] for x in runs)
+
+    steps, first = base.flow.steps, windows[0]
     rows = []
     for k in windows:
-        gs, ls = statistics.median(gen[k]), statistics.median(learn[k])
+        gs, ls, gc, lc = median(gen[k], 0), median(learn[k], 0), median(gen[k], 1), median(learn[k], 1)
         rows.append({"sde_window": k, "trained_steps": k or steps, "steps": steps,
-                     "gen_samples_per_s": b * g / gs, "gen_s": gs, "learner_s": ls,
-                     "learner_vs_first": ls / full_learn, "gen_vs_first": gs / full_gen,
                      "k_over_t": (k or steps) / steps,
-                     "sync_samples_per_s": b * g / (gs + ls), "async_samples_per_s": b * g / max(gs, ls)})
+                     "gen_s": gs, "learner_s": ls, "gen_cpu_s": gc, "learner_cpu_s": lc,
+                     "gen_samples_per_s": b * g / gs, "gen_samples_per_cpu_s": b * g / gc,
+                     "learner_cpu_vs_first": lc / median(learn[first], 1),
+                     "gen_cpu_vs_first": gc / median(gen[first], 1),
+                     "sync_samples_per_cpu_s": b * g / (gc + lc),
+                     "overlapped_samples_per_cpu_s": b * g / max(gc, lc)})
     return {"threads": threads, "repeats": repeats, "range": span, "samples_per_batch": b * g, "rows": rows}
 
 
@@ -131,7 +139,7 @@ def main(argv=None) -> int:
     parser.add_argument("--range", type=int, default=0, dest="span",
                         help="flow.sde_window_range of the windows")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batches", type=int, default=0,
                         help="also run the flow demo this many batches with each window")
     parser.add_argument("--json", action="store_true")
@@ -145,13 +153,15 @@ def main(argv=None) -> int:
         return 0
     t = out["timing"]
     print(f"flow demo batch ({t['samples_per_batch']} trajectories × {t['rows'][0]['steps']} steps), "
-          f"{t['threads']} threads, medians of {t['repeats']}, window range {t['range'] or 'all'}:")
-    print("  K (0 = full SDE) | gen samples/s | learner s/batch | learner vs first | K/T | "
-          "samples/s sync / overlapped")
+          f"{t['threads']} threads, medians of {t['repeats']}, window range {t['range'] or 'all'}; "
+          "CPU seconds (wall in brackets):")
+    print("  K (0 = full SDE) | generation s (samples/s) | learner s | learner vs first | K/T | "
+          "samples/s: gen + learn / overlapped")
     for r in t["rows"]:
-        print(f"  {r['sde_window']:>16} | {r['gen_samples_per_s']:13.1f} | {r['learner_s']:15.3f} | "
-              f"{r['learner_vs_first']:16.2f} | {r['k_over_t']:.2f} | {r['sync_samples_per_s']:.1f} / "
-              f"{r['async_samples_per_s']:.1f}")
+        print(f"  {r['sde_window']:>16} | {r['gen_cpu_s']:6.3f} [{r['gen_s']:6.3f}] "
+              f"({r['gen_samples_per_cpu_s']:5.1f}) | {r['learner_cpu_s']:6.3f} [{r['learner_s']:6.3f}] | "
+              f"{r['learner_cpu_vs_first']:16.2f} | {r['k_over_t']:.2f} | "
+              f"{r['sync_samples_per_cpu_s']:.1f} / {r['overlapped_samples_per_cpu_s']:.1f}")
     for r in out.get("runs", []):
         print(f"  demo, K={r['sde_window']}, {r['batches']} batches: held-out reward "
               f"{r['reward_before']:.3f} → {r['reward_after']:.3f} (pass@1 {r['pass_before']:.1%} → "
