@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     words = torch.tensor([scenes.encode(e.prompt) for e in SHAPES.examples("train", args.prompts, seed=3)])
     words = words.repeat_interleave(8, 0)
     cond = {"words": words}
-    latents, _, _ = sample(behavior, cond, sampling, generator=torch.Generator().manual_seed(0))
+    latents = sample(behavior, cond, sampling, generator=torch.Generator().manual_seed(0)).latents
     with torch.no_grad():
         mu, _, stds = step_logprobs(behavior, latents, cond, sampling.times(), sampling.noise_level)
         pi, _, _ = step_logprobs(trained, latents, cond, sampling.times(), sampling.noise_level)

@@ -439,10 +439,11 @@ def test_an_environment_that_rewrites_the_history_starts_a_new_sample_of_one_epi
     assert train.rewards.tolist() == [r for r in batch.rewards for _ in range(2)]
     assert train.episode.tolist() == batch.episode_of
     # advantages are the episodes' (GRPO over the 4 episodes of a task), shared by their samples
-    from tether.train.learner import TorchLearner, _Stats
+    from tether.train.batch_stats import BatchStats
+    from tether.train.learner import TorchLearner
 
     learner = TorchLearner(tiny_model_dir, config(tiny_model_dir, env, "train.updates_per_batch=3"))
-    adv, _ = learner._advantages(train, _Stats())
+    adv, _ = learner._advantages(train, BatchStats())
     assert torch.allclose(adv.values, group_advantages(torch.tensor(batch.rewards), 4).values[train.episode])
     assert len(set(batch.rewards)) > 1
     # three mini-batches of 16 rows cut episodes in two; every update still commits

@@ -72,7 +72,8 @@ def test_engine_and_learner_step_logprobs_agree_for_a_diffusers_pipeline(pipelin
     engine = FlowEngine(model, sampling, negative_prompt="")
     cond = model.encode_prompts(PROMPTS[:3])
     per_sample = conditioning.rows(cond, torch.arange(3).repeat_interleave(2))
-    latents, logps, versions = engine.generate(per_sample, seed=7)
+    out = engine.generate(per_sample, seed=7)
+    latents, logps, versions = out.latents, out.logprobs, out.versions
     assert latents.shape == (6, 5, 4, 16, 16) and versions == [0] * 4
     negative = engine.negative
     batch = FlowBatch(positions=[0, 1, 2], prompts=PROMPTS[:3], cond=conditioning.as_numpy(cond),
@@ -298,6 +299,34 @@ def test_a_rollout_worker_samples_the_pipeline_on_its_device_as_the_cpu_learner_
     print(f"\n{device} {dtype}: engine against the float32 CPU learner, mean |Δ log-prob| {diff:.2e}")
     bound = {("cpu", "float32"): 1e-5, ("cuda", "float32"): 1e-4}.get((device, dtype), 1e-2)
     assert diff <= bound
+
+
+def test_a_pipelines_sde_window_records_and_trains_its_steps_alone(pipeline, prompts):
+    """flow.sde_window on a diffusers pipeline (guided, the scheduler's shifted sigmas): the batch
+    holds the window's K steps at their sigmas, and the transformer-only learner's log-probs of
+    them equal the engine's."""
+    from tether.families.flow.learn import FlowPolicy, to_flow_batch
+    from tether.families.flow.rollout import FlowSampler
+    from tether.vocabulary import Example, SamplingParams, WorkItem
+
+    torch.set_num_threads(1)
+    cfg = recipe(pipeline, prompts, "flow.guidance_scale=4.5", "flow.sde_window=2", "flow.sde_window_range=3")
+    sampler = FlowSampler(cfg, str(pipeline), device=torch.device("cpu"))
+    item = WorkItem(batch_index=0, version=0, examples=[(i, Example(prompt=p, answer="")) for i, p in
+                                                        enumerate(PROMPTS[:3])],
+                    group_size=2, params=SamplingParams(max_new_tokens=1), seed=5)
+    batch = sampler.generate(item)
+    batch.check()
+    start = sampler.sampling.window_steps(5).start
+    assert start == 1  # seed 5: an ODE step before the window and one after it
+    assert batch.first_step == start and batch.latents.shape[1] == 3 and batch.logprobs.shape == (6, 2)
+    assert torch.equal(torch.as_tensor(batch.times), sampler.sampling.times()[start:start + 3])
+    policy = FlowPolicy()
+    learner_model, _ = policy.load(pipeline)
+    tb = to_flow_batch(batch)
+    with torch.no_grad():
+        diff = (policy.forward(learner_model, tb)[0] - tb.behavior_logp).abs().max().item()
+    assert diff <= 1e-5
 
 
 def _edit_json(path, **changes):

@@ -43,7 +43,8 @@ def rollout_batches(model):
     for index in range(2):
         prompts = [s.prompt for s in scenes.all_scenes()[4 * index:4 * index + 4]]
         words = torch.tensor([scenes.encode(p) for p in prompts])
-        latents, logps, versions = engine.generate({"words": words.repeat_interleave(4, 0)}, seed=index)
+        sampled = engine.generate({"words": words.repeat_interleave(4, 0)}, seed=index)
+        latents, logps, versions = sampled.latents, sampled.logprobs, sampled.versions
         payload = FlowBatch(positions=list(range(4)), prompts=prompts, cond={"words": words.numpy()},
                             latents=latents.numpy(), logprobs=logps.numpy(), versions=[versions] * 16,
                             rewards=[rng.random() for _ in range(16)], times=sampling.times().numpy(),

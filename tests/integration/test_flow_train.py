@@ -124,12 +124,38 @@ def test_the_flow_demo_recipe_runs_shortened_with_pictures(flow_model, tmp_path,
     assert again["eval/reward_mean"] == evals[-1]["eval/reward_mean"]  # the same images, from fixed noise
 
 
+def test_a_flow_run_with_an_sde_window_trains_the_windows_steps(flow_model, tmp_path):
+    """flow.sde_window=2 of 4 steps, within the first 3: each batch's window drawn by its seed (a
+    resume and every rank draw the same), the learner's log-probs of the window's steps equal the
+    engine's where the trained weights sampled them, and the weights move."""
+    from tether.families.flow.policy import FlowSampling
+
+    cfg = recipe(flow_model, "train.num_batches=4", "async.max_staleness=1", "flow.sde_window=2",
+                 "flow.sde_window_range=3", "eval.interval=4", "eval.num_samples=2", "checkpoint.interval=4")
+    summary = train(cfg, tmp_path / "run", progress_plain=True)
+    assert summary["trained_batches"] == 4
+    metrics = rows(tmp_path / "run" / "metrics.jsonl")
+    sampling = FlowSampling(steps=4, window=2, window_range=3)
+    drawn = [sampling.window_steps(cfg.run.seed * 1_000_003 + m["batch_index"]).start for m in metrics]
+    assert [m["flow/window_start"] for m in metrics] == drawn and set(drawn) <= {0, 1}
+    fresh = [m for m in metrics if m["staleness/updates"] == 0]
+    assert fresh and all(m["mismatch/numeric_logprob_abs_diff_max"] < 1e-4 for m in fresh)
+    assert any(m["loss/policy"] != 0 for m in metrics)
+    trained = load_file(str(tmp_path / "run" / "checkpoints" / "step-000004" / "learner" / "model" /
+                            "model.safetensors"))
+    start = load_file(str(flow_model / "model.safetensors"))
+    assert any(not trained[name].equal(start[name]) for name in start)
+    evals = rows(tmp_path / "run" / "eval.jsonl")
+    assert all(0 <= e["eval/sampled_reward_mean"] <= 1 for e in evals)
+
+
 @pytest.mark.parametrize(("override", "says"), [
     ("rollout.temperature=0.5", "rollout.temperature"),
     ("async.inflight_update=keep", "drain only"),
     ("rollout.dynamic_sampling=true", "dynamic sampling, which model.family=flow does not have"),
     ("reward.function=exact_match", "scores text"),
     ("flow.train_steps=5", "exceeds the flow.steps=4"),
+    ("flow.sde_window=5", "flow.sde_window=5 exceeds the flow.steps=4"),
 ])
 def test_language_model_keys_are_refused_for_flow(flow_model, tmp_path, override, says):
     with pytest.raises(ConfigError, match=says):

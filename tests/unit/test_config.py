@@ -378,6 +378,17 @@ def test_the_flow_grpo_preset_sets_the_references_keys_that_have_defaults_of_the
     assert (other.flow.train_steps, other.flow.train_step_choice) == (0, "random")
 
 
+def test_with_an_sde_window_the_flow_grpo_preset_trains_the_whole_window():
+    """Flow-GRPO-Fast trains every step of its window: the preset's int(0.99·T) would exceed a
+    window of K < T steps and be refused, so with a window it leaves flow.train_steps at 0."""
+    cfg = load_config(None, [*FLOW, "train.algorithm=flow_grpo", "flow.steps=8", "flow.sde_window=2"])
+    assert (cfg.flow.train_steps, cfg.flow.sde_window) == (0, 2)
+    assert not cfg.family().notes(cfg)  # the preset's own steps: nothing to say at start
+    named = load_config(None, [*FLOW, "train.algorithm=flow_grpo", "flow.steps=8", "flow.sde_window=2",
+                               "flow.train_steps=1"])
+    assert named.flow.train_steps == 1
+
+
 def test_a_key_the_recipe_names_wins_over_the_flow_grpo_preset_even_at_its_default():
     mine = load_config(None, [*FLOW, "train.algorithm=flow_grpo", "train.anchor=proximal",
                               "correction.tis=token", "train.lr=1e-6", "train.lora_rank=0",

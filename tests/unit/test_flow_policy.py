@@ -105,10 +105,11 @@ def test_engine_and_learner_step_logprobs_agree_at_the_same_weights():
     engine = FlowEngine(FlowModel(model.config), sampling)
     engine.load_weights(dict(model.named_parameters()), version=3)
     words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:8]])
-    latents, logps, versions = engine.generate({"words": words.repeat_interleave(4, 0)}, seed=11)
+    out = engine.generate({"words": words.repeat_interleave(4, 0)}, seed=11)
+    latents, logps, versions = out.latents, out.logprobs, out.versions
     assert versions == [3] * 6 and latents.shape == (32, 7, 3, 16, 16)
     again = engine.generate({"words": words.repeat_interleave(4, 0)}, seed=11)
-    assert torch.equal(again[0], latents) and torch.equal(again[1], logps)  # seeded
+    assert torch.equal(again.latents, latents) and torch.equal(again.logprobs, logps)  # seeded
     batch = FlowBatch(positions=list(range(8)), prompts=["p"] * 8, cond={"words": words.numpy()},
                       latents=latents.numpy(), logprobs=logps.numpy(), versions=[versions] * 32,
                       rewards=[0.0] * 32, times=sampling.times().numpy(), noise_level=0.7, group_size=4)
@@ -176,7 +177,8 @@ def test_the_learners_kl_term_is_the_closed_form_of_the_two_step_gaussians():
     words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:3]])
     engine = FlowEngine(FlowModel(model.config), sampling)
     engine.load_weights(dict(model.named_parameters()), version=0)
-    latents, logps, versions = engine.generate({"words": words}, seed=2)
+    out = engine.generate({"words": words}, seed=2)
+    latents, logps, versions = out.latents, out.logprobs, out.versions
     tb = to_flow_batch(FlowBatch(positions=[0, 1, 2], prompts=["p"] * 3, cond={"words": words.numpy()},
                                  latents=latents.numpy(), logprobs=logps.numpy(), versions=[versions] * 3,
                                  rewards=[0.0] * 3, times=sampling.times().numpy(), noise_level=0.7,
@@ -223,7 +225,8 @@ def test_kl_in_the_references_units_is_the_exact_one_times_each_steps_dt():
     engine = FlowEngine(FlowModel(model.config), sampling)
     engine.load_weights(dict(model.named_parameters()), version=0)
     words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:2]])
-    latents, logps, versions = engine.generate({"words": words.repeat_interleave(2, 0)}, seed=3)
+    out = engine.generate({"words": words.repeat_interleave(2, 0)}, seed=3)
+    latents, logps, versions = out.latents, out.logprobs, out.versions
     times = torch.tensor([1.0, 0.9, 0.6, 0.25, 0.0])  # uneven steps
     batch = FlowBatch(positions=[0, 1], prompts=["p"] * 2, cond={"words": words.numpy()},
                       latents=latents.numpy(), logprobs=logps.numpy(), versions=[versions] * 4,
@@ -256,7 +259,8 @@ def guided_batch(model, guidance=4.5, steps=4, seed=5):
     engine = FlowEngine(FlowModel(model.config), sampling)
     engine.load_weights(dict(model.named_parameters()), version=0)
     words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:2]])
-    latents, logps, versions = engine.generate({"words": words.repeat_interleave(2, 0)}, seed=seed)
+    out = engine.generate({"words": words.repeat_interleave(2, 0)}, seed=seed)
+    latents, logps, versions = out.latents, out.logprobs, out.versions
     return to_flow_batch(FlowBatch(
         positions=[0, 1], prompts=["p"] * 2, cond={"words": words.numpy()}, latents=latents.numpy(),
         logprobs=logps.numpy(), versions=[versions] * 4, rewards=[0.0] * 4,

@@ -173,10 +173,11 @@ def test_a_non_finite_engine_step_names_the_settings_that_produce_it():
     sampling = FlowSampling(steps=8, noise_level=1e6, shift=1.0)
     engine = FlowEngine(model, sampling)
     cond = model.encode_prompts(["one red square left"] * 2)
-    latents, logps, _ = engine.generate(cond, seed=0)
+    out = engine.generate(cond, seed=0)
+    latents, logps = out.latents, out.logprobs
     assert not torch.isfinite(latents).all()
     with pytest.raises(RolloutError) as err:
-        check_finite(latents, logps, sampling)
+        check_finite(out, sampling)
     text = str(err.value)
     for words in ("non-finite values at step", "flow.noise_level=1e+06", "flow.shift=1", "flow.steps=8",
                   "flow.guidance_scale=1"):

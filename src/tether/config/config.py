@@ -88,9 +88,7 @@ class Config:
         explicit = {f"{name}.{key}" for name, value in data.items() if isinstance(value, Mapping)
                     for key in value}  # the keys the recipe names: they win over the preset
         config = apply_sets(dataclasses.replace(config, train=resolve_preset(config.train)), explicit)
-        resolve = getattr(config.family(), "resolve", None)  # a family's keys that follow the preset
-        if resolve is not None:
-            config = resolve(config, explicit)
+        config = config.family().resolve(config, explicit)  # a family's keys that follow the preset
         config.check()
         return config._own_sections_only()
 

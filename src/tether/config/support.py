@@ -82,3 +82,12 @@ class PlanSection:
         min=0,
         owner="family",
     )
+    train_time_steps: int = knob(
+        0,
+        "Flow family: the trained steps per trajectory (flow.train_steps, else flow.sde_window, else "
+        "flow.steps) of the run train_time was measured on; the plan prices an update of the recipe's "
+        "K trained steps at train_time × K / train_time_steps (generation, a step's cost unchanged, "
+        "stays gen_time). 0 = measured at the recipe's own.",
+        min=0,
+        owner="family",
+    )

@@ -37,6 +37,11 @@ class FamilyBase:
     def norm_constant(self, cfg: Any) -> int:
         return cfg.rollout.max_new_tokens
 
+    def plan_train_scale(self, cfg: Any) -> float:
+        """What ``tether plan`` multiplies ``plan.train_time`` by for this recipe (1: it was timed
+        on this recipe's updates)."""
+        return 1.0
+
     def longest_sequence(self, cfg: Any) -> tuple[int | None, str]:
         """The most tokens one training row can hold (``train.max_tokens_per_micro_batch`` must
         hold it), and the keys that bound it; None: nothing bounds it (those keys would)."""

@@ -263,7 +263,8 @@ def staleness_forms(run_dir: Path) -> dict[str, Any] | None:
     length = mean("response/length_mean") if inflight_mode(cfg.async_.inflight_update).extra_work else 0.0
     cfg = replace(cfg, train=replace(cfg.train, num_batches=n),
                   plan=replace(cfg.plan, gen_time=gen, train_time=train, sync_time=sync, gen_jitter=0.0,
-                               mean_length=length, turns=0.0, env_time=0.0, commits=commits))
+                               mean_length=length, turns=0.0, env_time=0.0, commits=commits,
+                               train_time_steps=0))
     sim = simulate(cfg.budget(), timings_of(cfg), num_groups=cfg.rollout.batch_size,
                    group_size=cfg.rollout.group_size, anchor=cfg.train.anchor)
     return {"measured_batches": mean("staleness/batches"), "batches": n,

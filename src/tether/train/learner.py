@@ -35,7 +35,6 @@ from tether.modeling import (
     model_config,
     unique_parameters,
 )
-from tether.procinfo import peak_rss_mb
 from tether.train import checkpointing, fsdp, learner_state, lora, memory, packing, precision
 from tether.train.advantages import (
     Advantages,
@@ -45,6 +44,7 @@ from tether.train.advantages import (
     turn_advantages,
     units_of,
 )
+from tether.train.batch_stats import BatchStats, batch_metrics
 from tether.train.collective import Solo
 from tether.train.corrections import correct
 from tether.train.losses import LossInputs, LossSettings, aggregate, behavior_outside, loss_for
@@ -52,35 +52,6 @@ from tether.train.schedule import lr_factor
 from tether.vocabulary import RolloutBatch, TrainResult
 
 log = logging.getLogger("tether.train")
-
-
-class _Stats:
-    """Accumulates per-token tensors and scalars over one batch's updates."""
-
-    def __init__(self) -> None:
-        self.ratios: list[torch.Tensor] = []
-        self.entropy: list[torch.Tensor] = []
-        self.scalars: dict[str, list[float]] = {}
-        self.skips: dict[str, int] = {}  # updates not made, by reason
-        self.parts: dict[str, float] = {}
-        self.tokens = [0, 0]  # real tokens, positions of the updates' micro-batches (padded grids)
-
-    def add(self, name: str, value: float | torch.Tensor) -> None:
-        self.scalars.setdefault(name, []).append(float(value))
-
-    def part(self, name: str, value: float | torch.Tensor) -> None:
-        """A micro-batch's share of an update's value (the shares sum to it), added by ``done``."""
-        self.parts[name] = self.parts.get(name, 0.0) + float(value)
-
-    def done(self) -> None:
-        """The end of an update's micro-batches: each value's sum of shares is one figure."""
-        for name, value in self.parts.items():
-            self.add(name, value)
-        self.parts.clear()
-
-    def mean(self, name: str) -> float | None:
-        values = self.scalars.get(name)
-        return sum(values) / len(values) if values else None
 
 
 def _behind(logp: torch.Tensor, behavior: torch.Tensor, keep: torch.Tensor, settings: LossSettings) -> dict:
@@ -197,7 +168,7 @@ class TorchLearner:
         if u > tb.size:
             raise ConfigError(f"train.updates_per_batch={u} exceeds the {tb.size} sequences of a rollout "
                               "batch; lower it or raise rollout.batch_size × rollout.group_size")
-        stats = _Stats()
+        stats = BatchStats()
         adv, mask = self._advantages(tb, stats)
         minibatches = torch.arange(tb.size, device=self.device).tensor_split(u)  # U contiguous mini-batches
         groups = torch.div(units_of(tb), tb.group_size, rounding_mode="floor")  # (N,)
@@ -247,7 +218,7 @@ class TorchLearner:
                 f"{self.group.world} ranks, which split mini-batches by whole groups; raise "
                 "rollout.batch_size, or lower train.updates_per_batch or train.world_size")
 
-    def _advantages(self, tb: Any, stats: _Stats) -> tuple[Advantages, torch.Tensor]:
+    def _advantages(self, tb: Any, stats: BatchStats) -> tuple[Advantages, torch.Tensor]:
         """Advantages of the (shaped) rewards, and the loss mask (N, L − 1) of the samples kept."""
         s, shaping = self.s, self.cfg.reward
         if self.policy.sliced_by_turn(tb):  # per (group, turn) slice: env.credit=turn, env.on_failure=mask
@@ -322,7 +293,7 @@ class TorchLearner:
 
     def _update(self, tb: Any, rows: torch.Tensor, mine: torch.Tensor, adv: torch.Tensor,
                 mask: torch.Tensor, same: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None,
-                stats: _Stats) -> int:
+                stats: BatchStats) -> int:
         """One optimizer update from mini-batch ``rows`` (global row indices), of which this rank
         trains ``mine``. ``adv``, ``mask``, ``same``, ``old``, ``ref``: whole-batch tensors."""
         s = self.s
@@ -404,7 +375,7 @@ class TorchLearner:
         self.committed += 1
         return 1
 
-    def _count_micro(self, tb: Any, micro: list[torch.Tensor], stats: _Stats) -> None:
+    def _count_micro(self, tb: Any, micro: list[torch.Tensor], stats: BatchStats) -> None:
         """``train/micro_batches`` of an update, and for a family of token rows its tokens for
         ``train/pad_frac``."""
         stats.add("train/micro_batches", len(micro))
@@ -415,7 +386,7 @@ class TorchLearner:
         stats.tokens[1] += grid
 
     def _corrections(self, old: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor, same: torch.Tensor,
-                     weigh: bool, stats: _Stats) -> Any:
+                     weigh: bool, stats: BatchStats) -> Any:
         """The corrections of a mini-batch from its π_old (every rank's rows), their metrics
         counted; None when they mask every token (nothing to learn from)."""
         corr = correct(old, behavior, mask, self.cfg.correction, weigh=weigh, same_weights=same)
@@ -455,7 +426,7 @@ class TorchLearner:
         in_loss = mask.any(dim=1)  # (N,)
         return bool(in_loss.any()) and (ref is not None or bool((adv[in_loss] != 0).any()))
 
-    def _skip(self, stats: _Stats, reason: str) -> int:
+    def _skip(self, stats: BatchStats, reason: str) -> int:
         """An update that is not made: no optimizer step (AdamW would still move the weights by
         its momentum), no scheduler step, not committed; counted under ``reason``."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -463,39 +434,9 @@ class TorchLearner:
         stats.skips[reason] = stats.skips.get(reason, 0) + 1
         return 0
 
-    ALWAYS = ("loss/policy", "loss/total", "train/grad_norm", "train/entropy", "ratio/mean", "ratio/std",
-              "ratio/min", "ratio/max", "ratio/clip_frac_low", "ratio/clip_frac_high",
-              "ratio/outside_clip_frac", "ratio/behavior_outside_clip_frac", "ratio/is_weight_mean",
-              "ratio/is_weight_std", "ratio/is_weight_min", "ratio/is_weight_max", "ratio/masked_frac",
-              "ratio/ess", "mismatch/logprob_abs_diff_mean", "mismatch/logprob_abs_diff_max", "mismatch/k3",
-              "mismatch/numeric_token_frac", "mismatch/numeric_logprob_abs_diff_mean",
-              "mismatch/numeric_logprob_abs_diff_max")
-    """Reported for every batch; NaN when undefined (e.g. every group dropped for zero variance)."""
-
-    def _metrics(self, stats: _Stats, frac_zero_std: float, skipped: int) -> dict[str, float]:
-        out: dict[str, float] = dict.fromkeys(self.ALWAYS, float("nan"))
-        out.update({k: v for k in stats.scalars if (v := stats.mean(k)) is not None})
-        out["loss/kl"] = out.get("loss/kl", 0.0)
-        out["train/lr"] = self.optimizer.param_groups[0]["lr"]
-        out["train/skipped_updates"] = float(skipped)
-        for reason in ("train/skipped_no_signal", "train/skipped_nonfinite_grad"):
-            out[reason] = float(stats.skips.get(reason, 0))
-        out["reward/frac_zero_std"] = frac_zero_std
-        _, tokens = self.group.collect(torch.tensor([stats.tokens], dtype=torch.float64),
-                                       torch.tensor([self.group.rank]))  # every rank's micro-batches
-        real, grid = tokens.sum(0).tolist()
-        if grid:
-            out["train/pad_frac"] = 1.0 - real / grid
-        out["memory/trainer_peak_mb"] = self.group.most(peak_rss_mb())  # with ranks: the largest rank's
-        if self.device.type == "cuda":
-            gpu_peak = torch.cuda.max_memory_allocated(self.device) / 2**20
-            out["memory/trainer_gpu_peak_mb"] = self.group.most(gpu_peak)
-        if stats.ratios:
-            ratios = torch.cat(stats.ratios)
-            out.update({"ratio/mean": float(ratios.mean()), "ratio/std": float(ratios.std(unbiased=False)),
-                        "ratio/min": float(ratios.min()), "ratio/max": float(ratios.max())})
-            out["train/entropy"] = float(torch.cat(stats.entropy).mean())
-        return out
+    def _metrics(self, stats: BatchStats, frac_zero_std: float, skipped: int) -> dict[str, float]:
+        return batch_metrics(stats, lr=self.optimizer.param_groups[0]["lr"], frac_zero_std=frac_zero_std,
+                             skipped=skipped, group=self.group, device=self.device)
 
     # -- state: the checkpoint format is tether.train.learner_state's ------------------------------
 

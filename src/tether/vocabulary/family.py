@@ -132,8 +132,24 @@ class Family(Protocol):
     def check(self, cfg: Any) -> None:
         """Refuse (``ConfigError``) combinations of keys this family cannot run."""
 
+    def resolve(self, cfg: Any, explicit: set[str]) -> Any:
+        """``cfg`` with this family's keys that follow ``train.algorithm`` (a preset's) filled in,
+        except those in ``explicit`` (the dotted keys the recipe names, which win); ``FamilyBase``'s
+        fills none."""
+        ...
+
     def norm_constant(self, cfg: Any) -> int:
         """L_max: the most columns a sample can have (Dr. GRPO's normaliser)."""
+        ...
+
+    def plan_train_scale(self, cfg: Any) -> float:
+        """What ``tether plan`` multiplies ``plan.train_time`` by for this recipe (``FamilyBase``'s:
+        1, the time was measured on this recipe's updates)."""
+        ...
+
+    def longest_sequence(self, cfg: Any) -> tuple[int | None, str]:
+        """The most tokens one training row can hold and the keys that bound it (None: nothing
+        bounds it); ``train.max_tokens_per_micro_batch`` must hold it."""
         ...
 
     def notes(self, cfg: Any) -> list[Any]:

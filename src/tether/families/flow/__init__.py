@@ -35,7 +35,8 @@ class FlowFamily(FamilyBase):
     name = "flow"
     description = "flow-matching image generators (Flow-GRPO): a sample is a trajectory, an action a step"
     section = ("flow", FlowSection)
-    keys = ("reward.function", "reward.functions", "reward.weights", "reward.on_error")
+    keys = ("reward.function", "reward.functions", "reward.weights", "reward.on_error",
+            "plan.train_time_steps")
     capabilities = Capabilities(
         engine_kind="step", inflight_updates=("drain",),
         features=frozenset({"learner_ranks", "learner_actor", "datasets", "lora"}),
@@ -63,9 +64,7 @@ class FlowFamily(FamilyBase):
         from tether.families.flow.sde import check_sde
 
         check_sde(cfg.flow.noise_level, cfg.flow.shift, cfg.flow.steps)
-        if cfg.flow.train_steps > cfg.flow.steps:
-            raise ConfigError(f"flow.train_steps={cfg.flow.train_steps} exceeds the flow.steps="
-                              f"{cfg.flow.steps} steps of a trajectory; lower it (0 trains all of them)")
+        check_window(cfg.flow)
         if cfg.flow.dtype != "float32" and not is_pipeline(cfg.model.path):
             raise ConfigError(f"flow.dtype={cfg.flow.dtype} is for a diffusers pipeline's engine; the "
                               "built-in model samples in float32: drop it")
@@ -75,22 +74,29 @@ class FlowFamily(FamilyBase):
                               "drop it")
 
     def norm_constant(self, cfg: Any) -> int:
-        return cfg.flow.train_steps or cfg.flow.steps
+        return trained_steps(cfg.flow)
+
+    def plan_train_scale(self, cfg: Any) -> float:
+        """An update's cost over that of one timed at ``plan.train_time_steps`` trained steps per
+        trajectory: the learner's forward and backward run over N·K (x_t, t) pairs, K the trained
+        steps (``trained_steps``); 1 when that key is 0 (timed at the recipe's own)."""
+        timed = cfg.plan.train_time_steps
+        return trained_steps(cfg.flow) / timed if timed else 1.0
 
     def notes(self, cfg: Any) -> list[AdmissionNote]:
         """Guidance settings that run, but do not do what they seem to; and, with
         ``train.algorithm: flow_grpo``, the recipe's own trained steps where they are not the
         reference's (the recipe named them: ``resolve_flow`` fills them otherwise)."""
-        from tether.families.flow.options import reference_train_steps
+        from tether.families.flow.options import preset_train_steps
 
         f = cfg.flow
-        reference, own = reference_train_steps(f.steps), []
+        reference, own = preset_train_steps(f), []
         mine = (f.train_steps, f.train_step_choice)
         if cfg.train.algorithm == "flow_grpo" and mine != (reference, "first"):
             own.append(AdmissionNote(
                 "not_the_reference_steps", f"flow.train_steps={f.train_steps}, flow.train_step_choice="
                 f"{f.train_step_choice} (the recipe's) stand instead of train.algorithm=flow_grpo's "
-                f"timestep fraction 0.99: flow.train_steps={reference}, flow.train_step_choice=first"))
+                f"trained steps: flow.train_steps={reference}, flow.train_step_choice=first"))
         return own + self._guidance_notes(f)
 
     @staticmethod
@@ -197,6 +203,34 @@ class FlowFamily(FamilyBase):
 
         pictures = sorted((run_dir / "samples").glob("step_*.png"))
         return [report_samples(pictures, evals, out / "samples.png")] if pictures else []
+
+
+def trained_steps(flow: FlowSection) -> int:
+    """K: the steps of each trajectory the learner trains: ``flow.train_steps``, else the SDE
+    window's, else all ``flow.steps``."""
+    return flow.train_steps or flow.sde_window or flow.steps
+
+
+def check_window(flow: FlowSection) -> None:
+    """Refuse an SDE window or trained steps that do not fit the trajectory, naming the keys."""
+    if flow.sde_window > flow.steps:
+        raise ConfigError(f"flow.sde_window={flow.sde_window} exceeds the flow.steps={flow.steps} steps of "
+                          "a trajectory; lower it (0 makes every step an SDE step)")
+    if flow.sde_window_range and not flow.sde_window:
+        raise ConfigError(f"flow.sde_window_range={flow.sde_window_range} places an SDE window, but "
+                          "flow.sde_window is 0 (every step is an SDE step): set flow.sde_window, or drop "
+                          "flow.sde_window_range")
+    if flow.sde_window_range and not flow.sde_window <= flow.sde_window_range <= flow.steps:
+        raise ConfigError(f"flow.sde_window_range={flow.sde_window_range} must hold the flow.sde_window="
+                          f"{flow.sde_window} steps and lie within the flow.steps={flow.steps} of a "
+                          f"trajectory: set it from {flow.sde_window} to {flow.steps} (0 = anywhere)")
+    if flow.sde_window and flow.train_steps > flow.sde_window:
+        raise ConfigError(f"flow.train_steps={flow.train_steps} exceeds the flow.sde_window="
+                          f"{flow.sde_window} SDE steps of a trajectory (the only steps that are actions, "
+                          "with log-probabilities): lower it, or set 0 to train every step of the window")
+    if flow.train_steps > flow.steps:
+        raise ConfigError(f"flow.train_steps={flow.train_steps} exceeds the flow.steps="
+                          f"{flow.steps} steps of a trajectory; lower it (0 trains all of them)")
 
 
 FAMILY = FlowFamily()

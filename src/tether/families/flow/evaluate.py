@@ -4,9 +4,10 @@ than training uses (and, with ``eval.num_samples``, by the training SDE), scored
 ``eval/pass_at_1``: the share of held-out prompts whose ODE image earns the full reward (the
 counterpart of a language model's greedy pass@1); ``eval/reward_mean`` its mean reward;
 ``eval/sampled_reward_mean`` and ``eval/sampled_pass_at_1``: the same over k SDE samples per prompt
-at the training settings. The noise is fixed by the seed, so evaluations along a run differ only
-by the weights. ``images_to``: also write a grid of the first ``grid`` prompts' ODE images at
-each evaluation (``samples/step_NNNNNN.png`` in the run directory), for ``tether report``.
+at the training settings (its SDE window too). The noise is fixed by the seed, so evaluations
+along a run differ only by the weights. ``images_to``: also write a grid of the first ``grid``
+prompts' ODE images at each evaluation (``samples/step_NNNNNN.png`` in the run directory), for
+``tether report``.
 """
 
 from __future__ import annotations
@@ -65,11 +66,11 @@ class FlowEvaluator:
             rewards = self._rewards(ode, self.examples)
             k = self.num_samples
             repeated = conditioning.rows(self.cond, torch.arange(len(self.examples)).repeat_interleave(k))
-            generator = torch.Generator().manual_seed(self.seed * 7919 + step)
-            sampled_images = [image for chunk in self._chunks(repeated)
-                              for image in self.model.decode(sample(self.model, chunk, self.sampling,
-                                                                    generator=generator,
-                                                                    negative=self.negative)[0][:, -1])]
+            seed = self.seed * 7919 + step
+            generator, window = torch.Generator().manual_seed(seed), self.sampling.window_steps(seed)
+            finals = (sample(self.model, chunk, self.sampling, generator=generator, negative=self.negative,
+                             window=window).final for chunk in self._chunks(repeated))
+            sampled_images = [image for final in finals for image in self.model.decode(final)]
             sampled = self._rewards(sampled_images, [e for e in self.examples for _ in range(k)])
         finally:
             self.model.train(was_training)

@@ -2,8 +2,9 @@
 tiny model a run builds. Refused unless ``model.family=flow`` (``tether.config.features``).
 
 ``train.algorithm: flow_grpo`` also sets the reference's timestep fraction here (``resolve_flow``):
-the first int(0.99·T) steps of every trajectory, unless the recipe names ``flow.train_steps`` or
-``flow.train_step_choice``; the run's config records what was resolved.
+the first int(0.99·T) steps of every trajectory (every step of an SDE window, when there is one),
+unless the recipe names ``flow.train_steps`` or ``flow.train_step_choice``; the run's config records
+what was resolved.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ class FlowSection:
     steps: int = knob(
         8,
         "T: SDE denoising steps of each training sample, each one policy action with its own "
-        "log-probability, ratio and clip (Flow-GRPO's denoising reduction: fewer than evaluation).",
+        "log-probability, ratio and clip (Flow-GRPO's denoising reduction: fewer than evaluation); with "
+        "flow.sde_window, K of them are, the others ODE steps.",
         min=1,
     )
     train_steps: int = knob(
@@ -45,6 +47,24 @@ class FlowSection:
         "(Flow-GRPO's newer upstream); conditional = the unconditional branch detached, v = sg[v_u] + "
         "w·(v_c − sg[v_u]) (the reference at ac4c86e). docs/flow.md, \"Guidance gradients\".",
         choices=("full", "conditional"),
+    )
+    sde_window: int = knob(
+        0,
+        "K: an SDE window (Flow-GRPO-Fast's, MixGRPO's): only K consecutive steps of each trajectory "
+        "are SDE steps, policy actions with log-probabilities, ratios, advantages and KL; the steps "
+        "before and after are the deterministic ODE's, and a batch records the window's steps alone. "
+        "An update then costs about K/T of one over all T; generation costs the same. The window's "
+        "place: flow.sde_window_range. 0 = every step is an SDE step. At most flow.steps.",
+        min=0,
+    )
+    sde_window_range: int = knob(
+        0,
+        "R: the SDE window lies within steps 0 … R − 1 of each trajectory, its start drawn uniformly "
+        "from 0 … R − K once per rollout batch (from the batch's seed: a resume and every learner "
+        "rank see the same window). Small R keeps the window among the early, high-noise steps, "
+        "where Flow-GRPO-Fast places it. 0 = flow.steps (anywhere). Needs flow.sde_window; from "
+        "flow.sde_window to flow.steps.",
+        min=0,
     )
     kl_units: Literal["reference", "exact"] = knob(
         "reference",
@@ -121,16 +141,24 @@ def reference_train_steps(steps: int) -> int:
     return max(1, int(steps * TIMESTEP_FRACTION))
 
 
+def preset_train_steps(flow: FlowSection) -> int:
+    """What ``train.algorithm: flow_grpo`` sets ``flow.train_steps`` to: the reference's int(0.99·T),
+    or 0 (the whole window) with an SDE window."""
+    return 0 if flow.sde_window else reference_train_steps(flow.steps)
+
+
 def resolve_flow(cfg: Any, explicit: set[str]) -> Any:
     """``cfg`` with ``train.algorithm: flow_grpo``'s flow keys (the reference's timestep fraction:
     ``flow.train_steps`` = int(0.99·T), ``flow.train_step_choice: first``) for those the recipe does
-    not name; any other algorithm, or keys the recipe names, are left as they are."""
+    not name; any other algorithm, or keys the recipe names, are left as they are. With an SDE window
+    (``flow.sde_window`` = K) the window's K steps are the trained ones, as Flow-GRPO-Fast trains
+    them, so ``flow.train_steps`` stays 0 (every window step)."""
     if cfg.train.algorithm != "flow_grpo":
         return cfg
     flow = cfg.section("flow")
     fills: dict[str, Any] = {}
     if "flow.train_steps" not in explicit:
-        fills["train_steps"] = reference_train_steps(flow.steps)
+        fills["train_steps"] = preset_train_steps(flow)
     if "flow.train_step_choice" not in explicit:
         fills["train_step_choice"] = "first"
     return dataclasses.replace(cfg, plugin_sections={**cfg.plugin_sections,

@@ -7,6 +7,10 @@ Flow-GRPO's reference implementation does: the ratio of two steps is then the ge
 the per-coordinate density ratios, which keeps PPO's clip range meaningful for images of any
 size. Engine and learner both compute it with ``step_logprobs`` / ``sample``, so at the same
 weights they agree to float rounding.
+
+An SDE window (``FlowSampling.window``: Flow-GRPO-Fast's, MixGRPO's) makes only K consecutive
+steps of the T stochastic policy actions; the steps before and after it are the deterministic ODE
+(no noise drawn, no log-probability), and a trajectory records only the window's K + 1 latents.
 """
 
 from __future__ import annotations
@@ -14,10 +18,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tether.families.flow.conditioning import num_rows, velocity
 from tether.families.flow.sde import gaussian_mean, step_coefficients, step_mean_std, timesteps
+
+WINDOW_STREAM = 0x5DE
+"""Mixed into a batch's seed to draw its SDE window's start (``FlowSampling.window_steps``)."""
 
 
 @dataclass(frozen=True)
@@ -35,11 +43,26 @@ class FlowSampling:
     """Classifier-free guidance w (1 = none): v = v_u + w·(v_c − v_u)."""
     schedule: tuple[float, ...] = ()
     """The model's own ``steps`` + 1 times (a diffusers scheduler's sigmas); empty: ``timesteps``."""
+    window: int = 0
+    """K: the SDE steps of a trajectory, consecutive; the others are the ODE's. 0 = all T."""
+    window_range: int = 0
+    """R: the window lies within steps 0 … R − 1 (its start drawn from 0 … R − K); 0 = T."""
 
     def times(self) -> torch.Tensor:
         if self.schedule:
             return torch.tensor(self.schedule, dtype=torch.float32)
         return timesteps(self.steps, shift=self.shift or 1.0)
+
+    def window_steps(self, seed: int) -> range:
+        """The SDE steps of a batch sampled with ``seed``: all T without a window; else K
+        consecutive ones, the start drawn uniformly from 0 … R − K by ``seed`` (a stream of its own,
+        apart from the noise's), so a resumed run samples the same window for the same batch."""
+        k = self.window
+        if k <= 0 or k >= self.steps:
+            return range(self.steps)
+        span = self.window_range or self.steps
+        start = int(np.random.default_rng((seed % 2 ** 63, WINDOW_STREAM)).integers(0, span - k + 1))
+        return range(start, start + k)
 
     @property
     def guided(self) -> bool:
@@ -60,29 +83,53 @@ def _noise(model, n: int, generator: torch.Generator, device) -> torch.Tensor:
     return torch.randn((n, *model.latent_shape), generator=generator).to(device)
 
 
+@dataclass(frozen=True)
+class Trajectories:
+    """N sampled trajectories as a batch records them: the window's steps, and the final image."""
+
+    latents: torch.Tensor
+    """(N, K + 1, C, H, W): x at the window's K + 1 times (all T + 1 without a window)."""
+    logprobs: torch.Tensor
+    """(N, K): each window step's log-probability per coordinate under the sampling weights."""
+    versions: list[int] | None
+    """(K,) the version each window step was sampled under (with ``poll``), or None."""
+    first_step: int
+    """The window's first step: latents[:, i] is x at time index ``first_step`` + i."""
+    final: torch.Tensor
+    """(N, C, H, W): x at t = 0, the image's latent (the window's last latent when it ends at T)."""
+
+
 @torch.no_grad()
 def sample(model, cond: dict[str, torch.Tensor], settings: FlowSampling, *, generator: torch.Generator,
-           negative: dict[str, torch.Tensor] | None = None,
-           poll=None) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
+           negative: dict[str, torch.Tensor] | None = None, poll=None,
+           window: range | None = None) -> Trajectories:
     """One trajectory per row of ``cond`` (the prompts' conditioning; ``negative``: the
-    unconditional prompt's, for guidance): (latents (N, T + 1, C, H, W), step log-probs (N, T),
-    and — with ``poll`` — the version each step was sampled under). ``poll()`` is called before
-    every step and returns the version of the weights the model holds then."""
+    unconditional prompt's, for guidance): SDE steps in ``window`` (default all T), each with its
+    log-probability, the deterministic ODE step (no noise drawn) elsewhere. ``poll()`` is called
+    before every window step and returns the version of the weights the model holds then."""
     n, times = num_rows(cond), settings.times()
+    window = range(settings.steps) if window is None else window
+    assert 0 <= window.start < window.stop <= settings.steps, window
     device = next(model.parameters()).device
     x = _noise(model, n, generator, device)
-    latents, logps, versions = [x], [], [] if poll is not None else None
+    latents, logps, versions = [], [], [] if poll is not None else None
     for j in range(settings.steps):
-        if poll is not None:
+        sde = j in window
+        if sde and poll is not None:
             versions.append(poll())
+        if j == window.start:
+            latents.append(x)
         t, s = float(times[j]), float(times[j + 1])
         v = velocity(model, x, torch.full((n,), t, device=device), cond, negative, settings.guidance_scale)
-        mean, std = step_mean_std(x, v, t, s, settings.noise_level)
+        mean, std = step_mean_std(x, v, t, s, settings.noise_level if sde else 0.0)
+        if not sde:  # the ODE's Euler step
+            x = mean
+            continue
         noise = torch.randn(x.shape, generator=generator).to(device)
         x = mean + std * noise if std > 0 else mean
         latents.append(x)
         logps.append(step_log_density(x, mean, std) if std > 0 else torch.zeros(n, device=device))
-    return torch.stack(latents, 1), torch.stack(logps, 1), versions
+    return Trajectories(torch.stack(latents, 1), torch.stack(logps, 1), versions, window.start, x)
 
 
 @torch.no_grad()

@@ -1,9 +1,11 @@
 """The flow family's side of a rollout worker: the engine that samples trajectories, and the
 scored batch it sends back (``FlowBatch``, the payload the flow learner trains on).
 
-A rollout batch is B prompts × G images, each a trajectory of T SDE steps with every step's
-log-probability under the engine's weights and the version that sampled it. Arrays travel as
-numpy (pickled through the worker's pipe or Ray's object store; no shared-memory handles).
+A rollout batch is B prompts × G images, each a trajectory of T denoising steps: SDE steps with
+every step's log-probability under the engine's weights and the version that sampled it, or, with
+an SDE window (``flow.sde_window`` = K), K such steps among ODE steps, of which the batch records
+only the window's (the learner trains nothing else). Arrays travel as numpy (pickled through the
+worker's pipe or Ray's object store; no shared-memory handles).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from tether.data.rewards import score_all
 from tether.errors import RolloutError
 from tether.families.flow import conditioning
 from tether.families.flow.model import load_flow_model
-from tether.families.flow.policy import FlowSampling, sample
+from tether.families.flow.policy import FlowSampling, Trajectories, sample
 from tether.procinfo import peak_rss_mb
 from tether.rollout.model_engine import ModelEngine
 from tether.vocabulary import WorkItem, version_shares
@@ -35,15 +37,17 @@ class FlowEngine(ModelEngine):
         """The unconditional prompt's conditioning (one row), when guided; the text encoders never
         change, so it is computed once."""
 
-    def generate(self, cond: dict[str, torch.Tensor], *, seed: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """One trajectory per row of ``cond``: (latents (N, T + 1, C, H, W), step log-probs (N, T),
-        the version of each step). The same seed, weights and prompts give the same trajectories."""
+    def generate(self, cond: dict[str, torch.Tensor], *, seed: int) -> Trajectories:
+        """One trajectory per row of ``cond``, on the CPU: its window's latents (N, K + 1, C, H, W)
+        and step log-probs (N, K), the version of each window step, and the final latents (K = T
+        without a window; the window drawn by ``seed``). The same seed, weights and prompts give the
+        same trajectories."""
         generator = torch.Generator().manual_seed(seed)
-        latents, logps, versions = sample(self.model, conditioning.to(cond, self.device), self.sampling,
-                                          generator=generator, negative=self.negative,
-                                          poll=lambda: self._version)
-        return latents.cpu(), logps.cpu(), versions
+        out = sample(self.model, conditioning.to(cond, self.device), self.sampling, generator=generator,
+                     negative=self.negative, poll=lambda: self._version,
+                     window=self.sampling.window_steps(seed))
+        return Trajectories(out.latents.cpu(), out.logprobs.cpu(), out.versions, out.first_step,
+                            out.final.cpu())
 
 
 @dataclass
@@ -55,14 +59,15 @@ class FlowBatch:
     cond: dict[str, np.ndarray]
     """Each prompt's conditioning (B rows; sample i's is row i // G): word ids, or text embeddings."""
     latents: np.ndarray
-    """(N, T + 1, C, H, W) float32: x at t_0 = 1 (noise) … t_T = 0 (the image)."""
+    """(N, K + 1, C, H, W) float32: x at the K + 1 times of ``times`` (all T + 1, t_0 = 1 noise …
+    t_T = 0 the image, without an SDE window)."""
     logprobs: np.ndarray
-    """(N, T) float32: each step's log-probability (per coordinate) under the engine's weights."""
+    """(N, K) float32: each SDE step's log-probability (per coordinate) under the engine's weights."""
     versions: list[list[int]]
-    """(N × T) the policy version that sampled each step."""
+    """(N × K) the policy version that sampled each SDE step."""
     rewards: list[float]
     times: np.ndarray
-    """(T + 1,) the step times the trajectories were sampled at."""
+    """(K + 1,) the times of the recorded steps (from t_{first_step} on)."""
     noise_level: float
     group_size: int
     metrics: dict[str, float] = field(default_factory=dict)
@@ -72,6 +77,9 @@ class FlowBatch:
     """The unconditional prompt's conditioning (one row), when sampled with guidance."""
     guidance_scale: float = 1.0
     """Classifier-free guidance w the trajectories were sampled with (the learner's forward uses it)."""
+    first_step: int = 0
+    """The SDE window's first step (0 without a window): recorded step i is denoising step
+    ``first_step`` + i of the trajectory."""
 
     @property
     def num_groups(self) -> int:
@@ -127,11 +135,11 @@ class FlowSampler:
         model = self.engine.model
         cond = model.encode_prompts([ex.prompt for _, ex in item.examples])  # once per prompt
         per_sample = conditioning.rows(cond, torch.arange(len(item.examples)).repeat_interleave(g))
-        latents, logps, versions = self.engine.generate(per_sample, seed=item.seed)
-        check_finite(latents, logps, self.sampling)
+        out = self.engine.generate(per_sample, seed=item.seed)
+        check_finite(out, self.sampling)
         generate_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        pixels = model.decode(latents[:, -1])
+        pixels = model.decode(out.final)
         decode_s = time.perf_counter() - t0
         pairs = [(item.examples[i // g][1], image) for i, image in enumerate(pixels)]
         rewards, errors = score_all(self.score, pairs, on_error=self.cfg.reward.on_error)
@@ -149,26 +157,33 @@ class FlowSampler:
             "throughput/gen_images_per_s": n / max(generate_s, 1e-9),
             "throughput/gen_steps_per_s": n * self.sampling.steps / max(generate_s, 1e-9),
             "memory/rollout_peak_mb": peak_rss_mb(),
+            "flow/window_start": float(out.first_step),
         }
         metrics.update(self.score.take_parts())  # reward.functions: each part's mean
         negative = self.engine.negative
+        first, k = out.first_step, out.logprobs.shape[1]
         return FlowBatch(positions=[p for p, _ in item.examples],
                          prompts=[ex.prompt for _, ex in item.examples],
-                         cond=conditioning.as_numpy(cond), latents=latents.numpy(), logprobs=logps.numpy(),
-                         versions=[list(versions) for _ in range(n)], rewards=rewards,
-                         times=self.sampling.times().numpy(), noise_level=self.sampling.noise_level,
+                         cond=conditioning.as_numpy(cond), latents=out.latents.numpy(),
+                         logprobs=out.logprobs.numpy(), versions=[list(out.versions) for _ in range(n)],
+                         rewards=rewards, first_step=first,
+                         times=self.sampling.times()[first:first + k + 1].numpy(),
+                         noise_level=self.sampling.noise_level,
                          group_size=g, metrics=metrics, seed=item.seed,
                          negative=None if negative is None else conditioning.as_numpy(negative),
                          guidance_scale=self.sampling.guidance_scale)
 
 
-def check_finite(latents: torch.Tensor, logps: torch.Tensor, sampling: FlowSampling) -> None:
+def check_finite(out: Trajectories, sampling: FlowSampling) -> None:
     """Refuse a batch whose SDE went non-finite, naming the first such step and the settings that
     shape it (a model whose weights went non-finite gives the same; the message says both)."""
-    bad = ~torch.isfinite(latents.flatten(2)).all(2)[:, 1:] | ~torch.isfinite(logps)
+    bad = ~torch.isfinite(out.latents.flatten(2)).all(2)[:, 1:] | ~torch.isfinite(out.logprobs)
     if not bad.any():
-        return
-    j = int(bad.any(0).nonzero()[0])
+        if torch.isfinite(out.final).all():
+            return
+        j = sampling.steps - 1  # an ODE step after the window: named by the last one
+    else:
+        j = out.first_step + int(bad.any(0).nonzero()[0])
     times = sampling.times()
     raise RolloutError(
         f"the SDE sampled non-finite values at step {j} of {sampling.steps} (t = {float(times[j]):.6g} → "
@@ -184,4 +199,5 @@ def sampling_of(cfg, model=None) -> FlowSampling:
     f = cfg.flow
     schedule = () if model is None else tuple(float(t) for t in model.times(f.steps, f.shift))
     return FlowSampling(steps=f.steps, noise_level=f.noise_level, shift=f.shift,
-                        guidance_scale=f.guidance_scale, schedule=schedule)
+                        guidance_scale=f.guidance_scale, schedule=schedule, window=f.sde_window,
+                        window_range=f.sde_window_range)
