@@ -353,3 +353,40 @@ def test_the_learner_reads_its_keys_from_the_recipe(tiny_model_dir):
     assert learner.norm_constant == 9 and learner.policy.temperature == 0.7
     assert (learner.s.mask_truncated, learner.s.advantage, learner.s.adv_std_norm) == (True, "rloo", False)
     assert (learner.cfg.reward.overlong_buffer, learner.cfg.reward.overlong_penalty) == (3, 0.5)
+
+
+def test_evaluation_sees_the_ema_and_a_checkpoint_resumes_it_exactly(tiny_model_dir, tmp_path):
+    """train.ema_decay: the average moves with the updates (every 2nd, the reference's warm-up),
+    evaluation runs on it and the training weights come back after; a checkpoint holds it as a
+    model folder, a resume continues it bit for bit, and one without it is refused."""
+    from tether.train.learner_state import model_folder
+
+    batch, _tok = sampled_batch(tiny_model_dir)
+    settings = config(lr=1e-3, ema_decay=0.9, ema_every=2)
+    a = TorchLearner(tiny_model_dir, settings)
+    start = {n: p.detach().clone() for n, p in a.model.named_parameters()}
+    seen = []
+    evaluate = a.evaluating(lambda step: seen.append(
+        {n: p.detach().clone() for n, p in a.model.named_parameters()}) or {"eval/x": 1.0})
+    a.train(batch, train_version=0)
+    assert all(torch.equal(v, start[n]) for n, v in a.ema.values.items())  # n = 0: not folded
+    a.train(batch, train_version=1)  # n = 1: ema = d·start + (1 − d)·θ, d = min(2/11, 0.9)
+    trained = {n: p.detach().clone() for n, p in a.model.named_parameters()}
+    evaluate(2)
+    for name, value in seen[0].items():
+        torch.testing.assert_close(value, 2 / 11 * start[name] + 9 / 11 * trained[name], rtol=1e-5, atol=1e-7)
+    assert any(not torch.equal(seen[0][n], trained[n]) for n in trained)
+    assert all(torch.equal(p, trained[n]) for n, p in a.model.named_parameters())  # back after
+    a.save(tmp_path / "ckpt")
+    assert model_folder(tmp_path / "ckpt") == tmp_path / "ckpt" / "ema"
+    assert model_folder(tmp_path / "ckpt", trained=True) == tmp_path / "ckpt" / "model"
+    for _ in range(2):
+        a.train(batch, train_version=2)
+    b = TorchLearner(tiny_model_dir, settings)
+    b.load(tmp_path / "ckpt")
+    for _ in range(2):
+        b.train(batch, train_version=2)
+    for name, value in a.ema.values.items():
+        assert torch.equal(b.ema.values[name], value), name
+    with pytest.raises(ConfigError, match=r"holds an EMA of the weights and train\.ema_decay=0\.0"):
+        TorchLearner(tiny_model_dir, config(lr=1e-3)).load(tmp_path / "ckpt")

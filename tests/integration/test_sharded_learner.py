@@ -372,3 +372,35 @@ def test_the_largest_value_over_ranks_keeps_its_type(tmp_path):
                 p.kill()
     assert answers == [(0, 201.0, 3), (1, 201.0, 3)]
     assert all(type(count) is int for _, _, count in answers)
+
+
+def test_two_ranks_keep_the_single_process_ema_and_any_world_size_resumes_it(tiny_model_dir, tmp_path):
+    """train.ema_decay on FSDP2 ranks: each rank averages its own shards; the checkpoint's EMA folder,
+    gathered whole, equals one process's, and one process resumes the ranks' average exactly."""
+    from safetensors.torch import load_file
+
+    rollout_batches = batches(tiny_model_dir)
+    keys = {"shared_prefix": False, "lr": 5e-5, "ema_decay": 0.9, "ema_every": 1, "updates_per_batch": 2}
+    solo = TorchLearner(tiny_model_dir, config(**keys))
+    trained(solo, rollout_batches)
+    solo.save(tmp_path / "solo")
+    sharded = ranks(config(world_size=2, **keys), tiny_model_dir)
+    try:
+        pids = list(sharded.pids)
+        trained(sharded, rollout_batches)
+        sharded.save(str(tmp_path / "two"))
+    finally:
+        sharded.close()
+    assert wait_gone(pids) == []
+    def read(folder):
+        return load_file(str(folder / "model.safetensors"))
+
+    one, two = read(tmp_path / "solo" / "ema"), read(tmp_path / "two" / "ema")
+    worst = max(((two[n] - w).abs().max() / w.abs().max().clamp(min=1e-12)).item() for n, w in one.items())
+    assert set(one) == set(two) and worst <= 1e-5, worst
+    moved = max((one[n] - w).abs().max().item() for n, w in read(tmp_path / "solo" / "model").items())
+    assert moved > 0  # the average is not the trained weights
+    resumed = TorchLearner(tiny_model_dir, config(**keys))
+    resumed.load(tmp_path / "two")
+    for name, value in resumed.ema.values.items():
+        assert torch.equal(value, two[name].to(value.dtype)), name

@@ -357,3 +357,33 @@ def test_a_run_where_nothing_is_ever_right_fails_saying_why_and_keeps_its_report
     assert all(m["reward/mean"] == 0.0 for m in metrics)
     assert (tmp_path / "run" / "summary.json").is_file()
     assert (tmp_path / "run" / "plots" / "ratios.png").stat().st_size > 1000
+
+
+def test_a_run_with_an_ema_evaluates_it_and_eval_and_export_read_it(tiny_model_dir, tmp_path, capsys):
+    """train.ema_decay: the run's evaluations are the average's, its checkpoints hold it as
+    learner/ema, and `tether eval` / `tether export` read that folder (the trained weights with
+    --trained)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tether.cli.main import main
+
+    run_dir = tmp_path / "run"
+    train(load_config(None, recipe(tiny_model_dir, "train.ema_decay=0.9", "train.ema_every=2",
+                                   "train.lr=1e-2")), run_dir, progress_plain=True)
+    learner = run_dir / "checkpoints" / "step-000006" / "learner"
+    ema, trained = (load_file(learner / name / "model.safetensors") for name in ("ema", "model"))
+    assert set(ema) == set(trained) and any(not torch.equal(ema[n], trained[n]) for n in ema)
+    assert main(["eval", str(run_dir), "--json"]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    last = rows(run_dir / "eval.jsonl")[-1]
+    assert evaluated["model"].endswith("step-000006/learner/ema")
+    for key in ("eval/pass_at_1", "eval/greedy_reward_mean", "eval/examples"):
+        assert evaluated[key] == last[key], key
+    assert main(["eval", str(run_dir), "--json", "--trained"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"].endswith("step-000006/learner/model")
+    for flag, expected in (([], ema), (["--trained"], trained)):
+        out = tmp_path / f"exported{len(flag)}"
+        assert main(["export", str(run_dir), "--out", str(out), *flag]) == 0
+        written = load_file(out / "model.safetensors")
+        assert all(torch.equal(written[n], expected[n]) for n in expected)

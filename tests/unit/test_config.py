@@ -369,12 +369,13 @@ def test_the_flow_grpo_preset_sets_the_references_keys_that_have_defaults_of_the
     assert (t.anchor, cfg.correction.tis, t.drop_zero_std) == ("behavior", "none", True)
     assert t.updates_per_batch == 2
     assert (t.lr, t.weight_decay, t.lora_rank, t.lora_alpha) == (3e-4, 1e-4, 32, 64.0)
+    assert (t.ema_decay, t.ema_every) == (0.9, 8)
     assert (cfg.flow.train_steps, cfg.flow.train_step_choice) == (9, "first")  # int(9.9)
     assert load_config(None, [*FLOW, "train.algorithm=flow_grpo", "flow.steps=1"]).flow.train_steps == 1
     # every other preset leaves those keys at their defaults
     other = load_config(None, [*FLOW, "train.algorithm=grpo"])
     assert (other.train.anchor, other.train.lr, other.train.lora_rank, other.train.updates_per_batch,
-            other.correction.tis) == ("proximal", 1e-6, 0, 1, "token")
+            other.correction.tis, other.train.ema_decay) == ("proximal", 1e-6, 0, 1, "token", 0.0)
     assert (other.flow.train_steps, other.flow.train_step_choice) == (0, "random")
 
 
@@ -421,3 +422,12 @@ def test_a_key_the_recipe_names_wins_over_the_flow_grpo_preset_even_at_its_defau
 def test_nonsense_flow_guidance_keys_are_refused_naming_the_key(override, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
         load_config(None, [*FLOW, override])
+
+
+def test_an_ema_decay_of_one_or_an_interval_without_an_ema_is_refused():
+    with pytest.raises(ConfigError, match=r"train\.ema_decay=1\.0.*below 1"):
+        load_config(None, ["train.ema_decay=1.0"])
+    with pytest.raises(ConfigError, match=r"train\.ema_every=8 has no effect with train\.ema_decay=0"):
+        load_config(None, ["train.ema_every=8"])
+    own = load_config(None, [*FLOW, "train.algorithm=flow_grpo", "train.ema_decay=0"])
+    assert (own.train.ema_decay, own.train.ema_every) == (0.0, 1)  # ema_every follows ema_decay

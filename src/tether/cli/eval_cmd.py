@@ -19,25 +19,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "eval", help="held-out pass@1 (and pass@k) of a model or of a run's checkpoint",
         description="Evaluate on the held-out split of a recipe's data section. TARGET is a recipe "
         "(evaluates model.path) or a run directory (evaluates its newest good checkpoint, on the "
-        "run's own config). Greedy pass@1 and reward, then --samples completions per prompt at the "
-        "rollout settings: sampled pass@1, mean reward and pass@k.",
+        "run's own config; with train.ema_decay its EMA's weights, as the run did, unless --trained). "
+        "Greedy pass@1 and reward, then --samples completions per prompt at the rollout settings: "
+        "sampled pass@1, mean reward and pass@k.",
     )
     p.add_argument("args", nargs="*", metavar="TARGET|KEY=VALUE",
                    help="a recipe or a run directory, then section.key=value overrides (no recipe: "
                    "the defaults)")
     p.add_argument("--model", help="evaluate this model directory instead (a checkpoint's "
                    "learner/model, or any Hugging Face model folder)")
+    p.add_argument("--trained", action="store_true", help="a run with train.ema_decay: evaluate the "
+                   "checkpoint's trained weights, not the EMA's (which the run's evaluations measured)")
     p.add_argument("--samples", type=int, help="completions sampled per prompt (default: eval.num_samples)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.set_defaults(func=run)
 
 
-def newest_checkpoint_model(run_dir: Path) -> Path:
-    """The model folder of ``run_dir``'s newest checkpoint that passes its manifest check."""
+def newest_checkpoint_model(run_dir: Path, *, trained: bool = False) -> Path:
+    """The model folder of ``run_dir``'s newest checkpoint that passes its manifest check: its EMA's
+    weights where it holds them (what the run evaluated), unless ``trained``."""
     from tether.runtime.checkpoint import Checkpointer
+    from tether.train.learner_state import model_folder
 
     _state, path = Checkpointer(run_dir / "checkpoints").newest_good(doing="evaluate (pass --model DIR)")
-    return path / "learner" / "model"
+    return model_folder(path / "learner", trained=trained)
 
 
 def resolve(ns: argparse.Namespace):
@@ -51,11 +56,13 @@ def resolve(ns: argparse.Namespace):
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
         cfg = load_config(run_dir / "config.yaml", overrides)
-        model = Path(ns.model) if ns.model else newest_checkpoint_model(run_dir)
+        model = Path(ns.model) if ns.model else newest_checkpoint_model(run_dir, trained=ns.trained)
     else:
         recipe, overrides = split_recipe_args(ns.args)
         cfg = load_config(recipe, overrides)
         model = Path(ns.model or cfg.model.path)
+        if ns.trained:
+            raise ConfigError("--trained chooses among a run's checkpoint folders: pass a run directory")
     if not is_model_dir(model) and not (model / "adapter.json").is_file():
         raise ConfigError(f"{model} is not a model directory (no config.json, model_index.json or "
                           "adapter.json)")

@@ -4,7 +4,8 @@ A run that trained every weight checkpoints a Hugging Face model folder already;
 it. A LoRA run (``train.lora_rank``) checkpoints adapters: export writes them as a PEFT adapter
 directory (``PeftModel.from_pretrained(base, OUT)``, vLLM's LoRA requests), or with ``--merge``
 the base with the adapters merged into its weights, a plain model folder transformers and vLLM
-load like the base.
+load like the base. A run with ``train.ema_decay`` exports the EMA's weights (what its evaluations
+measured) unless ``--trained``.
 """
 
 from __future__ import annotations
@@ -22,25 +23,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "export", help="write a run's trained model (or its LoRA adapters) as a folder other tools load",
         description="Export the model of RUN's newest good checkpoint (or --checkpoint step-N): a "
         "model folder as it is; LoRA adapters as a PEFT adapter directory, or with --merge merged into "
-        "their base as a plain model folder.",
+        "their base as a plain model folder. With train.ema_decay, the EMA's weights unless --trained.",
     )
     p.add_argument("run", metavar="RUN", help="a run directory")
     p.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
     p.add_argument("--checkpoint", help="a checkpoint of the run (step-N; default: the newest good one)")
+    p.add_argument("--trained", action="store_true", help="a run with train.ema_decay: export the "
+                   "trained weights, not the EMA's (which the run evaluated)")
     p.add_argument("--merge", action="store_true",
                    help="LoRA adapters: merge them into the base model's weights")
     p.set_defaults(func=run)
 
 
-def checkpoint_model(run_dir: Path, name: str | None) -> Path:
+def checkpoint_model(run_dir: Path, name: str | None, *, trained: bool = False) -> Path:
     """The model folder of ``run_dir``'s checkpoint ``name``, or of its newest good one; either
-    verified against its manifest (a damaged one is refused, saying what is wrong)."""
+    verified against its manifest (a damaged one is refused, saying what is wrong). The EMA's
+    weights where the checkpoint holds them, unless ``trained``."""
     from tether.runtime.checkpoint import Checkpointer, DamagedCheckpoint
+    from tether.train.learner_state import model_folder
 
     checkpoints = Checkpointer(run_dir / "checkpoints")
     if name is None:
         _state, path = checkpoints.newest_good(doing="export")
-        return path / "learner" / "model"
+        return model_folder(path / "learner", trained=trained)
     have = [p.name for p in checkpoints.list()]
     if name not in have:
         raise ConfigError(f"{run_dir} has no checkpoint {name!r}; it has {', '.join(have) or 'none'}")
@@ -51,7 +56,7 @@ def checkpoint_model(run_dir: Path, name: str | None) -> Path:
         others = [n for n in have if n != name]
         raise DamagedCheckpoint(f"--checkpoint {name} is damaged: {exc}; export another "
                                 f"({', '.join(others) or 'the run has no other'})") from exc
-    return path / "learner" / "model"
+    return model_folder(path / "learner", trained=trained)
 
 
 def _writable(out: Path) -> list[Path]:
@@ -89,7 +94,8 @@ def _remove(made: list[Path]) -> None:
             folder.rmdir()
 
 
-def export(run_dir: Path, out: Path, *, checkpoint: str | None = None, merge: bool = False) -> Path:
+def export(run_dir: Path, out: Path, *, checkpoint: str | None = None, merge: bool = False,
+           trained: bool = False) -> Path:
     """Write the model of ``run_dir``'s checkpoint to ``out``: whole in a staging folder beside
     it, then renamed into place, so a failure leaves nothing at ``out`` (nor the folders made
     above it)."""
@@ -98,7 +104,7 @@ def export(run_dir: Path, out: Path, *, checkpoint: str | None = None, merge: bo
 
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
-    model_dir = checkpoint_model(run_dir, checkpoint)
+    model_dir = checkpoint_model(run_dir, checkpoint, trained=trained)
     if not lora.is_adapter_dir(model_dir) and merge:
         raise ConfigError(f"{model_dir} holds every weight of the model (the run trained without LoRA): "
                           "there is nothing to merge; drop --merge")
@@ -130,6 +136,6 @@ def export(run_dir: Path, out: Path, *, checkpoint: str | None = None, merge: bo
 
 
 def run(ns: argparse.Namespace) -> int:
-    out = export(Path(ns.run), Path(ns.out), checkpoint=ns.checkpoint, merge=ns.merge)
+    out = export(Path(ns.run), Path(ns.out), checkpoint=ns.checkpoint, merge=ns.merge, trained=ns.trained)
     print(out)
     return 0

@@ -238,6 +238,7 @@ class Config:
                               f"memory; with train.device={t.device} and train.world_size={t.world_size} "
                               "there is nothing to offload: set train.device=cuda and train.world_size > 1, "
                               "or remove train.cpu_offload")
+        t.check_ema()
         self._check_lora()
 
     def _check_lora(self) -> None:

@@ -8,6 +8,7 @@ from typing import Literal
 
 from tether import registry
 from tether.config.fields import Resume, knob
+from tether.errors import ConfigError
 
 FROM_PRESET = "null = from train.algorithm"
 
@@ -29,7 +30,7 @@ class TrainSection:
     algorithm: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo", "flow_grpo"] = knob(
         "dapo",
         "Preset of loss, aggregation, clip range and advantage settings from its paper (see "
-        "docs/training.md; flow_grpo also sets Flow-GRPO's anchor, updates per batch, lr, weight decay, "
+        "docs/training.md; flow_grpo also sets Flow-GRPO's anchor, updates per batch, lr, weight decay, EMA, "
         "LoRA and timestep fraction); any of those keys set explicitly wins over the preset.",
     )
     loss: str | None = knob(None, f"Policy loss ({FROM_PRESET}).", choices=registry.losses)
@@ -99,6 +100,17 @@ class TrainSection:
     adam_beta1: float = knob(0.9, "AdamW β1.", min=0, max=1)
     adam_beta2: float = knob(0.999, "AdamW β2.", min=0, max=1)
     grad_clip: float = knob(1.0, "Clip the gradient's global norm to this (0 = off).", min=0)
+    ema_decay: float = knob(
+        0.0,
+        "Keep an exponential moving average of the trained weights (Flow-GRPO's EMA) and evaluate on it: "
+        "after optimizer update n (0-based) with n + 1 a multiple of train.ema_every, ema ← ema + (1 − d)"
+        "·(θ − ema), d = min((1 + n)/(10 + n), train.ema_decay). Rollouts and updates use the trained "
+        "weights; checkpoints hold both. 0 = off; below 1 (docs/training.md, 'EMA').",
+        min=0,
+    )
+    ema_every: int = knob(
+        1, "Optimizer updates between two EMA updates (Flow-GRPO's 8); needs train.ema_decay.", min=1
+    )
     micro_batch_size: int = knob(
         0, "Sequences per forward/backward inside a mini-batch (gradient accumulation); 0 = all. The "
         "update is the same whatever it is (to float32 rounding), so a resume may change it.", min=0,
@@ -201,6 +213,16 @@ class TrainSection:
         "(train.world_size > 1); others use their own forward (logged at start).",
         feature="shared_prefix",
     )
+
+    def check_ema(self) -> None:
+        """``train.ema_decay`` below 1, and ``train.ema_every`` only with it."""
+        if self.ema_decay >= 1:
+            raise ConfigError(f"train.ema_decay={self.ema_decay}: at 1 or above the average never moves "
+                              "from the starting weights (or moves away from the trained ones); set it "
+                              "below 1 (Flow-GRPO's 0.9), or 0 for no EMA")
+        if self.ema_every != 1 and not self.ema_decay:
+            raise ConfigError(f"train.ema_every={self.ema_every} has no effect with train.ema_decay=0 (no "
+                              "EMA is kept); set train.ema_decay, or remove train.ema_every")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ flow_grpo is the flow family's reference setting, whole (docs/flow.md lists each
 reference's value and line): ``train.adv_scope: batch`` is its ``global_std``, ``train.adv_clip: 5``
 its ``adv_clip_max``, its β is in the reference's KL units (``flow.kl_units: reference``, the
 default); it also sets keys that have a default of their own (``Preset.sets``: the ratio against the
-behaviour policy, two updates a batch, the reference's AdamW and LoRA), and the flow family takes
+behaviour policy, two updates a batch, the reference's AdamW, LoRA and EMA), and the flow family takes
 its timestep fraction 0.99 (``tether.families.flow.options.resolve_flow``). Every other preset
 normalises per group, clamps nothing and leaves those keys at their defaults. Every preset uses
 the grpo advantage; ``train.advantage`` (rloo, reinforce_pp) combines with any of them, its own
@@ -65,10 +65,12 @@ class Preset:
 # (scripts/train_sd3.py:886), so no proximal weight to truncate; two optimizer updates per sampled
 # batch (config/grpo.py:48, gradient_accumulation_steps = num_batches_per_epoch // 2); AdamW at 3e-4
 # with weight decay 1e-4 (config/base.py:63, 69) on LoRA adapters of rank 32, α 64
-# (config/base.py:25, scripts/train_sd3.py:430-431).
+# (config/base.py:25, scripts/train_sd3.py:430-431); an EMA of the weights at decay 0.9 every 8th
+# optimizer step, evaluated on (config/grpo.py:55, scripts/train_sd3.py:445, 955).
 FLOW_GRPO_SETS = (("train.anchor", "behavior", ""), ("correction.tis", "none", "train.anchor"),
                   ("train.updates_per_batch", 2, ""), ("train.lr", 3e-4, ""), ("train.weight_decay", 1e-4, ""),
-                  ("train.lora_rank", 32, ""), ("train.lora_alpha", 64.0, "train.lora_rank"))
+                  ("train.lora_rank", 32, ""), ("train.lora_alpha", 64.0, "train.lora_rank"),
+                  ("train.ema_decay", 0.9, ""), ("train.ema_every", 8, "train.ema_decay"))
 
 
 PRESETS: dict[str, Preset] = {

@@ -159,7 +159,7 @@ def in_process(cfg: Config, prepared: Prepared, session: Any, stack: contextlib.
     learner = TorchLearner(prepared.model_path, cfg)
     evaluate = cfg.family().evaluator(cfg, learner.model, learner.tokenizer, prepared.data, prepared.score,
                                       run_dir=run_dir)
-    return learner, learner.precision.evaluating(evaluate)  # in the training forward's dtype
+    return learner, learner.evaluating(evaluate)  # in the training forward's dtype, on the EMA's weights
 
 
 def local_ranks(cfg: Config, prepared: Prepared, session: Any, stack: contextlib.ExitStack,

@@ -16,10 +16,12 @@ whole mini-batch's counts, and gradients are summed, so the update is the single
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,7 @@ from tether.train.advantages import (
 from tether.train.batch_stats import BatchStats, batch_metrics
 from tether.train.collective import Solo
 from tether.train.corrections import correct
+from tether.train.ema import Ema
 from tether.train.losses import LossInputs, LossSettings, aggregate, behavior_outside, loss_for
 from tether.train.schedule import lr_factor
 from tether.vocabulary import RolloutBatch, TrainResult
@@ -117,6 +120,7 @@ class TorchLearner:
         self.forward = self._forward_for(self.model)
         self.ref_forward = self._forward_for(self.ref_model) if self.ref_model is not None else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.ema = Ema(self.model, s.ema_decay, s.ema_every) if s.ema_decay > 0 else None
         self.attribution = None
         if cfg.metrics.attribution:
             from tether.train.attribution import Attribution
@@ -156,6 +160,22 @@ class TorchLearner:
             if self.group.world == 1:
                 return self._published()
             return fsdp.whole_weights(self.model, self.names)
+
+    def evaluation_weights(self) -> contextlib.AbstractContextManager:
+        """Inside it the model holds what held-out evaluation measures: the EMA's weights with
+        ``train.ema_decay`` (every rank enters it), else the trained ones."""
+        return self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
+
+    def evaluating(self, evaluate: Callable[[int], Any]) -> Callable[[int], Any]:
+        """A held-out evaluator of this learner's own model: in the training forward's dtype, on
+        the evaluation weights."""
+        run = self.precision.evaluating(evaluate)
+
+        def on_evaluation_weights(step: int) -> Any:
+            with self.evaluation_weights():
+                return run(step)
+
+        return on_evaluation_weights
 
     def _published(self) -> dict[str, torch.Tensor]:
         """What an engine needs of the weights: every parameter, or with LoRA the adapters."""
@@ -371,6 +391,8 @@ class TorchLearner:
         stats.add("train/grad_norm", grad_norm)
         with self._phase("optimizer"):
             self.optimizer.step()
+            if self.ema is not None:
+                self.ema.step(self.committed)
         self.scheduler.step()
         self.committed += 1
         return 1

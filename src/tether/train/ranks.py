@@ -69,7 +69,10 @@ class RankServer:
         evaluator = family.evaluator(self.cfg, model, tokenizer, self.eval_data, family.scorer(self.cfg),
                                      run_dir=self.run_dir)
         self.eval_model = model
-        self.evaluator = self.learner.precision.evaluating(evaluator)  # in the training forward's dtype
+        # in the training forward's dtype; one rank's own model on its evaluation weights (the EMA's),
+        # ranks' whole copy of them gathered in evaluate
+        self.evaluator = (self.learner.evaluating(evaluator) if model is self.learner.model
+                          else self.learner.precision.evaluating(evaluator))
 
     def _whole_copy(self) -> None:
         """Rank 0's whole model for evaluation with ranks, loaded at the first evaluation: a run
@@ -102,7 +105,8 @@ class RankServer:
         if self.world > 1:  # the ranks' weights into rank 0's whole copy: a collective
             from tether.modeling import copy_weights
 
-            weights = self.learner.export_weights()
+            with self.learner.evaluation_weights():  # every rank's shards of the EMA's, with one
+                weights = self.learner.export_weights()
             if self.rank != 0:
                 return None
             if self.evaluator is None:
