@@ -151,7 +151,7 @@ def test_a_flow_run_with_an_sde_window_trains_the_windows_steps(flow_model, tmp_
 
 @pytest.mark.parametrize(("override", "says"), [
     ("rollout.temperature=0.5", "rollout.temperature"),
-    ("async.inflight_update=keep", "drain only"),
+    ("async.inflight_update=recompute", "drain or keep or abort only .a denoising step reads only x_t"),
     ("rollout.dynamic_sampling=true", "dynamic sampling, which model.family=flow does not have"),
     ("reward.function=exact_match", "scores text"),
     ("flow.train_steps=5", "exceeds the flow.steps=4"),
@@ -195,3 +195,31 @@ def test_the_flow_grpo_preset_trains_the_references_recipe_on_the_built_in_model
     saved = tmp_path / "run" / "checkpoints" / "step-000003" / "learner" / "model"
     adapter = json.loads((saved / "adapter.json").read_text())  # the adapters alone (docs/lora.md)
     assert adapter["rank"] == 32 and adapter["alpha"] == 64.0, adapter
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_weights_taken_up_between_denoising_steps_stay_within_the_budget(flow_model, tmp_path, mode):
+    """async.inflight_update keep / abort: publications land while trajectories are being denoised
+    (long trajectories, a cheap learner: 2 trained steps of 24), every step carries the version that
+    took it, no batch trains above the budget, hard boundaries still drain, and only abort throws
+    steps away (then no trajectory spans two versions)."""
+    cfg = recipe(flow_model, "async.max_staleness=2", "async.max_inflight=2", f"async.inflight_update={mode}",
+                 "flow.steps=24", "flow.train_steps=2", "train.num_batches=10", "eval.interval=5",
+                 "checkpoint.interval=5", "flow.eval_steps=4", "train.algorithm=grpo")
+    summary = train(cfg, tmp_path / "run", progress_plain=True)
+    metrics = rows(tmp_path / "run" / "metrics.jsonl")
+    assert len(metrics) == 10 and summary["trained_batches"] == 10
+    for m in metrics:
+        assert 0 <= m["staleness/updates"] <= 2  # the budget, from each batch's oldest step
+        assert m["staleness/token_min_updates"] <= m["staleness/token_mean_updates"] <= m["staleness/updates"]
+        if mode == "abort":
+            assert m["staleness/multi_version_seq_frac"] == 0
+            assert (m["rollout/wasted_steps"] > 0) == (m["rollout/weight_switches"] > 0)
+        else:
+            assert m["rollout/wasted_steps"] == 0
+            assert (m["staleness/multi_version_seq_frac"] > 0) <= (m["rollout/weight_switches"] > 0)
+    published = [e for e in rows(tmp_path / "run" / "events.jsonl") if e["kind"] == "sync" and e["published"]]
+    assert any(not e["drained"] for e in published)  # published with trajectories being denoised
+    assert all(e["drained"] for e in published if {"eval", "save"} & set(e["reasons"]))
+    print(f"\n{mode}: {sum(m['rollout/weight_switches'] for m in metrics):.0f} switches mid-trajectory over "
+          f"{len(metrics)} batches")

@@ -38,10 +38,12 @@ class FlowFamily(FamilyBase):
     keys = ("reward.function", "reward.functions", "reward.weights", "reward.on_error",
             "plan.train_time_steps")
     capabilities = Capabilities(
-        engine_kind="step", inflight_updates=("drain",),
+        engine_kind="step", inflight_updates=("drain", "keep", "abort"),
         features=frozenset({"learner_ranks", "learner_actor", "datasets", "lora"}),
         notes={"engine_kind": "its sampler runs the flow model's own denoising steps",
-               "inflight_updates": NOT_YET,
+               "inflight_updates": "a denoising step reads only x_t and the prompt, so no cache holds an "
+                                   "older version's work: keep already takes each step wholly under the "
+                                   "weights it stamps, which is what recompute would add",
                "token_sampling": "a flow model's sampling is the flow section",
                "decoder": "a flow model's sampler has no native form",
                "dynamic_sampling": NOT_YET,

@@ -105,8 +105,9 @@ def sample(model, cond: dict[str, torch.Tensor], settings: FlowSampling, *, gene
            window: range | None = None) -> Trajectories:
     """One trajectory per row of ``cond`` (the prompts' conditioning; ``negative``: the
     unconditional prompt's, for guidance): SDE steps in ``window`` (default all T), each with its
-    log-probability, the deterministic ODE step (no noise drawn) elsewhere. ``poll()`` is called
-    before every window step and returns the version of the weights the model holds then."""
+    log-probability, the deterministic ODE step (no noise drawn) elsewhere. ``poll(j)`` is called
+    before every step j and returns the version of the weights the model holds for it (an engine
+    that takes up weights between steps puts them in place there); the window's steps record it."""
     n, times = num_rows(cond), settings.times()
     window = range(settings.steps) if window is None else window
     assert 0 <= window.start < window.stop <= settings.steps, window
@@ -115,8 +116,9 @@ def sample(model, cond: dict[str, torch.Tensor], settings: FlowSampling, *, gene
     latents, logps, versions = [], [], [] if poll is not None else None
     for j in range(settings.steps):
         sde = j in window
-        if sde and poll is not None:
-            versions.append(poll())
+        version = poll(j) if poll is not None else None
+        if sde and versions is not None:
+            versions.append(version)
         if j == window.start:
             latents.append(x)
         t, s = float(times[j]), float(times[j + 1])

@@ -27,8 +27,22 @@ from tether.rollout.model_engine import ModelEngine
 from tether.vocabulary import WorkItem, version_shares
 
 
+class _Restart(Exception):
+    """Weights switched under ``abort`` before denoising step ``step``: the trajectories start over."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
+
+
 class FlowEngine(ModelEngine):
-    """Samples trajectories with its own copy of the weights; stamps its version on every step."""
+    """Samples trajectories with its own copy of the weights; stamps its version on every step.
+
+    Watched (``async.inflight_update`` keep or abort), it takes up newer weights between two
+    denoising steps: a step reads only x_t, the time and the prompt's conditioning (frozen text
+    encoders), so there is no cache an older version wrote; under keep the trajectories go on
+    with the new weights, each step stamped with the version that took it; under abort they start
+    again from fresh noise under the new weights (the steps taken are counted as wasted)."""
 
     def __init__(self, model, sampling: FlowSampling, *, version: int = 0, negative_prompt: str = "") -> None:
         super().__init__(model.requires_grad_(False), version=version)
@@ -36,18 +50,40 @@ class FlowEngine(ModelEngine):
         self.negative = model.encode_prompts([negative_prompt]) if sampling.guided else None
         """The unconditional prompt's conditioning (one row), when guided; the text encoders never
         change, so it is computed once."""
+        self.switches = 0  # since the last ``take_counts``
+        self.wasted_steps = 0  # trajectory steps thrown away by abort
+
+    def take_counts(self) -> tuple[int, int]:
+        """(trajectory steps wasted by abort, weight switches) since the last call."""
+        counts = (self.wasted_steps, self.switches)
+        self.wasted_steps = self.switches = 0
+        return counts
+
+    def _before(self, step: int) -> int:
+        """Before denoising step ``step``: between two steps, a watched engine takes up newer
+        weights (under abort the trajectories then start over); the version the model holds."""
+        if step > 0 and self.poll is not None and self.poll() is not None:
+            self.switches += 1
+            if self.inflight.restarts:
+                raise _Restart(step)
+        return self._version
 
     def generate(self, cond: dict[str, torch.Tensor], *, seed: int) -> Trajectories:
         """One trajectory per row of ``cond``, on the CPU: its window's latents (N, K + 1, C, H, W)
         and step log-probs (N, K), the version of each window step, and the final latents (K = T
         without a window; the window drawn by ``seed``). The same seed, weights and prompts give the
-        same trajectories."""
+        same trajectories (a trajectory started over draws on from the same generator)."""
         generator = torch.Generator().manual_seed(seed)
-        out = sample(self.model, conditioning.to(cond, self.device), self.sampling, generator=generator,
-                     negative=self.negative, poll=lambda: self._version,
-                     window=self.sampling.window_steps(seed))
-        return Trajectories(out.latents.cpu(), out.logprobs.cpu(), out.versions, out.first_step,
-                            out.final.cpu())
+        cond = conditioning.to(cond, self.device)
+        while True:
+            try:
+                out = sample(self.model, cond, self.sampling, generator=generator, negative=self.negative,
+                             poll=self._before, window=self.sampling.window_steps(seed))
+            except _Restart as restart:
+                self.wasted_steps += restart.step * conditioning.num_rows(cond)
+                continue
+            return Trajectories(out.latents.cpu(), out.logprobs.cpu(), out.versions, out.first_step,
+                                out.final.cpu())
 
 
 @dataclass
@@ -124,6 +160,8 @@ class FlowSampler:
             model.to(torch.bfloat16)
         self.sampling = sampling_of(cfg, model)
         self.engine = FlowEngine(model, self.sampling, negative_prompt=cfg.flow.negative_prompt)
+        self.switches = cfg.budget().mode.switches
+        """The engine takes up weights between denoising steps: a batch reports how often, and its waste."""
         self.score = cfg.family().scorer(cfg)
 
     def close(self) -> None:
@@ -160,6 +198,10 @@ class FlowSampler:
             "flow/window_start": float(out.first_step),
         }
         metrics.update(self.score.take_parts())  # reward.functions: each part's mean
+        if self.switches:  # weights taken up between denoising steps (async.inflight_update)
+            wasted, switches = self.engine.take_counts()
+            metrics.update({"rollout/weight_switches": float(switches), "rollout/wasted_steps": float(wasted),
+                            "staleness/multi_version_seq_frac": float(len(set(out.versions)) > 1)})
         negative = self.engine.negative
         first, k = out.first_step, out.logprobs.shape[1]
         return FlowBatch(positions=[p for p, _ in item.examples],
