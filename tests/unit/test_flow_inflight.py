@@ -74,3 +74,26 @@ def test_abort_starts_the_trajectories_again_under_the_new_weights_and_counts_th
     assert out.versions == [1] * STEPS  # no trajectory spans two versions
     assert engine.take_counts() == (3 * 6, 1)  # three steps of each of the 6 trajectories thrown away
     torch.testing.assert_close(out.logprobs, logprobs_under(b, out, cond), rtol=0, atol=1e-5)
+
+
+def test_tether_plan_models_a_flow_trajectory_as_flow_steps_steps():
+    """The planner's per-sequence model takes every trajectory at flow.steps steps: abort wastes the
+    steps before a switch, keep none; plan.mean_length (a text completion's) is refused for flow."""
+    from tether.config import load_config
+    from tether.errors import ConfigError
+    from tether.loop import simulate, summarize
+    from tether.loop.virtual import timings_of
+
+    base = ["model.family=flow", "data.task=shapes", "flow.steps=8", "async.max_staleness=2",
+            "async.max_inflight=2", "plan.gen_time=1.0", "plan.train_time=0.4", "train.num_batches=30"]
+    wasted = {}
+    for mode in ("keep", "abort"):
+        cfg = load_config(None, [*base, f"async.inflight_update={mode}"])
+        timings = timings_of(cfg)
+        assert (timings.mean_length, timings.max_length) == (8.0, 8)
+        sim = simulate(cfg.budget(), timings, num_groups=cfg.rollout.batch_size,
+                       group_size=cfg.rollout.group_size, anchor=cfg.train.anchor)
+        wasted[mode] = summarize(sim)["wasted_tokens_per_batch"]
+    assert wasted["keep"] == 0 < wasted["abort"]
+    with pytest.raises(ConfigError, match=r"plan\.mean_length and plan\.prefill_cost model text"):
+        load_config(None, [*base, "plan.mean_length=5"])

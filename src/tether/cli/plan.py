@@ -163,7 +163,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.optimize:
         return optimize(ns)
     cfg = config_from_args(ns)
-    if inflight_mode(cfg.async_.inflight_update).extra_work and cfg.plan.mean_length <= 0:
+    if inflight_mode(cfg.async_.inflight_update).extra_work and cfg.family().plan_lengths(cfg)[0] <= 0:
         raise ConfigError(f"the extra work of async.inflight_update={cfg.async_.inflight_update} (a prefix "
                           "run again, or sequences sampled again) depends on each sequence's length: set "
                           "plan.mean_length (--mean-length, the mean completion length in tokens, e.g. "

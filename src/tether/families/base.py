@@ -42,6 +42,12 @@ class FamilyBase:
         on this recipe's updates)."""
         return 1.0
 
+    def plan_lengths(self, cfg: Any) -> tuple[float, int]:
+        """(mean, most) engine steps a sample takes, for ``tether plan``'s per-sequence model
+        (0 mean: none, each batch takes plan.gen_time): the recipe's ``plan.mean_length`` tokens,
+        at most ``rollout.max_new_tokens``."""
+        return cfg.plan.mean_length, cfg.rollout.max_new_tokens
+
     def longest_sequence(self, cfg: Any) -> tuple[int | None, str]:
         """The most tokens one training row can hold (``train.max_tokens_per_micro_batch`` must
         hold it), and the keys that bound it; None: nothing bounds it (those keys would)."""

@@ -153,7 +153,7 @@ def search(recipe: str | None, overrides: Sequence[str], *, cores: int, stalenes
         except ConfigError:
             continue  # a combination the recipe's family, engine or backend refuses
         cfg = priced(cfg, base)
-        if cfg.budget().mode.extra_work and cfg.plan.mean_length <= 0:
+        if cfg.budget().mode.extra_work and cfg.family().plan_lengths(cfg)[0] <= 0:
             continue
         ranked.append(evaluate(cfg, extra, batches))
     if not ranked:

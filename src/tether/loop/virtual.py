@@ -433,10 +433,12 @@ def timings_of(cfg: Any) -> Timings:
                           "itself; set plan.gen_jitter=0 (or plan.mean_length=0 for jittered batches)")
     # the family's price of the recipe's update against the one timed (flow: K trained steps of T)
     train_time = p.train_time * cfg.family().plan_train_scale(cfg)
-    # episodes (agent family): each turn waits on the environment once, beside the engine's time
+    # episodes (agent family): each turn waits on the environment once, beside the engine's time;
+    # the per-sequence model's lengths are the family's (flow: every trajectory flow.steps steps)
+    mean_length, max_length = cfg.family().plan_lengths(cfg)
     return Timings(gen_time=p.gen_time + p.turns * p.env_time, gen_jitter=p.gen_jitter,
                    train_time=train_time, sync_time=p.sync_time, eval_time=p.eval_time,
                    save_time=p.save_time,
                    workers=cfg.rollout.num_workers, commits=tuple(p.commits), seed=p.seed,
-                   mean_length=p.mean_length, max_length=cfg.rollout.max_new_tokens,
+                   mean_length=mean_length, max_length=max_length,
                    prefill_cost=p.prefill_cost)

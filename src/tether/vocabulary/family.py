@@ -147,6 +147,11 @@ class Family(Protocol):
         1, the time was measured on this recipe's updates)."""
         ...
 
+    def plan_lengths(self, cfg: Any) -> tuple[float, int]:
+        """(mean, most) engine steps a sample takes for ``tether plan``'s per-sequence model (the
+        cost of in-flight switches); a mean of 0: no such model."""
+        ...
+
     def longest_sequence(self, cfg: Any) -> tuple[int | None, str]:
         """The most tokens one training row can hold and the keys that bound it (None: nothing
         bounds it); ``train.max_tokens_per_micro_batch`` must hold it."""

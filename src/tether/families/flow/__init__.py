@@ -67,6 +67,10 @@ class FlowFamily(FamilyBase):
 
         check_sde(cfg.flow.noise_level, cfg.flow.shift, cfg.flow.steps)
         check_window(cfg.flow)
+        if cfg.plan.mean_length or cfg.plan.prefill_cost:
+            raise ConfigError("plan.mean_length and plan.prefill_cost model text completions; a flow "
+                              f"trajectory takes flow.steps={cfg.flow.steps} steps, which tether plan reads "
+                              "instead (and a switch recomputes nothing): drop them")
         if cfg.flow.dtype != "float32" and not is_pipeline(cfg.model.path):
             raise ConfigError(f"flow.dtype={cfg.flow.dtype} is for a diffusers pipeline's engine; the "
                               "built-in model samples in float32: drop it")
@@ -77,6 +81,11 @@ class FlowFamily(FamilyBase):
 
     def norm_constant(self, cfg: Any) -> int:
         return trained_steps(cfg.flow)
+
+    def plan_lengths(self, cfg: Any) -> tuple[float, int]:
+        """Every trajectory takes exactly flow.steps denoising steps (an abort's waste is the steps
+        taken before the switch, for every trajectory of the batch)."""
+        return float(cfg.flow.steps), cfg.flow.steps
 
     def plan_train_scale(self, cfg: Any) -> float:
         """An update's cost over that of one timed at ``plan.train_time_steps`` trained steps per
