@@ -201,17 +201,25 @@ def test_the_flow_grpo_preset_trains_the_references_recipe_on_the_built_in_model
 def test_weights_taken_up_between_denoising_steps_stay_within_the_budget(flow_model, tmp_path, mode):
     """async.inflight_update keep / abort: publications land while trajectories are being denoised
     (long trajectories, a cheap learner: 2 trained steps of 24), every step carries the version that
-    took it, no batch trains above the budget, hard boundaries still drain, and only abort throws
-    steps away (then no trajectory spans two versions)."""
+    took it, no batch trains above the budget, hard boundaries still drain, only abort throws steps
+    away (then no trajectory spans two versions), and metrics.attribution splits each step's
+    log-ratio with nothing left over."""
     cfg = recipe(flow_model, "async.max_staleness=2", "async.max_inflight=2", f"async.inflight_update={mode}",
                  "flow.steps=24", "flow.train_steps=2", "train.num_batches=10", "eval.interval=5",
-                 "checkpoint.interval=5", "flow.eval_steps=4", "train.algorithm=grpo")
+                 "checkpoint.interval=5", "flow.eval_steps=4", "train.algorithm=grpo",
+                 "metrics.attribution=true")
     summary = train(cfg, tmp_path / "run", progress_plain=True)
     metrics = rows(tmp_path / "run" / "metrics.jsonl")
     assert len(metrics) == 10 and summary["trained_batches"] == 10
     for m in metrics:
         assert 0 <= m["staleness/updates"] <= 2  # the budget, from each batch's oldest step
         assert m["staleness/token_min_updates"] <= m["staleness/token_mean_updates"] <= m["staleness/updates"]
+        # the split of each step's log-ratio: no cache, so even under keep every step is exactly
+        # its version's (numerics alone, nothing of an older version's work)
+        assert m["attribution/token_frac"] == 1.0 and m["attribution/residual_abs_max"] < 1e-5
+        assert m["attribution/numeric_logratio_abs_max"] < 1e-5
+        if m["staleness/token_min_updates"] > 0:
+            assert m["attribution/staleness_logratio_abs_mean"] > 0
         if mode == "abort":
             assert m["staleness/multi_version_seq_frac"] == 0
             assert (m["rollout/wasted_steps"] > 0) == (m["rollout/weight_switches"] > 0)

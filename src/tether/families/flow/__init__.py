@@ -39,7 +39,7 @@ class FlowFamily(FamilyBase):
             "plan.train_time_steps")
     capabilities = Capabilities(
         engine_kind="step", inflight_updates=("drain", "keep", "abort"),
-        features=frozenset({"learner_ranks", "learner_actor", "datasets", "lora"}),
+        features=frozenset({"learner_ranks", "learner_actor", "datasets", "lora", "attribution"}),
         notes={"engine_kind": "its sampler runs the flow model's own denoising steps",
                "inflight_updates": "a denoising step reads only x_t and the prompt, so no cache holds an "
                                    "older version's work: keep already takes each step wholly under the "
@@ -47,7 +47,6 @@ class FlowFamily(FamilyBase):
                "token_sampling": "a flow model's sampling is the flow section",
                "decoder": "a flow model's sampler has no native form",
                "dynamic_sampling": NOT_YET,
-               "attribution": NOT_YET,
                "truncation": "trajectories are never truncated",
                "shared_prefix": "no prompt prefix is shared",
                "mixed_precision": "its learner computes in float32; flow.dtype sets its engine's"})
