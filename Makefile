@@ -46,9 +46,10 @@ demo: $(STAMP)
 flow-demo: $(STAMP)
 	$(VENV)/bin/tether train recipes/flow-demo.yaml
 
+# builds runs/models/sd3-shapes (a tiny SD3 pipeline: its VAE trained, its transformer warm-started)
+# when missing, then trains it with CFG
 flow-sd3: $(STAMP)
-	test -f runs/models/tiny-sd3/model_index.json || $(VENV)/bin/python -m tether.families.flow.tiny_sd3 runs/models/tiny-sd3
-	$(VENV)/bin/tether train recipes/flow-sd3-tiny.yaml
+	$(VENV)/bin/tether train recipes/flow-sd3.yaml
 
 agent-demo: $(STAMP)
 	$(VENV)/bin/tether train recipes/agent-demo.yaml

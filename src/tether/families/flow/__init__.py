@@ -137,6 +137,8 @@ class FlowFamily(FamilyBase):
         from tether.families.flow.warmstart import flow_warmstart
 
         data = self.data(cfg, out)
+        if cfg.flow.init_backbone == "sd3":
+            return self._build_sd3(cfg, out, data, on_progress)
         config = FlowModelConfig(vocab=scenes.WORDS, width=cfg.flow.init_width, depth=cfg.flow.init_depth,
                                  patch=4)
         logging.getLogger("tether.data").info("building a flow model (width %d, depth %d); warm-starting it",
@@ -149,19 +151,42 @@ class FlowFamily(FamilyBase):
                 f"pass@1 {100 * warm.pass_at_1_before:.1f}% → {100 * warm.pass_at_1_after:.1f}% in "
                 f"{warm.steps} steps, {warm.seconds:.0f}s")
 
+    def _build_sd3(self, cfg: Any, out: Path, data: Any, on_progress: Progress | None) -> str:
+        """A tiny SD3 pipeline, its VAE trained on drawn scenes and its transformer warm-started
+        (``tether.families.flow.sd3_warmstart``)."""
+        import logging
+
+        from tether.families.flow.sd3_warmstart import sd3_warmstart
+
+        logging.getLogger("tether.data").info(
+            "building a tiny SD3 pipeline (width %d, depth %d); training its VAE %d steps, then "
+            "warm-starting its transformer", cfg.flow.init_width, cfg.flow.init_depth,
+            cfg.flow.init_vae_steps)
+        warm = sd3_warmstart(out, data.train, data.eval, self.scorer(cfg), cfg, on_progress=on_progress)
+        return (f"warm start: held-out reward {warm.before['reward']:.3f} → {warm.after['reward']:.3f}, "
+                f"pass@1 {100 * warm.pass_at_1_before:.1f}% → {100 * warm.pass_at_1_after:.1f}% in "
+                f"{warm.steps} steps, {warm.seconds:.0f}s")
+
     def build_differences(self, cfg: Any, path: Path) -> list[str]:
         import json
 
         from tether.families.flow.model import read_config
         from tether.families.flow.pipeline import is_pipeline
 
-        if is_pipeline(path):
-            return []  # a user's pipeline, not built by the recipe
+        if is_pipeline(path):  # a user's pipeline (nothing to compare), or one flow.init_backbone=sd3 built
+            from tether.families.flow.sd3_warmstart import built_settings
+
+            built = built_settings(path)
+            keys = (("init_backbone", "backbone"), ("init_width", "init_width"), ("init_depth", "init_depth"),
+                    ("init_vae_steps", "vae_steps"), ("init_cond_dropout", "cond_dropout"))
+            return [f"flow.{key}: built with {built[field]}, the recipe says {getattr(cfg.flow, key)}"
+                    for key, field in keys if field in built and built[field] != getattr(cfg.flow, key)]
         config = read_config(path)
         warm = Path(path) / "warmstart.json"
         built = json.loads(warm.read_text()).get("settings", {}) if warm.is_file() else {}
         return [f"flow.{key}: built with {have}, the recipe says {getattr(cfg.flow, key)}"
-                for key, have in (("init_width", config.width), ("init_depth", config.depth),
+                for key, have in (("init_backbone", "dit"), ("init_width", config.width),
+                                  ("init_depth", config.depth),
                                   ("init_cond_dropout", built.get("cond_dropout", 0.0)))
                 if have != getattr(cfg.flow, key)]
 

@@ -119,6 +119,17 @@ class FlowSection:
         "train–inference mismatch that the ratios and mismatch/* metrics show and correction.* corrects.",
         choices=("float32", "bfloat16"),
     )
+    init_backbone: Literal["dit", "sd3"] = knob(
+        "dit",
+        "What model.create_if_missing builds: dit = the built-in conditional DiT over 16×16 RGB; sd3 = "
+        "a tiny diffusers Stable Diffusion 3 pipeline (transformer, VAE, two CLIP text encoders, SD3's "
+        "scheduler) whose VAE is first trained here on drawn scenes (flow.init_vae_steps), then the "
+        "transformer warm-started on its latents (docs/flow.md).",
+        choices=("dit", "sd3"),
+    )
+    init_vae_steps: int = knob(
+        1500, "With flow.init_backbone=sd3: optimizer steps of the VAE's training on drawn scenes.", min=1
+    )
     init_width: int = knob(96, "Width of a flow model built by model.create_if_missing.", min=8)
     init_depth: int = knob(3, "Transformer blocks of a flow model built by model.create_if_missing.", min=1)
     init_cond_dropout: float = knob(

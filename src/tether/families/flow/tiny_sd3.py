@@ -35,9 +35,10 @@ def _tokenizer(folder: Path, max_length: int):
 
 
 def build_tiny_sd3(out: str | Path, *, seed: int = 0, image_size: int = 32, width: int = 32, depth: int = 2,
-                   text_width: int = 32, max_prompt_tokens: int = 32) -> Path:
+                   text_width: int = 32, max_prompt_tokens: int = 32, vae_width: int = 8) -> Path:
     """Write the pipeline to ``out`` (through a temporary folder and a rename: never half a
-    pipeline at ``out``). ``image_size`` pixels (latents are half as wide, 4 channels)."""
+    pipeline at ``out``). ``image_size`` pixels (latents are half as wide, 4 channels);
+    ``vae_width`` the VAE's first level's channels (its second has twice as many)."""
     import torch
     from diffusers import (
         AutoencoderKL,
@@ -57,7 +58,8 @@ def build_tiny_sd3(out: str | Path, *, seed: int = 0, image_size: int = 32, widt
         attention_head_dim=width // heads, num_attention_heads=heads, caption_projection_dim=width,
         joint_attention_dim=2 * text_width, pooled_projection_dim=2 * text_width,
         pos_embed_max_size=image_size)
-    vae = AutoencoderKL(block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4,
+    vae = AutoencoderKL(block_out_channels=(vae_width, 2 * vae_width), in_channels=3, out_channels=3,
+                        latent_channels=4,
                         down_block_types=("DownEncoderBlock2D",) * 2,
                         up_block_types=("UpDecoderBlock2D",) * 2,
                         sample_size=image_size, norm_num_groups=8, scaling_factor=1.5035, shift_factor=0.0609)
