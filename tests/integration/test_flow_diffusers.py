@@ -446,7 +446,7 @@ def test_an_sd3_pipeline_the_recipe_builds_has_a_trained_vae_and_trains_on_shape
     """flow.init_backbone=sd3: model.create_if_missing builds a tiny SD3 pipeline, trains its VAE on
     drawn scenes (it reconstructs them far better than the random one; latents normalised to zero
     mean and unit variance, SD3's convention), warm-starts its transformer with guidance's empty
-    prompt, and the run trains it with CFG on the shapes task; a recipe asking for another build
+    prompt, and the run trains it with CFG on the shapes prompts; a recipe asking for another build
     is told the keys it differs in."""
     import random
 
@@ -460,7 +460,8 @@ def test_an_sd3_pipeline_the_recipe_builds_has_a_trained_vae_and_trains_on_shape
             "flow.init_backbone=sd3", "flow.init_width=32", "flow.init_depth=1", "flow.init_vae_steps=60",
             "warmstart.max_steps=4", "warmstart.eval_every=4", "data.num_eval=8", "data.max_prompt_tokens=32",
             "flow.guidance_scale=4.5", "flow.steps=4", "flow.eval_steps=4", "rollout.batch_size=2",
-            "rollout.group_size=4", "train.num_batches=2", "eval.interval=2", "checkpoint.interval=0"]
+            "rollout.group_size=4", "train.num_batches=2", "eval.interval=2", "checkpoint.interval=0",
+            f"reward.function={REWARD}:reward"]  # varies within groups after four warm-start steps
     summary = train(load_config(None, keys), tmp_path / "run", progress_plain=True)
     assert summary["trained_batches"] == 2
     record = json.loads((model / "warmstart.json").read_text())["settings"]
