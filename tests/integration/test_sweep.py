@@ -45,6 +45,10 @@ def test_every_point_and_seed_trains_and_is_tabulated_and_plotted(swept, capsys)
         assert r["samples_per_s"] > 0
         stale = [json.loads(line)["staleness/batches"] for line in (Path(r["run"]) / "metrics.jsonl").open()]
         assert r["staleness_max"] == max(stale) == float(r["values"]["async.max_staleness"])
+        assert r["staleness_mean"] == pytest.approx(sum(stale) / len(stale))
+        # the figure plotted is the run's last held-out evaluation, not its first or its best
+        evals = [json.loads(line) for line in (Path(r["run"]) / "eval.jsonl").open()]
+        assert len(evals) >= 2 and r["held_out"] == evals[-1]["eval/pass_at_1"]
         config = (Path(r["run"]) / "config.yaml").read_text()
         assert f"seed: {r['seed']}" in config
     assert (out / "sweep.png").stat().st_size > 5000

@@ -78,7 +78,44 @@ def test_plan_prints_the_closed_forms_beside_the_simulation(capsys):
     out = capsys.readouterr().out
     assert "mean staleness (batches): simulated 1.50" in out
     assert "closed form (lazy publication rule: exact): 1.50" in out
-    assert "Applied Compute's rollout-bound form: 2.40  [rho=0.40, B=32, C=64, q=2, M_tail=1.00]" in out
+    # the queueing form would say 2.40: the lazy rule is outside what it models, so it is not printed
+    assert ("Applied Compute's rollout-bound form [rho=0.40, B=32, C=64, q=2, M_tail=1.00]: not printed: "
+            "the forms model engines that take up every update") in out
+    assert main(["plan", "--max-staleness", "3", "--workers", "2", "--max-inflight", "4", "--gen-time", "1",
+                 "--train-time", "0.2", "--num-batches", "40", "--closed-form",
+                 "async.inflight_update=keep"]) == 0
+    out = capsys.readouterr().out
+    assert "closed form (a publication every step: approximate): 2.40" in out
+    assert "Applied Compute's rollout-bound form [rho=0.40, B=32, C=64, q=2, M_tail=1.00]: 2.40" in out
+
+
+@pytest.mark.parametrize("keys, ours, theirs", [
+    # near balance neither approximate form is printed, whichever rule
+    (["async.inflight_update=keep", "plan.train_time=0.5"], "rho = 1.00 is near balance",
+     "rho = 1.00 is near balance"),
+    (["async.sync_when_idle=true", "plan.train_time=0.45"], "rho = 0.90 is near balance",
+     "rho = 0.90 is near balance"),
+    # train-bound, Tether's form is S; the queueing form does not know the budget
+    (["async.inflight_update=keep", "plan.train_time=2"], None, "async.max_staleness = 3"),
+    # rollout-bound idle syncs never fire: the lazy rule's place in the period, not a queue
+    (["async.sync_when_idle=true", "plan.train_time=0.1"], None, "async.sync_when_idle never fires"),
+    # the lazy rule's form needs no timings; the others do
+    (["plan.gen_time=0"], None, "plan.gen_time"),
+    (["async.inflight_update=keep", "plan.gen_time=0"], "plan.gen_time", "plan.gen_time"),
+])
+def test_a_form_outside_its_assumptions_names_why_instead_of_a_number(keys, ours, theirs):
+    from tether.cli.plan import closed_form_lines
+
+    cfg = load_config(None, ["async.max_staleness=3", "rollout.num_workers=2", "async.max_inflight=4",
+                             "plan.gen_time=1", "plan.train_time=0.2", "train.num_batches=40", *keys])
+    form = closed_forms(cfg, gen_time=cfg.plan.gen_time, train_time=cfg.plan.train_time, sync_time=0)
+    assert (form["withheld"]["tether"] is None) == (ours is None)
+    if ours:
+        assert ours in form["withheld"]["tether"]
+    assert theirs in form["withheld"]["applied_compute"]
+    ours_line, theirs_line = closed_form_lines(form, 0.0)[1:]
+    assert ("not printed" in ours_line) == (ours is not None) and "not printed" in theirs_line
+    assert "rho=" in theirs_line  # the five parameters are printed either way
 
 
 def test_kv_versions_are_the_turns_prefill_under_keep_and_the_tokens_own_otherwise():

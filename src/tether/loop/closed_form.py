@@ -152,4 +152,40 @@ def closed_forms(cfg: Any, *, gen_time: float, train_time: float, sync_time: flo
         value = min(float(s.max_staleness), model.concurrency * model.tail / model.batch + model.rho) \
             if model.rho < 1 else float(s.max_staleness)
     return {"rule": rule, "mean_staleness_batches": value, "exact": rule == "lazy",
-            "applied_compute": model.as_dict()}
+            "applied_compute": model.as_dict(), "withheld": withheld(model, rule)}
+
+
+BALANCE = (0.8, 1.5)
+"""ρ in [0.8, 1.5): how the ready queue fills there is in neither the approximate forms nor Applied
+Compute's (errors up to 5 batches on simulated recipes, benchmarks/closed_form.py)."""
+
+
+def withheld(model: QueueModel, rule: str) -> dict[str, str | None]:
+    """Why each form's number would be wrong for this recipe, naming what puts it outside the form's
+    assumptions; None where the form holds. The numbers stay in the document (the benchmark
+    measures their errors); ``tether plan`` and ``tether report`` print the reason instead."""
+    rho = model.rho
+    timings = None
+    if not 0 < rho < float("inf"):
+        timings = (f"rho = {rho:g}: the forms need a positive, finite generation time and training time "
+                   "(plan.gen_time, plan.train_time, or a run's measured time/generate and time/train)")
+    near = (f"rho = {rho:.2f} is near balance ({BALANCE[0]} <= rho < {BALANCE[1]}), where how the ready "
+            "queue fills is not in the form (errors up to 5 batches); the simulation holds")
+    balanced = BALANCE[0] <= rho < BALANCE[1]
+    tether = None if rule == "lazy" else timings or (near if balanced else None)
+    if timings:
+        ac = timings
+    elif balanced and rule != "lazy":
+        ac = near
+    elif rule == "lazy" or (rule == "idle" and rho < 1):
+        ac = ("the forms model engines that take up every update; this recipe publishes lazily (async."
+              "inflight_update: drain" + (", and with the engines busy at every step's end "
+              "async.sync_when_idle never fires" if rule == "idle" else " without async.sync_when_idle")
+              + "), so a batch's staleness is its place in the sync period, which Tether's form gives")
+    elif rho >= BALANCE[1]:
+        ac = (f"train-bound (rho = {rho:.2f}): Tether's admission keeps the ready queue full to the budget "
+              f"(async.max_staleness = {model.budget}), so batches train at about S, which the form "
+              "does not know")
+    else:
+        ac = None
+    return {"tether": tether, "applied_compute": ac}
