@@ -200,12 +200,12 @@ def closed_form_lines(forms: dict, simulated: float, measured: float | None = No
     how = {"lazy": "lazy publication rule: exact", "idle": "idle syncs: approximate",
            "eager": "a publication every step: approximate"}[forms["rule"]]
     seen = f"simulated {simulated:.2f}" + ("" if measured is None else f", measured {measured:.2f}")
-    why = forms.get("withheld") or {}
+    why = forms["withheld"]
     capped = "" if ac["uncapped_batches"] <= ac["mean_staleness_batches"] else \
         f" (uncapped {ac['uncapped_batches']:.2f}; no batch trains staler than S)"
     params = f"[rho={ac['rho']:.2f}, B={ac['B']}, C={ac['C']:g}, q={ac['q']:g}, M_tail={ac['M_tail']:.2f}]"
-    ours = f"not printed: {why['tether']}" if why.get("tether") else f"{forms['mean_staleness_batches']:.2f}"
-    theirs = f"not printed: {why['applied_compute']}" if why.get("applied_compute") else \
+    ours = f"not printed: {why['tether']}" if why["tether"] else f"{forms['mean_staleness_batches']:.2f}"
+    theirs = f"not printed: {why['applied_compute']}" if why["applied_compute"] else \
         f"{ac['mean_staleness_batches']:.2f}{capped}"
     return [
         f"mean staleness (batches): {seen}",
