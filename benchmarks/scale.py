@@ -30,6 +30,7 @@ Reported per setting:
 
     python benchmarks/scale.py --size 0.5b [--settings fp32,bf16,bf16+ckpt] [--world-size 1,2] [--json]
     python benchmarks/scale.py --size 1.5b --lora 16 --settings bf16 --engine-dtype bfloat16 [--json]
+    python benchmarks/scale.py --size 0.5b --settings fp32 --prompts 4 --group 8   # a larger batch
 """
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ SETTINGS = {
     "bf16-own": ["train.dtype=bfloat16", "train.shared_prefix=false"],
     # with --lora: the engine adds the adapters' low-rank terms instead of merging them (no W₀ copy)
     "bf16+terms": ["train.dtype=bfloat16", "rollout.lora_apply=terms"],
+    # ... and the learner recomputes each decoder layer's activations in the backward
+    "bf16+ckpt+terms": ["train.dtype=bfloat16", "train.activation_checkpointing=true",
+                        "rollout.lora_apply=terms"],
 }
-PROMPTS, GROUP = 2, 4
+PROMPTS, GROUP = 2, 4  # a rollout batch: prompts × samples of each (--prompts, --group)
 
 
 def build(size: str, cache: Path) -> Path:
@@ -67,12 +71,13 @@ def build(size: str, cache: Path) -> Path:
     return out
 
 
-def run(model: Path, out: Path, overrides: list[str], batches: int, new_tokens: int) -> list[dict]:
+def run(model: Path, out: Path, overrides: list[str], batches: int, new_tokens: int,
+        prompts: int = PROMPTS, group: int = GROUP) -> list[dict]:
     """One ``tether train`` run; its metrics rows after the warm-up batch."""
     args = [
         f"model.path={model}", "data.task=arithmetic", "data.num_eval=1",
         f"reward.function={HERE / 'scale_reward.py'}:varied",
-        f"rollout.batch_size={PROMPTS}", f"rollout.group_size={GROUP}",
+        f"rollout.batch_size={prompts}", f"rollout.group_size={group}",
         f"rollout.max_new_tokens={new_tokens}",
         "async.max_staleness=0", "async.max_inflight=1", f"train.num_batches={batches}",
         "train.drop_zero_std=false", "train.lr=1e-6", "eval.interval=0", "checkpoint.interval=0", *overrides,
@@ -120,13 +125,13 @@ def lora_parameters(model: Path, rank: int) -> int:
                if isinstance(mod, torch.nn.Linear) and mod is not head)
 
 
-def needed_flops(s: dict, new_tokens: int) -> float:
+def needed_flops(s: dict, new_tokens: int, prompts: int = PROMPTS, group: int = GROUP) -> float:
     """One update's needed arithmetic: each group's prompt once (the shared-prompt forward) and
     every completion token, 6 FLOPs per matmul parameter and three times the attention."""
     total = 0.0
-    for _ in range(PROMPTS):
+    for _ in range(prompts):
         total += sum(6 * s["matmul"] + 3 * s["attention"](c + 1) for c in range(s["prompt_tokens"]))
-        total += GROUP * sum(6 * s["matmul"] + 3 * s["attention"](s["prompt_tokens"] + j + 1)
+        total += group * sum(6 * s["matmul"] + 3 * s["attention"](s["prompt_tokens"] + j + 1)
                              for j in range(new_tokens))
     return total
 
@@ -142,15 +147,17 @@ def peak_gflops(threads: int, bf16: bool) -> float:
 
 
 def measure(size: str, settings: list[str], worlds: list[int], lora: int, batches: int,
-            new_tokens: int, cache: Path, engine_dtype: str = "float32") -> dict:
+            new_tokens: int, cache: Path, engine_dtype: str = "float32", prompts: int = PROMPTS,
+            group: int = GROUP) -> dict:
     model = build(size, cache)
     s = shape(model)
     base_mb = baseline_mb()
     trained = lora_parameters(model, lora) if lora else s["parameters"]
     out: dict = {"size": size, "parameters": s["parameters"], "trained_parameters": trained,
                  "engine_dtype": engine_dtype,
-                 "baseline_mb": base_mb, "new_tokens": new_tokens, "batches": batches, "settings": {}}
-    flops = needed_flops(s, new_tokens)
+                 "baseline_mb": base_mb, "new_tokens": new_tokens, "batches": batches, "prompts": prompts,
+                 "group": group, "settings": {}}
+    flops = needed_flops(s, new_tokens, prompts, group)
     for world, name in itertools.product(worlds, settings):
         overrides = [*SETTINGS[name], f"train.world_size={world}", f"rollout.dtype={engine_dtype}"]
         if lora:
@@ -158,7 +165,7 @@ def measure(size: str, settings: list[str], worlds: list[int], lora: int, batche
         bf16 = "train.dtype=bfloat16" in overrides
         peak = peak_gflops(1, bf16)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            rows = run(model, Path(tmp) / "run", overrides, batches, new_tokens)
+            rows = run(model, Path(tmp) / "run", overrides, batches, new_tokens, prompts, group)
 
         def med(key: str, rows: list[dict] = rows) -> float:
             return statistics.median(r[key] for r in rows if key in r)
@@ -197,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="rollout.dtype: the built-in engine's weights and activations")
     ap.add_argument("--batches", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=PROMPTS, help="prompts a rollout batch")
+    ap.add_argument("--group", type=int, default=GROUP, help="samples a prompt")
     ap.add_argument("--cache", default=os.environ.get("TETHER_SCALE_CACHE", "/tmp/tether-scale"))
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -207,12 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
     r = measure(a.size, settings, [int(w) for w in a.world_size.split(",")], a.lora, a.batches,
-                a.new_tokens, cache, a.engine_dtype)
+                a.new_tokens, cache, a.engine_dtype, a.prompts, a.group)
     if a.json:
         print(json.dumps(r))
         return 0
     print(f"{a.size}: {r['parameters'] / 1e6:.0f}M parameters, {r['trained_parameters'] / 1e6:.1f}M trained; "
-          f"{PROMPTS} prompts × {GROUP} samples × {a.new_tokens} tokens; process baseline "
+          f"{a.prompts} prompts × {a.group} samples × {a.new_tokens} tokens; process baseline "
           f"{r['baseline_mb']:.0f} MB")
     print(f"{'setting':>18}{'gen s':>8}{'train s':>9}{'sync s':>8}{'learner MB':>12}{'theory MB':>11}"
           f"{'rest MB':>9}{'B/param':>9}{'engine MB':>11}{'theory MB':>11}{'channel MB':>12}{'of peak':>9}")
