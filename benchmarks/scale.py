@@ -30,7 +30,7 @@ Reported per setting:
 
     python benchmarks/scale.py --size 0.5b [--settings fp32,bf16,bf16+ckpt] [--world-size 1,2] [--json]
     python benchmarks/scale.py --size 1.5b --lora 16 --settings bf16 --engine-dtype bfloat16 [--json]
-    python benchmarks/scale.py --size 0.5b --settings fp32 --prompts 4 --group 8   # a larger batch
+    python benchmarks/scale.py --size 0.5b --settings fp32,fp32-mb8 --prompts 4 --group 8   # a larger batch
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ SETTINGS = {
     "fp32": [],
     "fp32-own": ["train.shared_prefix=false"],  # the model's own forward, not the shared-prompt one
     "ckpt": ["train.activation_checkpointing=true"],
+    # gradient accumulation over micro-batches of one group (8 sequences): with --prompts 4 --group 8
+    # the update does 4× the arithmetic of the default batch with the activations of one group
+    "fp32-mb8": ["train.micro_batch_size=8"],
     "bf16": ["train.dtype=bfloat16"],
     "bf16+ckpt": ["train.dtype=bfloat16", "train.activation_checkpointing=true"],
     "bf16-own": ["train.dtype=bfloat16", "train.shared_prefix=false"],
@@ -73,7 +76,7 @@ def build(size: str, cache: Path) -> Path:
 
 def run(model: Path, out: Path, overrides: list[str], batches: int, new_tokens: int,
         prompts: int = PROMPTS, group: int = GROUP) -> list[dict]:
-    """One ``tether train`` run; its metrics rows after the warm-up batch."""
+    """One ``tether train`` run; its metrics rows after the warm-up batch that updated."""
     args = [
         f"model.path={model}", "data.task=arithmetic", "data.num_eval=1",
         f"reward.function={HERE / 'scale_reward.py'}:varied",
@@ -87,7 +90,11 @@ def run(model: Path, out: Path, overrides: list[str], batches: int, new_tokens: 
     if proc.returncode:
         raise SystemExit(f"run failed ({' '.join(overrides)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return rows[1:]
+    # a batch whose update was skipped (no reward spread) published nothing and timed no update
+    kept = [r for r in rows[1:] if not r.get("train/skipped_updates")]
+    if not kept:
+        raise SystemExit(f"run ({' '.join(overrides)}): every kept batch skipped its update; raise --batches")
+    return kept
 
 
 def baseline_mb() -> float:
