@@ -76,7 +76,7 @@ def build(size: str, cache: Path) -> Path:
 
 def run(model: Path, out: Path, overrides: list[str], batches: int, new_tokens: int,
         prompts: int = PROMPTS, group: int = GROUP) -> list[dict]:
-    """One ``tether train`` run; its metrics rows after the warm-up batch that updated."""
+    """One ``tether train`` run; its metrics rows after the warm-up batch, those whose update ran."""
     args = [
         f"model.path={model}", "data.task=arithmetic", "data.num_eval=1",
         f"reward.function={HERE / 'scale_reward.py'}:varied",

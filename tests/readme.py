@@ -38,9 +38,10 @@ SMALL_EVAL = {  # per family: a small held-out set, and a model built on first u
     "flow": ["data.num_eval=32", "warmstart.max_steps=5"],
 }
 WARM_STEPS = {"longtail.yaml": 60}  # recipes whose task five steps leave at no reward at all
-BUILD_STEPS = {"flow-sd3.yaml": ["flow.init_vae_steps=20"]}  # a model build's other steps, shortened
-SHORT_START = {  # recipes whose warm start, cut short, leaves every group's reward equal
-    # 60 steps at script_quality 0.4 answer 0 without the tools: the chats that all call them
+RECIPE_SHORTENING = {  # a recipe's other overrides for its short run
+    "flow-sd3.yaml": ["flow.init_vae_steps=20"],  # the model build's VAE steps
+    # 60 warm-start steps at script_quality 0.4 answer 0 without the tools, so every group's reward
+    # would be equal: the chats that all call them
     "agent-tools.yaml": ["env.script_quality=1.0"],
 }
 
@@ -158,8 +159,7 @@ class Workspace:
         """``runs/<name>`` of a train line: its recipe's stem, then its overrides, readable."""
         recipe = next((w for w in words[1:] if w.endswith(".yaml")), "run")
         name = Path(recipe).stem
-        added = (*SMALL_EVAL.values(), *BUILD_STEPS.values(), *SHORT_START.values())
-        shortening = {*SHORT, *(w for ws in added for w in ws)}
+        shortening = {*SHORT, *(w for ws in (*SMALL_EVAL.values(), *RECIPE_SHORTENING.values()) for w in ws)}
         rest = [w for w in words[1:] if "=" in w and w not in shortening and not w.startswith("warmstart.")]
         if rest:
             name += "-" + "-".join(re.sub(r"[^A-Za-z0-9]+", "_", w) for w in rest)
@@ -175,7 +175,7 @@ class Workspace:
         steps = WARM_STEPS.get(Path(recipe).name)
         if steps:
             words = [w for w in words if not w.startswith("warmstart.")] + [f"warmstart.max_steps={steps}"]
-        return words + BUILD_STEPS.get(Path(recipe).name, []) + SHORT_START.get(Path(recipe).name, [])
+        return words + RECIPE_SHORTENING.get(Path(recipe).name, [])
 
     def run(self, argv: list[str], *, shell: bool = False) -> subprocess.CompletedProcess:
         out = subprocess.run(argv, cwd=self.root, capture_output=True, text=True, timeout=self.timeout_s,
