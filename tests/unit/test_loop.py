@@ -1,5 +1,7 @@
 """The driver loop against the threaded fakes; staleness is measured from the data stamps."""
 
+import threading
+
 import pytest
 
 from tether.control import AsyncControl, BudgetSettings
@@ -128,9 +130,24 @@ def test_training_error_is_not_masked_and_outstanding_work_is_abandoned_at_once(
 
 def test_drain_failure_during_teardown_does_not_mask_the_primary_error(make_pool):
     s = BudgetSettings(max_staleness=2, max_inflight=3, total_batches=10)
-    # batch 0 trains (and fails) long before batch 2's generation fails during the drain
-    pool = make_pool(workers=3, gen_time=lambda i: 0.3 if i == 2 else 0.01, fail_at=[2])
-    learner = FakeLearner(fail_at=[0])
+    trained_and_failed = threading.Event()
+
+    class FailingOnce(FakeLearner):
+        def train(self, batch, *, train_version):
+            try:
+                return super().train(batch, train_version=train_version)
+            finally:
+                trained_and_failed.set()
+
+    def gen_time(index: int) -> float:
+        # batch 2's generation fails only once batch 0's training has failed: during the drain
+        if index == 2:
+            assert trained_and_failed.wait(10)
+            return 0.05
+        return 0.01
+
+    pool = make_pool(workers=3, gen_time=gen_time, fail_at=[2])
+    learner = FailingOnce(fail_at=[0])
     with pytest.raises(RuntimeError, match="injected training failure") as info:
         Driver(AsyncControl(s), pool, learner, wait_timeout_s=10).run()
     assert not isinstance(info.value, RolloutError)
