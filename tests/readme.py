@@ -180,10 +180,14 @@ class Workspace:
     def run(self, argv: list[str], *, shell: bool = False) -> subprocess.CompletedProcess:
         out = subprocess.run(argv, cwd=self.root, capture_output=True, text=True, timeout=self.timeout_s,
                              shell=shell, executable="/bin/bash" if shell else None)
+        shown = argv if shell else shlex.join(argv)
         if out.returncode != 0:
-            shown = argv if shell else shlex.join(argv)
             raise AssertionError(f"`{shown}` exited with {out.returncode}:\n{out.stdout[-2000:]}\n"
                                  f"{out.stderr[-4000:]}")
+        # a process ended before its exit handlers ran leaves named semaphores to multiprocessing's
+        # resource tracker, which unlinks them and warns the user of a leak
+        leaks = [line for line in out.stderr.splitlines() if "resource_tracker" in line]
+        assert not leaks, f"`{shown}` left resources to the resource tracker: {leaks}"
         return out
 
     def run_make(self, target: str) -> list[subprocess.CompletedProcess]:

@@ -360,6 +360,8 @@ class ProcessRanks:
         lifeline_r, self._lifeline = ctx.Pipe(duplex=False)
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
+        self._owing: set[int] = set()
+        """Ranks with an answer not yet read (each owes one for starting): busy, or stuck."""
         try:
             for rank in range(self.world):
                 ours, theirs = ctx.Pipe()
@@ -368,6 +370,7 @@ class ProcessRanks:
                 proc = ctx.Process(target=rank_main, args=(Sealed(spec), theirs, lifeline_r), daemon=True,
                                    name=f"tether-learner-{rank}")
                 proc.start()
+                self._owing.add(rank)
                 theirs.close()
                 self._procs.append(proc)
                 self._conns.append(ours)
@@ -382,10 +385,17 @@ class ProcessRanks:
     def send(self, rank: int, method: str, args: tuple) -> None:
         if not self._conns:
             raise LearnerLostError("the learner's ranks were stopped")
+        self._owing.add(rank)
         with contextlib.suppress(OSError, ValueError):  # a dead rank is seen by ``next``
             self._conns[rank].send((method, args))
 
     def next(self, ranks: list[int], doing: str, timeout: float | None) -> Outcome | None:
+        outcome = self._next(ranks, doing, timeout)
+        if outcome is not None:
+            self._owing.discard(outcome.rank)
+        return outcome
+
+    def _next(self, ranks: list[int], doing: str, timeout: float | None) -> Outcome | None:
         ready = wait([self._conns[r] for r in ranks] + [self._procs[r].sentinel for r in ranks], timeout)
         if not ready:
             return None
@@ -429,15 +439,20 @@ class ProcessRanks:
         return ChannelRankWeights(group)
 
     def close(self, *, grace_s: float = 10.0) -> None:
-        """Stop every rank (they exit on "stop", or when the lifeline closes), then reap them; any
-        still running after ``grace_s`` (one blocked in a collective with a dead peer) is killed."""
+        """Stop every rank, then reap them. Idle ranks exit on "stop" through their own exit
+        handlers (a library's named semaphores unlinked: ``ProcessPool.close``); closing the
+        lifeline then ends the rest at once, and any still running after ``grace_s`` (one blocked
+        in a collective with a dead peer) is killed."""
+        deadline = time.monotonic() + grace_s
         for conn in self._conns:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(("stop", ()))
+        for rank, proc in enumerate(self._procs):
+            if rank not in self._owing:
+                proc.join(max(0.0, deadline - time.monotonic()))
         if self._lifeline is not None:
             self._lifeline.close()
             self._lifeline = None
-        deadline = time.monotonic() + grace_s
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():

@@ -176,23 +176,29 @@ class ProcessPool(DispatchingPool):
     def close(self, timeout: float = 10.0) -> None:
         """Stop every worker and free the weight channel; idempotent.
 
-        Idle workers are asked to stop; closing the lifeline then ends any worker still
-        generating at once (its batch is abandoned), and one that could not be forked in time to
-        be known here exits as soon as it starts. Survivors after ``timeout`` are killed.
+        Idle workers are asked to stop and left to exit through their own exit handlers (a
+        library's named semaphore, such as the lock tqdm makes for diffusers' loading bar, is
+        unlinked there; a worker ended by the lifeline leaves it to the resource tracker, which
+        warns of a leak). Closing the lifeline then ends any worker still generating at once (its
+        batch is abandoned), and one that could not be forked in time to be known here exits as
+        soon as it starts. Survivors after ``timeout`` are killed.
         """
         if self._closing and self._lifeline is None and not any(w.process.is_alive() for w in self._workers):
             return
         self._closing = True
+        deadline = time.monotonic() + timeout
         for w in self._workers:
             with contextlib.suppress(OSError, ValueError):
                 w.requests.send(("stop",))
+        for w in self._workers:
+            if w.batch is None:
+                w.process.join(max(0.0, deadline - time.monotonic()))
         if self._lifeline is not None:
             self._lifeline.close()
             self._lifeline = None
         if self._lifeline_r is not None:
             self._lifeline_r.close()
             self._lifeline_r = None
-        deadline = time.monotonic() + timeout
         for w in self._workers:
             w.process.join(max(0.0, deadline - time.monotonic()))
             if w.process.is_alive():
