@@ -132,7 +132,7 @@ def test_drain_failure_during_teardown_does_not_mask_the_primary_error(make_pool
     s = BudgetSettings(max_staleness=2, max_inflight=3, total_batches=10)
     trained_and_failed = threading.Event()
 
-    class FailingOnce(FakeLearner):
+    class SignallingItsTraining(FakeLearner):
         def train(self, batch, *, train_version):
             try:
                 return super().train(batch, train_version=train_version)
@@ -147,7 +147,7 @@ def test_drain_failure_during_teardown_does_not_mask_the_primary_error(make_pool
         return 0.01
 
     pool = make_pool(workers=3, gen_time=gen_time, fail_at=[2])
-    learner = FailingOnce(fail_at=[0])
+    learner = SignallingItsTraining(fail_at=[0])
     with pytest.raises(RuntimeError, match="injected training failure") as info:
         Driver(AsyncControl(s), pool, learner, wait_timeout_s=10).run()
     assert not isinstance(info.value, RolloutError)
