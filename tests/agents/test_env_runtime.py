@@ -166,6 +166,34 @@ def test_skyrl_gyms_own_search_env_is_built_from_env_config_and_max_turns():
     env.close()
 
 
+def test_skyrl_gyms_own_sql_env_reads_its_database_from_env_config_and_the_row(tmp_path):
+    """skyrl-gym's SQLEnv as the adapter builds it: the database directory from env_config, the
+    database and gold query from the task row (its extras), the turn limit from max_turns; a query
+    runs against the database and the solution is scored by its result."""
+    pytest.importorskip("skyrl_gym")
+    import sqlite3
+
+    from skyrl_gym.envs.sql.env import SQLEnv
+
+    from tether.families.agent.env import as_step, factory, plain_text
+
+    db = tmp_path / "spider" / "database" / "shop" / "shop.sqlite"
+    db.parent.mkdir(parents=True)
+    with sqlite3.connect(db) as conn:
+        conn.executescript("CREATE TABLE items (name TEXT, price INT); INSERT INTO items VALUES ('pen', 3), ('ink', 5);")
+    conn.close()
+    env = factory(SQLEnv, {}, env_config={"db_path": str(tmp_path)}, extras={"max_turns": 4})()
+    row = {"prompt": "Cheapest item?", "answer": "SELECT name FROM items ORDER BY price LIMIT 1",
+           "db_id": "shop", "data": "spider"}
+    assert env.reset(row, 0) == "Cheapest item?"
+    assert env.env.max_turns == 4 and env.env.db_file == str(db)
+    step = as_step(env.step("<sql>SELECT name, price FROM items</sql>"))
+    assert not step.done and "pen" in plain_text(step.observation)
+    step = as_step(env.step("<think>pen costs 3</think><solution>SELECT 'pen'</solution>"))
+    assert step.done and step.reward == 1.0
+    env.close()
+
+
 def test_without_omegaconf_env_config_reads_its_keys_as_attributes():
     from tether.families.agent.env import Attributes
 

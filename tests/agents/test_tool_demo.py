@@ -169,3 +169,5 @@ def test_the_recipe_trains_episodes_that_call_the_tools(tmp_path):
     assert calls and replies
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert sum(m["agent/tool_calls"] for m in metrics) > 0
+    for key in ("tool_calls", "tool_errors", "malformed_calls"):  # every episode line has every count
+        assert sum(e[key] for e in episodes) == sum(m[f"agent/{key}"] for m in metrics), key

@@ -92,7 +92,7 @@ def test_a_tool_episode_is_the_template_rendering_of_its_conversation(chat_model
     options = ChatOptions(system="be brief", tools=schemas)
     tokenizer, engine, (ep,) = play(chat_model, [call, "5<|im_end|>"], tools=[add, lookup], options=options)
     assert ep.status == "done" and ep.reward(0.0) == 1.0 and ep.turns == 2
-    assert ep.counts == {"tool_calls": 1}
+    assert ep.counts == {"tool_calls": 1, "tool_errors": 0, "malformed_calls": 0}
     conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2+3?"},
                     {"role": "assistant", "content": call.removesuffix("<|im_end|>")},
                     {"role": "tool", "name": "add", "content": "5"}, {"role": "assistant", "content": "5"}]
@@ -169,7 +169,7 @@ def test_recipes_naming_tools_build_the_tool_environment_with_their_schemas():
     ([f"env.tools=[{TOOLS}:NOT_A_TOOL]"], "which is not a function"),
     ([f"env.tools=[{TOOLS}:untyped_varargs]"], "untyped_varargs takes \\*args"),
     ([f"env.tools=[{TOOLS}:add]", "env.tool_parser=xml"], "env.tool_parser='xml'"),
-    ([f"env.tools=[{TOOLS}:add]", "env.answer_reward=nope"], "unknown reward 'nope'"),
+    ([f"env.tools=[{TOOLS}:add]", "env.answer_reward=nope"], "env.answer_reward='nope': unknown reward 'nope'"),
     (["env.env_class=tests/agents/envs.py:Echo", "env.tool_parser=json"], "env.tool_parser=json configure"),
     (["env.max_tool_calls=3", "env.malformed_call_reward=-1"], "reward=-1.0, env.max_tool_calls=3 configure"),
     (["data.system_prompt=hi"], "data.system_prompt is given to the chat template"),

@@ -72,6 +72,13 @@ def test_hermes_reports_each_malformed_call_without_dropping_the_good_ones(text,
     assert len(turn.errors) == 1 and says in turn.errors[0], turn.errors
 
 
+def test_hermes_reads_the_call_after_one_left_open():
+    turn = parse_hermes('<tool_call>{"name": "a", "arguments": {}}'
+                        '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    assert [c.name for c in turn.calls] == ["b"]
+    assert turn.errors == ['the tool call \'{"name": "a", "arguments": {}}\' has no closing </tool_call>']
+
+
 def test_a_turn_without_calls_is_its_answer():
     assert parse_hermes(" 42 ") == parse_json("42") == parse_hermes("42")
     assert parse_hermes("42").content == "42" and parse_hermes("42").calls == []
@@ -116,7 +123,7 @@ def test_a_function_a_schema_cannot_state_is_refused_naming_it():
 
     with pytest.raises(ConfigError, match="varargs takes \\*xs"):
         tool_schema(varargs)
-    with pytest.raises(ConfigError, match="argument 'x' of odd"):
+    with pytest.raises(ConfigError, match="env.tools: argument 'x' of odd"):
         tool_schema(odd)
 
 
@@ -180,6 +187,21 @@ def test_bad_calls_are_data_for_the_model_counted_and_optionally_penalised():
     assert contents[5].startswith("error: the tool call '{name: add}' is not valid JSON")
     assert step.info == {"tool_calls": 5, "tool_errors": 4, "malformed_calls": 1}
     assert step.reward == -0.5 and not step.done
+
+
+def test_a_tool_that_calls_exit_is_a_tool_error_not_the_end_of_the_episode():
+    import sys
+
+    def quits(code: int) -> str:
+        """Exits."""
+        sys.exit(code)
+
+    env = ToolEnv([add, quits], answer_reward=lambda answer, task: 0.0)
+    env.reset({"prompt": "p", "answer": "3"}, 0)
+    step = as_step(run(env.step('<tool_call>{"name": "quits", "arguments": {"code": 3}}</tool_call>'
+                                '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')))
+    assert [m["content"] for m in step.observation] == ["error: quits called exit(3)", "1"]
+    assert step.info == {"tool_calls": 2, "tool_errors": 1, "malformed_calls": 0} and not step.done
 
 
 def test_observations_may_be_messages_checked_as_they_arrive():

@@ -276,8 +276,8 @@ class Player:
             ep.action_errors += 1
         for key in COUNTED:
             value = step.info.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value:
-                ep.counts[key] = ep.counts.get(key, 0) + value
+            if isinstance(value, int) and not isinstance(value, bool):  # zeros too: a tool environment's
+                ep.counts[key] = ep.counts.get(key, 0) + value          # episodes all carry its counts
         return self._observe(ep, step.observation, done=step.done, truncated=step.truncated,
                              rewrite=step.new_context)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from tether.families.agent.episode import COUNTED
 from tether.vocabulary import version_shares
 
 
@@ -108,7 +109,7 @@ class EpisodeBatch:
              "template_rewrites": self.template_rewrites[e] if self.template_rewrites else 0,
              "model_tokens": len(versions[e]),
              "versions": [min(versions[e]), max(versions[e])] if versions[e] else [],
-             **(self.counts[e] if self.counts else {}),
+             **({key: self.counts[e].get(key, 0) for key in COUNTED} if self.counts else {}),
              "transcript": self.transcripts[e]}
             for e in range(len(self.rewards))
         ]

@@ -79,7 +79,10 @@ def tool_arguments(cfg: Any, env_class: type) -> dict[str, Any]:
     spec = e.answer_reward
     if spec == "auto":
         spec = "task" if cfg.data.task else "exact_match"
-    scorer = Scorer(load_reward(spec, task=cfg.data.task or None), spec)
+    try:
+        scorer = Scorer(load_reward(spec, task=cfg.data.task or None), spec)
+    except ConfigError as exc:
+        raise ConfigError(f"env.answer_reward={e.answer_reward!r}: {exc}") from exc
     return {"tools": tools, "parser": load_parser(e.tool_parser), "answer_reward": AnswerScore(scorer),
             "malformed_reward": e.malformed_call_reward, "max_calls": e.max_tool_calls}
 

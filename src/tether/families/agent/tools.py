@@ -77,12 +77,13 @@ def _shown(text: str, limit: int = 80) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
-HERMES_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|\Z)", re.DOTALL)
+HERMES_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|(?=<tool_call>)|\Z)", re.DOTALL)
+"""A block, closed, or left open before the next block or the turn's end."""
 
 
 def parse_hermes(text: str) -> ParsedTurn:
-    """``<tool_call>{json}</tool_call>`` blocks, any number; an unclosed last block (a turn cut
-    off by its token budget) is a malformed call."""
+    """``<tool_call>{json}</tool_call>`` blocks, any number; an unclosed block (a turn cut off by
+    its token budget, or one that opens the next call without closing its own) is a malformed call."""
     calls: list[ToolCall] = []
     errors: list[str] = []
     for match in HERMES_CALL.finditer(text):
@@ -221,7 +222,7 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise ConfigError(f"env.tools: {name} takes *{param.name}; a tool's arguments must be named "
                               "parameters, so the model can be told them")
-        schema = _type_schema(hints.get(param.name, param.annotation), f"argument {param.name!r} of {name}")
+        schema = _type_schema(hints.get(param.name, param.annotation), f"env.tools: argument {param.name!r} of {name}")
         if param.name in arg_docs:
             schema["description"] = arg_docs[param.name]
         properties[param.name] = schema
@@ -395,8 +396,10 @@ class ToolEnv:
             value = self.tools[call.name](**call.arguments)
             if inspect.isawaitable(value):
                 value = await value
-        except (SystemExit, KeyboardInterrupt, asyncio.CancelledError):
+        except (KeyboardInterrupt, asyncio.CancelledError):
             raise
+        except SystemExit as exc:  # a tool that calls sys.exit ends its call, not the episode or the run
+            return f"error: {call.name} called exit({exc.code!r})", False
         except Exception as exc:
             return f"error: {call.name} raised {type(exc).__name__}: {exc}", False
         return result_text(value), True
