@@ -166,7 +166,7 @@ kl_estimators: Registry[Callable[..., Any]] = Registry(
 tasks: Registry[Any] = Registry(
     "task", "data.task",
     {**{name: f"tether.data.tasks.builtin:{name.upper()}"
-        for name in ("arithmetic", "countdown", "reverse", "sort", "repeat", "question")},
+        for name in ("arithmetic", "countdown", "reverse", "sort", "repeat", "question", "chat_sum")},
      "shapes": "tether.families.flow.task:SHAPES",
      "kv_lookup": "tether.families.agent.tasks:KV_LOOKUP",
      "guess_number": "tether.families.agent.tasks:GUESS_NUMBER",

@@ -120,6 +120,17 @@ def test_a_cut_file_is_refused(imported, tmp_path):
     _refused(tmp_path, tmp_path / "cut.gguf", tmp_path / "m", "is damaged or cut short", "download it again")
 
 
+def test_a_file_damaged_in_place_is_refused_naming_the_tensor(imported, tmp_path):
+    from gguf import GGUFReader
+
+    tensor = next(t for t in GGUFReader(imported[0]).tensors if t.name == "blk.1.ffn_down.weight")
+    data = bytearray(imported[0].read_bytes())
+    data[tensor.data_offset:tensor.data_offset + 64] = b"\xff" * 64  # 16 float32 NaNs
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    _refused(tmp_path, tmp_path / "bad.gguf", tmp_path / "m", "is damaged: its tensor",
+             "mlp.down_proj.weight holds 16 values that are not finite", "download it again")
+
+
 def test_an_architecture_transformers_cannot_read_is_refused(tmp_path):
     write_tiny_gguf(tmp_path / "rwkv.gguf", architecture="rwkv6")
     _refused(tmp_path, tmp_path / "rwkv.gguf", tmp_path / "m",

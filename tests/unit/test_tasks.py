@@ -114,8 +114,21 @@ def test_a_question_earns_full_reward_for_the_bare_sum_and_half_for_it_among_wor
     assert len({e.prompt for e in task.examples("train", 150, difficulty=1)}) == 150
 
 
+def test_a_chat_sum_is_right_when_the_replys_last_number_is_the_sum():
+    task = get_task("chat_sum")
+    ex = task.examples("eval", 1, seed=0)[0]
+    a, b = ex.fields["a"], ex.fields["b"]
+    assert 10 <= min(a, b) and max(a, b) <= 99 and ex.prompt.startswith("What is") and ex.answer == str(a + b)
+    for right in (f"{a + b}", f"{a} + {b} = {a + b}\nmore 5", f"The sum of {a} and {b} is {a + b}."):
+        assert task.verify(right, ex) == 1.0, right
+    assert task.verify(f"{a} + {b} = {a + b + 1}", ex) == FORMAT_CREDIT
+    assert task.verify(f"{a + b} is not it: {a}", ex) == FORMAT_CREDIT  # the last number is the answer
+    assert task.verify("To add them, we need to combine", ex) == 0.0
+    assert len({e.prompt for e in task.examples("train", 2000)}) == 2000
+
+
 def test_bad_task_requests_say_what_is_valid():
-    valid = "valid: arithmetic, countdown, reverse, sort, repeat, question, shapes"
+    valid = "valid: arithmetic, countdown, reverse, sort, repeat, question, chat_sum, shapes"
     with pytest.raises(ConfigError, match=valid):
         get_task("additon")
     with pytest.raises(ConfigError, match=r"has difficulties \[1, 2, 3, 4\], got 9"):

@@ -177,7 +177,7 @@ class TrainSection:
     device: str = knob(
         "cpu",
         "Where the learner trains and evaluates: 'cpu', or 'cuda' / 'cuda:N' (a CUDA build of torch "
-        "and a GPU; float32). Each publication copies the weights to host memory for the workers. "
+        "and a GPU; its precision is train.dtype). Publications reach the workers by rollout.weight_sync. "
         "With ray.learner=actor the actor requests one GPU.",
         resume=Resume.ACCEPTED,
     )

@@ -125,6 +125,11 @@ def import_gguf(file: str | Path, out: str | Path, *, dtype: str = "float32") ->
         raise ConfigError(f"--from-gguf {file}: transformers could not build a causal language model from it "
                           f"({type(exc).__name__}: {exc})") from exc
     model = _plain(model, getattr(torch, dtype))
+    for name, tensor in model.state_dict().items():  # a file damaged in place reads, as NaN or inf
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
+            raise ConfigError(f"--from-gguf {file} is damaged: its tensor {name} holds {bad} values that are "
+                              "not finite (NaN or inf); download it again")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     umask = os.umask(0)

@@ -3,6 +3,7 @@
 from tether.data.tasks.base import EVAL_BUCKET_PERCENT, Split, Task, split_of, strip_answer
 from tether.data.tasks.builtin import (
     ARITHMETIC,
+    CHAT_SUM,
     COUNTDOWN,
     FORMAT_CREDIT,
     QUESTION,
@@ -20,6 +21,6 @@ def get_task(name: str) -> Task:
     return tasks.get(name)
 
 
-__all__ = ["ARITHMETIC", "COUNTDOWN", "EVAL_BUCKET_PERCENT", "FORMAT_CREDIT", "QUESTION", "REPEAT", "REVERSE",
+__all__ = ["ARITHMETIC", "CHAT_SUM", "COUNTDOWN", "EVAL_BUCKET_PERCENT", "FORMAT_CREDIT", "QUESTION", "REPEAT", "REVERSE",
            "SORT",
            "Split", "Task", "evaluate_expression", "get_task", "split_of", "strip_answer"]

@@ -89,6 +89,38 @@ QUESTION = Task(
 )
 
 
+# -- addition asked in a chat, scored by the reply's last number -----------------------------
+
+_CHAT_QUESTIONS = ("What is {a} + {b}?", "What is the sum of {a} and {b}?")
+
+
+def _draw_chat_sum(rng: random.Random, d: int) -> Example:
+    lo, hi = (0, 9) if d == 1 else (10, 99)
+    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    return Example(prompt=rng.choice(_CHAT_QUESTIONS).format(a=a, b=b), answer=str(a + b), fields={"a": a, "b": b})
+
+
+def _verify_last_number(completion: str, ex: Example) -> float:
+    # the reply's last number is its answer, as math verifiers read a final answer (GSM8K's
+    # "####", a boxed value); a reply cut off before it states one earns nothing
+    numbers = re.findall(r"-?\d+", strip_answer(completion))
+    if not numbers:
+        return 0.0
+    return 1.0 if numbers[-1] == ex.answer else FORMAT_CREDIT
+
+
+CHAT_SUM = Task(
+    name="chat_sum",
+    description="Addition asked in a chat, for chat models (data.chat_template: true): 'What is 46 + 27?' → any "
+    "reply whose last number is the sum ('46 + 27 = 73', 'The sum is 73.'); a wrong last number earns 0.1. "
+    "Difficulty 1: single digits; 2: two-digit operands.",
+    difficulties=(1, 2),
+    default_difficulty=2,
+    draw=_draw_chat_sum,
+    verify=_verify_last_number,
+)
+
+
 # -- countdown ---------------------------------------------------------------------------------
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
