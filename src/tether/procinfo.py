@@ -7,6 +7,12 @@ import os
 import select
 import signal
 import threading
+from pathlib import Path
+
+MARKS_ENV = "TETHER_PHASE_MARKS"
+"""A folder where each learner process keeps a file named by its pid saying which phase it is in
+(``tether.train.memory.phase``), so that whoever outlives it can say where a process the kernel
+killed was (``killed``)."""
 
 
 def peak_rss_mb() -> float:
@@ -84,3 +90,30 @@ def failure_traceback(exc: BaseException) -> str:
     from tether.errors import ConfigError
 
     return "" if isinstance(exc, ConfigError) else traceback.format_exc()
+
+
+def oom_kills() -> int | None:
+    """Processes the kernel's out-of-memory killer has ended since boot (``/proc/vmstat``);
+    None where the kernel does not say."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    return None
+
+
+def killed(pid: int | None, folder: str | Path | None, kills_before: int | None) -> str:
+    """What to add to "killed by SIGKILL" for process ``pid``: whether the out-of-memory killer
+    ended a process meanwhile, and the learner phase ``pid`` had marked in ``folder``."""
+    kills = oom_kills()
+    oom = kills is not None and kills_before is not None and kills > kills_before
+    where = explanation = ""
+    if pid is not None and folder is not None:
+        with contextlib.suppress(OSError, ValueError):
+            where, explanation = Path(folder, str(pid)).read_text().split("\n", 1)
+    if oom and where:
+        return f"; the kernel's out-of-memory killer ended a process meanwhile, and {explanation}"
+    if oom:
+        return ("; the kernel's out-of-memory killer ended a process meanwhile (this one outside the "
+                "learner's phases: loading, evaluating, or another process)")
+    return f", in {where}" if where else ""

@@ -83,3 +83,33 @@ def test_a_bfloat16_learner_is_offered_only_where_the_family_has_one():
     with pytest.raises(LearnerMemoryError) as e, memory.phase("old", flow, bf16=False):
         raise MemoryError
     assert "train.dtype" not in str(e.value) and "train.micro_batch_size" in str(e.value)
+
+
+def test_a_process_killed_in_a_phase_is_named_by_its_mark_and_by_the_out_of_memory_killer(tmp_path, monkeypatch):
+    """What ``procinfo.killed`` adds to "killed by SIGKILL": the phase the process had marked, and,
+    where the kernel's out-of-memory count rose meanwhile, that and what lowers that phase."""
+    from types import SimpleNamespace
+
+    from tether import procinfo
+    from tether.train import memory
+
+    train = SimpleNamespace(max_tokens_per_micro_batch=0, micro_batch_size=4, world_size=1, lora_rank=0,
+                            dtype="float32", activation_checkpointing=False)
+    monkeypatch.setenv(procinfo.MARKS_ENV, str(tmp_path))
+    mark = tmp_path / str(__import__("os").getpid())
+    with memory.phase("update", train):
+        with memory.phase("optimizer", train):
+            assert mark.read_text().startswith("the optimizer step\n")
+        assert mark.read_text().startswith("an update's forward and backward\n")  # the outer one again
+        assert procinfo.killed(None, tmp_path, 3) == ""
+        pid = int(mark.name)
+        monkeypatch.setattr(procinfo, "oom_kills", lambda: 3)
+        assert procinfo.killed(pid, tmp_path, 3) == ", in an update's forward and backward"
+        monkeypatch.setattr(procinfo, "oom_kills", lambda: 4)
+        said = procinfo.killed(pid, tmp_path, 3)
+        assert said.startswith("; the kernel's out-of-memory killer ended a process meanwhile, and the learner "
+                               "ran out of memory in an update's forward and backward. what lowers it: "
+                               "train.micro_batch_size")
+    assert mark.read_text() == ""  # out of every phase
+    assert procinfo.killed(pid, tmp_path, 3).startswith("; the kernel's out-of-memory killer ended a process "
+                                                        "meanwhile (this one outside")

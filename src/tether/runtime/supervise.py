@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 CHILD_ENV = "TETHER_SUPERVISED_FD"
@@ -40,8 +42,12 @@ def die_with_supervisor() -> None:
 def supervise(argv: list[str], run_dir: Path) -> int:
     """Run ``tether ARGV`` (the ``train`` command line as given) in a child and return the status
     ``tether train`` should exit with."""
+    from tether.procinfo import MARKS_ENV, killed, oom_kills
+
     read, write = os.pipe()
-    env = {**os.environ, CHILD_ENV: str(read)}
+    marks = tempfile.mkdtemp(prefix="tether-phases-")  # where the child's learner marks its phase
+    kills = oom_kills()
+    env = {**os.environ, CHILD_ENV: str(read), MARKS_ENV: marks}
     child = subprocess.Popen([sys.executable, "-m", "tether.cli.main", *argv], env=env,
                              pass_fds=(read,), process_group=0)
     os.close(read)
@@ -53,18 +59,20 @@ def supervise(argv: list[str], run_dir: Path) -> int:
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = child.wait()
+        cause = killed(child.pid, marks, kills) if code == -signal.SIGKILL else ""
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         os.close(write)
+        shutil.rmtree(marks, ignore_errors=True)
     if code in OWN_STATUSES:
         return code
     from tether.runtime.rundir import where_to_resume
 
     how = (f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
            else f"ended with status {code}")
-    print(f"tether train: error: the run's process (pid {child.pid}) {how} without a Tether error. With "
-          "rollout.backend=ray this is how Ray ends a driver whose raylet died (the node's Ray processes "
+    print(f"tether train: error: the run's process (pid {child.pid}) {how} without a Tether error{cause}. "
+          "With rollout.backend=ray this is how Ray ends a driver whose raylet died (the node's Ray processes "
           f"were killed, or ran out of memory); Ray's logs are in {run_dir / 'ray'} for a local instance. "
           f"For this run, {where_to_resume(run_dir)}.", file=sys.stderr)
     return 2

@@ -10,12 +10,15 @@ saved, the run directory keeps its newest checkpoint, and ``tether train`` says 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from tether.errors import LearnerMemoryError
+from tether.procinfo import MARKS_ENV
 
 PHASES = {
     "old": "π_old and the reference (forwards without gradients, before the batch's updates)",
@@ -60,13 +63,30 @@ def explain(name: str, train: Any, *, bf16: bool = True) -> str:
     return ". ".join(lines)
 
 
+_open_phases: list[str] = []
+"""The marks of the phases this process is in, innermost last."""
+
+
+def _mark() -> None:
+    folder = os.environ.get(MARKS_ENV)  # a learner process's phase, for whoever outlives it
+    if folder:
+        with contextlib.suppress(OSError):  # a folder removed under a closing run
+            Path(folder, str(os.getpid())).write_text(_open_phases[-1] if _open_phases else "")
+
+
 @contextlib.contextmanager
 def phase(name: str, train: Any, *, bf16: bool = True) -> Iterator[None]:
     """Run a phase of the learner's work; an allocation that fails in it becomes a
     ``LearnerMemoryError`` saying so (one raised by a phase inside it passes through). ``bf16``:
-    whether the family has a bfloat16 learner to offer."""
+    whether the family has a bfloat16 learner to offer. Under ``MARKS_ENV`` the phase is marked for
+    the time it runs, with what would explain running out of memory in it."""
     assert name in PHASES, name
+    _open_phases.append(f"{PHASES[name]}\n{explain(name, train, bf16=bf16)}")
+    _mark()
     try:
         yield
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise LearnerMemoryError(explain(name, train, bf16=bf16)) from exc
+    finally:
+        _open_phases.pop()
+        _mark()

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from tether.config import Config
 from tether.errors import LearnerError, LearnerLostError
-from tether.procinfo import Sealed, failure_traceback
+from tether.procinfo import MARKS_ENV, Sealed, failure_traceback, killed, oom_kills
 from tether.vocabulary import DataBundle, RolloutBatch, TrainResult
 
 START_TIMEOUT_S = 600.0
@@ -135,6 +135,8 @@ class Outcome:
     error: BaseException | None = None
     died: str | None = None
     """How the rank (its process or actor) ended, in words."""
+    cause: str = ""
+    """What is known of why it died, said after what it was doing (a SIGKILL: ``procinfo.killed``)."""
 
 
 class Transport(Protocol):
@@ -290,6 +292,8 @@ class RankSpec:
     model_path: str
     eval_data: DataBundle | None
     run_dir: str | None
+    marks: str | None = None
+    """The folder the rank marks its learner phases in (``tether.procinfo.MARKS_ENV``)."""
 
 
 def rank_main(sealed: Sealed, conn: Connection, lifeline: Connection) -> None:
@@ -306,6 +310,8 @@ def rank_main(sealed: Sealed, conn: Connection, lifeline: Connection) -> None:
 
     try:
         spec: RankSpec = sealed.open()
+        if spec.marks:
+            os.environ[MARKS_ENV] = spec.marks
         server = RankServer(spec.cfg, spec.model_path, spec.eval_data, rank=spec.rank, world=spec.world,
                             run_dir=spec.run_dir)
         from tether.train.collective import Ranks
@@ -357,6 +363,9 @@ class ProcessRanks:
         ctx = mp.get_context("spawn")
         self._dir: tempfile.TemporaryDirectory | None = tempfile.TemporaryDirectory(prefix="tether-ranks-")
         init_file = os.path.join(self._dir.name, "init")
+        self._marks = os.path.join(self._dir.name, "phases")
+        os.mkdir(self._marks)
+        self._oom_kills = oom_kills()
         lifeline_r, self._lifeline = ctx.Pipe(duplex=False)
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
@@ -366,7 +375,7 @@ class ProcessRanks:
             for rank in range(self.world):
                 ours, theirs = ctx.Pipe()
                 spec = RankSpec(rank, self.world, init_file, cfg, str(model_path), eval_data,
-                                None if run_dir is None else str(run_dir))
+                                None if run_dir is None else str(run_dir), self._marks)
                 proc = ctx.Process(target=rank_main, args=(Sealed(spec), theirs, lifeline_r), daemon=True,
                                    name=f"tether-learner-{rank}")
                 proc.start()
@@ -405,14 +414,14 @@ class ProcessRanks:
                 try:
                     answer = conn.recv()
                 except (EOFError, OSError):
-                    return Outcome(rank, died=self._how(rank))
+                    return self._died(rank)
                 if answer[0] == "error":
                     error = LearnerError(f"learner rank {rank} failed {doing}: {answer[1]}",
                                          remote_traceback=answer[2])
                     return Outcome(rank, error=error)
                 return Outcome(rank, answer=answer[1])
             if proc.sentinel in ready:
-                return Outcome(rank, died=self._how(rank))
+                return self._died(rank)
         return None
 
     def dead_among(self, ranks: list[int], wait_s: float = 2.0) -> Outcome | None:
@@ -420,10 +429,16 @@ class ProcessRanks:
         while True:
             for rank in ranks:  # status 0: it ended on its own, having reported its failure to start
                 if self._procs[rank].exitcode not in (None, 0):
-                    return Outcome(rank, died=self._how(rank))
+                    return self._died(rank)
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.05)
+
+    def _died(self, rank: int) -> Outcome:
+        how = self._how(rank)
+        # SIGKILL is how the kernel ends a process out of memory: read the rank's mark while it is there
+        cause = killed(self._procs[rank].pid, self._marks, self._oom_kills) if "SIGKILL" in how else ""
+        return Outcome(rank, died=how, cause=cause)
 
     def _how(self, rank: int) -> str:
         proc = self._procs[rank]
@@ -433,7 +448,7 @@ class ProcessRanks:
                 else f"exited with status {code}" if code is not None else "stopped answering")
 
     def death(self, outcome: Outcome, doing: str) -> str:
-        return f"learner rank {outcome.rank} (pid {self.pids[outcome.rank]}) {outcome.died} {doing}"
+        return f"learner rank {outcome.rank} (pid {self.pids[outcome.rank]}) {outcome.died} {doing}{outcome.cause}"
 
     def weights(self, group: RankGroup) -> RankWeights:
         return ChannelRankWeights(group)
