@@ -180,7 +180,8 @@ def test_skyrl_gyms_own_sql_env_reads_its_database_from_env_config_and_the_row(t
     db = tmp_path / "spider" / "database" / "shop" / "shop.sqlite"
     db.parent.mkdir(parents=True)
     with sqlite3.connect(db) as conn:
-        conn.executescript("CREATE TABLE items (name TEXT, price INT); INSERT INTO items VALUES ('pen', 3), ('ink', 5);")
+        conn.executescript("CREATE TABLE items (name TEXT, price INT); "
+                           "INSERT INTO items VALUES ('pen', 3), ('ink', 5);")
     conn.close()
     env = factory(SQLEnv, {}, env_config={"db_path": str(tmp_path)}, extras={"max_turns": 4})()
     row = {"prompt": "Cheapest item?", "answer": "SELECT name FROM items ORDER BY price LIMIT 1",

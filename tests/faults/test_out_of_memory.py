@@ -77,7 +77,8 @@ def test_a_learner_rank_out_of_memory_is_named_and_the_run_resumes(tiny_model_di
     assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == [1, 2, 3]
 
 
-def test_a_supervised_run_killed_in_a_learner_phase_is_told_where(tiny_model_dir, tmp_path, monkeypatch, capsys):
+def test_a_supervised_run_killed_in_a_learner_phase_is_told_where(tiny_model_dir, tmp_path, monkeypatch,
+                                                                  capsys):
     """The parent that supervises a run (rollout.backend=ray's) names the learner phase its child
     was in when it was killed by SIGKILL, and leaves no phase marks behind."""
     import tempfile

@@ -20,8 +20,8 @@ def test_tasks_lists_every_task_with_a_sample():
     rows = json.loads(run("tasks", "--json").stdout)
     assert [(r["name"], r["family"]) for r in rows] == [
         ("arithmetic", "text"), ("countdown", "text"), ("reverse", "text"), ("sort", "text"),
-        ("repeat", "text"), ("question", "text"), ("chat_sum", "text"), ("shapes", "flow"), ("kv_lookup", "agent"),
-        ("guess_number", "agent"), ("tool_calc", "agent")]
+        ("repeat", "text"), ("question", "text"), ("chat_sum", "text"), ("shapes", "flow"),
+        ("kv_lookup", "agent"), ("guess_number", "agent"), ("tool_calc", "agent")]
     for r in rows:
         assert r["sample_prompt"] and r["sample_answer"]
     text = run("tasks").stdout

@@ -85,7 +85,8 @@ def test_a_bfloat16_learner_is_offered_only_where_the_family_has_one():
     assert "train.dtype" not in str(e.value) and "train.micro_batch_size" in str(e.value)
 
 
-def test_a_process_killed_in_a_phase_is_named_by_its_mark_and_by_the_out_of_memory_killer(tmp_path, monkeypatch):
+def test_a_process_killed_in_a_phase_is_named_by_its_mark_and_by_the_out_of_memory_killer(tmp_path,
+                                                                                          monkeypatch):
     """What ``procinfo.killed`` adds to "killed by SIGKILL": the phase the process had marked, and,
     where the kernel's out-of-memory count rose meanwhile, that and what lowers that phase."""
     from types import SimpleNamespace
@@ -107,9 +108,9 @@ def test_a_process_killed_in_a_phase_is_named_by_its_mark_and_by_the_out_of_memo
         assert procinfo.killed(pid, tmp_path, 3) == ", in an update's forward and backward"
         monkeypatch.setattr(procinfo, "oom_kills", lambda: 4)
         said = procinfo.killed(pid, tmp_path, 3)
-        assert said.startswith("; the kernel's out-of-memory killer ended a process meanwhile, and the learner "
-                               "ran out of memory in an update's forward and backward. what lowers it: "
-                               "train.micro_batch_size")
+        assert said.startswith("; the kernel's out-of-memory killer ended a process meanwhile, and the "
+                               "learner ran out of memory in an update's forward and backward. what lowers "
+                               "it: train.micro_batch_size")
     assert mark.read_text() == ""  # out of every phase
     assert procinfo.killed(pid, tmp_path, 3).startswith("; the kernel's out-of-memory killer ended a process "
                                                         "meanwhile (this one outside")

@@ -118,7 +118,8 @@ def test_a_chat_sum_is_right_when_the_replys_last_number_is_the_sum():
     task = get_task("chat_sum")
     ex = task.examples("eval", 1, seed=0)[0]
     a, b = ex.fields["a"], ex.fields["b"]
-    assert 10 <= min(a, b) and max(a, b) <= 99 and ex.prompt.startswith("What is") and ex.answer == str(a + b)
+    assert min(a, b) >= 10 and max(a, b) <= 99
+    assert ex.prompt.startswith("What is") and ex.answer == str(a + b)
     for right in (f"{a + b}", f"{a} + {b} = {a + b}\nmore 5", f"The sum of {a} and {b} is {a + b}."):
         assert task.verify(right, ex) == 1.0, right
     assert task.verify(f"{a} + {b} = {a + b + 1}", ex) == FORMAT_CREDIT

@@ -123,7 +123,7 @@ def test_a_function_a_schema_cannot_state_is_refused_naming_it():
 
     with pytest.raises(ConfigError, match="varargs takes \\*xs"):
         tool_schema(varargs)
-    with pytest.raises(ConfigError, match="env.tools: argument 'x' of odd"):
+    with pytest.raises(ConfigError, match=r"env\.tools: argument 'x' of odd"):
         tool_schema(odd)
 
 

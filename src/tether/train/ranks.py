@@ -448,7 +448,8 @@ class ProcessRanks:
                 else f"exited with status {code}" if code is not None else "stopped answering")
 
     def death(self, outcome: Outcome, doing: str) -> str:
-        return f"learner rank {outcome.rank} (pid {self.pids[outcome.rank]}) {outcome.died} {doing}{outcome.cause}"
+        pid = self.pids[outcome.rank]
+        return f"learner rank {outcome.rank} (pid {pid}) {outcome.died} {doing}{outcome.cause}"
 
     def weights(self, group: RankGroup) -> RankWeights:
         return ChannelRankWeights(group)

@@ -21,6 +21,6 @@ def get_task(name: str) -> Task:
     return tasks.get(name)
 
 
-__all__ = ["ARITHMETIC", "CHAT_SUM", "COUNTDOWN", "EVAL_BUCKET_PERCENT", "FORMAT_CREDIT", "QUESTION", "REPEAT", "REVERSE",
-           "SORT",
+__all__ = ["ARITHMETIC", "CHAT_SUM", "COUNTDOWN", "EVAL_BUCKET_PERCENT", "FORMAT_CREDIT", "QUESTION",
+           "REPEAT", "REVERSE", "SORT",
            "Split", "Task", "evaluate_expression", "get_task", "split_of", "strip_answer"]

@@ -97,7 +97,8 @@ _CHAT_QUESTIONS = ("What is {a} + {b}?", "What is the sum of {a} and {b}?")
 def _draw_chat_sum(rng: random.Random, d: int) -> Example:
     lo, hi = (0, 9) if d == 1 else (10, 99)
     a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-    return Example(prompt=rng.choice(_CHAT_QUESTIONS).format(a=a, b=b), answer=str(a + b), fields={"a": a, "b": b})
+    prompt = rng.choice(_CHAT_QUESTIONS).format(a=a, b=b)
+    return Example(prompt=prompt, answer=str(a + b), fields={"a": a, "b": b})
 
 
 def _verify_last_number(completion: str, ex: Example) -> float:
@@ -111,9 +112,9 @@ def _verify_last_number(completion: str, ex: Example) -> float:
 
 CHAT_SUM = Task(
     name="chat_sum",
-    description="Addition asked in a chat, for chat models (data.chat_template: true): 'What is 46 + 27?' → any "
-    "reply whose last number is the sum ('46 + 27 = 73', 'The sum is 73.'); a wrong last number earns 0.1. "
-    "Difficulty 1: single digits; 2: two-digit operands.",
+    description="Addition asked in a chat, for chat models (data.chat_template: true): 'What is 46 + 27?' "
+    "→ any reply whose last number is the sum ('46 + 27 = 73', 'The sum is 73.'); a wrong last number "
+    "earns 0.1. Difficulty 1: single digits; 2: two-digit operands.",
     difficulties=(1, 2),
     default_difficulty=2,
     draw=_draw_chat_sum,

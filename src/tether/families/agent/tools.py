@@ -222,7 +222,8 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise ConfigError(f"env.tools: {name} takes *{param.name}; a tool's arguments must be named "
                               "parameters, so the model can be told them")
-        schema = _type_schema(hints.get(param.name, param.annotation), f"env.tools: argument {param.name!r} of {name}")
+        schema = _type_schema(hints.get(param.name, param.annotation),
+                              f"env.tools: argument {param.name!r} of {name}")
         if param.name in arg_docs:
             schema["description"] = arg_docs[param.name]
         properties[param.name] = schema
