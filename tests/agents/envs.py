@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 from tether.families.agent.env import ActionError, Step
 
@@ -141,11 +142,17 @@ class FailsLateOnOddTasks:
 
 class SlowEcho(Echo):
     """Echo whose every step takes ``STEP_S`` seconds (a tool that takes its time), rewarding
-    actions of odd length (so a group's returns differ and updates commit)."""
+    actions of odd length (so a group's returns differ and updates commit). ``stepped``: a file it
+    creates when a step starts (``env.kwargs``), for a test to wait on."""
 
     STEP_S = 0.3
 
+    def __init__(self, stepped: str = "") -> None:
+        self.stepped = stepped
+
     def step(self, action):
+        if self.stepped:
+            Path(self.stepped).touch()
         time.sleep(self.STEP_S)
         step = super().step(action)
         return Step(step.observation, reward=float(len(action) % 2), done=step.done)

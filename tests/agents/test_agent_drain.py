@@ -18,6 +18,7 @@ from tether.vocabulary import Example, GenerationRequest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 ENVS = Path(__file__).with_name("envs.py")
+SLOW_STEP_S = 0.3  # envs.SlowEcho.STEP_S
 
 
 def turn_versions(model, versions):
@@ -32,11 +33,12 @@ def turn_versions(model, versions):
     return turns
 
 
-def test_a_publication_waits_for_the_turns_in_flight_not_for_the_episodes(tiny_model_dir):
+def test_a_publication_waits_for_the_turns_in_flight_not_for_the_episodes(tiny_model_dir, tmp_path):
+    stepped = tmp_path / "stepped"
     cfg = load_config(None, [
         "model.family=agent", "data.task=kv_lookup", f"model.path={tiny_model_dir}",
-        f"env.env_class={ENVS}:SlowEcho", "env.max_turns=4", "env.max_turn_tokens=5",
-        "rollout.max_new_tokens=5", "env.step_timeout_s=20", "rollout.group_size=4",
+        f"env.env_class={ENVS}:SlowEcho", f"env.kwargs={{stepped: {stepped}}}", "env.max_turns=4",
+        "env.max_turn_tokens=5", "rollout.max_new_tokens=5", "env.step_timeout_s=20", "rollout.group_size=4",
         "rollout.num_workers=1", "async.inflight_update=drain", "env.switch_at=turn",
     ])
     assert cfg.budget().drain_at_turns and not cfg.budget().drains
@@ -50,14 +52,17 @@ def test_a_publication_waits_for_the_turns_in_flight_not_for_the_episodes(tiny_m
     weights = unique_parameters(model)
     with ProcessPool(settings, batches, weights) as pool:
         pool.launch(GenerationRequest(index=0, version=0))
-        time.sleep(0.25)  # the first turn is sampled; its environment steps take 0.3 s each
+        deadline = time.monotonic() + 60
+        while not stepped.exists():  # the first turn is sampled; its environment steps take 0.3 s each
+            assert time.monotonic() < deadline, "no environment step began within 60 s"
+            time.sleep(0.01)
         t0 = time.monotonic()
         metrics = pool.publish(weights, 1)
         waited = time.monotonic() - t0
         # it returned with the worker holding version 1 and the episodes still going (two steps
         # of 0.3 s each are left): it waited for a turn boundary, not for the episodes to end
         assert pool._workers[0].held == 1
-        assert pool.inflight == 1 and waited < 0.5
+        assert pool.inflight == 1 and waited < 2 * SLOW_STEP_S
         assert metrics["sync/turn_wait_s"] <= waited
         (batch,) = pool.wait(60)
     episodes = batch.payload
