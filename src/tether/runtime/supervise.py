@@ -73,8 +73,7 @@ def supervise(argv: list[str], run_dir: Path) -> int:
            else f"ended with status {code}")
     print(f"tether train: error: the run's process (pid {child.pid}) {how} without a Tether error{cause}. "
           "With rollout.backend=ray this is how Ray ends a driver whose raylet died (the node's Ray "
-          "processes "
-          f"were killed, or ran out of memory); Ray's logs are in {run_dir / 'ray'} for a local instance. "
-          f"For this run, {where_to_resume(run_dir)}.", file=sys.stderr)
+          f"processes were killed, or ran out of memory); Ray's logs are in {run_dir / 'ray'} for a local "
+          f"instance. For this run, {where_to_resume(run_dir)}.", file=sys.stderr)
     return 2
 
