@@ -102,15 +102,14 @@ def oom_kills() -> int | None:
     return None
 
 
-def killed(pid: int | None, folder: str | Path | None, kills_before: int | None) -> str:
+def killed(pid: int, folder: str | Path, kills_before: int | None) -> str:
     """What to add to "killed by SIGKILL" for process ``pid``: whether the out-of-memory killer
     ended a process meanwhile, and the learner phase ``pid`` had marked in ``folder``."""
     kills = oom_kills()
     oom = kills is not None and kills_before is not None and kills > kills_before
     where = explanation = ""
-    if pid is not None and folder is not None:
-        with contextlib.suppress(OSError, ValueError):
-            where, explanation = Path(folder, str(pid)).read_text().split("\n", 1)
+    with contextlib.suppress(OSError, ValueError):  # no mark, or an empty one: outside every phase
+        where, explanation = Path(folder, str(pid)).read_text().split("\n", 1)
     if oom and where:
         return f"; the kernel's out-of-memory killer ended a process meanwhile, and {explanation}"
     if oom:

@@ -18,7 +18,6 @@ from tether.vocabulary import Example, GenerationRequest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 ENVS = Path(__file__).with_name("envs.py")
-SLOW_STEP_S = 0.3  # envs.SlowEcho.STEP_S
 
 
 def turn_versions(model, versions):
@@ -59,10 +58,11 @@ def test_a_publication_waits_for_the_turns_in_flight_not_for_the_episodes(tiny_m
         t0 = time.monotonic()
         metrics = pool.publish(weights, 1)
         waited = time.monotonic() - t0
-        # it returned with the worker holding version 1 and the episodes still going (two steps
-        # of 0.3 s each are left): it waited for a turn boundary, not for the episodes to end
+        # it returned with the worker holding version 1 and the batch not yet collected; that it
+        # waited for a turn boundary, not for the episodes to end, is what the turns' versions
+        # below show (each episode's later turns ran on version 1), whatever the machine's speed
         assert pool._workers[0].held == 1
-        assert pool.inflight == 1 and waited < 2 * SLOW_STEP_S
+        assert pool.inflight == 1
         assert metrics["sync/turn_wait_s"] <= waited
         (batch,) = pool.wait(60)
     episodes = batch.payload

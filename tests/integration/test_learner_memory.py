@@ -97,14 +97,14 @@ def test_a_process_killed_in_a_phase_is_named_by_its_mark_and_by_the_out_of_memo
     train = SimpleNamespace(max_tokens_per_micro_batch=0, micro_batch_size=4, world_size=1, lora_rank=0,
                             dtype="float32", activation_checkpointing=False)
     monkeypatch.setenv(procinfo.MARKS_ENV, str(tmp_path))
+    monkeypatch.setattr(procinfo, "oom_kills", lambda: 3)  # the kernel's count: none since "before" (3)
     mark = tmp_path / str(__import__("os").getpid())
     with memory.phase("update", train):
         with memory.phase("optimizer", train):
             assert mark.read_text().startswith("the optimizer step\n")
         assert mark.read_text().startswith("an update's forward and backward\n")  # the outer one again
-        assert procinfo.killed(None, tmp_path, 3) == ""
+        assert procinfo.killed(0, tmp_path, 3) == ""  # a process with no mark
         pid = int(mark.name)
-        monkeypatch.setattr(procinfo, "oom_kills", lambda: 3)
         assert procinfo.killed(pid, tmp_path, 3) == ", in an update's forward and backward"
         monkeypatch.setattr(procinfo, "oom_kills", lambda: 4)
         said = procinfo.killed(pid, tmp_path, 3)

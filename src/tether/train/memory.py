@@ -64,14 +64,12 @@ def explain(name: str, train: Any, *, bf16: bool = True) -> str:
 
 
 _open_phases: list[str] = []
-"""The marks of the phases this process is in, innermost last."""
+"""The marks of the phases this process is in, innermost last (kept only under ``MARKS_ENV``)."""
 
 
-def _mark() -> None:
-    folder = os.environ.get(MARKS_ENV)  # a learner process's phase, for whoever outlives it
-    if folder:
-        with contextlib.suppress(OSError):  # a folder removed under a closing run
-            Path(folder, str(os.getpid())).write_text(_open_phases[-1] if _open_phases else "")
+def _mark(folder: str) -> None:
+    with contextlib.suppress(OSError):  # a folder removed under a closing run
+        Path(folder, str(os.getpid())).write_text(_open_phases[-1] if _open_phases else "")
 
 
 @contextlib.contextmanager
@@ -81,12 +79,15 @@ def phase(name: str, train: Any, *, bf16: bool = True) -> Iterator[None]:
     whether the family has a bfloat16 learner to offer. Under ``MARKS_ENV`` the phase is marked for
     the time it runs, with what would explain running out of memory in it."""
     assert name in PHASES, name
-    _open_phases.append(f"{PHASES[name]}\n{explain(name, train, bf16=bf16)}")
-    _mark()
+    folder = os.environ.get(MARKS_ENV)  # a learner process's phase, for whoever outlives it
+    if folder:
+        _open_phases.append(f"{PHASES[name]}\n{explain(name, train, bf16=bf16)}")
+        _mark(folder)
     try:
         yield
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise LearnerMemoryError(explain(name, train, bf16=bf16)) from exc
     finally:
-        _open_phases.pop()
-        _mark()
+        if folder:
+            _open_phases.pop()
+            _mark(folder)

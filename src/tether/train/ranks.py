@@ -435,9 +435,9 @@ class ProcessRanks:
             time.sleep(0.05)
 
     def _died(self, rank: int) -> Outcome:
-        how = self._how(rank)
+        how, proc = self._how(rank), self._procs[rank]
         # SIGKILL is how the kernel ends a process out of memory: read the rank's mark while it is there
-        cause = killed(self._procs[rank].pid, self._marks, self._oom_kills) if "SIGKILL" in how else ""
+        cause = killed(proc.pid, self._marks, self._oom_kills) if proc.exitcode == -signal.SIGKILL else ""
         return Outcome(rank, died=how, cause=cause)
 
     def _how(self, rank: int) -> str:

@@ -60,11 +60,17 @@ WORDY_CREDIT = 0.5
 """Reward for the right sum said among other words ('7 + 5 = 12'), where a bare number was asked for."""
 
 
-def _draw_question(rng: random.Random, d: int) -> Example:
-    # difficulty 1: single digits (0-9); 2: two-digit operands (10-99)
-    lo, hi = (0, 9) if d == 1 else (10, 99)
-    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-    return Example(prompt=rng.choice(_QUESTIONS).format(a=a, b=b), answer=str(a + b), fields={"a": a, "b": b})
+def _sum_asked(questions: tuple[str, ...]) -> Callable[[random.Random, int], Example]:
+    """A draw of two operands (difficulty 1: single digits, 0-9; 2: two digits, 10-99) whose sum is
+    asked in one of ``questions``."""
+
+    def draw(rng: random.Random, d: int) -> Example:
+        lo, hi = (0, 9) if d == 1 else (10, 99)
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        prompt = rng.choice(questions).format(a=a, b=b)
+        return Example(prompt=prompt, answer=str(a + b), fields={"a": a, "b": b})
+
+    return draw
 
 
 def _verify_sum(completion: str, ex: Example) -> float:
@@ -84,7 +90,7 @@ QUESTION = Task(
     "Difficulty 1: single digits; 2: two-digit operands.",
     difficulties=(1, 2),
     default_difficulty=2,
-    draw=_draw_question,
+    draw=_sum_asked(_QUESTIONS),
     verify=_verify_sum,
 )
 
@@ -92,13 +98,6 @@ QUESTION = Task(
 # -- addition asked in a chat, scored by the reply's last number -----------------------------
 
 _CHAT_QUESTIONS = ("What is {a} + {b}?", "What is the sum of {a} and {b}?")
-
-
-def _draw_chat_sum(rng: random.Random, d: int) -> Example:
-    lo, hi = (0, 9) if d == 1 else (10, 99)
-    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-    prompt = rng.choice(_CHAT_QUESTIONS).format(a=a, b=b)
-    return Example(prompt=prompt, answer=str(a + b), fields={"a": a, "b": b})
 
 
 def _verify_last_number(completion: str, ex: Example) -> float:
@@ -117,7 +116,7 @@ CHAT_SUM = Task(
     "earns 0.1. Difficulty 1: single digits; 2: two-digit operands.",
     difficulties=(1, 2),
     default_difficulty=2,
-    draw=_draw_chat_sum,
+    draw=_sum_asked(_CHAT_QUESTIONS),
     verify=_verify_last_number,
 )
 
