@@ -59,3 +59,36 @@ def test_config_refuses_keys_that_would_do_nothing():
         load_config(None, ["train.num_batches=5", "train.updates_per_batch=2", "train.warmup_steps=11"])
     with pytest.raises(ConfigError, match="must be one of 'constant', 'linear', 'cosine'"):
         load_config(None, ["train.lr_schedule=exp"])
+
+
+def test_config_refuses_a_warm_start_floor_without_a_decay():
+    cfg = load_config(None, ["warmstart.lr_schedule=cosine", "warmstart.min_lr_ratio=0.1"])
+    assert (cfg.warmstart.lr_schedule, cfg.warmstart.min_lr_ratio) == ("cosine", 0.1)
+    with pytest.raises(ConfigError, match=r"no effect with warmstart\.lr_schedule=constant"):
+        load_config(None, ["warmstart.min_lr_ratio=0.1"])
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+def test_the_warm_start_decays_over_its_steps(kind):
+    # the rate each step's loss is taken under: from warmstart.lr at step 1 to lr × m at max_steps
+    import torch
+
+    from tether.train.supervised import warmstart_loop
+
+    cfg = load_config(None, [f"warmstart.lr_schedule={kind}", "warmstart.max_steps=5", "warmstart.lr=0.01",
+                             "warmstart.target_pass_rate=1", "warmstart.eval_every=5"]
+                      + ([] if kind == "constant" else ["warmstart.min_lr_ratio=0.2"]))
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart.lr)
+    seen = []
+
+    def loss_at(step):
+        seen.append(optimizer.param_groups[0]["lr"])
+        return model(torch.ones(1, 2)).sum()
+
+    result = warmstart_loop(model, optimizer, loss_at, lambda: {"pass_at_1": 0.0}, cfg.warmstart, data="test")
+    assert result.steps == 5
+    expected = {"constant": [1, 1, 1, 1, 1], "linear": [1, 0.8, 0.6, 0.4, 0.2],
+                "cosine": [1, 0.2 + 0.8 * (1 + math.cos(math.pi / 4)) / 2, 0.6,
+                           0.2 + 0.8 * (1 + math.cos(3 * math.pi / 4)) / 2, 0.2]}[kind]
+    assert seen == pytest.approx([0.01 * f for f in expected])

@@ -223,6 +223,11 @@ class Config:
             raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} has no effect with "
                               "train.lr_schedule=constant; set train.lr_schedule=linear or cosine, or "
                               "set train.min_lr_ratio=0")
+        w = self.warmstart
+        if w.min_lr_ratio and w.lr_schedule == "constant":
+            raise ConfigError(f"warmstart.min_lr_ratio={w.min_lr_ratio} has no effect with "
+                              "warmstart.lr_schedule=constant; set warmstart.lr_schedule=linear or cosine, "
+                              "or set warmstart.min_lr_ratio=0")
         if t.warmup_steps > t.num_batches * t.updates_per_batch:
             raise ConfigError(f"train.warmup_steps={t.warmup_steps} is longer than the run's "
                               f"{t.num_batches * t.updates_per_batch} optimizer updates "

@@ -4,7 +4,7 @@ model (``warmstart``) and the timings of ``tether plan``'s simulation (``plan``)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from tether.config.fields import Resume, knob
 
@@ -28,6 +28,16 @@ class WarmstartSection:
     )
     batch_size: int = knob(64, "Demonstrations per step.", min=1)
     lr: float = knob(3e-3, "AdamW learning rate.", min=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = knob(
+        "constant",
+        "The warm start's learning rate: 'constant' at warmstart.lr, or decayed 'linear'ly or along a "
+        "'cosine' to warmstart.lr × warmstart.min_lr_ratio at warmstart.max_steps. A model left at a "
+        "high constant rate stops at a noisy point whose held-out figures any later training at a "
+        "lower rate raises, RL or not (docs/benchmarks.md, the SD3 demo); a decay ends it settled.",
+    )
+    min_lr_ratio: float = knob(
+        0.0, "Where a decaying warmstart.lr_schedule ends, as a fraction of warmstart.lr.", min=0, max=1
+    )
     eval_every: int = knob(25, "Check held-out pass@1 every this many steps.", min=1)
 
 

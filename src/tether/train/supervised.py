@@ -6,6 +6,9 @@ family's supervised loss, checks held-out pass@1 every ``eval_every`` steps and 
 it reaches ``target_pass_rate`` — or at ``max_steps``. Steps and the target decide it, never the
 clock, so the same model comes out on a fast machine and a slow one (at the same thread count,
 which the caller sets); ``max_seconds`` is only a safety ceiling, and says so when it fires.
+``lr_schedule`` decays the rate over ``max_steps`` (``tether.train.schedule``'s shapes, no
+warm-up), so a warm start that runs its steps out ends settled rather than wherever a high constant
+rate left it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tether.train.schedule import lr_factor
 from tether.vocabulary import Progress
 
 log = logging.getLogger("tether.warmstart")
@@ -53,7 +57,12 @@ def warmstart_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              pass_at_1_after=before["pass_at_1"], stopped_because="max_steps",
                              before=before, after=before)
     model.train()
+    base_lrs = [group["lr"] for group in optimizer.param_groups]
     for step in range(1, s.max_steps + 1):
+        factor = lr_factor(step - 1, kind=s.lr_schedule, warmup_steps=0, total_steps=s.max_steps - 1,
+                           min_ratio=s.min_lr_ratio)
+        for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
+            group["lr"] = base * factor
         loss = loss_at(step)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

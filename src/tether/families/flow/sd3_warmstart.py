@@ -81,6 +81,20 @@ def latents_of(vae, images: torch.Tensor) -> torch.Tensor:
                       for chunk in images.split(256)])
 
 
+def latent_flow_loss(model, x0: torch.Tensor, cond: dict[str, torch.Tensor], empty: dict[str, torch.Tensor],
+                     generator: torch.Generator, cond_dropout: float) -> torch.Tensor:
+    """Rectified flow's loss on latents ``x0`` with their encoded prompts ``cond``, a share
+    ``cond_dropout`` of the rows on the empty prompt's encoding ``empty``; t logit-normal, as SD3
+    trains."""
+    dropped = torch.rand(len(x0), generator=generator) < cond_dropout
+    cond = {k: torch.where(dropped.view(-1, *[1] * (v.dim() - 1)), empty[k].expand_as(v), v)
+            for k, v in cond.items()}
+    noise = torch.randn(x0.shape, generator=generator)
+    t = torch.sigmoid(torch.randn(len(x0), generator=generator))
+    tb = t.view(-1, 1, 1, 1)
+    return ((model((1 - tb) * x0 + tb * noise, t, cond) - (noise - x0)) ** 2).mean()
+
+
 def sd3_warmstart(out: str | Path, train: Sequence[Example], held_out: Sequence[Example], score, cfg: Any, *,
                   pool: int = 4096, on_progress: Progress | None = None) -> WarmstartResult:
     """Build the tiny SD3 pipeline at ``out`` (the recipe's ``flow`` section: its width, depth,
@@ -124,14 +138,8 @@ def sd3_warmstart(out: str | Path, train: Sequence[Example], held_out: Sequence[
 
     def loss_at(step: int) -> torch.Tensor:
         idx = torch.randint(0, pool, (settings.batch_size,), generator=generator)
-        x0, cond = latents[idx], {k: v[rows[idx]] for k, v in encoded.items()}
-        dropped = torch.rand(len(idx), generator=generator) < flow.init_cond_dropout
-        cond = {k: torch.where(dropped.view(-1, *[1] * (v.dim() - 1)), empty[k].expand_as(v), v)
-                for k, v in cond.items()}
-        noise = torch.randn(x0.shape, generator=generator)
-        t = torch.sigmoid(torch.randn(len(idx), generator=generator))  # logit-normal, as SD3 trains
-        tb = t.view(-1, 1, 1, 1)
-        return ((model((1 - tb) * x0 + tb * noise, t, cond) - (noise - x0)) ** 2).mean()
+        return latent_flow_loss(model, latents[idx], {k: v[rows[idx]] for k, v in encoded.items()}, empty,
+                                generator, flow.init_cond_dropout)
 
     def evaluate() -> dict[str, float]:
         m = evaluator(0)
