@@ -1,5 +1,6 @@
 """The learning-rate schedule: warm-up, then constant, linear or cosine decay to a floor."""
 
+import dataclasses
 import itertools
 import math
 
@@ -92,3 +93,19 @@ def test_the_warm_start_decays_over_its_steps(kind):
                 "cosine": [1, 0.2 + 0.8 * (1 + math.cos(math.pi / 4)) / 2, 0.6,
                            0.2 + 0.8 * (1 + math.cos(3 * math.pi / 4)) / 2, 0.2]}[kind]
     assert seen == pytest.approx([0.01 * f for f in expected])
+
+
+def test_a_model_built_before_the_warm_start_schedule_reads_as_constant(tmp_path):
+    # a record without lr_schedule was built at a constant rate: a recipe asking for a decay is told
+    import json
+
+    from tether.data.prepare import built_otherwise
+
+    cfg = load_config(None, ["warmstart.lr_schedule=cosine", "warmstart.min_lr_ratio=0.1"])
+    newer = ("lr_schedule", "min_lr_ratio")
+    settings = {k: v for k, v in dataclasses.asdict(cfg.warmstart).items() if k not in newer}
+    (tmp_path / "warmstart.json").write_text(json.dumps({"settings": {**settings, "seed": cfg.run.seed}}))
+    assert built_otherwise(cfg, tmp_path) == [
+        "warmstart.lr_schedule: built with constant, the recipe says cosine",
+        "warmstart.min_lr_ratio: built with 0.0, the recipe says 0.1"]
+    assert built_otherwise(cfg, tmp_path / "elsewhere") == []  # not a model Tether built: nothing to compare

@@ -36,6 +36,8 @@ def built_otherwise(cfg: Config, path: Path) -> list[str]:
     out = []
     warm = path / "warmstart.json"
     built = json.loads(warm.read_text()).get("settings", {}) if warm.is_file() else {}
+    if built:  # a key newer than the build was at its default then (a constant warm-start rate)
+        built = {**asdict(type(cfg.warmstart)()), **built}
     for key, value in {**asdict(cfg.warmstart), "seed": cfg.run.seed}.items():
         if key in built and built[key] != value:
             out.append(f"{'run.seed' if key == 'seed' else 'warmstart.' + key}: built with {built[key]}, "
