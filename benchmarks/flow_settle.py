@@ -13,7 +13,8 @@ which RL can be run as from any model.
     python benchmarks/flow_settle.py recipes/flow-sd3.yaml [--lr 3e-4] [--steps 200] [--every 50]
     python benchmarks/flow_settle.py recipes/flow-demo.yaml --lr 2e-4     # the built-in DiT
 
-The model is the recipe's ``model.path`` (built first if missing), or ``--model``.
+The model is the recipe's ``model.path`` (built first if missing), or ``--model``; ``KEY=VALUE``
+words after the recipe override it as on ``tether train``'s command line.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     parser.add_argument("--model", help="the model to continue (default: the recipe's model.path)")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--steps", type=int, default=200)
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     from tether.families.flow.task import flow_data, flow_scorer
     from tether.families.flow.warmstart import drawn_images, flow_matching_loss
 
-    cfg = load_config(ns.recipe, [f"model.path={ns.model}"] if ns.model else [])
+    cfg = load_config(ns.recipe, [*ns.overrides, *([f"model.path={ns.model}"] if ns.model else [])])
     path = ensure_model(cfg)
     torch.set_num_threads(cfg.train.threads)
     model = load_flow_model(path, cfg)

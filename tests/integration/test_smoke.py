@@ -91,3 +91,21 @@ def test_overlap_and_ray_backend_benchmarks_run_at_a_tiny_size():
                           "--json"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=400)
     figures = json.loads(out.stdout)
     assert figures["publish_ratio_ray_vs_local"] > 0 and figures["batch_overhead_ratio_ray_vs_local"] > 0
+
+
+def test_flow_settle_benchmark_continues_a_warm_start_and_saves_it(tmp_path):
+    # a built-in flow model built with a 5-step warm start, then 2 more flow-matching steps
+    model, settled = tmp_path / "flow", tmp_path / "settled"
+    out = subprocess.run([sys.executable, "benchmarks/flow_settle.py", "recipes/flow-demo.yaml",
+                          f"model.path={model}", "warmstart.max_steps=5", "data.num_eval=16",
+                          "train.threads=1", "--steps", "2", "--every", "1", "--save", str(settled),
+                          "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [e["step"] for e in record["evaluations"]] == [0, 1, 2]
+    assert all(0 <= e["reward"] <= 1 and 0 <= e["pass_at_1"] <= 1 for e in record["evaluations"])
+    assert (settled / "warmstart.json").read_text() == (model / "warmstart.json").read_text()
+    from tether.modeling import is_model_dir
+
+    assert is_model_dir(settled) and is_model_dir(model)
