@@ -20,6 +20,7 @@ words after the recipe override it as on ``tether train``'s command line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -47,13 +48,13 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(ROOT / "src"))
     from tether.config import load_config
     from tether.data.prepare import ensure_model
-    from tether.families.flow import scenes
     from tether.families.flow.evaluate import FlowEvaluator
     from tether.families.flow.model import load_flow_model
     from tether.families.flow.rollout import sampling_of
-    from tether.families.flow.sd3_warmstart import latent_flow_loss, latents_of
+    from tether.families.flow.sd3_warmstart import latent_flow_batches, latents_of
     from tether.families.flow.task import flow_data, flow_scorer
-    from tether.families.flow.warmstart import drawn_images, flow_matching_loss
+    from tether.families.flow.warmstart import drawn_images, drawn_scenes, flow_matching_loss
+    from tether.train.supervised import warmstart_loop
 
     cfg = load_config(ns.recipe, [*ns.overrides, *([f"model.path={ns.model}"] if ns.model else [])])
     path = ensure_model(cfg)
@@ -62,23 +63,17 @@ def main(argv: list[str] | None = None) -> None:
     data = flow_data(cfg)
     rng, generator = random.Random(f"flow-settle/{ns.seed}"), torch.Generator().manual_seed(ns.seed)
     dropout = cfg.flow.init_cond_dropout
-    if getattr(model, "pipe", None) is not None:  # a diffusers pipeline: its transformer, on VAE latents
+    pipeline = getattr(model, "pipe", None)
+    if pipeline is not None:  # a diffusers pipeline: its transformer, on VAE latents, as sd3_warmstart trains
         model.attach_pipeline()
-        chosen = [rng.choice(data.train).prompt for _ in range(4096)]
-        images = torch.stack([scenes.from_pixels(scenes.render(scenes.Scene.parse(p), rng)) for p in chosen])
-        latents = latents_of(model.pipe.vae, images)
-        prompts = sorted(set(chosen))
-        encoded, empty = model.encode_prompts(prompts), model.encode_prompts([""])
-        rows = torch.tensor([prompts.index(p) for p in chosen])
-        trained = list(model.transformer.parameters())
-
-        def loss() -> torch.Tensor:
-            idx = torch.randint(0, len(chosen), (ns.batch_size,), generator=generator)
-            return latent_flow_loss(model, latents[idx], {k: v[rows[idx]] for k, v in encoded.items()}, empty,
-                                    generator, dropout)
+        chosen, images = drawn_scenes(data.train, 4096, rng)
+        loss = latent_flow_batches(model, [e.prompt for e in data.train], chosen,
+                                   latents_of(pipeline.vae, images), batch_size=ns.batch_size,
+                                   generator=generator, cond_dropout=dropout)
+        trained = model.transformer
     else:  # the built-in DiT, on pixels
         images, words = drawn_images(data.train, 8192, rng)
-        trained = list(model.parameters())
+        trained = model
 
         def loss() -> torch.Tensor:
             idx = torch.randint(0, len(images), (ns.batch_size,), generator=generator)
@@ -87,42 +82,41 @@ def main(argv: list[str] | None = None) -> None:
     evaluator = FlowEvaluator(model, data.eval, flow_scorer(cfg), eval_steps=cfg.flow.eval_steps,
                               sampling=sampling_of(cfg, model), seed=cfg.run.seed,
                               negative_prompt=cfg.flow.negative_prompt)
-    rows_out = []
 
-    def evaluate(step: int) -> None:
-        with torch.no_grad():
-            m = evaluator(step)
-        rows_out.append({"step": step, "reward": m["eval/reward_mean"], "pass_at_1": m["eval/pass_at_1"]})
-        if not ns.json:
-            print(f"step {step:5d}  held-out reward {m['eval/reward_mean']:.3f}  "
-                  f"pass@1 {m['eval/pass_at_1']:.1%}", flush=True)
+    def show(step: int, metrics: dict[str, float]) -> None:
+        if "reward" in metrics and not ns.json:
+            print(f"step {step:5d}  held-out reward {metrics['reward']:.3f}  "
+                  f"pass@1 {metrics['pass_at_1']:.1%}", flush=True)
 
-    for p in trained:
-        p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(trained, lr=ns.lr, weight_decay=0.0)
-    model.train()
-    evaluate(0)
-    for step in range(1, ns.steps + 1):
-        optimizer.zero_grad(set_to_none=True)
-        loss().backward()
-        torch.nn.utils.clip_grad_norm_(trained, 1.0)
-        optimizer.step()
-        if step % ns.every == 0 or step == ns.steps:
-            model.eval()
-            evaluate(step)
-            model.train()
-    for p in trained:
-        p.requires_grad_(False)
+    evaluations = 0
+
+    def evaluate() -> dict[str, float]:
+        nonlocal evaluations
+        m = evaluator(0)
+        figures = {"pass_at_1": m["eval/pass_at_1"], "reward": m["eval/reward_mean"]}
+        if evaluations == 0:  # the loop's first call, before any step; the later ones reach show()
+            show(0, figures)
+        evaluations += 1
+        return figures
+
+    # the warm start's own loop at a constant --lr, evaluated every --every steps and never stopped early
+    settings = dataclasses.replace(cfg.warmstart, max_steps=ns.steps, eval_every=ns.every, lr=ns.lr,
+                                   batch_size=ns.batch_size, target_pass_rate=1.0, lr_schedule="constant",
+                                   min_lr_ratio=0.0)
+    trained.requires_grad_(True)
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=ns.lr, weight_decay=0.0)
+    result = warmstart_loop(trained, optimizer, lambda step: loss(), evaluate, settings, data="flow_settle",
+                            on_progress=show)
+    trained.requires_grad_(False)
     if ns.save:
-        if getattr(model, "pipe", None) is not None:
-            model.pipe.save_pretrained(ns.save)
-        else:
-            model.save_pretrained(ns.save)
+        (model if pipeline is None else pipeline).save_pretrained(ns.save)
         record = Path(path) / "warmstart.json"
         if record.is_file():  # what the model was built with, so a recipe's build keys still compare
             (Path(ns.save) / "warmstart.json").write_text(record.read_text())
     if ns.json:
-        print(json.dumps({"model": str(path), "lr": ns.lr, "evaluations": rows_out}))
+        rows = [{"step": 0, **result.before}, *({k: h[k] for k in ("step", "reward", "pass_at_1")}
+                                                for h in result.history)]
+        print(json.dumps({"model": str(path), "lr": ns.lr, "evaluations": rows}))
 
 
 if __name__ == "__main__":

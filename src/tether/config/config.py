@@ -219,15 +219,11 @@ class Config:
             raise ConfigError(f"reward.overlong_penalty={rw.overlong_penalty} has no effect with "
                               "reward.overlong_buffer=0 (off); set the buffer too, or "
                               "reward.overlong_penalty=1")
-        if t.min_lr_ratio and t.lr_schedule == "constant":
-            raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} has no effect with "
-                              "train.lr_schedule=constant; set train.lr_schedule=linear or cosine, or "
-                              "set train.min_lr_ratio=0")
-        w = self.warmstart
-        if w.min_lr_ratio and w.lr_schedule == "constant":
-            raise ConfigError(f"warmstart.min_lr_ratio={w.min_lr_ratio} has no effect with "
-                              "warmstart.lr_schedule=constant; set warmstart.lr_schedule=linear or cosine, "
-                              "or set warmstart.min_lr_ratio=0")
+        for name, section in (("train", t), ("warmstart", self.warmstart)):
+            if section.min_lr_ratio and section.lr_schedule == "constant":
+                raise ConfigError(f"{name}.min_lr_ratio={section.min_lr_ratio} has no effect with "
+                                  f"{name}.lr_schedule=constant; set {name}.lr_schedule=linear or cosine, "
+                                  f"or set {name}.min_lr_ratio=0")
         if t.warmup_steps > t.num_batches * t.updates_per_batch:
             raise ConfigError(f"train.warmup_steps={t.warmup_steps} is longer than the run's "
                               f"{t.num_batches * t.updates_per_batch} optimizer updates "

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from tether.families.flow import scenes
+from tether.families.flow.warmstart import drawn_scenes
 from tether.train.supervised import WarmstartResult, warmstart_loop, write_record
 from tether.vocabulary import Example, Progress
 
@@ -95,6 +96,24 @@ def latent_flow_loss(model, x0: torch.Tensor, cond: dict[str, torch.Tensor], emp
     return ((model((1 - tb) * x0 + tb * noise, t, cond) - (noise - x0)) ** 2).mean()
 
 
+def latent_flow_batches(model, known: Sequence[str], chosen: Sequence[str], latents: torch.Tensor, *,
+                        batch_size: int, generator: torch.Generator,
+                        cond_dropout: float) -> Callable[[], torch.Tensor]:
+    """Rectified flow's loss on random mini-batches of ``latents`` (row i drawn for the prompt
+    ``chosen[i]``), each prompt encoded once by the pipeline's text encoders among the sorted
+    distinct ``known`` ones."""
+    index = {p: i for i, p in enumerate(sorted(set(known)))}
+    encoded, empty = model.encode_prompts(sorted(index)), model.encode_prompts([""])
+    rows = torch.tensor([index[p] for p in chosen])
+
+    def loss() -> torch.Tensor:
+        idx = torch.randint(0, len(chosen), (batch_size,), generator=generator)
+        return latent_flow_loss(model, latents[idx], {k: v[rows[idx]] for k, v in encoded.items()}, empty,
+                                generator, cond_dropout)
+
+    return loss
+
+
 def sd3_warmstart(out: str | Path, train: Sequence[Example], held_out: Sequence[Example], score, cfg: Any, *,
                   pool: int = 4096, on_progress: Progress | None = None) -> WarmstartResult:
     """Build the tiny SD3 pipeline at ``out`` (the recipe's ``flow`` section: its width, depth,
@@ -114,10 +133,8 @@ def sd3_warmstart(out: str | Path, train: Sequence[Example], held_out: Sequence[
     model = load_flow_model(out, cfg)
     sampling = sampling_of(cfg, model)
     vae = model.pipe.vae
-    rng = random.Random(f"sd3-warmstart/{seed}")
-    chosen = [rng.choice(train).prompt for _ in range(pool)]  # drawn once, then sampled in mini-batches
-    images = torch.stack([scenes.from_pixels(scenes.render(scenes.Scene.parse(p), rng)) for p in chosen])
-    prompts = [e.prompt for e in train]
+    # drawn once, then sampled in mini-batches
+    chosen, images = drawn_scenes(train, pool, random.Random(f"sd3-warmstart/{seed}"))
     generator = torch.Generator().manual_seed(seed)
     t0 = time.monotonic()
     vae.requires_grad_(True)
@@ -125,27 +142,20 @@ def sd3_warmstart(out: str | Path, train: Sequence[Example], held_out: Sequence[
     vae.requires_grad_(False)
     shift, scale = set_latent_scale(vae, images)
     vae_seconds = time.monotonic() - t0
-    latents = latents_of(vae, images)
-    by_prompt = {p: i for i, p in enumerate(sorted(set(prompts)))}
-    encoded = model.encode_prompts(sorted(by_prompt))
-    empty = model.encode_prompts([""])
-    rows = torch.tensor([by_prompt[p] for p in chosen])
+    batch_loss = latent_flow_batches(model, [e.prompt for e in train], chosen, latents_of(vae, images),
+                                     batch_size=settings.batch_size, generator=generator,
+                                     cond_dropout=flow.init_cond_dropout)
     transformer = model.transformer
     transformer.requires_grad_(True)
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=settings.lr, weight_decay=0.0)
     evaluator = FlowEvaluator(model, held_out, score, eval_steps=flow.eval_steps, sampling=sampling,
                               seed=seed, negative_prompt=flow.negative_prompt)
 
-    def loss_at(step: int) -> torch.Tensor:
-        idx = torch.randint(0, pool, (settings.batch_size,), generator=generator)
-        return latent_flow_loss(model, latents[idx], {k: v[rows[idx]] for k, v in encoded.items()}, empty,
-                                generator, flow.init_cond_dropout)
-
     def evaluate() -> dict[str, float]:
         m = evaluator(0)
         return {"pass_at_1": m["eval/pass_at_1"], "reward": m["eval/reward_mean"]}
 
-    result = warmstart_loop(transformer, optimizer, loss_at, evaluate, settings,
+    result = warmstart_loop(transformer, optimizer, lambda step: batch_loss(), evaluate, settings,
                             data="task shapes (drawn images, VAE latents)", on_progress=on_progress)
     transformer.requires_grad_(False)
     model.pipe.save_pretrained(out)

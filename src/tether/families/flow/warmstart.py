@@ -31,12 +31,18 @@ from tether.train.supervised import WarmstartResult, warmstart_loop, write_recor
 from tether.vocabulary import Example, Progress
 
 
+def drawn_scenes(examples: Sequence[Example], n: int, rng: random.Random) -> tuple[list[str], torch.Tensor]:
+    """``n`` random prompts of ``examples`` and an image drawn for each, (n, 3, H, W) in [−1, 1]."""
+    chosen = [rng.choice(examples).prompt for _ in range(n)]
+    images = torch.stack([scenes.from_pixels(scenes.render(scenes.Scene.parse(p), rng)) for p in chosen])
+    return chosen, images
+
+
 def drawn_images(examples: Sequence[Example], n: int,
                  rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` (image, prompt word ids) pairs drawn for random training prompts."""
-    chosen = [scenes.Scene.parse(rng.choice(examples).prompt) for _ in range(n)]
-    images = torch.stack([scenes.from_pixels(scenes.render(s, rng)) for s in chosen])
-    return images, torch.tensor([scenes.encode(s.prompt) for s in chosen])
+    chosen, images = drawn_scenes(examples, n, rng)
+    return images, torch.tensor([scenes.encode(scenes.Scene.parse(p).prompt) for p in chosen])
 
 
 def dropped_conditions(words: torch.Tensor, rate: float, generator: torch.Generator | None = None
