@@ -28,20 +28,27 @@ from tether.vocabulary import GenerationRequest  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 BASE = ("async.max_staleness=1", "async.max_inflight=2", "eval.interval=0")
+SAMPLES_PER_BATCH = 4  # recipe()'s rollout.batch_size=2 x rollout.group_size=2
 
 
 class Gate:
-    """A reward that, while ``gate`` exists, writes its process's pid to ``held`` and waits: the
-    worker holding it is then mid-batch until the test kills it."""
+    """A reward that, while ``gate`` exists and its process has already scored ``after`` samples,
+    writes that process's pid to ``held`` and waits: the worker holding it is then mid-batch until
+    the test kills it. Closing the gate before the run starts, with ``after`` a whole number of
+    batches, holds the worker on a known batch however fast the run goes."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, after: int = 0) -> None:
         self.gate, self.held = tmp / "gate", tmp / "held"
         self.reward = tmp / "gated_reward.py"
         self.reward.write_text(textwrap.dedent(f"""\
             import hashlib, os, time
 
+            scored = 0
+
             def reward(prompt, completion, answer, fields):
-                if os.path.exists({str(self.gate)!r}):
+                global scored
+                scored += 1
+                if scored > {after} and os.path.exists({str(self.gate)!r}):
                     with open({str(self.held)!r} + ".tmp", "w") as f:
                         f.write(str(os.getpid()))
                     os.replace({str(self.held)!r} + ".tmp", {str(self.held)!r})
@@ -50,10 +57,15 @@ class Gate:
                 return int(hashlib.sha256(completion.encode()).hexdigest()[:8], 16) % 1000 / 1000
             """))
 
+    def close(self) -> None:
+        """Close the gate (a no-op when closed already: a worker may be held there now)."""
+        if not self.gate.exists():
+            self.held.unlink(missing_ok=True)
+            self.gate.touch()
+
     def kill_the_held_worker(self, proc: subprocess.Popen, timeout: float = 120) -> int:
         """Close the gate, wait for a worker to be held, SIGKILL it, open the gate; its pid."""
-        self.held.unlink(missing_ok=True)
-        self.gate.touch()
+        self.close()
         deadline = time.monotonic() + timeout
         while not self.held.exists():
             assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -132,9 +144,11 @@ def assert_staleness_follows_the_launches(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def replaced_run(tiny_model_dir, tmp_path_factory):
-    """A run of 10 batches whose worker is killed once, mid-batch, after batch 3."""
+    """A run of 10 batches whose worker is killed once, mid-batch, on batch 3 (its gate closed from
+    the start, so a fast run cannot finish before the worker is held)."""
     tmp = tmp_path_factory.mktemp("replaced")
-    gate, run_dir = Gate(tmp), tmp / "run"
+    gate, run_dir = Gate(tmp, after=3 * SAMPLES_PER_BATCH), tmp / "run"
+    gate.close()
     proc = start(tiny_model_dir, run_dir, gate, "train.num_batches=10", "checkpoint.interval=0")
     try:
         wait_rows(run_dir, proc, 3)

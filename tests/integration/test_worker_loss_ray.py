@@ -12,6 +12,7 @@ ray = pytest.importorskip("ray")
 
 from test_train import rows  # noqa: E402
 from test_worker_loss import (  # noqa: E402
+    SAMPLES_PER_BATCH,
     Gate,
     assert_staleness_follows_the_launches,
     kill_twice_past_the_cap,
@@ -41,8 +42,7 @@ def settings(model_dir, gate):
 
 def hold(gate, timeout=60):
     """Close the gate and wait until an actor is held inside its reward; its pid."""
-    gate.held.unlink(missing_ok=True)
-    gate.gate.touch()
+    gate.close()
     deadline = time.monotonic() + timeout
     while not gate.held.exists():
         assert time.monotonic() < deadline, "no actor reached the reward"
@@ -133,7 +133,8 @@ def test_a_run_goes_on_when_its_rollout_actors_node_is_removed(tiny_model_dir, t
     try:
         nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
         cluster.wait_for_nodes()
-        gate, run_dir = Gate(tmp_path), tmp_path / "run"
+        gate, run_dir = Gate(tmp_path, after=3 * SAMPLES_PER_BATCH), tmp_path / "run"
+        gate.close()  # from the start: the worker holds on batch 3 however fast the run goes
         proc = start(tiny_model_dir, run_dir, gate, "rollout.backend=ray", f"ray.address={cluster.address}",
                      "train.num_batches=10", "checkpoint.interval=0")
         try:
