@@ -50,3 +50,17 @@ def test_cpu_offload_without_gpu_ranks_is_refused():
         with pytest.raises(ConfigError, match=r"train.cpu_offload=true offloads FSDP2 ranks' shards .* set "
                                               r"train.device=cuda and train.world_size > 1, or remove"):
             load_config(None, ["train.cpu_offload=true", *extra])
+
+
+def test_a_bfloat16_rollout_worker_on_a_gpu_without_it_is_refused_naming_rollout_dtype(monkeypatch):
+    """A Ray worker on a GPU (ray.gpus_per_worker) builds the torch engine there: refused before
+    the model loads, naming rollout.dtype, not a kernel error from the first decode step."""
+    from tether.rollout.engines.torch import TORCH
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100")
+    cfg = load_config(None, ["rollout.dtype=bfloat16"])
+    with pytest.raises(ConfigError, match=r"rollout.dtype=bfloat16, but Tesla V100 \(torch .*\) has no "
+                                          "bfloat16 support; set rollout.dtype=float32"):
+        TORCH.build(cfg, "/nonexistent", None, (), device="cuda", threads=1, seed=0)

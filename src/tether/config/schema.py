@@ -206,8 +206,9 @@ class RolloutSection:
         "Precision the built-in engine samples in (its weights and activations; the sampling "
         "distribution and its log-probs in float32). float32 = the learner's log-probs to ~1e-6; "
         "bfloat16 halves its weights' memory and adds a train–inference mismatch (docs/training.md, "
-        "'Precision'). Runs the lean decoder's Python path (the native decoder is float32 only). vLLM's "
-        "is vllm.dtype.",
+        "'Precision'). Runs the lean decoder's Python path (the native decoder is float32 only). On a "
+        "GPU worker without bfloat16 (before Ampere) it is refused as the worker starts. vLLM's is "
+        "vllm.dtype.",
         resume=Resume.ACCEPTED, owner="engine", feature="token_sampling",
     )
     dynamic_sampling: bool = knob(

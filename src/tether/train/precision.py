@@ -31,16 +31,17 @@ from tether.errors import ConfigError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def check_device(dtype: str, device: torch.device | str) -> None:
-    """Refuse bfloat16 on a CUDA device (or build) without it, naming the key. Every CPU build of
-    torch computes in bfloat16 (natively where the CPU has AVX512-BF16 or AMX, else emulated)."""
+def check_device(dtype: str, device: torch.device | str, key: str = "train.dtype") -> None:
+    """Refuse bfloat16 on a CUDA device (or build) without it, naming ``key``, the setting that
+    asked for it. Every CPU build of torch computes in bfloat16 (natively where the CPU has
+    AVX512-BF16 or AMX, else emulated)."""
     device = torch.device(device)
     if dtype == "float32" or device.type != "cuda" or not torch.cuda.is_available():
         return  # no CUDA here: train.device's own check says so
     if not torch.cuda.is_bf16_supported():
         name = torch.cuda.get_device_name(device)
-        raise ConfigError(f"train.dtype=bfloat16, but {name} (torch {torch.__version__}, CUDA "
-                          f"{torch.version.cuda}) has no bfloat16 support; set train.dtype=float32")
+        raise ConfigError(f"{key}=bfloat16, but {name} (torch {torch.__version__}, CUDA "
+                          f"{torch.version.cuda}) has no bfloat16 support; set {key}=float32")
 
 
 class Precision:
