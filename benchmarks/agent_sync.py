@@ -79,14 +79,15 @@ def measure(batches: int, repeats: int) -> dict:
     from tether.data.tiny_model import init_model
 
     hf_logging.disable_progress_bar()
-    tmp = Path(tempfile.mkdtemp())
-    init_model(tmp / "model", size="small", seed=0)
     tries: dict[str, list[dict]] = {}
-    for round_ in range(repeats):  # the settings take turns: the machine's drift reaches them alike
-        for mode, switch_at in SETTINGS:
-            key = f"{mode} @{switch_at}"
-            tries.setdefault(key, []).append(
-                run_one(tmp / "model", mode, switch_at, batches, tmp / f"{mode}-{switch_at}-{round_}"))
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        init_model(tmp / "model", size="small", seed=0)
+        for round_ in range(repeats):  # the settings take turns: the machine's drift reaches them alike
+            for mode, switch_at in SETTINGS:
+                key = f"{mode} @{switch_at}"
+                tries.setdefault(key, []).append(
+                    run_one(tmp / "model", mode, switch_at, batches, tmp / f"{mode}-{switch_at}-{round_}"))
     runs = {key: sorted(t, key=lambda m: m["episodes_per_s"])[len(t) // 2] for key, t in tries.items()}
     base = runs["drain @token"]["episodes_per_s"]
     return {"batches": batches, "delay_s": DELAY_S, "repeats": repeats,
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="rounds of every setting, interleaved")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if a.batches < 3:
+        ap.error(f"--batches {a.batches}: the first two batches (start-up) are not measured; give 3 or more")
     r = measure(a.batches, a.repeats)
     if a.json:
         print(json.dumps(r))

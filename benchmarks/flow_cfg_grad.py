@@ -11,7 +11,10 @@ their cosine and norms, per batch of fresh trajectories (8 prompts Ã— 8 images Ã
 scored by the shapes verifier). With ``--learn N`` it also trains the demo recipe, guided, for N
 batches under each and reports the held-out reward (guided ODE images) before and after.
 
-    python benchmarks/flow_cfg_grad.py [--batches 4] [--guidance 4.5] [--learn 0] [--json]
+    python benchmarks/flow_cfg_grad.py [--batches 4] [--guidance 4.5] [--learn 0] [--json] [KEY=VALUE ...]
+
+KEY=VALUE settings go on top of the demo recipe (``warmstart.max_steps=5`` builds a model in
+seconds, for a smoke test).
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ def guided_batch(model, cfg, prompts: list[str], seed: int):
     g, sampling = cfg.rollout.group_size, sampling_of(cfg)
     words = torch.tensor([scenes.encode(p) for p in prompts])
     negative = model.encode_prompts([cfg.flow.negative_prompt])
-    latents, logps, _ = sample(model, {"words": words.repeat_interleave(g, 0)}, sampling,
-                               generator=torch.Generator().manual_seed(seed), negative=negative)
+    drawn = sample(model, {"words": words.repeat_interleave(g, 0)}, sampling,
+                   generator=torch.Generator().manual_seed(seed), negative=negative)
+    latents, logps = drawn.latents, drawn.logprobs
     images = model.decode(latents[:, -1])
     rewards = torch.tensor([scenes.verify(prompts[i // g], image, "", {}) for i, image in enumerate(images)])
     grouped = rewards.view(-1, g)
@@ -63,7 +67,8 @@ def guided_batch(model, cfg, prompts: list[str], seed: int):
     return batch, rewards, advantages
 
 
-def learn(model: str, guidance: float, batches: int, threads: int) -> dict[str, dict[str, float]]:
+def learn(model: str, guidance: float, batches: int, threads: int,
+          overrides: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
     from tether.config import load_config
     from tether.runtime.run import train
 
@@ -73,7 +78,7 @@ def learn(model: str, guidance: float, batches: int, threads: int) -> dict[str, 
             cfg = load_config(ROOT / "recipes" / "flow-demo.yaml", [
                 f"model.path={model}", f"flow.guidance_scale={guidance}", f"flow.cfg_grad={mode}", *BUILD,
                 f"train.num_batches={batches}", f"eval.interval={batches}", "checkpoint.interval=0",
-                f"train.threads={threads}"])
+                f"train.threads={threads}", *overrides])
             summary = train(cfg, Path(tmp) / mode, progress_plain=True)
             evals = summary["evals"]
             out[mode] = {"eval_reward_first": evals[0]["eval/reward_mean"],
@@ -91,6 +96,7 @@ def main(argv=None) -> int:
                         help="the warm-started flow model (built by the demo recipe with condition "
                              "dropout 0.1 when missing)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings on top of the recipe")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from tether.config import load_config
@@ -100,7 +106,7 @@ def main(argv=None) -> int:
 
     cfg = load_config(ROOT / "recipes" / "flow-demo.yaml",
                       [f"model.path={args.model}", f"flow.guidance_scale={args.guidance}", *BUILD,
-                       f"train.threads={args.threads}"])
+                       f"train.threads={args.threads}", *args.overrides])
     ensure_model(cfg)
     model = FlowModel.from_pretrained(args.model)
     rows = []
@@ -113,7 +119,8 @@ def main(argv=None) -> int:
                      "cosine": float(torch.nn.functional.cosine_similarity(full, cond, dim=0)),
                      "norm_full": float(full.norm()), "norm_conditional": float(cond.norm())})
     result = {"guidance": args.guidance, "batches": rows,
-              "learn": learn(args.model, args.guidance, args.learn, args.threads) if args.learn else None}
+              "learn": learn(args.model, args.guidance, args.learn, args.threads, tuple(args.overrides))
+                       if args.learn else None}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -109,3 +109,16 @@ def test_flow_settle_benchmark_continues_a_warm_start_and_saves_it(tmp_path):
     from tether.modeling import is_model_dir
 
     assert is_model_dir(settled) and is_model_dir(model)
+
+
+def test_flow_cfg_grad_benchmark_measures_both_gradients_on_a_fresh_build(tmp_path):
+    # a built-in flow model with condition dropout and a 5-step warm start; one batch measured
+    out = subprocess.run([sys.executable, "benchmarks/flow_cfg_grad.py", "--batches", "1", "--model",
+                          str(tmp_path / "flow"), "--json", "warmstart.max_steps=5", "data.num_eval=16"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out.stdout)
+    (row,) = record["batches"]
+    assert record["guidance"] == 4.5 and 0 <= row["reward_mean"] <= 1
+    assert -1 <= row["cosine"] <= 1 and row["norm_full"] >= 0 and row["norm_conditional"] >= 0
+    assert json.loads((tmp_path / "flow" / "warmstart.json").read_text())["settings"]["cond_dropout"] == 0.1
