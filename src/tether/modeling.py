@@ -285,3 +285,16 @@ def bind_into(model: torch.nn.Module, weights) -> None:
                 raise ConfigError(f"cannot bind {name}: {tuple(src.shape)} {src.dtype} vs "
                                   f"{tuple(p.shape)} {p.dtype}")
             p.data = src
+
+
+def check_dtype_on_device(dtype: str, device: torch.device | str, key: str = "train.dtype") -> None:
+    """Refuse bfloat16 on a CUDA device (or build) without it, naming ``key``, the setting that
+    asked for it. Every CPU build of torch computes in bfloat16 (natively where the CPU has
+    AVX512-BF16 or AMX, else emulated)."""
+    device = torch.device(device)
+    if dtype == "float32" or device.type != "cuda" or not torch.cuda.is_available():
+        return  # no CUDA here: the device key's own check says so
+    if not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name(device)
+        raise ConfigError(f"{key}=bfloat16, but {name} (torch {torch.__version__}, CUDA "
+                          f"{torch.version.cuda}) has no bfloat16 support; set {key}=float32")

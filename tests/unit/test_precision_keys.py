@@ -6,6 +6,7 @@ torch = pytest.importorskip("torch")
 
 from tether.config import load_config  # noqa: E402
 from tether.errors import ConfigError  # noqa: E402
+from tether.modeling import check_dtype_on_device  # noqa: E402
 from tether.runtime.assemble import assemble  # noqa: E402
 from tether.train import precision  # noqa: E402
 
@@ -40,7 +41,7 @@ def test_bfloat16_on_a_gpu_without_it_is_refused_before_the_run_starts(monkeypat
                                           "bfloat16 support; set train.dtype=float32"):
         assemble(cfg).check_here()
     assemble(load_config(None, ["train.device=cuda"])).check_here()  # float32 asks nothing of it
-    precision.check_device("bfloat16", "cpu")  # every CPU build computes in bfloat16
+    check_dtype_on_device("bfloat16", "cpu")  # every CPU build computes in bfloat16
 
 
 def test_cpu_offload_without_gpu_ranks_is_refused():

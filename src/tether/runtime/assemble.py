@@ -62,9 +62,9 @@ class Parts:
         if self.backend.local_workers:
             self.engine.check_here(self.cfg)
         if self.layout != "actor":  # the learner runs here: can its device compute in train.dtype
-            from tether.train.precision import check_device
+            from tether.modeling import check_dtype_on_device
 
-            check_device(self.cfg.train.dtype, self.cfg.train.device)
+            check_dtype_on_device(self.cfg.train.dtype, self.cfg.train.device)
 
     def prepare(self, *, progress_plain: bool | None = None) -> Prepared:
         """Model (built and warm-started if asked), data and reward, all checked; no process started."""

@@ -26,29 +26,16 @@ from typing import Any
 
 import torch
 
-from tether.errors import ConfigError
+from tether.modeling import check_dtype_on_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def check_device(dtype: str, device: torch.device | str, key: str = "train.dtype") -> None:
-    """Refuse bfloat16 on a CUDA device (or build) without it, naming ``key``, the setting that
-    asked for it. Every CPU build of torch computes in bfloat16 (natively where the CPU has
-    AVX512-BF16 or AMX, else emulated)."""
-    device = torch.device(device)
-    if dtype == "float32" or device.type != "cuda" or not torch.cuda.is_available():
-        return  # no CUDA here: train.device's own check says so
-    if not torch.cuda.is_bf16_supported():
-        name = torch.cuda.get_device_name(device)
-        raise ConfigError(f"{key}=bfloat16, but {name} (torch {torch.__version__}, CUDA "
-                          f"{torch.version.cuda}) has no bfloat16 support; set {key}=float32")
 
 
 class Precision:
     """How a learner on ``device`` computes: ``compute()`` wraps its forwards."""
 
     def __init__(self, dtype: str, device: torch.device, reduce_dtype: str = "float32") -> None:
-        check_device(dtype, device)
+        check_dtype_on_device(dtype, device)
         self.dtype, self.device, self.reduce_dtype = dtype, device, reduce_dtype
         self.mixed = dtype != "float32"
 

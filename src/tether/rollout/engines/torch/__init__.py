@@ -37,11 +37,10 @@ class _Torch(EnginePlugin):
         import torch
 
         from tether.decoding.stops import StopStrings
-        from tether.modeling import cast_parameters, load_causal_lm
+        from tether.modeling import cast_parameters, check_dtype_on_device, load_causal_lm
         from tether.rollout.engines.torch.engine import TorchEngine
-        from tether.train.precision import check_device
 
-        check_device(cfg.rollout.dtype, device, key="rollout.dtype")  # a GPU worker without bfloat16
+        check_dtype_on_device(cfg.rollout.dtype, device, key="rollout.dtype")  # a GPU worker without bfloat16
         # read in the dtype it samples in: a float32 copy first would be the worker's peak memory
         # (twice a bfloat16 model's); the rotary buffers stay float32 either way
         model, _ = load_causal_lm(model_path, dtype=getattr(torch, cfg.rollout.dtype))
