@@ -30,6 +30,7 @@ from tether.families.agent.env import Step
 
 SETTINGS = [("drain", "token"), ("drain", "turn"), ("keep", "turn"), ("keep", "token")]
 DELAY_S = 0.05
+START_UP = 2  # batches left out of every figure: the first runs' start-up
 
 
 class SlowTool:
@@ -58,7 +59,7 @@ def run_one(model_dir: Path, mode: str, switch_at: str, batches: int, out: Path)
         f"train.num_batches={batches}", "train.lr=1e-4", "eval.interval=0", "checkpoint.interval=0",
     ])
     train(cfg, out, progress_plain=True)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][2:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][START_UP:]
     mean = lambda key, default=0.0: statistics.fmean(r.get(key, default) for r in rows)  # noqa: E731
     steps = [r["time/step"] for r in rows]
     waits = [r["sync/turn_wait_s"] for r in rows if "sync/turn_wait_s" in r]
@@ -102,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="rounds of every setting, interleaved")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    if a.batches < 3:
-        ap.error(f"--batches {a.batches}: the first two batches (start-up) are not measured; give 3 or more")
+    if a.batches <= START_UP:
+        ap.error(f"--batches {a.batches}: the first {START_UP} batches (start-up) are not measured; "
+                 f"give {START_UP + 1} or more")
     r = measure(a.batches, a.repeats)
     if a.json:
         print(json.dumps(r))

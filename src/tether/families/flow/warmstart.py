@@ -42,7 +42,7 @@ def drawn_images(examples: Sequence[Example], n: int,
                  rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` (image, prompt word ids) pairs drawn for random training prompts."""
     chosen, images = drawn_scenes(examples, n, rng)
-    return images, torch.tensor([scenes.encode(scenes.Scene.parse(p).prompt) for p in chosen])
+    return images, torch.tensor([scenes.encode(p) for p in chosen])
 
 
 def dropped_conditions(words: torch.Tensor, rate: float, generator: torch.Generator | None = None
