@@ -34,10 +34,16 @@ SHORT = ["train.num_batches=2", "--plain", "--no-report"]
 
 SMALL_EVAL = {  # per family: a small held-out set, and a model built on first use warm-starts briefly
     "text": ["data.num_eval=16", "warmstart.max_steps=5"],
-    "agent": ["data.num_eval=16", "warmstart.max_steps=60"],  # some episodes succeed: something to learn
+    # some episodes succeed: something to learn (16 chats a step: 64, the default, takes 3× as long)
+    "agent": ["data.num_eval=16", "warmstart.max_steps=60", "warmstart.batch_size=16",
+              "warmstart.eval_every=60"],
     "flow": ["data.num_eval=32", "warmstart.max_steps=5"],
 }
-WARM_STEPS = {"longtail.yaml": 60}  # recipes whose task five steps leave at no reward at all
+WARM = {  # recipes whose task the family's short warm start leaves at no reward at all, or slow
+    # (a recipe's own eval_every of 5 is twelve held-out evaluations in 60 steps)
+    "longtail.yaml": ["warmstart.max_steps=60", "warmstart.batch_size=16", "warmstart.eval_every=60"],
+    "agent-tools.yaml": ["warmstart.max_steps=60", "warmstart.batch_size=4", "warmstart.eval_every=60"],
+}
 RECIPE_SHORTENING = {  # a recipe's other overrides for its short run
     "flow-sd3.yaml": ["flow.init_vae_steps=20"],  # the model build's VAE steps
     # 60 warm-start steps at script_quality 0.4 answer 0 without the tools, so every group's reward
@@ -172,9 +178,9 @@ class Workspace:
         text = (self.root / recipe).read_text()
         family = re.search(r"^\s*family:\s*(\w+)", text, re.M)
         words = SMALL_EVAL.get(family.group(1) if family else "text", [])
-        steps = WARM_STEPS.get(Path(recipe).name)
-        if steps:
-            words = [w for w in words if not w.startswith("warmstart.")] + [f"warmstart.max_steps={steps}"]
+        warm = WARM.get(Path(recipe).name)
+        if warm:
+            words = [w for w in words if not w.startswith("warmstart.")] + warm
         return words + RECIPE_SHORTENING.get(Path(recipe).name, [])
 
     def run(self, argv: list[str], *, shell: bool = False) -> subprocess.CompletedProcess:

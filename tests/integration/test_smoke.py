@@ -111,7 +111,7 @@ def test_flow_settle_benchmark_continues_a_warm_start_and_saves_it(tmp_path):
     assert is_model_dir(settled) and is_model_dir(model)
 
 
-def test_flow_cfg_grad_benchmark_measures_both_gradients_on_a_fresh_build(tmp_path):
+def test_flow_guidance_benchmarks_measure_both_gradients_and_both_branches_on_a_fresh_build(tmp_path):
     # a built-in flow model with condition dropout and a 5-step warm start; one batch measured
     out = subprocess.run([sys.executable, "benchmarks/flow_cfg_grad.py", "--batches", "1", "--model",
                           str(tmp_path / "flow"), "--json", "warmstart.max_steps=5", "data.num_eval=16"],
@@ -122,3 +122,12 @@ def test_flow_cfg_grad_benchmark_measures_both_gradients_on_a_fresh_build(tmp_pa
     assert record["guidance"] == 4.5 and 0 <= row["reward_mean"] <= 1
     assert -1 <= row["cosine"] <= 1 and row["norm_full"] >= 0 and row["norm_conditional"] >= 0
     assert json.loads((tmp_path / "flow" / "warmstart.json").read_text())["settings"]["cond_dropout"] == 0.1
+    # the same model as both branches of guidance: its own guided reward, on each split
+    model = str(tmp_path / "flow")
+    out = subprocess.run([sys.executable, "benchmarks/flow_guidance_parts.py", "recipes/flow-demo.yaml",
+                          "--cond", model, "--uncond", model, "--guidance", "4.5", "--examples", "16",
+                          "--json", f"model.path={model}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    parts = json.loads(out.stdout)
+    assert parts["guidance"] == 4.5 and 0 <= parts["trained"] <= 1 and 0 <= parts["held_out"] <= 1
