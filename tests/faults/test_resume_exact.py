@@ -52,9 +52,10 @@ def trace(run_dir):
     return metrics, syncs, weights, rows(run_dir / "samples.jsonl")
 
 
-@pytest.mark.parametrize(("s", "u", "extra"),
-                         [(1, 1, ()), (1, 2, ()), (2, 1, ()), (2, 2, ()), (1, 1, DYNAMIC)],
-                         ids=["S1-U1", "S1-U2", "S2-U1", "S2-U2", "S1-U1-dynamic-sampling"])
+# S = 2 with U = 2 holds both: a budget that lets a batch wait and several updates a batch (each
+# alone added half a minute to the suite and nothing S2-U2 does not reach)
+@pytest.mark.parametrize(("s", "u", "extra"), [(1, 1, ()), (2, 2, ()), (1, 1, DYNAMIC)],
+                         ids=["S1-U1", "S2-U2", "S1-U1-dynamic-sampling"])
 def test_a_run_stopped_after_any_step_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch, s, u, extra):
     """With dynamic sampling too: a batch's extra prompts are its own, so they are the same."""
     train(config(tiny_model_dir, s, u, extra), tmp_path / "whole", progress_plain=True)

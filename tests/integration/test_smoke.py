@@ -79,6 +79,7 @@ def test_engine_profile_splits_a_native_step_into_its_sections():
     assert r["python"]["parts_ms"]["sampling (log_softmax, rand, log, argmax, gather)"] > 0
 
 
+@pytest.mark.timeout(600)  # two benchmarks of several runs each (42 s on an idle machine)
 def test_overlap_and_ray_backend_benchmarks_run_at_a_tiny_size():
     pytest.importorskip("transformers")
     out = subprocess.run([sys.executable, "benchmarks/overlap.py", "--batches", "4", "--json"], cwd=ROOT,
