@@ -86,7 +86,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 
 # the two environments install side by side: pip waits on disk and the registry more than on the
-# CPU (measured here: 91 s for both side by side, 185 s one after the other)
+# CPU (measured here: 108 s for both side by side, 185 s one after the other)
 test:
 	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
