@@ -21,7 +21,8 @@ VLLM_STAMP := $(VLLM_VENV)/.tether-installed
 TORCH_SPEC ?= torch==2.13.0
 
 # Each environment first links the project without its dependencies (the one step that writes
-# src/tether.egg-info: one environment at a time, so two installs never write it together), then
+# src/tether.egg-info: one environment at a time, so two installs never write it together; `make
+# vllm` alone links .venv first for that reason), then
 # installs torch and the extras, which reads the linked project's metadata and builds nothing.
 $(VENV)/.tether-linked: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -86,14 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     model = TwoBranches(load(args.cond, cfg), load(args.uncond, cfg)).eval()
     sampling = dataclasses.replace(sampling_of(cfg, model.cond), guidance_scale=w)
     record = {"cond": args.cond, "uncond": args.uncond, "guidance": w, "eval_steps": cfg.flow.eval_steps}
+    score = flow_scorer(cfg)
     for split in ("train", "eval"):
         examples = SHAPES.examples(split, args.examples, seed=0)
-        evaluator = FlowEvaluator(model, examples, flow_scorer(cfg),
-                                  eval_steps=cfg.flow.eval_steps, sampling=sampling, seed=0,
-                                  negative_prompt=cfg.flow.negative_prompt)
-        with torch.no_grad():
-            images = evaluator.images(evaluator.cond, 0)
-        rewards = evaluator._rewards(images, examples)
+        evaluator = FlowEvaluator(model, examples, score, eval_steps=cfg.flow.eval_steps, sampling=sampling,
+                                  seed=0, negative_prompt=cfg.flow.negative_prompt)
+        with torch.no_grad():  # the ODE images of the run's evaluation: the same noises
+            images = evaluator.images(evaluator.cond, evaluator.seed)
+        rewards = [score(e, x) for e, x in zip(examples, images, strict=True)]
         record["held_out" if split == "eval" else "trained"] = sum(rewards) / len(rewards)
     if args.json:
         print(json.dumps(record))
