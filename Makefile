@@ -86,13 +86,13 @@ smollm2: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 
-# the two environments install side by side: pip waits on disk and the registry more than on the
-# CPU (measured here: 108 s for both side by side, 185 s one after the other)
 # The suite runs TEST_WORKERS test files at a time (pytest-xdist; each file in one process, so a
 # module's shared model or engine is built once). One test at a time leaves about 45% of 2 cores
 # idle (process and Ray start-ups, polling a run): two at a time took 1,319 s against 2,140 s.
 TEST_WORKERS ?= 2
 
+# the two environments install side by side: pip waits on disk and the registry more than on the
+# CPU (measured here: 108 s for both side by side, 185 s one after the other)
 test:
 	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

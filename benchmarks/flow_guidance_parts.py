@@ -11,8 +11,9 @@ folder is the model's own guided reward.
         [KEY=VALUE ...]
 
 A and B: a model folder (``model.path``) or a run's checkpoint (``runs/x/checkpoints/step-000200``,
-whose learner's weights are read). KEY=VALUE settings go on top of RECIPE (its ``model.path`` is
-the base a checkpoint's weights apply to). docs/benchmarks.md, "A tiny SD3 pipeline that learns",
+whose learner's weights are read: its EMA's where it holds them, as ``tether eval`` reads them).
+KEY=VALUE settings go on top of RECIPE (its ``model.path`` is the base a checkpoint's weights
+apply to). docs/benchmarks.md, "A tiny SD3 pipeline that learns",
 has what it measured.
 """
 
@@ -52,10 +53,11 @@ class TwoBranches(torch.nn.Module):
 
 def load(path: str, cfg):
     from tether.families.flow.model import load_flow_model
+    from tether.train.learner_state import model_folder
 
     folder = Path(path)
-    if (folder / "learner" / "model").is_dir():  # a run's checkpoint
-        folder = folder / "learner" / "model"
+    if (folder / "learner").is_dir():  # a run's checkpoint: its EMA's weights where it holds them
+        folder = model_folder(folder / "learner")
     if not folder.is_dir():
         raise SystemExit(f"{path}: neither a model folder nor a checkpoint (no learner/model inside)")
     return load_flow_model(folder, cfg)
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"data.task={cfg.data.task}: this benchmark scores the shapes task's prompts")
     w = cfg.flow.guidance_scale if args.guidance is None else args.guidance
     if w == 1.0:
-        raise SystemExit("--guidance 1 uses no unconditional branch: give w above 1")
+        raise SystemExit("--guidance 1 uses no unconditional branch: give w above 1 (the conditional branch "
+                         "alone: tether eval RECIPE flow.guidance_scale=1 --model MODEL)")
     model = TwoBranches(load(args.cond, cfg), load(args.uncond, cfg)).eval()
     sampling = dataclasses.replace(sampling_of(cfg, model.cond), guidance_scale=w)
     record = {"cond": args.cond, "uncond": args.uncond, "guidance": w, "eval_steps": cfg.flow.eval_steps}
