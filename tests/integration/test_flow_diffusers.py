@@ -185,7 +185,6 @@ def test_a_checkpoint_refuses_a_base_pipeline_that_changed_or_is_gone(pipeline, 
 
 
 @pytest.mark.parametrize(("override", "says"), [
-    ("flow.resolution=33", "not a multiple of 2"),
     ("data.prompt_column=text", "has no column 'text'"),
 ])
 def test_bad_pipeline_settings_are_refused_clearly(pipeline, prompts, tmp_path, override, says):
@@ -193,6 +192,20 @@ def test_bad_pipeline_settings_are_refused_clearly(pipeline, prompts, tmp_path, 
         cfg = recipe(pipeline, prompts, "train.num_batches=1", override)
         train(cfg, tmp_path / "run", progress_plain=True)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(("override", "says"), [
+    ("flow.resolution=33", "flow.resolution=33 is not a multiple of 2, the factor by which .* multiple of 2"),
+    # 4 steps at the scheduler's shift 3 (flow.shift: 0 takes it): the last step's r is 1.5
+    ("flow.noise_level=1.9", r"flow.shift=0 \(the model's own, 3\) and flow.steps=4: .* ≤ 1.63"),
+])
+def test_pipeline_settings_its_configs_rule_out_are_refused_when_the_recipe_is_read(pipeline, prompts,
+                                                                                   override, says):
+    """What depends on the pipeline's own configs (its VAE's factor, its scheduler's shift) is
+    read from them with the recipe, before any process or diffusers loads anything."""
+    with pytest.raises(ConfigError, match=says):
+        recipe(pipeline, prompts, override)
+    recipe(pipeline, prompts, "flow.resolution=32", "flow.noise_level=1.6")
 
 
 def test_resolution_is_refused_for_the_built_in_model(tmp_path):
@@ -395,6 +408,7 @@ def test_a_vae_config_that_does_not_fit_its_weights_is_refused_clearly(pipeline,
 
 @pytest.mark.parametrize(("settings", "codes"), [
     (("flow.guidance_scale=0",), ["unconditional"]),
+    (("flow.guidance_scale=0.5",), ["guidance_below_one"]),
     (("flow.negative_prompt=blurry",), ["unused_negative_prompt"]),
     (("flow.guidance_scale=4.5", "flow.negative_prompt=blurry"), []),
     (("flow.guidance_scale=1",), []),

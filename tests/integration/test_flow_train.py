@@ -13,6 +13,7 @@ pytest.importorskip("torch")
 from safetensors.torch import load_file
 
 from faults.runs import whole_and_resumed
+from schedule import rule_violations
 from tether.config import load_config
 from tether.errors import ConfigError
 from tether.loop import Timings, simulate, summarize
@@ -226,8 +227,18 @@ def test_weights_taken_up_between_denoising_steps_stay_within_the_budget(flow_mo
         else:
             assert m["rollout/wasted_steps"] == 0
             assert (m["staleness/multi_version_seq_frac"] > 0) <= (m["rollout/weight_switches"] > 0)
-    published = [e for e in rows(tmp_path / "run" / "events.jsonl") if e["kind"] == "sync" and e["published"]]
+    events = rows(tmp_path / "run" / "events.jsonl")
+    published = [e for e in events if e["kind"] == "sync" and e["published"]]
     assert any(not e["drained"] for e in published)  # published with trajectories being denoised
     assert all(e["drained"] for e in published if {"eval", "save"} & set(e["reasons"]))
+    # every launch, consumption and publication the run recorded is what the rules allow in the
+    # state the events before it leave (the launch bound by the oldest version still generating)
+    assert rule_violations(cfg.budget(), events) == []
+    assert any(e["kind"] == "launch" for e in events[events.index(published[0]):])
+    first = next(i for i, e in enumerate(events) if e["kind"] == "launch")  # and the replay can fail:
+    extra = [*events[:first + 1], {**events[first], "batch": 99}, *events[first + 1:]]  # a launch too many
+    assert any("launch" in v for v in rule_violations(cfg.budget(), extra))
+    unpublished = [e for e in events if e is not published[0]]
+    assert any("no publication" in v or "version" in v for v in rule_violations(cfg.budget(), unpublished))
     print(f"\n{mode}: {sum(m['rollout/weight_switches'] for m in metrics):.0f} switches mid-trajectory over "
           f"{len(metrics)} batches")

@@ -16,6 +16,7 @@ from test_pool import STREAM  # noqa: E402
 from test_train import recipe, rows  # noqa: E402
 
 from configs import pool_settings  # noqa: E402
+from schedule import rule_violations  # noqa: E402
 from tether.config import load_config  # noqa: E402
 from tether.modeling import load_causal_lm, unique_parameters  # noqa: E402
 from tether.rollout.backends.local.pool import ProcessPool  # noqa: E402
@@ -199,9 +200,12 @@ def test_every_mode_trains_within_the_budget_and_reports_per_token_staleness(tin
                 assert m["attribution/kv_gap_abs_max"] > 1e-4 and m["staleness/kv_lag_updates_mean"] >= 1
         else:  # the cache is always the token's own version's
             assert m["staleness/kv_mixed_token_frac"] == 0 and "attribution/kv_gap_abs_mean" not in m
-    published = [e for e in rows(tmp_path / "run" / "events.jsonl") if e["kind"] == "sync" and e["published"]]
+    events = rows(tmp_path / "run" / "events.jsonl")
+    published = [e for e in events if e["kind"] == "sync" and e["published"]]
     assert any(not e["drained"] for e in published)  # published with generation running
     assert all(e["drained"] for e in published if {"eval", "save"} & set(e["reasons"]))
+    # each launch, consumption and publication is one the rules allow in the state before it
+    assert rule_violations(cfg.budget(), events) == []
     # Whether a publication reaches a sequence still generating is a matter of this CPU's speed
     # (generation against training): the pool-level tests above force it and check every token's
     # version. Here, what the rules guarantee whatever the timing.

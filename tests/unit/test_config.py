@@ -371,12 +371,14 @@ def test_the_flow_grpo_preset_sets_the_references_keys_that_have_defaults_of_the
     assert (t.lr, t.weight_decay, t.lora_rank, t.lora_alpha) == (3e-4, 1e-4, 32, 64.0)
     assert (t.ema_decay, t.ema_every) == (0.9, 8)
     assert (cfg.flow.train_steps, cfg.flow.train_step_choice) == (9, "first")  # int(9.9)
+    assert cfg.flow.cfg_grad == "conditional"  # the reference at ac4c86e detaches the unconditional branch
     assert load_config(None, [*FLOW, "train.algorithm=flow_grpo", "flow.steps=1"]).flow.train_steps == 1
     # every other preset leaves those keys at their defaults
     other = load_config(None, [*FLOW, "train.algorithm=grpo"])
     assert (other.train.anchor, other.train.lr, other.train.lora_rank, other.train.updates_per_batch,
             other.correction.tis, other.train.ema_decay) == ("proximal", 1e-6, 0, 1, "token", 0.0)
-    assert (other.flow.train_steps, other.flow.train_step_choice) == (0, "random")
+    assert (other.flow.train_steps, other.flow.train_step_choice, other.flow.cfg_grad) == (
+        0, "random", "full")
 
 
 def test_with_an_sde_window_the_flow_grpo_preset_trains_the_whole_window():
@@ -394,10 +396,10 @@ def test_a_key_the_recipe_names_wins_over_the_flow_grpo_preset_even_at_its_defau
     mine = load_config(None, [*FLOW, "train.algorithm=flow_grpo", "train.anchor=proximal",
                               "correction.tis=token", "train.lr=1e-6", "train.lora_rank=0",
                               "flow.train_steps=0", "flow.train_step_choice=random",
-                              "train.updates_per_batch=1"])
+                              "train.updates_per_batch=1", "flow.cfg_grad=full"])
     assert (mine.train.anchor, mine.correction.tis, mine.train.lr, mine.train.lora_rank) == (
         "proximal", "token", 1e-6, 0)
-    assert (mine.flow.train_steps, mine.flow.train_step_choice) == (0, "random")
+    assert (mine.flow.train_steps, mine.flow.train_step_choice, mine.flow.cfg_grad) == (0, "random", "full")
     assert mine.train.updates_per_batch == 1
     # the preset's other keys still apply, and the resolved config (as a run records it and every
     # process rebuilds it) resolves to itself

@@ -336,3 +336,49 @@ def test_the_warm_start_trains_a_share_of_images_on_the_empty_prompt():
     is_empty = (dropped == empty).all(1)
     assert ((dropped == words).all(1) | is_empty).all()  # each row whole: its prompt or none
     assert 0.07 < is_empty.float().mean() < 0.13  # 2000 draws at 0.1
+
+
+@pytest.mark.parametrize(("built", "settings", "codes"), [
+    ({"cond_dropout": 0.0}, ["flow.guidance_scale=4.5"], ["untrained_unconditional"]),
+    ({"cond_dropout": 0.0}, ["flow.guidance_scale=4.5", "flow.negative_prompt=blurry"],
+     ["untrained_unconditional"]),
+    ({"cond_dropout": 0.0}, [], []),  # no guidance: the branch never runs
+    ({"cond_dropout": 0.1}, ["flow.guidance_scale=4.5"], []),
+    ({}, ["flow.guidance_scale=4.5"], []),  # no record of the build: nothing known
+    (None, ["flow.guidance_scale=4.5", "model.create_if_missing=true", "flow.init_cond_dropout=0"],
+     ["untrained_unconditional"]),
+    (None, ["flow.guidance_scale=4.5", "model.create_if_missing=true"], []),  # dropout 0.1 by default
+    (None, ["flow.guidance_scale=0.5", "model.create_if_missing=true"], ["guidance_below_one"]),
+])
+def test_guidance_against_a_branch_the_model_never_learned_is_noted(tmp_path, built, settings, codes):
+    """A model built here records its warm start's condition dropout: guiding one built without
+    it subtracts the velocity of a prompt it never trained on, and the run says so when it
+    starts (as it says that a guidance scale between 0 and 1 holds less of the prompt than none)."""
+    import json
+
+    from tether.config import load_config
+
+    model = tmp_path / "model"
+    if built is not None:
+        model.mkdir()
+        (model / "warmstart.json").write_text(json.dumps({"settings": built}))
+    cfg = load_config(None, ["model.family=flow", "data.task=shapes", f"model.path={model}", *settings])
+    assert [n.code for n in cfg.family().notes(cfg)] == codes
+
+
+def test_a_folder_that_is_no_model_is_refused_naming_both_kinds_of_model_directory(tmp_path):
+    """Neither a pipeline's model_index.json nor a model's config.json: loading it names both, and
+    a build is never made over the files a folder already holds."""
+    from tether.config import load_config
+    from tether.data.prepare import ensure_model
+    from tether.errors import ConfigError
+    from tether.families.flow.model import load_flow_model
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="holds neither model_index.json .* nor config.json"):
+        load_flow_model(tmp_path)
+    cfg = load_config(None, ["model.family=flow", "data.task=shapes", f"model.path={tmp_path}",
+                             "model.create_if_missing=true"])
+    with pytest.raises(ConfigError, match="neither config.json nor model_index.json .* never built over"):
+        ensure_model(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

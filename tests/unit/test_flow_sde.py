@@ -136,8 +136,10 @@ def test_a_first_time_rounded_below_one_is_the_start():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["flow.noise_level=5"], "flow.noise_level=5 is outside the SDE's finite range [0.01, 2]"),
-    (["flow.noise_level=2.01"], "flow.noise_level=2.01 is outside the SDE's finite range [0.01, 2]"),
+    (["flow.noise_level=5"], "flow.noise_level=5 is outside the SDE's range [0.01, 2]"),
+    (["flow.noise_level=2.01"], "flow.noise_level=2.01 is outside the SDE's range [0.01, 2]"),
+    (["flow.noise_level=0.001"], "flow.noise_level must be >= 0.01 (allowed: 0.01–2;"),
+    (["flow.shift=-1"], "flow.shift must be >= 0 (allowed: 0, the model's own, or 0.1–20)"),
     (["flow.shift=1e6"], "flow.shift=1e+06 is outside [0.1, 20] (or 0, the model's own)"),
     (["flow.shift=1e-12"], "flow.shift=1e-12 is outside [0.1, 20] (or 0, the model's own)"),
     (["flow.shift=3", "flow.noise_level=2"], "the SDE stays finite for flow.noise_level ≤ 1.83"),
@@ -149,6 +151,20 @@ def test_noise_level_and_shift_outside_the_finite_range_are_refused_at_load(over
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.family=flow", "data.task=shapes", *overrides])
     assert message in str(err.value)
+
+
+def test_at_shift_0_the_bound_is_the_models_own_shifts():
+    """flow.shift: 0 takes the model's own schedule: a pipeline's scheduler shift (SD3's 3)
+    lowers the largest noise level as flow.shift=3 would, and the refusal says whose shift it was."""
+    from tether.errors import ConfigError
+    from tether.families.flow.sde import check_sde
+
+    check_sde(1.9, 0.0, 8)  # the built-in model's uniform times
+    with pytest.raises(ConfigError, match=r"flow.shift=0 \(the model's own, 3\) .* flow.noise_level ≤ 1.83"):
+        check_sde(1.9, 0.0, 8, own_shift=3.0)
+    check_sde(1.8, 0.0, 8, own_shift=3.0)
+    with pytest.raises(ConfigError, match=r"outside the SDE's range .*ODE"):
+        check_sde(0.001, 0.0, 8)
 
 
 def test_settings_at_the_bounds_load():

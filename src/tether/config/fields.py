@@ -77,7 +77,7 @@ name it in their ``keys``; any other is refused when set (``tether.config.featur
 
 def knob(default: Any, help: str, *, min: float | None = None, max: float | None = None,
          choices: Iterable[str] | None = None, resume: Resume | None = None, owner: str = "core",
-         feature: str | None = None, dropped: Dropped | None = None) -> Any:
+         feature: str | None = None, dropped: Dropped | None = None, allowed: str | None = None) -> Any:
     """Declare a config field with its default, help text and allowed values. ``choices`` may be
     a ``tether.registry.Registry``: its names are read when a value is checked (plug-ins add
     names), and a former name it still knows is replaced by the current one.
@@ -86,12 +86,15 @@ def knob(default: Any, help: str, *, min: float | None = None, max: float | None
     ``Resume.TRAINING``). ``owner``: the kind of plug-in that reads it when not Tether itself
     (the plug-ins of that kind that do name it in their ``keys``). ``feature``: the optional
     family feature that setting it away from its default asks for. ``dropped``: when a resume
-    drops the recorded value because the move to a smaller set-up leaves it nothing to act on."""
+    drops the recorded value because the move to a smaller set-up leaves it nothing to act on.
+    ``allowed``: the whole allowed range in words, where ``min`` and ``max`` do not say it all (a
+    bound checked later, where it depends on other keys): the reference shows it, and a value
+    outside ``min`` or ``max`` is refused naming it."""
     if choices is not None and not isinstance(choices, Registry):
         choices = tuple(choices)
     assert owner in OWNER_KINDS, owner
     meta = {"help": help, "min": min, "max": max, "choices": choices, "resume": resume, "owner": owner,
-            "feature": feature, "dropped": dropped}
+            "feature": feature, "dropped": dropped, "allowed": allowed}
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -205,10 +208,11 @@ def check_range(key: str, value: Any, meta: Mapping[str, Any]) -> None:
     for v in values:
         if v is None:
             continue
+        allowed = f" (allowed: {meta['allowed']})" if meta.get("allowed") else ""
         if lo is not None and v < lo:
-            raise ConfigError(f"{key} must be >= {lo:g}, got {v!r}")
+            raise ConfigError(f"{key} must be >= {lo:g}{allowed}, got {v!r}")
         if hi is not None and v > hi:
-            raise ConfigError(f"{key} must be <= {hi:g}, got {v!r}")
+            raise ConfigError(f"{key} must be <= {hi:g}{allowed}, got {v!r}")
         if choices is not None and v not in choices:
             names = choice_names(choices)
             hint = closest(str(v), names)

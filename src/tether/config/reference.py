@@ -21,9 +21,11 @@ def _default(field) -> str:
 def _allowed(field, tp) -> str:
     meta = field.metadata
     parts = []
-    if meta.get("min") is not None:
+    if meta.get("allowed"):
+        parts.append(meta["allowed"])
+    elif meta.get("min") is not None:
         parts.append(f"≥ {meta['min']:g}")
-    if meta.get("max") is not None:
+    if meta.get("max") is not None and not meta.get("allowed"):
         parts.append(f"≤ {meta['max']:g}")
     choices = meta.get("choices")
     if choices is not None:  # a registry's built-in names: plug-ins add to them

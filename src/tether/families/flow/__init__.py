@@ -58,13 +58,20 @@ class FlowFamily(FamilyBase):
         return resolve_flow(cfg, explicit)
 
     def check(self, cfg: Any) -> None:
-        from tether.families.flow.pipeline import check_pipeline, is_pipeline
-
-        if (Path(cfg.model.path) / "model_index.json").is_file():  # before any process loads it
-            check_pipeline(cfg.model.path)
+        from tether.families.flow.pipeline import check_pipeline, is_pipeline, own_settings
         from tether.families.flow.sde import check_sde
 
-        check_sde(cfg.flow.noise_level, cfg.flow.shift, cfg.flow.steps)
+        own_shift = 0.0
+        if (Path(cfg.model.path) / "model_index.json").is_file():  # before any process loads it
+            check_pipeline(cfg.model.path)
+        own = own_settings(cfg.model.path) if is_pipeline(cfg.model.path) else None
+        if own is not None:
+            own_shift, factor = own
+            if cfg.flow.resolution % factor:
+                raise ConfigError(f"flow.resolution={cfg.flow.resolution} is not a multiple of {factor}, "
+                                  f"the factor by which {cfg.model.path}'s VAE shrinks an image: use a "
+                                  f"multiple of {factor}, or 0 for the transformer's own size")
+        check_sde(cfg.flow.noise_level, cfg.flow.shift, cfg.flow.steps, own_shift=own_shift)
         check_window(cfg.flow)
         if cfg.plan.mean_length or cfg.plan.prefill_cost:
             raise ConfigError("plan.mean_length and plan.prefill_cost model text completions; a flow "
@@ -107,11 +114,19 @@ class FlowFamily(FamilyBase):
                 "not_the_reference_steps", f"flow.train_steps={f.train_steps}, flow.train_step_choice="
                 f"{f.train_step_choice} (the recipe's) stand instead of train.algorithm=flow_grpo's "
                 f"trained steps: flow.train_steps={reference}, flow.train_step_choice=first"))
-        return own + self._guidance_notes(f)
+        return own + self._guidance_notes(f) + self._untrained_branch_notes(cfg)
 
     @staticmethod
     def _guidance_notes(f: Any) -> list[AdmissionNote]:
-        """w = 0 (the prompts do nothing) and a negative prompt without guidance."""
+        """w = 0 (the prompts do nothing), 0 < w < 1 (less of the prompt than no guidance), and a
+        negative prompt without guidance."""
+        if 0 < f.guidance_scale < 1:
+            return [AdmissionNote(
+                "guidance_below_one",
+                f"flow.guidance_scale={f.guidance_scale:g} blends the two branches, v = "
+                f"{1 - f.guidance_scale:g}·v_u + {f.guidance_scale:g}·v_c: every velocity holds less of the "
+                "prompt than with no guidance at all (1), the rest the unconditional branch's. Guidance "
+                "that follows the prompt more closely is above 1 (SD3: 4.5); 1 turns it off")]
         if f.guidance_scale == 0:
             return [AdmissionNote(
                 "unconditional", "flow.guidance_scale=0 makes every velocity the unconditional branch's, "
@@ -125,6 +140,35 @@ class FlowFamily(FamilyBase):
                 "flow.guidance_scale=1 (no guidance: the unconditional branch is never run); set "
                 "flow.guidance_scale above 1 to guide away from it, or drop it")]
         return []
+
+    @staticmethod
+    def _untrained_branch_notes(cfg: Any) -> list[AdmissionNote]:
+        """Guidance with a model built here without condition dropout, whose unconditional branch
+        (the empty prompt, all <pad>) it never trained on: read from its build record, or from
+        flow.init_cond_dropout when it is yet to be built. Nothing for a model with no record (a
+        user's pipeline: its own training is unknown here)."""
+        import json
+
+        f = cfg.flow
+        if f.guidance_scale == 1:
+            return []
+        path = Path(cfg.model.path)
+        record = path / "warmstart.json"
+        if record.is_file():
+            dropout = json.loads(record.read_text()).get("settings", {}).get("cond_dropout")
+        elif not path.exists() and cfg.model.create_if_missing:
+            dropout = f.init_cond_dropout
+        else:
+            return []
+        if dropout != 0:
+            return []
+        branch = "flow.negative_prompt's" if f.negative_prompt else "the empty prompt's (all <pad>)"
+        return [AdmissionNote(
+            "untrained_unconditional", f"flow.guidance_scale={f.guidance_scale:g} guides against "
+            f"{branch} velocity, but {path} is {'to be ' if not path.exists() else ''}built with "
+            "flow.init_cond_dropout=0: its warm start never trained that branch, so guidance subtracts a "
+            "velocity it never learned. Build it with flow.init_cond_dropout above 0 (0.1, as Stable "
+            "Diffusion drops 10 % of captions) or set flow.guidance_scale=1")]
 
     def build_model(self, cfg: Any, out: Path, on_progress: Progress | None) -> str:
         """A new tiny flow model (the flow section's size) warm-started by flow matching on drawn

@@ -196,7 +196,10 @@ def is_flow_model(folder: str | Path) -> bool:
 def read_config(folder: str | Path) -> FlowModelConfig:
     path = Path(folder) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"{folder} is not a model directory (no config.json)")
+        raise ConfigError(f"{folder} is not a flow model directory: it holds neither model_index.json (a "
+                          "diffusers pipeline, as save_pretrained writes it) nor config.json (a model built "
+                          "by Tether, or a checkpoint of either); point model.path at one, or set "
+                          "model.create_if_missing=true to build one there")
     data = json.loads(path.read_text())
     if data.pop(FAMILY_KEY, None) != "flow":
         raise ConfigError(f"{folder} holds a language model, not a flow model; set model.family=lm or "

@@ -45,7 +45,8 @@ class FlowSection:
         "With classifier-free guidance in the training forward (flow.guidance_scale ≠ 1), which branches "
         "the gradient flows through: full = both, the gradient of the guided velocity the sampler used "
         "(Flow-GRPO's newer upstream); conditional = the unconditional branch detached, v = sg[v_u] + "
-        "w·(v_c − sg[v_u]) (the reference at ac4c86e). docs/flow.md, \"Guidance gradients\".",
+        "w·(v_c − sg[v_u]) (the reference at ac4c86e; train.algorithm: flow_grpo sets it). docs/flow.md, "
+        "\"Guidance gradients\".",
         choices=("full", "conditional"),
     )
     sde_window: int = knob(
@@ -85,7 +86,7 @@ class FlowSection:
         "step's factor on x, 1 − a²/2, reaches −1 (above, samples blow up), and lower where flow.shift "
         "makes a step's r = |dt|/(1 − t) larger than 1 (a ≤ 2/√r, checked at load; docs/flow.md, "
         "\"Bounds\").",
-        min=0.01,
+        min=0.01, allowed="0.01–2; lower where flow.shift lengthens a step, checked at load",
     )
     shift: float = knob(
         0.0,
@@ -94,7 +95,7 @@ class FlowSection:
         "own: uniform (1) for the built-in model, a diffusers pipeline's scheduler shift (SD3: 3) and its "
         "sigmas. Otherwise 0.1–20: below, float32 rounding moves the first time off 1 (NaN at 1e-12); above, "
         "the last steps' noise grows as shift/flow.steps (NaN at 1e6).",
-        min=0.0,
+        min=0.0, allowed="0, the model's own, or 0.1–20",
     )
     guidance_scale: float = knob(
         1.0,
@@ -160,10 +161,11 @@ def preset_train_steps(flow: FlowSection) -> int:
 
 def resolve_flow(cfg: Any, explicit: set[str]) -> Any:
     """``cfg`` with ``train.algorithm: flow_grpo``'s flow keys (the reference's timestep fraction:
-    ``flow.train_steps`` = int(0.99·T), ``flow.train_step_choice: first``) for those the recipe does
-    not name; any other algorithm, or keys the recipe names, are left as they are. With an SDE window
-    (``flow.sde_window`` = K) the window's K steps are the trained ones, as Flow-GRPO-Fast trains
-    them, so ``flow.train_steps`` stays 0 (every window step)."""
+    ``flow.train_steps`` = int(0.99·T), ``flow.train_step_choice: first``; its guidance gradient,
+    ``flow.cfg_grad: conditional``) for those the recipe does not name; any other algorithm, or keys
+    the recipe names, are left as they are. With an SDE window (``flow.sde_window`` = K) the window's
+    K steps are the trained ones, as Flow-GRPO-Fast trains them, so ``flow.train_steps`` stays 0
+    (every window step)."""
     if cfg.train.algorithm != "flow_grpo":
         return cfg
     flow = cfg.section("flow")
@@ -172,5 +174,7 @@ def resolve_flow(cfg: Any, explicit: set[str]) -> Any:
         fills["train_steps"] = preset_train_steps(flow)
     if "flow.train_step_choice" not in explicit:
         fills["train_step_choice"] = "first"
+    if "flow.cfg_grad" not in explicit:  # the reference at ac4c86e detaches v_u (train_sd3.py:190)
+        fills["cfg_grad"] = "conditional"
     return dataclasses.replace(cfg, plugin_sections={**cfg.plugin_sections,
                                                      "flow": dataclasses.replace(flow, **fills)})

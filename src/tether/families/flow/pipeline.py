@@ -116,6 +116,25 @@ def check_pipeline(base: str | Path) -> dict[str, Any]:
     return index
 
 
+def vae_factor(vae_config: dict[str, Any]) -> int:
+    """How many times the VAE of ``vae_config`` (its config.json) shrinks an image on a side."""
+    return 2 ** (len(vae_config.get("block_out_channels", VAE_BLOCKS)) - 1)
+
+
+def own_settings(folder: str | Path) -> tuple[float, int] | None:
+    """(its scheduler's shift, its VAE's factor) of a pipeline folder or of a checkpoint of one's
+    transformer (its base's), read from the configs ``check_pipeline`` passes: what the settings
+    checked at load (``flow.noise_level`` at ``flow.shift: 0``, ``flow.resolution``) depend on.
+    None for a checkpoint whose base is gone (loading it says so)."""
+    folder = Path(folder)
+    base = folder if (folder / "model_index.json").is_file() else \
+        Path(json.loads((folder / "config.json").read_text())["base"])
+    if not (base / "model_index.json").is_file():
+        return None
+    scheduler = _read_json(base / "scheduler" / "scheduler_config.json", base)
+    return float(scheduler.get("shift", 1.0)), vae_factor(_read_json(base / "vae" / "config.json", base))
+
+
 def _named(entry: Any) -> bool:
     """A model_index.json entry that names a part (``[library, class]``, not ``[null, null]``)."""
     return isinstance(entry, list) and len(entry) == 2 and bool(entry[1])
@@ -194,12 +213,12 @@ class DiffusersFlow(nn.Module):
         self.max_prompt_tokens = max_prompt_tokens
         self.resolution = resolution
         self.scheduler_config = json.loads((base / "scheduler" / "scheduler_config.json").read_text())
-        self.vae_scale = 2 ** (len(json.loads((base / "vae" / "config.json").read_text())
-                                   .get("block_out_channels", VAE_BLOCKS)) - 1)
+        self.vae_scale = vae_factor(json.loads((base / "vae" / "config.json").read_text()))
         self._check_transformer()
         if resolution % self.vae_scale:
             raise ConfigError(f"flow.resolution={resolution} is not a multiple of {self.vae_scale}, the "
-                              f"factor by which {base}'s VAE shrinks an image")
+                              f"factor by which {base}'s VAE shrinks an image: use a multiple of "
+                              f"{self.vae_scale}, or 0 for the transformer's own size")
 
     def _check_transformer(self) -> None:
         wanted = {"hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"}

@@ -28,6 +28,9 @@ from tether.errors import ConfigError
 START = 1 - 1e-5
 """Times at or above this are t = 1, the start of the trajectory (float32 rounds 1 to 1 − 2.4·10⁻⁶
 in a scheduler's shift arithmetic)."""
+NOISE_LEVEL_MIN = 0.01
+"""The smallest ``a``: at 0 the SDE is the ODE, whose steps have no density, and near it a step's
+log-probability is float32 rounding over a vanishing σ."""
 NOISE_LEVEL_MAX = 2.0
 """The largest ``a``: a step multiplies x by 1 − a²·r/2, r = |dt|/(1 − t) (``step_ratios``), and
 the first step's r is 1 at any schedule; above 2 that factor leaves [−1, 1], the step expands the
@@ -46,25 +49,32 @@ def step_ratios(times: torch.Tensor) -> torch.Tensor:
     return r[t > 0]
 
 
-def check_sde(noise_level: float, shift: float, steps: int) -> None:
-    """Refuse settings whose SDE does not stay finite: ``flow.noise_level`` above
-    ``NOISE_LEVEL_MAX``, ``flow.shift`` outside ``SHIFT_RANGE``, and (on the shift formula's times,
-    those of the built-in model and, up to its last step, of SD3's scheduler) a step whose factor
-    on x, 1 − a²·r/2, leaves [−1, 1]."""
+def check_sde(noise_level: float, shift: float, steps: int, *, own_shift: float = 0.0) -> None:
+    """Refuse settings whose SDE does not stay finite: ``flow.noise_level`` outside
+    [``NOISE_LEVEL_MIN``, ``NOISE_LEVEL_MAX``], ``flow.shift`` outside ``SHIFT_RANGE``, and (on the
+    shift formula's times, those of the built-in model and, up to its last step, of SD3's
+    scheduler) a step whose factor on x, 1 − a²·r/2, leaves [−1, 1]. ``own_shift``: the model's own
+    shift, which ``flow.shift: 0`` takes (a pipeline's scheduler's; 0 for the built-in model's
+    uniform times)."""
     lo, hi = SHIFT_RANGE
-    if noise_level > NOISE_LEVEL_MAX:
-        raise ConfigError(f"flow.noise_level={noise_level:g} is outside the SDE's finite range [0.01, "
-                          f"{NOISE_LEVEL_MAX:g}]: its first step multiplies x by 1 − a²/2 = "
-                          f"{1 - noise_level ** 2 / 2:.3g}, which blows the samples up; Flow-GRPO uses 0.7")
+    if not NOISE_LEVEL_MIN <= noise_level <= NOISE_LEVEL_MAX:
+        why = (f"its first step multiplies x by 1 − a²/2 = {1 - noise_level ** 2 / 2:.3g}, which blows the "
+               "samples up" if noise_level > NOISE_LEVEL_MAX else
+               "near 0 the SDE is the ODE, whose steps have no density: a step's log-probability is "
+               "float32 rounding over a vanishing σ, and the ratios are noise")
+        raise ConfigError(f"flow.noise_level={noise_level:g} is outside the SDE's range "
+                          f"[{NOISE_LEVEL_MIN:g}, {NOISE_LEVEL_MAX:g}]: {why}; Flow-GRPO uses 0.7")
     if shift and not lo <= shift <= hi:
         raise ConfigError(f"flow.shift={shift:g} is outside [{lo:g}, {hi:g}] (or 0, the model's own): "
                           "below, float32 rounding moves the schedule's first time away from 1; above, the "
                           "last steps' noise grows as shift/flow.steps until the times round to 1 (NaN). SD3 "
                           "uses 3")
-    r = float(step_ratios(timesteps(steps, shift=shift or 1.0)).max())
+    used = shift or own_shift or 1.0
+    r = float(step_ratios(timesteps(steps, shift=used)).max())
     if noise_level ** 2 * r > 4:
         factor = 1 - noise_level ** 2 * r / 2
-        raise ConfigError(f"flow.noise_level={noise_level:g} with flow.shift={shift:g} and flow.steps="
+        named = f"flow.shift={shift:g}" + (f" (the model's own, {used:g})" if not shift and own_shift else "")
+        raise ConfigError(f"flow.noise_level={noise_level:g} with {named} and flow.steps="
                           f"{steps}: a step of this schedule multiplies x by 1 − a²·r/2 = {factor:.3g} (r = "
                           f"|dt|/(1 − t) = {r:.3g}), which blows the samples up; at this shift and steps the "
                           f"SDE stays finite for flow.noise_level ≤ {2 / math.sqrt(r):.3g}; lower it, lower "
