@@ -375,10 +375,10 @@ def test_a_folder_that_is_no_model_is_refused_naming_both_kinds_of_model_directo
     from tether.families.flow.model import load_flow_model
 
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(ConfigError, match="holds neither model_index.json .* nor config.json"):
+    with pytest.raises(ConfigError, match=r"holds neither model_index.json .* nor config.json"):
         load_flow_model(tmp_path)
     cfg = load_config(None, ["model.family=flow", "data.task=shapes", f"model.path={tmp_path}",
                              "model.create_if_missing=true"])
-    with pytest.raises(ConfigError, match="neither config.json nor model_index.json .* never built over"):
+    with pytest.raises(ConfigError, match=r"neither config.json nor model_index.json .* never built over"):
         ensure_model(cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -73,9 +73,9 @@ def ensure_model(cfg: Config, on_progress: Progress | None = None) -> Path:
                             difference)
         return path
     if path.exists() and any(path.iterdir()):
-        raise ConfigError(f"model.path {path} exists but holds neither config.json nor model_index.json (a "
-                          "diffusers pipeline's): it is not a model directory, and a model is never built over "
-                          "files already there; point model.path at a model directory or at a new folder")
+        raise ConfigError(f"model.path {path} exists but holds neither config.json nor model_index.json "
+                          "(a diffusers pipeline's): it is not a model directory, and a model is never built "
+                          "over files already there; point model.path at a model directory or a new folder")
     if not cfg.model.create_if_missing:
         raise ConfigError(f"model.path {path} does not exist; point it at a local model directory, "
                           "run `tether init-model`, or set model.create_if_missing=true")
