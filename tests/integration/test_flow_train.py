@@ -152,7 +152,6 @@ def test_a_flow_run_with_an_sde_window_trains_the_windows_steps(flow_model, tmp_
 
 @pytest.mark.parametrize(("override", "says"), [
     ("rollout.temperature=0.5", "rollout.temperature"),
-    ("async.inflight_update=recompute", "drain or keep or abort only .a denoising step reads only x_t"),
     ("rollout.dynamic_sampling=true", "dynamic sampling, which model.family=flow does not have"),
     ("reward.function=exact_match", "scores text"),
     ("flow.train_steps=5", "exceeds the flow.steps=4"),
@@ -198,17 +197,19 @@ def test_the_flow_grpo_preset_trains_the_references_recipe_on_the_built_in_model
     assert adapter["rank"] == 32 and adapter["alpha"] == 64.0, adapter
 
 
-@pytest.mark.parametrize("mode", ["keep", "abort"])
+@pytest.mark.parametrize("mode", ["keep", "recompute", "abort"])
 def test_weights_taken_up_between_denoising_steps_stay_within_the_budget(flow_model, tmp_path, mode):
-    """async.inflight_update keep / abort: publications land while trajectories are being denoised
-    (long trajectories, a cheap learner: 2 trained steps of 24), every step carries the version that
-    took it, no batch trains above the budget, hard boundaries still drain, only abort throws steps
-    away (then no trajectory spans two versions), and metrics.attribution splits each step's
-    log-ratio with nothing left over."""
+    """async.inflight_update keep / recompute / abort: publications land while trajectories are
+    being denoised (long trajectories, a cheap learner: 2 trained steps of 24), every step carries
+    the version that took it, no batch trains above the budget, hard boundaries still drain, only
+    abort throws steps away (then no trajectory spans two versions), metrics.attribution splits each
+    step's log-ratio with nothing left over, and recompute runs as keep (the run says so: there is no
+    cache to recompute)."""
     cfg = recipe(flow_model, "async.max_staleness=2", "async.max_inflight=2", f"async.inflight_update={mode}",
                  "flow.steps=24", "flow.train_steps=2", "train.num_batches=10", "eval.interval=5",
                  "checkpoint.interval=5", "flow.eval_steps=4", "train.algorithm=grpo",
                  "metrics.attribution=true")
+    assert ("recompute_is_keep" in [n.code for n in cfg.family().notes(cfg)]) == (mode == "recompute")
     summary = train(cfg, tmp_path / "run", progress_plain=True)
     metrics = rows(tmp_path / "run" / "metrics.jsonl")
     assert len(metrics) == 10 and summary["trained_batches"] == 10

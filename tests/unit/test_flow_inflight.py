@@ -1,4 +1,4 @@
-"""In-flight weight updates for the flow family (async.inflight_update keep / abort): the engine
+"""In-flight weight updates for the flow family (async.inflight_update keep / recompute / abort): the engine
 takes up newer weights between two denoising steps. Checked against the learner's step
 log-probabilities under each version's weights, computed independently from the recorded
 trajectories: every step's recorded log-prob is that of the version stamped on it."""
@@ -48,9 +48,12 @@ def logprobs_under(model, out, cond):
         return step_logprobs(model, out.latents, cond, SAMPLING.times(), SAMPLING.noise_level)[0]
 
 
-def test_keep_goes_on_with_the_new_weights_and_stamps_each_step_with_its_version():
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_keep_goes_on_with_the_new_weights_and_stamps_each_step_with_its_version(mode):
+    """recompute is keep here: with no cache an older version computed, each step after the switch
+    is already wholly the new weights'."""
     torch.set_num_threads(1)
-    engine, a, b = engine_switching_at("keep", 2)
+    engine, a, b = engine_switching_at(mode, 2)
     cond = words()
     out = engine.generate(cond, seed=7)
     assert out.versions == [0, 0, 1, 1]

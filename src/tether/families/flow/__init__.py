@@ -38,12 +38,9 @@ class FlowFamily(FamilyBase):
     keys = ("reward.function", "reward.functions", "reward.weights", "reward.on_error",
             "plan.train_time_steps")
     capabilities = Capabilities(
-        engine_kind="step", inflight_updates=("drain", "keep", "abort"),
+        engine_kind="step", inflight_updates=("drain", "keep", "recompute", "abort"),
         features=frozenset({"learner_ranks", "learner_actor", "datasets", "lora", "attribution"}),
         notes={"engine_kind": "its sampler runs the flow model's own denoising steps",
-               "inflight_updates": "a denoising step reads only x_t and the prompt, so no cache holds an "
-                                   "older version's work: keep already takes each step wholly under the "
-                                   "weights it stamps, which is what recompute would add",
                "token_sampling": "a flow model's sampling is the flow section",
                "decoder": "a flow model's sampler has no native form",
                "dynamic_sampling": NOT_YET,
@@ -101,9 +98,9 @@ class FlowFamily(FamilyBase):
         return trained_steps(cfg.flow) / timed if timed else 1.0
 
     def notes(self, cfg: Any) -> list[AdmissionNote]:
-        """Guidance settings that run, but do not do what they seem to; and, with
-        ``train.algorithm: flow_grpo``, the recipe's own trained steps where they are not the
-        reference's (the recipe named them: ``resolve_flow`` fills them otherwise)."""
+        """Guidance settings that run, but do not do what they seem to; recompute, which is keep
+        here; and, with ``train.algorithm: flow_grpo``, the recipe's own trained steps where they are
+        not the reference's (the recipe named them: ``resolve_flow`` fills them otherwise)."""
         from tether.families.flow.options import preset_train_steps
 
         f = cfg.flow
@@ -114,6 +111,14 @@ class FlowFamily(FamilyBase):
                 "not_the_reference_steps", f"flow.train_steps={f.train_steps}, flow.train_step_choice="
                 f"{f.train_step_choice} (the recipe's) stand instead of train.algorithm=flow_grpo's "
                 f"trained steps: flow.train_steps={reference}, flow.train_step_choice=first"))
+        from tether.control import inflight_mode
+
+        if inflight_mode(cfg.async_.inflight_update).recomputes_prefix:
+            own.append(AdmissionNote(
+                "recompute_is_keep", "async.inflight_update=recompute runs as keep on the flow family, at "
+                "no extra cost: a denoising step reads only x_t and the prompt's encoding (word ids, or a "
+                "frozen text encoder's), no cache an older version computed, so every step after a switch "
+                "is already wholly the new version's, which is what recompute adds to keep for text"))
         return own + self._guidance_notes(f) + self._untrained_branch_notes(cfg)
 
     @staticmethod

@@ -38,11 +38,12 @@ class _Restart(Exception):
 class FlowEngine(ModelEngine):
     """Samples trajectories with its own copy of the weights; stamps its version on every step.
 
-    Watched (``async.inflight_update`` keep or abort), it takes up newer weights between two
-    denoising steps: a step reads only x_t, the time and the prompt's conditioning (frozen text
-    encoders), so there is no cache an older version wrote; under keep the trajectories go on
-    with the new weights, each step stamped with the version that took it; under abort they start
-    again from fresh noise under the new weights (the steps taken are counted as wasted)."""
+    Watched (``async.inflight_update`` keep, recompute or abort), it takes up newer weights between
+    two denoising steps: a step reads only x_t, the time and the prompt's conditioning (frozen text
+    encoders), so there is no cache an older version wrote; under keep the trajectories go on with
+    the new weights, each step stamped with the version that took it, and recompute is keep (it
+    would recompute a cache, and there is none); under abort they start again from fresh noise
+    under the new weights (the steps taken are counted as wasted)."""
 
     def __init__(self, model, sampling: FlowSampling, *, version: int = 0, negative_prompt: str = "") -> None:
         super().__init__(model.requires_grad_(False), version=version)
