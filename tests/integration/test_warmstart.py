@@ -54,7 +54,7 @@ def test_ensure_model_refuses_a_missing_path_unless_asked(tmp_path):
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "file.txt").write_text("x")
     cfg = load_config(None, [f"model.path={tmp_path / 'junk'}", "model.create_if_missing=true"])
-    with pytest.raises(ConfigError, match=r"holds no config\.json"):
+    with pytest.raises(ConfigError, match=r"holds neither config\.json nor model_index\.json"):
         ensure_model(cfg)
 
 
