@@ -22,8 +22,7 @@ def rule_violations(settings: Any, events: Iterable[Mapping[str, Any]]) -> list[
     control = AsyncControl(settings)
     generating: dict[int, int] = {}  # batch → the published version it was launched at
     ready = trained = 0
-    bursts: list[tuple[int, int]] = []  # (slots the rule gave, launches made) per burst
-    burst: list[int] | None = None
+    burst: list[int] | None = None  # [slots the rule gave, launches made] in this burst
     owed: int | None = None  # the step after which a publication is due, until one comes
     out: list[str] = []
     for e in events:
@@ -33,7 +32,6 @@ def rule_violations(settings: Any, events: Iterable[Mapping[str, Any]]) -> list[
                 slots = control.launch_slots(inflight=len(generating), ready=ready, trained_batches=trained,
                                              oldest_generating=min(generating.values(), default=None))
                 burst = [slots, 0]
-                bursts.append(burst)  # type: ignore[arg-type]
             burst[1] += 1
             if e["version"] != control.rollout_version:
                 out.append(f"batch {e['batch']} launched at version {e['version']}, the engines hold "

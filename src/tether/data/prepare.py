@@ -28,14 +28,20 @@ def _clean_stale_builds(path: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def built_settings(path: str | Path) -> dict:
+    """The settings a model Tether built at ``path`` was built with (its ``warmstart.json``'s, as
+    ``tether.train.supervised.write_record`` wrote them); empty for a model Tether did not build."""
+    record = Path(path) / "warmstart.json"
+    return json.loads(record.read_text()).get("settings", {}) if record.is_file() else {}
+
+
 def built_otherwise(cfg: Config, path: Path) -> list[str]:
     """The recipe's build keys (the warm start's, and the family's own, such as a flow model's
     size) that differ from what built the model at ``path``, read from its ``warmstart.json``;
     empty for a model Tether did not build. A model that exists is never rebuilt, so these keys do
     nothing: the caller says so."""
     out = []
-    warm = path / "warmstart.json"
-    built = json.loads(warm.read_text()).get("settings", {}) if warm.is_file() else {}
+    built = built_settings(path)
     if built:  # a key newer than the build was at its default then (a constant warm-start rate)
         built = {**asdict(type(cfg.warmstart)()), **built}
     for key, value in {**asdict(cfg.warmstart), "seed": cfg.run.seed}.items():

@@ -55,7 +55,7 @@ class FlowFamily(FamilyBase):
         return resolve_flow(cfg, explicit)
 
     def check(self, cfg: Any) -> None:
-        from tether.families.flow.pipeline import check_pipeline, is_pipeline, own_settings
+        from tether.families.flow.pipeline import check_pipeline, check_resolution, is_pipeline, own_settings
         from tether.families.flow.sde import check_sde
 
         own_shift = 0.0
@@ -64,10 +64,7 @@ class FlowFamily(FamilyBase):
         own = own_settings(cfg.model.path) if is_pipeline(cfg.model.path) else None
         if own is not None:
             own_shift, factor = own
-            if cfg.flow.resolution % factor:
-                raise ConfigError(f"flow.resolution={cfg.flow.resolution} is not a multiple of {factor}, "
-                                  f"the factor by which {cfg.model.path}'s VAE shrinks an image: use a "
-                                  f"multiple of {factor}, or 0 for the transformer's own size")
+            check_resolution(cfg.flow.resolution, factor, cfg.model.path)
         check_sde(cfg.flow.noise_level, cfg.flow.shift, cfg.flow.steps, own_shift=own_shift)
         check_window(cfg.flow)
         if cfg.plan.mean_length or cfg.plan.prefill_cost:
@@ -152,15 +149,14 @@ class FlowFamily(FamilyBase):
         (the empty prompt, all <pad>) it never trained on: read from its build record, or from
         flow.init_cond_dropout when it is yet to be built. Nothing for a model with no record (a
         user's pipeline: its own training is unknown here)."""
-        import json
+        from tether.data.prepare import built_settings
 
         f = cfg.flow
         if f.guidance_scale == 1:
             return []
         path = Path(cfg.model.path)
-        record = path / "warmstart.json"
-        if record.is_file():
-            dropout = json.loads(record.read_text()).get("settings", {}).get("cond_dropout")
+        if (path / "warmstart.json").is_file():
+            dropout = built_settings(path).get("cond_dropout")
         elif not path.exists() and cfg.model.create_if_missing:
             dropout = f.init_cond_dropout
         else:
@@ -217,22 +213,17 @@ class FlowFamily(FamilyBase):
                 f"{warm.steps} steps, {warm.seconds:.0f}s")
 
     def build_differences(self, cfg: Any, path: Path) -> list[str]:
-        import json
-
+        from tether.data.prepare import built_settings
         from tether.families.flow.model import read_config
         from tether.families.flow.pipeline import is_pipeline
 
+        built = built_settings(path)
         if is_pipeline(path):  # a user's pipeline (nothing to compare), or one flow.init_backbone=sd3 built
-            from tether.families.flow.sd3_warmstart import built_settings
-
-            built = built_settings(path)
             keys = (("init_backbone", "backbone"), ("init_width", "init_width"), ("init_depth", "init_depth"),
                     ("init_vae_steps", "vae_steps"), ("init_cond_dropout", "cond_dropout"))
             return [f"flow.{key}: built with {built[field]}, the recipe says {getattr(cfg.flow, key)}"
                     for key, field in keys if field in built and built[field] != getattr(cfg.flow, key)]
         config = read_config(path)
-        warm = Path(path) / "warmstart.json"
-        built = json.loads(warm.read_text()).get("settings", {}) if warm.is_file() else {}
         return [f"flow.{key}: built with {have}, the recipe says {getattr(cfg.flow, key)}"
                 for key, have in (("init_backbone", "dit"), ("init_width", config.width),
                                   ("init_depth", config.depth),

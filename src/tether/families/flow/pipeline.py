@@ -121,14 +121,28 @@ def vae_factor(vae_config: dict[str, Any]) -> int:
     return 2 ** (len(vae_config.get("block_out_channels", VAE_BLOCKS)) - 1)
 
 
+def check_resolution(resolution: int, factor: int, base: str | Path) -> None:
+    """Refuse a ``flow.resolution`` the VAE of ``base`` (shrinking by ``factor``) cannot make."""
+    if resolution % factor:
+        raise ConfigError(f"flow.resolution={resolution} is not a multiple of {factor}, the factor by which "
+                          f"{base}'s VAE shrinks an image: use a multiple of {factor}, or 0 for the "
+                          "transformer's own size")
+
+
+def base_of(folder: str | Path) -> Path:
+    """The pipeline folder of a pipeline, or of a checkpoint of one's transformer (its record's)."""
+    folder = Path(folder)
+    if (folder / "model_index.json").is_file():
+        return folder
+    return Path(json.loads((folder / "config.json").read_text())["base"])
+
+
 def own_settings(folder: str | Path) -> tuple[float, int] | None:
     """(its scheduler's shift, its VAE's factor) of a pipeline folder or of a checkpoint of one's
     transformer (its base's), read from the configs ``check_pipeline`` passes: what the settings
     checked at load (``flow.noise_level`` at ``flow.shift: 0``, ``flow.resolution``) depend on.
     None for a checkpoint whose base is gone (loading it says so)."""
-    folder = Path(folder)
-    base = folder if (folder / "model_index.json").is_file() else \
-        Path(json.loads((folder / "config.json").read_text())["base"])
+    base = base_of(folder)
     if not (base / "model_index.json").is_file():
         return None
     scheduler = _read_json(base / "scheduler" / "scheduler_config.json", base)
@@ -194,7 +208,7 @@ def resolve(folder: str | Path) -> tuple[Path, Path]:
     from tether.modeling import check_base
 
     record = json.loads((folder / "config.json").read_text())
-    base = Path(record["base"])
+    base = base_of(folder)
     check_base(folder, base, record["fingerprint"], what="a transformer trained from the diffusers pipeline",
                skip=("transformer",))
     return base, folder / "transformer"
@@ -215,10 +229,7 @@ class DiffusersFlow(nn.Module):
         self.scheduler_config = json.loads((base / "scheduler" / "scheduler_config.json").read_text())
         self.vae_scale = vae_factor(json.loads((base / "vae" / "config.json").read_text()))
         self._check_transformer()
-        if resolution % self.vae_scale:
-            raise ConfigError(f"flow.resolution={resolution} is not a multiple of {self.vae_scale}, the "
-                              f"factor by which {base}'s VAE shrinks an image: use a multiple of "
-                              f"{self.vae_scale}, or 0 for the transformer's own size")
+        check_resolution(resolution, self.vae_scale, base)
 
     def _check_transformer(self) -> None:
         wanted = {"hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"}

@@ -19,7 +19,6 @@ anything to follow (docs/flow.md). Here:
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -166,8 +165,3 @@ def sd3_warmstart(out: str | Path, train: Sequence[Example], held_out: Sequence[
                                "vae_seconds": vae_seconds, "latent_shift": shift, "latent_scale": scale})
     return result
 
-
-def built_settings(path: str | Path) -> dict[str, Any]:
-    """What a pipeline built by ``sd3_warmstart`` was built with (empty for any other)."""
-    record = Path(path) / "warmstart.json"
-    return json.loads(record.read_text()).get("settings", {}) if record.is_file() else {}

@@ -28,9 +28,6 @@ from tether.errors import ConfigError
 START = 1 - 1e-5
 """Times at or above this are t = 1, the start of the trajectory (float32 rounds 1 to 1 − 2.4·10⁻⁶
 in a scheduler's shift arithmetic)."""
-NOISE_LEVEL_MIN = 0.01
-"""The smallest ``a``: at 0 the SDE is the ODE, whose steps have no density, and near it a step's
-log-probability is float32 rounding over a vanishing σ."""
 NOISE_LEVEL_MAX = 2.0
 """The largest ``a``: a step multiplies x by 1 − a²·r/2, r = |dt|/(1 − t) (``step_ratios``), and
 the first step's r is 1 at any schedule; above 2 that factor leaves [−1, 1], the step expands the
@@ -50,20 +47,17 @@ def step_ratios(times: torch.Tensor) -> torch.Tensor:
 
 
 def check_sde(noise_level: float, shift: float, steps: int, *, own_shift: float = 0.0) -> None:
-    """Refuse settings whose SDE does not stay finite: ``flow.noise_level`` outside
-    [``NOISE_LEVEL_MIN``, ``NOISE_LEVEL_MAX``], ``flow.shift`` outside ``SHIFT_RANGE``, and (on the
+    """Refuse settings whose SDE does not stay finite: ``flow.noise_level`` above
+    ``NOISE_LEVEL_MAX`` (its floor, 0.01, is the knob's), ``flow.shift`` outside ``SHIFT_RANGE``, and (on the
     shift formula's times, those of the built-in model and, up to its last step, of SD3's
     scheduler) a step whose factor on x, 1 − a²·r/2, leaves [−1, 1]. ``own_shift``: the model's own
     shift, which ``flow.shift: 0`` takes (a pipeline's scheduler's; 0 for the built-in model's
     uniform times)."""
     lo, hi = SHIFT_RANGE
-    if not NOISE_LEVEL_MIN <= noise_level <= NOISE_LEVEL_MAX:
-        why = (f"its first step multiplies x by 1 − a²/2 = {1 - noise_level ** 2 / 2:.3g}, which blows the "
-               "samples up" if noise_level > NOISE_LEVEL_MAX else
-               "near 0 the SDE is the ODE, whose steps have no density: a step's log-probability is "
-               "float32 rounding over a vanishing σ, and the ratios are noise")
-        raise ConfigError(f"flow.noise_level={noise_level:g} is outside the SDE's range "
-                          f"[{NOISE_LEVEL_MIN:g}, {NOISE_LEVEL_MAX:g}]: {why}; Flow-GRPO uses 0.7")
+    if noise_level > NOISE_LEVEL_MAX:
+        raise ConfigError(f"flow.noise_level={noise_level:g} is outside the SDE's finite range [0.01, "
+                          f"{NOISE_LEVEL_MAX:g}]: its first step multiplies x by 1 − a²/2 = "
+                          f"{1 - noise_level ** 2 / 2:.3g}, which blows the samples up; Flow-GRPO uses 0.7")
     if shift and not lo <= shift <= hi:
         raise ConfigError(f"flow.shift={shift:g} is outside [{lo:g}, {hi:g}] (or 0, the model's own): "
                           "below, float32 rounding moves the schedule's first time away from 1; above, the "
