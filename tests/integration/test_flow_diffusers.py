@@ -34,6 +34,41 @@ def pipeline(tmp_path_factory):
     return build_tiny_sd3(tmp_path_factory.mktemp("sd3") / "pipeline", seed=0)
 
 
+def test_the_built_pipeline_does_not_depend_on_the_installed_libraries_initialisation(pipeline, tmp_path,
+                                                                                   monkeypatch):
+    """The text encoders' weights are drawn by Tether (CLIP's formulas, a generator of its own), not
+    by transformers, whose order of drawing differs between versions: the same seed builds the same
+    pipeline when the library initialises the encoders otherwise. Under the fixture's build the
+    library drew them; here it draws something else, and nothing built changes."""
+    from transformers import CLIPTextModelWithProjection
+
+    from tether.families.flow.tiny_sd3 import build_tiny_sd3
+
+    own_init = CLIPTextModelWithProjection.__init__
+
+    def other_library(self, config):  # another version's initialisation: other numbers, more draws
+        own_init(self, config)
+        with torch.no_grad():
+            for param in self.parameters():
+                param.normal_(0, 0.5)
+
+    monkeypatch.setattr(CLIPTextModelWithProjection, "__init__", other_library)
+    again = build_tiny_sd3(tmp_path / "pipeline", seed=0)
+    for part in ("text_encoder", "text_encoder_2", "transformer", "vae"):
+        [want] = sorted((pipeline / part).glob("*.safetensors"))
+        [have] = sorted((again / part).glob("*.safetensors"))
+        want, have = load_file(want), load_file(have)
+        assert want.keys() == have.keys()
+        assert all(torch.equal(want[k], have[k]) for k in want), part
+    one = load_file(next((pipeline / "text_encoder").glob("*.safetensors")))
+    two = load_file(next((pipeline / "text_encoder_2").glob("*.safetensors")))
+    token = "text_model.embeddings.token_embedding.weight"
+    assert not torch.equal(one[token], two[token])  # two encoders, two draws
+    assert abs(one[token].std().item() - 0.02) < 0.002  # CLIP's N(0, 0.02²), not the library's stand-in
+    other = build_tiny_sd3(tmp_path / "seed1", seed=1)
+    assert not torch.equal(one[token], load_file(next((other / "text_encoder").glob("*.safetensors")))[token])
+
+
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "prompts.txt"

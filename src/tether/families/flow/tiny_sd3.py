@@ -34,6 +34,36 @@ def _tokenizer(folder: Path, max_length: int):
                          pad_token="<|endoftext|>")
 
 
+def init_text_encoder(encoder, seed: int) -> None:
+    """Draw a CLIP text encoder's weights from ``seed`` by CLIP's initialisation formulas (Radford
+    et al. 2021, as transformers states them: token embeddings N(0, 0.02²), positions N(0, 0.01²),
+    attention projections d^-½·(2L)^-½ and its output d^-½, the MLP's first layer (2d)^-½ and its
+    second d^-½·(2L)^-½, the text projection d^-½; biases 0, layer norms 1), parameter by parameter
+    in name order from a generator of its own. The draw is this function's, not the installed
+    transformers' (whose order of drawing differs between versions): a pipeline built here, and
+    so the warm start and the RL figures measured on it, is the same whatever version is installed."""
+    import torch
+
+    cfg = encoder.config
+    d, layers = cfg.hidden_size, cfg.num_hidden_layers
+    generator = torch.Generator().manual_seed(seed)
+    deep = d ** -0.5 * (2 * layers) ** -0.5
+    rules = (("token_embedding", 0.02), ("position_embedding", 0.01), ("q_proj", deep), ("k_proj", deep),
+             ("v_proj", deep), ("out_proj", d ** -0.5), ("fc1", (2 * d) ** -0.5), ("fc2", deep),
+             ("text_projection", d ** -0.5))
+    with torch.no_grad():
+        for name, param in sorted(encoder.named_parameters()):
+            if "norm" in name:
+                param.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                std = next((s for key, s in rules if key in name), None)
+                if std is None:
+                    raise ValueError(f"no initialisation rule for the text encoder's {name}")
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
 def build_tiny_sd3(out: str | Path, *, seed: int = 0, image_size: int = 32, width: int = 32, depth: int = 2,
                    text_width: int = 32, max_prompt_tokens: int = 32, vae_width: int = 8) -> Path:
     """Write the pipeline to ``out`` (through a temporary folder and a rename: never half a
@@ -68,10 +98,12 @@ def build_tiny_sd3(out: str | Path, *, seed: int = 0, image_size: int = 32, widt
                           vocab_size=2 + 2 * len(ALPHABET), projection_dim=text_width,
                           max_position_embeddings=max_prompt_tokens, hidden_act="gelu")
     tokenizer = _tokenizer(staging / "_tokenizer", max_prompt_tokens)
+    encoders = [CLIPTextModelWithProjection(text) for _ in range(2)]
+    for i, encoder in enumerate(encoders):
+        init_text_encoder(encoder, seed=1000 * seed + 1 + i)
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        text_encoder=CLIPTextModelWithProjection(text), tokenizer=tokenizer,
-        text_encoder_2=CLIPTextModelWithProjection(text), tokenizer_2=tokenizer,
+        text_encoder=encoders[0], tokenizer=tokenizer, text_encoder_2=encoders[1], tokenizer_2=tokenizer,
         text_encoder_3=None, tokenizer_3=None)
     try:
         pipe.save_pretrained(staging / "pipeline")
