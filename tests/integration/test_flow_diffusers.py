@@ -491,7 +491,7 @@ def test_a_checkpoint_holds_its_whole_transformer_and_tether_eval_names_the_file
     assert "newly initialized" not in out + err and "pos_embed" not in out + err
 
 
-def test_an_sd3_pipeline_the_recipe_builds_has_a_trained_vae_and_trains_on_shapes(tmp_path):
+def test_an_sd3_pipeline_the_recipe_builds_has_a_trained_vae_and_trains_on_shapes(tmp_path, caplog):
     """flow.init_backbone=sd3: model.create_if_missing builds a tiny SD3 pipeline, trains its VAE on
     drawn scenes (it reconstructs them far better than the random one; latents normalised to zero
     mean and unit variance, SD3's convention), warm-starts its transformer with guidance's empty
@@ -515,6 +515,11 @@ def test_an_sd3_pipeline_the_recipe_builds_has_a_trained_vae_and_trains_on_shape
     assert summary["trained_batches"] == 2
     record = json.loads((model / "warmstart.json").read_text())["settings"]
     assert (record["backbone"], record["vae_steps"], record["cond_dropout"]) == ("sd3", 60, 0.1)
+    # 60 steps cannot reconstruct the scenes to the verifier's full reward: it trains them all, the
+    # record says how far it got, and the build says what that costs
+    assert record["vae_steps_taken"] == 60 and record["vae_reward"] < record["vae_reward_target"] == 1.0
+    assert any("flow.init_vae_steps=60" in r.getMessage() and "no image this pipeline decodes can score more"
+               in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
     from diffusers import AutoencoderKL
 
     vae = AutoencoderKL.from_pretrained(model / "vae")
@@ -532,3 +537,54 @@ def test_an_sd3_pipeline_the_recipe_builds_has_a_trained_vae_and_trains_on_shape
     assert abs(float(z.mean())) < 0.5 and 0.5 < float(z.std()) < 2.0
     other = load_config(None, [*keys, "flow.init_vae_steps=61"])
     assert built_otherwise(other, model) == ["flow.init_vae_steps: built with 60, the recipe says 61"]
+    other = load_config(None, [*keys, "flow.init_vae_reward=0.9"])
+    assert built_otherwise(other, model) == ["flow.init_vae_reward: built with 1.0, the recipe says 0.9"]
+
+
+def test_the_vae_trains_until_its_reconstructions_reach_the_target(monkeypatch):
+    """The VAE's training stops at the first check that reaches flow.init_vae_reward, and runs to
+    its most steps where none does (the check at the last step too)."""
+    from diffusers import AutoencoderKL
+
+    from tether.families.flow import scenes, sd3_warmstart
+    from tether.families.flow.sd3_warmstart import VAE_WIDTH, check_scenes, reconstruction_reward, train_vae
+
+    monkeypatch.setattr(sd3_warmstart, "VAE_CHECK_EVERY", 2)
+    drawn, images = check_scenes(seed=0, n=16)
+    assert {s.prompt for s in drawn} <= {s.prompt for s in scenes.all_scenes()} and len(set(drawn)) == 16
+
+    def run(checks, steps):
+        torch.manual_seed(0)
+        vae = AutoencoderKL(block_out_channels=(VAE_WIDTH // 2, VAE_WIDTH), in_channels=3, out_channels=3,
+                            latent_channels=4, down_block_types=("DownEncoderBlock2D",) * 2,
+                            up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=8)
+        calls = iter(checks)
+        return train_vae(vae, images, steps=steps, generator=torch.Generator().manual_seed(0), batch_size=4,
+                         check=lambda: next(calls), target=0.95)
+
+    assert run([0.2, 0.6, 0.97, 0.1], steps=20)[1:] == (6, 0.97)  # stops at the third check
+    assert run([0.2, 0.6, 0.9], steps=5)[1:] == (5, 0.9)  # checks at 2, 4 and the last step, 5
+    untrained = AutoencoderKL(block_out_channels=(VAE_WIDTH // 2, VAE_WIDTH), in_channels=3, out_channels=3,
+                              latent_channels=4, down_block_types=("DownEncoderBlock2D",) * 2,
+                              up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=8)
+    assert reconstruction_reward(untrained, drawn, images) < 0.3  # a random VAE's blur earns little
+    assert reconstruction_reward(_Identity(), drawn, images) == 1.0  # the drawn scenes themselves: full
+
+
+class _Identity(torch.nn.Module):
+    """A VAE whose reconstruction is its input, for reconstruction_reward's upper end."""
+
+    class _Dist:
+        def __init__(self, x):
+            self.mean = x
+
+    class _Out:
+        def __init__(self, x):
+            self.latent_dist = _Identity._Dist(x)
+            self.sample = x
+
+    def encode(self, x):
+        return self._Out(x)
+
+    def decode(self, z):
+        return self._Out(z)

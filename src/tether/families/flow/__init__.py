@@ -204,9 +204,9 @@ class FlowFamily(FamilyBase):
         from tether.families.flow.sd3_warmstart import sd3_warmstart
 
         logging.getLogger("tether.data").info(
-            "building a tiny SD3 pipeline (width %d, depth %d); training its VAE %d steps, then "
-            "warm-starting its transformer", cfg.flow.init_width, cfg.flow.init_depth,
-            cfg.flow.init_vae_steps)
+            "building a tiny SD3 pipeline (width %d, depth %d); training its VAE until its "
+            "reconstructions earn %g (at most %d steps), then warm-starting its transformer",
+            cfg.flow.init_width, cfg.flow.init_depth, cfg.flow.init_vae_reward, cfg.flow.init_vae_steps)
         warm = sd3_warmstart(out, data.train, data.eval, self.scorer(cfg), cfg, on_progress=on_progress)
         return (f"warm start: held-out reward {warm.before['reward']:.3f} → {warm.after['reward']:.3f}, "
                 f"pass@1 {100 * warm.pass_at_1_before:.1f}% → {100 * warm.pass_at_1_after:.1f}% in "
@@ -220,7 +220,8 @@ class FlowFamily(FamilyBase):
         built = built_settings(path)
         if is_pipeline(path):  # a user's pipeline (nothing to compare), or one flow.init_backbone=sd3 built
             keys = (("init_backbone", "backbone"), ("init_width", "init_width"), ("init_depth", "init_depth"),
-                    ("init_vae_steps", "vae_steps"), ("init_cond_dropout", "cond_dropout"))
+                    ("init_vae_steps", "vae_steps"), ("init_vae_reward", "vae_reward_target"),
+                    ("init_cond_dropout", "cond_dropout"))
             return [f"flow.{key}: built with {built[field]}, the recipe says {getattr(cfg.flow, key)}"
                     for key, field in keys if field in built and built[field] != getattr(cfg.flow, key)]
         config = read_config(path)

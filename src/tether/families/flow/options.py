@@ -129,7 +129,14 @@ class FlowSection:
         choices=("dit", "sd3"),
     )
     init_vae_steps: int = knob(
-        1500, "With flow.init_backbone=sd3: optimizer steps of the VAE's training on drawn scenes.", min=1
+        3000, "With flow.init_backbone=sd3: the most optimizer steps of the VAE's training on drawn scenes "
+        "(it stops earlier at flow.init_vae_reward; a warning if it never gets there).", min=1
+    )
+    init_vae_reward: float = knob(
+        1.0, "With flow.init_backbone=sd3: the VAE trains until the shapes verifier's mean reward on its "
+        "reconstructions of drawn scenes (every scene, held-out ones too; checked every 250 steps) "
+        "reaches this: the most any image the pipeline decodes can score. 1 = every reconstruction "
+        "earns the full reward.", min=0, max=1
     )
     init_width: int = knob(96, "Width of a flow model built by model.create_if_missing.", min=8)
     init_depth: int = knob(3, "Transformer blocks of a flow model built by model.create_if_missing.", min=1)
