@@ -8,9 +8,10 @@ anything to follow (docs/flow.md). Here:
 1. **The VAE** (a 2-level ``AutoencoderKL`` of 16 and 32 channels, 16 × 16 pixels → 4 × 8 × 8) learns
    to reconstruct drawn scenes: L1 on pixels plus a small KL on the posterior (β = 1e-4), Adam,
    until its reconstructions of every scene earn the verifier's ``flow.init_vae_reward`` (checked
-   every 250 steps; at most ``flow.init_vae_steps``, with a warning if it falls short). Its ``scaling_factor`` and ``shift_factor`` are then set from the
-   latents' statistics (SD3's convention: latents = (z − shift)·scale have zero mean and unit
-   variance), so the transformer's noise and the data it is mixed with have one scale.
+   every 250 steps; at most ``flow.init_vae_steps``, with a warning if it falls short). Its
+   ``scaling_factor`` and ``shift_factor`` are then set from the latents' statistics (SD3's
+   convention: latents = (z − shift)·scale have zero mean and unit variance), so the
+   transformer's noise and the data it is mixed with have one scale.
 2. **The transformer** regresses rectified flow's velocity on those latents, the prompts encoded by
    the pipeline's own (frozen, random) CLIP text encoders, a share (``flow.init_cond_dropout``) with
    the empty prompt so classifier-free guidance subtracts a velocity it learned; evaluated on the
@@ -55,9 +56,12 @@ def reconstruction_reward(vae, scenes_drawn: Sequence[scenes.Scene], images: tor
     ``images`` drawn for ``scenes_drawn``: what a pixel reward can reach through this VAE at best."""
     was_training = vae.training
     vae.eval()
-    decoded = torch.cat([vae.decode(vae.encode(chunk).latent_dist.mean).sample for chunk in images.split(256)])
+    decoded = torch.cat([vae.decode(vae.encode(chunk).latent_dist.mean).sample
+                         for chunk in images.split(256)])
     vae.train(was_training)
-    return sum(scenes.score(scene, scenes.to_pixels(x)) for scene, x in zip(scenes_drawn, decoded)) / len(decoded)
+    rewards = [scenes.score(scene, scenes.to_pixels(x))
+               for scene, x in zip(scenes_drawn, decoded, strict=True)]
+    return sum(rewards) / len(rewards)
 
 
 def check_scenes(seed: int, n: int = 256) -> tuple[list[scenes.Scene], torch.Tensor]:
@@ -210,7 +214,8 @@ def sd3_warmstart(out: str | Path, train: Sequence[Example], held_out: Sequence[
                                "seed": seed, "cond_dropout": flow.init_cond_dropout, "backbone": "sd3",
                                "init_width": flow.init_width, "init_depth": flow.init_depth,
                                "vae_steps": flow.init_vae_steps, "vae_reward_target": flow.init_vae_reward,
-                               "vae_steps_taken": vae_steps, "vae_reward": vae_reward, "vae_abs_error": vae_error,
+                               "vae_steps_taken": vae_steps, "vae_reward": vae_reward,
+                               "vae_abs_error": vae_error,
                                "vae_seconds": vae_seconds, "latent_shift": shift, "latent_scale": scale})
     return result
 
