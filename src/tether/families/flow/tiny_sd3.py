@@ -35,13 +35,13 @@ def _tokenizer(folder: Path, max_length: int):
 
 
 def init_text_encoder(encoder, seed: int) -> None:
-    """Draw a CLIP text encoder's weights from ``seed`` by CLIP's initialisation formulas (Radford
-    et al. 2021, as transformers states them: token embeddings N(0, 0.02²), positions N(0, 0.01²),
-    attention projections d^-½·(2L)^-½ and its output d^-½, the MLP's first layer (2d)^-½ and its
-    second d^-½·(2L)^-½, the text projection d^-½; biases 0, layer norms 1), parameter by parameter
-    in name order from a generator of its own. The draw is this function's, not the installed
-    transformers' (whose order of drawing differs between versions): a pipeline built here, and
-    so the warm start and the RL figures measured on it, is the same whatever version is installed."""
+    """Draw a CLIP text encoder's weights from ``seed`` by the standard deviations transformers'
+    CLIPPreTrainedModel gives them (token embeddings 0.02; the attention's q, k, v d^-½·(2L)^-½
+    and its output d^-½; the MLP's first layer (2d)^-½ and its second d^-½·(2L)^-½; the text
+    projection d^-½; biases 0, layer norms 1), positions at 0.01 as OpenAI's CLIP (Radford et al.
+    2021) draws them, parameter by parameter in name order from a generator of its own. The draw is
+    this function's, not the installed transformers' (whose order of drawing differs between
+    versions): the same seed builds the same encoders whatever version is installed."""
     import torch
 
     cfg = encoder.config
