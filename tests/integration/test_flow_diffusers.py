@@ -553,21 +553,20 @@ def test_the_vae_trains_until_its_reconstructions_reach_the_target(monkeypatch):
     drawn, images = check_scenes(seed=0, n=16)
     assert {s.prompt for s in drawn} <= {s.prompt for s in scenes.all_scenes()} and len(set(drawn)) == 16
 
-    def run(checks, steps):
+    def tiny_vae():
         torch.manual_seed(0)
-        vae = AutoencoderKL(block_out_channels=(VAE_WIDTH // 2, VAE_WIDTH), in_channels=3, out_channels=3,
-                            latent_channels=4, down_block_types=("DownEncoderBlock2D",) * 2,
-                            up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=8)
+        return AutoencoderKL(block_out_channels=(VAE_WIDTH // 2, VAE_WIDTH), in_channels=3, out_channels=3,
+                             latent_channels=4, down_block_types=("DownEncoderBlock2D",) * 2,
+                             up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=8)
+
+    def run(checks, steps):
         calls = iter(checks)
-        return train_vae(vae, images, steps=steps, generator=torch.Generator().manual_seed(0), batch_size=4,
-                         check=lambda: next(calls), target=0.95)
+        return train_vae(tiny_vae(), images, steps=steps, generator=torch.Generator().manual_seed(0),
+                         batch_size=4, check=lambda: next(calls), target=0.95)
 
     assert run([0.2, 0.6, 0.97, 0.1], steps=20)[1:] == (6, 0.97)  # stops at the third check
     assert run([0.2, 0.6, 0.9], steps=5)[1:] == (5, 0.9)  # checks at 2, 4 and the last step, 5
-    untrained = AutoencoderKL(block_out_channels=(VAE_WIDTH // 2, VAE_WIDTH), in_channels=3, out_channels=3,
-                              latent_channels=4, down_block_types=("DownEncoderBlock2D",) * 2,
-                              up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=8)
-    assert reconstruction_reward(untrained, drawn, images) < 0.3  # a random VAE's blur earns little
+    assert reconstruction_reward(tiny_vae(), drawn, images) < 0.3  # a random VAE's blur earns little
     assert reconstruction_reward(_Identity(), drawn, images) == 1.0  # the drawn scenes themselves: full
 
 
