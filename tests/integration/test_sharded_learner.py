@@ -8,10 +8,12 @@ At lr 5e-5: AdamW's first steps move every weight by about ±lr whatever its gra
 gradient that is zero in exact arithmetic (GRPO's advantages cancel within a group) and rounding
 noise in float32 turns into a full step whose sign is chance. At lr 3e-3 that noise floor is a
 relative difference of about 1e-4 between two *single-process* runs that only split their
-mini-batches differently; at 1e-4 about 5e-6, and less at 5e-5: under the 1e-5 the ranks must
-reach. A loss normalised per rank (each rank dividing by its own counts) fails every case here:
-by 1e-4 to 1.5e-3 in the parameters, or, where it only scales the loss (which AdamW does not
-see), in the logged loss.
+mini-batches differently; at 1e-4 about 5e-6, and less at 5e-5. Where the floor lies depends on
+the CPU's kernels too: on an AMD EPYC (no AVX-512) two ranks differ from one process by up to 2.2e-5 at
+5e-5, where the machine the cases were first run on stayed under 1e-5. A loss normalised per rank (each rank dividing by
+its own counts) fails every case here: by 1e-4 to 1.5e-3 in the parameters, or, where it only
+scales the loss (which AdamW does not see), in the logged loss. So the ranks must reach
+``RANKS_TOLERANCE``, 5e-5: above the rounding floor on both machines, half the smallest failure.
 """
 
 import os
@@ -30,6 +32,9 @@ from tether.errors import ConfigError, LearnerError, LearnerLostError  # noqa: E
 from tether.rollout.channel import ChannelError, WeightChannel  # noqa: E402
 from tether.train.learner import TorchLearner  # noqa: E402
 from tether.train.ranks import ProcessRanks, RankGroup  # noqa: E402
+
+RANKS_TOLERANCE = 5e-5
+"""The largest relative parameter difference allowed between two ranks and one process."""
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 METRICS = ("loss/policy", "loss/total", "train/grad_norm", "ratio/mean", "ratio/max", "ratio/clip_frac_high",
@@ -95,7 +100,7 @@ def test_two_ranks_make_the_single_process_update(tiny_model_dir, case):
         rel = ((weights[name] - ref).abs().max() / ref.abs().max().clamp(min=1e-12)).item()
         worst = max(worst, rel)
     print(f"\nworld size 2 vs 1, {case['aggregation']}: max relative parameter difference {worst:.1e}")
-    assert worst <= 1e-5
+    assert worst <= RANKS_TOLERANCE
     for a, b in zip(solo, two, strict=True):
         assert a.committed_updates == b.committed_updates == case["updates_per_batch"]
         for key in METRICS:
@@ -397,7 +402,7 @@ def test_two_ranks_keep_the_single_process_ema_and_any_world_size_resumes_it(tin
 
     one, two = read(tmp_path / "solo" / "ema"), read(tmp_path / "two" / "ema")
     worst = max(((two[n] - w).abs().max() / w.abs().max().clamp(min=1e-12)).item() for n, w in one.items())
-    assert set(one) == set(two) and worst <= 1e-5, worst
+    assert set(one) == set(two) and worst <= RANKS_TOLERANCE, worst
     moved = max((one[n] - w).abs().max().item() for n, w in read(tmp_path / "solo" / "model").items())
     assert moved > 0  # the average is not the trained weights
     resumed = TorchLearner(tiny_model_dir, config(**keys))
