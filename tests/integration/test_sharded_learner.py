@@ -9,11 +9,12 @@ gradient that is zero in exact arithmetic (GRPO's advantages cancel within a gro
 noise in float32 turns into a full step whose sign is chance. At lr 3e-3 that noise floor is a
 relative difference of about 1e-4 between two *single-process* runs that only split their
 mini-batches differently; at 1e-4 about 5e-6, and less at 5e-5. Where the floor lies depends on
-the CPU's kernels too: on an AMD EPYC (no AVX-512) two ranks differ from one process by up to 2.2e-5 at
-5e-5, where the machine the cases were first run on stayed under 1e-5. A loss normalised per rank (each rank dividing by
-its own counts) fails every case here: by 1e-4 to 1.5e-3 in the parameters, or, where it only
-scales the loss (which AdamW does not see), in the logged loss. So the ranks must reach
-``RANKS_TOLERANCE``, 5e-5: above the rounding floor on both machines, half the smallest failure.
+the CPU's kernels too: on an AMD EPYC (no AVX-512) two ranks differ from one process by up to
+2.2e-5 at 5e-5, where the machine the cases were first run on stayed under 1e-5. A loss
+normalised per rank (each rank dividing by its own counts) fails every case here: by 1e-4 to
+1.5e-3 in the parameters, or, where it only scales the loss (which AdamW does not see), in the
+logged loss. So the ranks must reach ``RANKS_TOLERANCE``, 5e-5: above the rounding floor on both
+machines, half the smallest failure.
 """
 
 import os
