@@ -51,14 +51,20 @@ VAE_CHECK_EVERY = 250
 
 
 @torch.no_grad()
-def reconstruction_reward(vae, scenes_drawn: Sequence[scenes.Scene], images: torch.Tensor) -> float:
-    """The verifier's mean reward on ``vae``'s reconstructions (the posterior's mean, decoded) of
-    ``images`` drawn for ``scenes_drawn``: what a pixel reward can reach through this VAE at best."""
+def reconstructions(vae, images: torch.Tensor) -> torch.Tensor:
+    """``vae``'s reconstructions of ``images`` (the posterior's mean, decoded), in eval mode."""
     was_training = vae.training
     vae.eval()
     decoded = torch.cat([vae.decode(vae.encode(chunk).latent_dist.mean).sample
                          for chunk in images.split(256)])
     vae.train(was_training)
+    return decoded
+
+
+def reconstruction_reward(vae, scenes_drawn: Sequence[scenes.Scene], images: torch.Tensor) -> float:
+    """The verifier's mean reward on ``vae``'s reconstructions of ``images`` drawn for
+    ``scenes_drawn``: what a pixel reward can reach through this VAE at best."""
+    decoded = reconstructions(vae, images)
     rewards = [scenes.score(scene, scenes.to_pixels(x))
                for scene, x in zip(scenes_drawn, decoded, strict=True)]
     return sum(rewards) / len(rewards)
@@ -100,10 +106,7 @@ def train_vae(vae, images: torch.Tensor, *, steps: int, generator: torch.Generat
             if reward >= target:
                 break
     vae.eval()
-    with torch.no_grad():
-        error = float(sum((vae.decode(vae.encode(chunk).latent_dist.mean).sample - chunk).abs().sum()
-                          for chunk in images.split(256)) / images.numel())
-    return error, step, reward
+    return float((reconstructions(vae, images) - images).abs().mean()), step, reward
 
 
 @torch.no_grad()
