@@ -125,14 +125,17 @@ def test_the_flow_demo_recipe_runs_shortened_with_pictures(flow_model, tmp_path,
     assert again["eval/reward_mean"] == evals[-1]["eval/reward_mean"]  # the same images, from fixed noise
 
 
-def test_a_flow_run_with_an_sde_window_trains_the_windows_steps(flow_model, tmp_path):
+@pytest.mark.parametrize("rule", [[], ["flow.sde_type=cps", "flow.noise_level=0.8"]], ids=["sde", "cps"])
+def test_a_flow_run_with_an_sde_window_trains_the_windows_steps(flow_model, tmp_path, rule):
     """flow.sde_window=2 of 4 steps, within the first 3: each batch's window drawn by its seed (a
     resume and every rank draw the same), the learner's log-probs of the window's steps equal the
-    engine's where the trained weights sampled them, and the weights move."""
+    engine's where the trained weights sampled them, and the weights move; under Flow-GRPO's SDE
+    and under CPS (flow.sde_type), whose rule the batches carry to the learner."""
     from tether.families.flow.policy import FlowSampling
 
     cfg = recipe(flow_model, "train.num_batches=4", "async.max_staleness=1", "flow.sde_window=2",
-                 "flow.sde_window_range=3", "eval.interval=4", "eval.num_samples=2", "checkpoint.interval=4")
+                 "flow.sde_window_range=3", "eval.interval=4", "eval.num_samples=2", "checkpoint.interval=4",
+                 *rule)
     summary = train(cfg, tmp_path / "run", progress_plain=True)
     assert summary["trained_batches"] == 4
     metrics = rows(tmp_path / "run" / "metrics.jsonl")

@@ -1,6 +1,7 @@
 """The flow family's pieces without a run: the shapes task's pixel verifier, the policy's step
 log-probabilities (engine against learner), the closed-form KL, the model directory."""
 
+import math
 import random
 
 import numpy as np
@@ -251,6 +252,49 @@ def test_kl_in_the_references_units_is_the_exact_one_times_each_steps_dt():
     sigma_t = stds / dt.sqrt()
     by_hand = (means - ref_means).flatten(2).pow(2).mean(-1) / (2 * sigma_t ** 2)
     assert torch.allclose(kl["reference"], by_hand, rtol=1e-4)
+
+
+def test_under_cps_engine_and_learner_agree_and_both_kl_units_are_the_exact_kl():
+    """flow.sde_type: cps through the whole path: the engine samples a window of CPS steps, the
+    batch carries the rule, the learner's log-probs of the recorded steps equal the engine's, a
+    learner assuming Flow-GRPO's SDE does not; the reference divides CPS's KL by the step's own
+    variance (its std_dev_t), so both flow.kl_units give the exact KL."""
+    torch.set_num_threads(1)
+    model, ref = small_model(0), small_model(1)
+    sampling = FlowSampling(steps=6, noise_level=0.8, sde_type="cps", window=2, window_range=4)
+    engine = FlowEngine(FlowModel(model.config), sampling)
+    engine.load_weights(dict(model.named_parameters()), version=0)
+    words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:4]])
+    out = engine.generate({"words": words.repeat_interleave(4, 0)}, seed=7)
+    k, first = out.logprobs.shape[1], out.first_step
+    assert k == 2 and out.latents.shape[1] == 3
+    times = sampling.times()[first:first + k + 1]
+    batch = FlowBatch(positions=list(range(4)), prompts=["p"] * 4, cond={"words": words.numpy()},
+                      latents=out.latents.numpy(), logprobs=out.logprobs.numpy(),
+                      versions=[out.versions] * 16,
+                      rewards=[0.0] * 16, times=times.numpy(), noise_level=0.8, group_size=4,
+                      first_step=first, sde_type="cps")
+    tb = to_flow_batch(batch)
+    assert tb.sde_type == "cps"
+    logp = FlowPolicy().forward(model, tb)[0].detach()
+    assert (logp - tb.behavior_logp).abs().mean() <= 1e-5
+    as_sde = FlowPolicy().forward(model, to_flow_batch(FlowBatch(**{**batch.__dict__, "sde_type": "sde"})))[0]
+    assert (as_sde.detach() - tb.behavior_logp).abs().mean() > 1e-2
+    kl = {}
+    for units in ("exact", "reference"):
+        policy = FlowPolicy(kl_units=units)
+        with torch.no_grad():
+            kl[units] = policy.kl(policy.forward(model, tb)[2], policy.forward(ref, tb)[2], "k1")
+    assert torch.equal(kl["exact"], kl["reference"]) and kl["exact"].min() > 0
+    from tether.families.flow.policy import step_means
+
+    with torch.no_grad():
+        means, stds = step_means(model, tb.latents, tb.sample_cond(), tb.times, 0.8, tb.steps, sde_type="cps")
+        ref_means, _ = step_means(ref, tb.latents, tb.sample_cond(), tb.times, 0.8, tb.steps, sde_type="cps")
+    s = times[1:].double()
+    assert torch.allclose(stds[0].double(), s * math.sin(0.4 * math.pi), rtol=1e-6)
+    by_hand = (means - ref_means).flatten(2).pow(2).mean(-1) / (2 * stds ** 2)
+    assert torch.allclose(kl["exact"], by_hand, rtol=1e-4)
 
 
 def guided_batch(model, guidance=4.5, steps=4, seed=5):

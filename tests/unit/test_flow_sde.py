@@ -206,3 +206,85 @@ def test_a_non_finite_engine_step_names_the_settings_that_produce_it():
                       noise_level=1e6, group_size=2)
     with pytest.raises(RolloutError, match=r"flow.noise_level=1e\+06, flow.guidance_scale=1"):
         to_flow_batch(batch)
+
+
+# -- Coefficients-Preserving Sampling (flow.sde_type: cps) ------------------------------------------
+
+def reference_cps_step(x: torch.Tensor, v: torch.Tensor, sigma: float, nxt: float, noise_level: float):
+    """CPS as its paper (Wang & Yu, arXiv 2509.05952) and Flow-GRPO's newer upstream write it:
+    std = σ_next·sin(a·π/2), x̂₀ = x − σ·v, x̂₁ = x + (1 − σ)·v,
+    mean = x̂₀·(1 − σ_next) + x̂₁·√(σ_next² − std²)."""
+    std = nxt * math.sin(noise_level * math.pi / 2)
+    mean = (x - sigma * v) * (1 - nxt) + (x + (1 - sigma) * v) * math.sqrt(nxt * nxt - std * std)
+    return mean, std
+
+
+@pytest.mark.parametrize("shift", [1.0, 3.0])
+def test_every_cps_steps_mean_and_std_equal_the_papers(shift):
+    torch.manual_seed(0)
+    sigmas = timesteps(8, shift=shift).double().tolist()
+    x, v = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    for j in range(8):
+        mean, std = step_mean_std(x, v, sigmas[j], sigmas[j + 1], 0.8, "cps")
+        ref_mean, ref_std = reference_cps_step(x, v, sigmas[j], sigmas[j + 1], 0.8)
+        assert std == pytest.approx(ref_std, abs=1e-12), j
+        assert torch.allclose(mean, ref_mean, atol=1e-12), j
+    # into t = 0 it has no noise and is the ODE's Euler step; at a → 0 every step is
+    last_mean, last_std = step_mean_std(x, v, sigmas[-2], 0.0, 0.8, "cps")
+    assert last_std == 0 and torch.allclose(last_mean, x - sigmas[-2] * v)
+    for j in range(8):
+        mean, std = step_mean_std(x, v, sigmas[j], sigmas[j + 1], 1e-9, "cps")
+        assert torch.allclose(mean, x + (sigmas[j + 1] - sigmas[j]) * v, atol=1e-8)
+
+
+def test_cps_keeps_the_schedules_noise_coefficient_where_the_sde_adds_more():
+    """With one data point m, x_t = (1 − t)·m + t·ε and the exact velocity gives back m and ε from
+    x_t: the noise in x_t must stay exactly t·ε. CPS keeps it after every step of a coarse 4-step
+    schedule; Flow-GRPO's SDE at a = 0.7, whose Euler–Maruyama steps are exact only as dt → 0,
+    leaves more (s² + a²·dt²/(1 − t) + … in variance), and noise in the final image."""
+    m = 1.5
+    v = gaussian_velocity(m, 0.0)
+    times = timesteps(4, shift=3.0).double().tolist()
+
+    def noise_left(sde_type: str, a: float) -> list[float]:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(100000, 1, dtype=torch.float64, generator=gen)
+        errors = []
+        for t, t_next in itertools.pairwise(times):
+            x = sde_step(x, v(x, t), t, t_next, a, generator=gen, sde_type=sde_type)[0]
+            assert x.mean().item() == pytest.approx((1 - t_next) * m, abs=0.01)
+            errors.append(abs(x.std().item() - t_next))
+        return errors
+
+    assert max(noise_left("cps", 0.8)) < 0.01
+    assert max(noise_left("cps", 1.0)) < 0.01           # every step's noise drawn fresh
+    sde = noise_left("sde", 0.7)
+    assert max(sde) > 0.3 and sde[-1] > 0.3            # noise the schedule does not have, to the end
+
+
+def test_a_cps_steps_log_probability_is_its_gaussians_density():
+    x = torch.randn(3, 2, 4, 4)
+    v = torch.randn_like(x)
+    mean, std = step_mean_std(x, v, 0.6, 0.5, 0.8, "cps")
+    out, logp = sde_step(x, v, 0.6, 0.5, 0.8, generator=torch.Generator().manual_seed(1), sde_type="cps")
+    assert std == pytest.approx(0.5 * math.sin(0.4 * math.pi))
+    expected = torch.distributions.Normal(mean, std).log_prob(out).flatten(1).sum(1)
+    assert torch.allclose(logp, expected, atol=1e-3)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["flow.noise_level=1.2"], "flow.noise_level=1.2 with flow.sde_type=cps is outside [0.01, 1]"),
+    ([], "every step is an SDE step (flow.sde_window=0): keep the window off it"),
+    (["flow.sde_window=2"], "the flow.sde_window of 2 can reach it"),
+    (["flow.sde_window=2", "flow.sde_window_range=8"], "flow.sde_window_range=7 (or less)"),
+])
+def test_cps_settings_it_cannot_sample_are_refused_at_load(overrides, message):
+    from tether.config.config import load_config
+    from tether.errors import ConfigError
+
+    cps = ["model.family=flow", "data.task=shapes", "flow.sde_type=cps"]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*cps, "flow.noise_level=0.8", *overrides])
+    assert message in str(err.value)
+    cfg = load_config(None, [*cps, "flow.noise_level=1", "flow.sde_window=2", "flow.sde_window_range=4"])
+    assert cfg.flow.sde_type == "cps"

@@ -65,7 +65,8 @@ class FlowFamily(FamilyBase):
         if own is not None:
             own_shift, factor = own
             check_resolution(cfg.flow.resolution, factor, cfg.model.path)
-        check_sde(cfg.flow.noise_level, cfg.flow.shift, cfg.flow.steps, own_shift=own_shift)
+        check_sde(cfg.flow.noise_level, cfg.flow.shift, cfg.flow.steps, own_shift=own_shift,
+                  sde_type=cfg.flow.sde_type)
         check_window(cfg.flow)
         if cfg.plan.mean_length or cfg.plan.prefill_cost:
             raise ConfigError("plan.mean_length and plan.prefill_cost model text completions; a flow "
@@ -269,7 +270,8 @@ class FlowFamily(FamilyBase):
     def eval_summary(self, cfg: Any, metrics: Mapping[str, float], samples: int) -> list[str]:
         return [f"  ODE ({cfg.flow.eval_steps} steps): pass@1 {metrics['eval/pass_at_1']:.1%}, mean reward "
                 f"{metrics['eval/reward_mean']:.3f}",
-                f"  SDE ({cfg.flow.steps} steps, noise {cfg.flow.noise_level:g}): pass@1 "
+                f"  {cfg.flow.sde_type.upper()} ({cfg.flow.steps} steps, noise {cfg.flow.noise_level:g}): "
+                f"pass@1 "
                 f"{metrics['eval/sampled_pass_at_1']:.1%}, mean reward "
                 f"{metrics['eval/sampled_reward_mean']:.3f}  ({samples} per prompt)"]
 
@@ -307,6 +309,15 @@ def check_window(flow: FlowSection) -> None:
     if flow.train_steps > flow.steps:
         raise ConfigError(f"flow.train_steps={flow.train_steps} exceeds the flow.steps="
                           f"{flow.steps} steps of a trajectory; lower it (0 trains all of them)")
-
+    windowed = 0 < flow.sde_window < flow.steps
+    if flow.sde_type == "cps" and (not windowed or (flow.sde_window_range or flow.steps) == flow.steps):
+        last = flow.steps - 1
+        where = (f"the flow.sde_window of {flow.sde_window} can reach it" if windowed
+                 else "every step is an SDE step (flow.sde_window=0)")
+        raise ConfigError(
+            f"flow.sde_type=cps: the last step, into t = 0, has no noise (s·sin(a·π/2) = 0 at s = 0), so it "
+            f"is the ODE's step and no policy action, but {where}: keep the window off it with "
+            f"flow.sde_window_range={last} (or less); every other step: flow.sde_window={last} "
+            f"flow.sde_window_range={last}")
 
 FAMILY = FlowFamily()

@@ -49,6 +49,7 @@ class FlowTrainBatch:
     noise_level: float
     negative: dict[str, torch.Tensor] | None = None  # the unconditional prompt's (one row), when guided
     guidance_scale: float = 1.0
+    sde_type: str = "sde"  # the steps' rule (``flow.sde_type``)
     episode: None = None  # a trajectory is one row (``Policy.batch``)
 
     @property
@@ -115,7 +116,7 @@ def to_flow_batch(payload, train_steps: int = 0, choice: str = "random") -> Flow
         behavior_versions=torch.as_tensor(payload.versions, dtype=torch.long).gather(1, chosen),
         truncated=torch.zeros(n, dtype=torch.bool), noise_level=payload.noise_level,
         negative=None if payload.negative is None else conditioning.as_tensors(payload.negative),
-        guidance_scale=payload.guidance_scale)
+        guidance_scale=payload.guidance_scale, sde_type=payload.sde_type)
 
 
 class FlowPolicy(PolicyBase):
@@ -171,10 +172,13 @@ class FlowPolicy(PolicyBase):
         logp, means, stds = step_logprobs(model, batch.latents, batch.sample_cond(), batch.times,
                                           batch.noise_level, batch.steps, negative=batch.negative,
                                           guidance=batch.guidance_scale,
-                                          detach_uncond=self.cfg_grad == "conditional")
+                                          detach_uncond=self.cfg_grad == "conditional",
+                                          sde_type=batch.sde_type)
         entropy = gaussian_entropy(stds) if with_entropy else None
         scale = stds
-        if self.kl_units == "reference":  # σ_t = std / √|dt|: the KL the reference's code computes
+        # σ_t = std / √|dt|: the KL the reference's code computes for its SDE; for CPS it divides by
+        # the step's own std (its std_dev_t), the exact KL
+        if self.kl_units == "reference" and batch.sde_type == "sde":
             times = batch.times.to(stds.device, torch.float64)
             dt = (times[batch.steps] - times[batch.steps + 1]).abs()
             scale = (stds.double() / dt.sqrt()).to(stds.dtype)

@@ -72,21 +72,34 @@ class FlowSection:
         "Units of the closed-form KL that train.kl_coef weighs. reference = ‖μ_θ − μ_ref‖²/(2σ_t²), as "
         "Flow-GRPO's reference code computes it, so its β carries over; exact = over each step's own "
         "variance σ_t²·|dt|, the KL of the two step Gaussians, 1/|dt| times larger (T times at uniform "
-        "steps: β_exact = β_reference·|dt|).",
+        "steps: β_exact = β_reference·|dt|). With flow.sde_type=cps the reference divides by the step's "
+        "own variance too: both are the exact KL.",
         choices=("reference", "exact"),
     )
     eval_steps: int = knob(
         16, "Steps of the deterministic ODE sampler that held-out evaluation and the warm start use.", min=1
     )
+    sde_type: Literal["sde", "cps"] = knob(
+        "sde",
+        "The SDE steps' rule. sde = Flow-GRPO's SDE, σ_t = a·√(t/(1 − t)) with a = flow.noise_level; "
+        "cps = Coefficients-Preserving Sampling (Wang & Yu, arXiv 2509.05952; Flow-GRPO's newer upstream, "
+        "noise level 0.8 there): a step to time s blends the model's own estimates of image and noise "
+        "and draws s·sin(a·π/2) of fresh noise, so the noise keeps the schedule's coefficient at every "
+        "step (Flow-GRPO's SDE adds more at coarse steps). cps needs an SDE window off the last step, "
+        "which has no noise (flow.sde_window, flow.sde_window_range ≤ flow.steps − 1); its a runs to 1. "
+        "docs/flow.md, \"CPS\".",
+        choices=("sde", "cps"),
+    )
     noise_level: float = knob(
         0.7,
-        "a in the SDE's σ_t = a·√(t/(1 − t)): how much each step explores; Flow-GRPO uses 0.7. 0 would be "
+        "a in the SDE's σ_t = a·√(t/(1 − t)) (in CPS's s·sin(a·π/2): flow.sde_type): how much each step "
+        "explores; Flow-GRPO uses 0.7 (0.8 with CPS). 0 would be "
         "the ODE, whose steps have no density, and near it a step's log-probability is float32 rounding "
         "divided by a vanishing σ (the ratios are noise), so at least 0.01; at most 2, where the first "
         "step's factor on x, 1 − a²/2, reaches −1 (above, samples blow up), and lower where flow.shift "
         "makes a step's r = |dt|/(1 − t) larger than 1 (a ≤ 2/√r, checked at load; docs/flow.md, "
-        "\"Bounds\").",
-        min=0.01, allowed="0.01–2; lower where flow.shift lengthens a step, checked at load",
+        "\"Bounds\"); with CPS at most 1.",
+        min=0.01, allowed="0.01–2; lower where flow.shift lengthens a step, checked at load; with cps 0.01–1",
     )
     shift: float = knob(
         0.0,

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tether.families.flow.conditioning import num_rows, velocity
-from tether.families.flow.sde import gaussian_mean, step_coefficients, step_mean_std, timesteps
+from tether.families.flow.sde import step_coefficients, step_mean, step_mean_std, timesteps
 
 WINDOW_STREAM = 0x5DE
 """Mixed into a batch's seed to draw its SDE window's start (``FlowSampling.window_steps``)."""
@@ -47,6 +47,8 @@ class FlowSampling:
     """K: the SDE steps of a trajectory, consecutive; the others are the ODE's. 0 = all T."""
     window_range: int = 0
     """R: the window lies within steps 0 … R − 1 (its start drawn from 0 … R − K); 0 = T."""
+    sde_type: str = "sde"
+    """The SDE steps' rule: ``sde`` (Flow-GRPO's) or ``cps`` (Coefficients-Preserving Sampling)."""
 
     def times(self) -> torch.Tensor:
         if self.schedule:
@@ -123,7 +125,7 @@ def sample(model, cond: dict[str, torch.Tensor], settings: FlowSampling, *, gene
             latents.append(x)
         t, s = float(times[j]), float(times[j + 1])
         v = velocity(model, x, torch.full((n,), t, device=device), cond, negative, settings.guidance_scale)
-        mean, std = step_mean_std(x, v, t, s, settings.noise_level if sde else 0.0)
+        mean, std = step_mean_std(x, v, t, s, settings.noise_level if sde else 0.0, settings.sde_type)
         if not sde:  # the ODE's Euler step
             x = mean
             continue
@@ -150,23 +152,24 @@ def generate_latents(model, cond: dict[str, torch.Tensor], times: torch.Tensor, 
 
 def step_gaussians(model, x: torch.Tensor, t: torch.Tensor, s: torch.Tensor, cond: dict[str, torch.Tensor],
                    noise_level: float, negative: dict[str, torch.Tensor] | None = None,
-                   guidance: float = 1.0, *,
-                   detach_uncond: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   guidance: float = 1.0, *, detach_uncond: bool = False,
+                   sde_type: str = "sde") -> tuple[torch.Tensor, torch.Tensor]:
     """The Gaussians of K recorded steps of each of N trajectories, in one forward over all N·K
     (x_t, t) pairs: x (N, K, C, H, W) the steps' starting points, t and s (N, K) their times
     (each step from t to s < t; any steps, in any order), ``cond`` each trajectory's prompt
     conditioning (N rows; guided by ``negative`` at ``guidance``, ``detach_uncond`` as
-    ``conditioning.velocity``). Returns (means (N, K, C, H, W),
-    stds (N, K)). The coefficients are computed in float64 and rounded once, as the engine's
-    Python-float step (``sde.step_mean_std``) does, so both give the same float32 numbers."""
+    ``conditioning.velocity``; ``sde_type`` the steps' rule, ``FlowSampling.sde_type``). Returns
+    (means (N, K, C, H, W), stds (N, K)). The coefficients are computed in float64 and rounded
+    once, as the engine's Python-float step (``sde.step_mean_std``) does, so both give the same
+    float32 numbers."""
     n, k = t.shape
     shape = (n, k) + (1,) * (x.dim() - 2)
-    *numbers, std = step_coefficients(t.double(), s.double(), noise_level)
-    coef, one_minus_t, dt = (c.float().view(shape).to(x.device) for c in numbers)
+    *numbers, std = step_coefficients(t.double(), s.double(), noise_level, sde_type)
+    numbers = [c.float().view(shape).to(x.device) for c in numbers]
     per_step = {key: value.repeat_interleave(k, dim=0) for key, value in cond.items()}
     v = velocity(model, x.flatten(0, 1), t.flatten().to(x.device), per_step, negative, guidance,
                  detach_uncond=detach_uncond).view_as(x)
-    return gaussian_mean(x, v, coef, one_minus_t, dt), std.float().to(x.device)
+    return step_mean(x, v, numbers, sde_type), std.float().to(x.device)
 
 
 def _steps_or_all(latents: torch.Tensor, steps: torch.Tensor | None) -> torch.Tensor:
@@ -180,7 +183,8 @@ def _steps_or_all(latents: torch.Tensor, steps: torch.Tensor | None) -> torch.Te
 def step_means(model, latents: torch.Tensor, cond: dict[str, torch.Tensor], times: torch.Tensor,
                noise_level: float, steps: torch.Tensor | None = None, *,
                negative: dict[str, torch.Tensor] | None = None,
-               guidance: float = 1.0, detach_uncond: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               guidance: float = 1.0, detach_uncond: bool = False,
+               sde_type: str = "sde") -> tuple[torch.Tensor, torch.Tensor]:
     """The Gaussians of recorded trajectories' steps under ``model``: every step, or with
     ``steps`` ((N, K) indices into 0 … T − 1) those of each trajectory. Returns (means
     (N, K, C, H, W), stds (N, K))."""
@@ -188,19 +192,20 @@ def step_means(model, latents: torch.Tensor, cond: dict[str, torch.Tensor], time
     rows = torch.arange(len(latents), device=latents.device)[:, None]
     times = times.to(steps.device)
     return step_gaussians(model, latents[rows, steps], times[steps], times[steps + 1], cond, noise_level,
-                          negative, guidance, detach_uncond=detach_uncond)
+                          negative, guidance, detach_uncond=detach_uncond, sde_type=sde_type)
 
 
 def step_logprobs(model, latents: torch.Tensor, cond: dict[str, torch.Tensor], times: torch.Tensor,
                   noise_level: float, steps: torch.Tensor | None = None, *,
                   negative: dict[str, torch.Tensor] | None = None, guidance: float = 1.0,
-                  detach_uncond: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  detach_uncond: bool = False,
+                  sde_type: str = "sde") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-probs (N, K) of the recorded steps under ``model``, the step means (N, K, C, H, W),
     the stds (N, K)); every step (K = T), or the ``steps`` of each trajectory. Differentiable in
     ``model``'s parameters."""
     steps = _steps_or_all(latents, steps)
     means, stds = step_means(model, latents, cond, times, noise_level, steps, negative=negative,
-                             guidance=guidance, detach_uncond=detach_uncond)
+                             guidance=guidance, detach_uncond=detach_uncond, sde_type=sde_type)
     n, k = stds.shape
     x_next = latents[torch.arange(n, device=latents.device)[:, None], steps + 1]
     z = ((x_next - means) / stds.view(n, k, *[1] * (means.dim() - 2))).flatten(2)

@@ -117,6 +117,8 @@ class FlowBatch:
     first_step: int = 0
     """The SDE window's first step (0 without a window): recorded step i is denoising step
     ``first_step`` + i of the trajectory."""
+    sde_type: str = "sde"
+    """The SDE steps' rule the trajectories were sampled with (``flow.sde_type``)."""
 
     @property
     def num_groups(self) -> int:
@@ -214,7 +216,7 @@ class FlowSampler:
                          noise_level=self.sampling.noise_level,
                          group_size=g, metrics=metrics, seed=item.seed,
                          negative=None if negative is None else conditioning.as_numpy(negative),
-                         guidance_scale=self.sampling.guidance_scale)
+                         guidance_scale=self.sampling.guidance_scale, sde_type=self.sampling.sde_type)
 
 
 def check_finite(out: Trajectories, sampling: FlowSampling) -> None:
@@ -230,7 +232,8 @@ def check_finite(out: Trajectories, sampling: FlowSampling) -> None:
     times = sampling.times()
     raise RolloutError(
         f"the SDE sampled non-finite values at step {j} of {sampling.steps} (t = {float(times[j]):.6g} → "
-        f"{float(times[j + 1]):.6g}) under flow.noise_level={sampling.noise_level:g}, flow.shift="
+        f"{float(times[j + 1]):.6g}) under flow.sde_type={sampling.sde_type}, flow.noise_level="
+        f"{sampling.noise_level:g}, flow.shift="
         f"{sampling.shift:g}, flow.steps={sampling.steps}, flow.guidance_scale={sampling.guidance_scale:g}: "
         "lower flow.noise_level or flow.guidance_scale, or bring flow.shift nearer 1 (docs/flow.md, "
         "\"Bounds\"); with settings inside them, the model's weights may have gone non-finite")
@@ -243,4 +246,4 @@ def sampling_of(cfg, model=None) -> FlowSampling:
     schedule = () if model is None else tuple(float(t) for t in model.times(f.steps, f.shift))
     return FlowSampling(steps=f.steps, noise_level=f.noise_level, shift=f.shift,
                         guidance_scale=f.guidance_scale, schedule=schedule, window=f.sde_window,
-                        window_range=f.sde_window_range)
+                        window_range=f.sde_window_range, sde_type=f.sde_type)

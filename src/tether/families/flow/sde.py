@@ -15,6 +15,17 @@ t:
 whose log-density of the sampled x_s is the step's log-probability: the quantity the policy
 ratio of Flow-GRPO compares between the sampling and the training model. With a = 0 the step
 is the ODE's Euler step (deterministic sampling, used for evaluation).
+
+Coefficients-Preserving Sampling (``flow.sde_type: cps``; Wang & Yu, arXiv 2509.05952, the option
+Flow-GRPO's newer upstream recommends at noise level 0.8) steps instead through the model's own
+estimates of the image, x̂₀ = x_t − t·v, and of the noise, x̂₁ = x_t + (1 − t)·v:
+
+    x_s ~ N((1 − s)·x̂₀ + s·cos(a·π/2)·x̂₁,  (s·sin(a·π/2))²·I),
+
+so the noise in x_s keeps exactly the coefficient s the schedule gives it (cos² + sin² = 1), at
+every step and every a in [0, 1], where the SDE above adds more noise than the schedule's at
+coarse steps. At a = 0 it is again the Euler step; into s = 0 its noise is 0, so the last step of
+a trajectory is the ODE's under either.
 """
 
 from __future__ import annotations
@@ -28,6 +39,8 @@ from tether.errors import ConfigError
 START = 1 - 1e-5
 """Times at or above this are t = 1, the start of the trajectory (float32 rounds 1 to 1 − 2.4·10⁻⁶
 in a scheduler's shift arithmetic)."""
+SDE_TYPES = ("sde", "cps")
+"""``flow.sde_type``: Flow-GRPO's SDE, or Coefficients-Preserving Sampling."""
 NOISE_LEVEL_MAX = 2.0
 """The largest ``a``: a step multiplies x by 1 − a²·r/2, r = |dt|/(1 − t) (``step_ratios``), and
 the first step's r is 1 at any schedule; above 2 that factor leaves [−1, 1], the step expands the
@@ -46,14 +59,22 @@ def step_ratios(times: torch.Tensor) -> torch.Tensor:
     return r[t > 0]
 
 
-def check_sde(noise_level: float, shift: float, steps: int, *, own_shift: float = 0.0) -> None:
+def check_sde(noise_level: float, shift: float, steps: int, *, own_shift: float = 0.0,
+              sde_type: str = "sde") -> None:
     """Refuse settings whose SDE does not stay finite: ``flow.noise_level`` above
     ``NOISE_LEVEL_MAX`` (its floor, 0.01, is the knob's), ``flow.shift`` outside ``SHIFT_RANGE``, and (on the
     shift formula's times, those of the built-in model and, up to its last step, of SD3's
     scheduler) a step whose factor on x, 1 − a²·r/2, leaves [−1, 1]. ``own_shift``: the model's own
     shift, which ``flow.shift: 0`` takes (a pipeline's scheduler's; 0 for the built-in model's
-    uniform times)."""
+    uniform times). Under ``sde_type`` cps every step stays finite (a blend of the model's own
+    estimates); its a is an angle, meaningful up to 1 (the whole of the step's noise fresh)."""
     lo, hi = SHIFT_RANGE
+    if sde_type not in SDE_TYPES:
+        raise ConfigError(f"flow.sde_type={sde_type!r} is not one of {', '.join(SDE_TYPES)}")
+    if sde_type == "cps" and noise_level > 1:
+        raise ConfigError(f"flow.noise_level={noise_level:g} with flow.sde_type=cps is outside [0.01, 1]: a "
+                          "step's fresh noise is s·sin(a·π/2), the whole of the schedule's s at a = 1, and "
+                          "a larger a only repeats smaller ones; the reference uses 0.8")
     if noise_level > NOISE_LEVEL_MAX:
         raise ConfigError(f"flow.noise_level={noise_level:g} is outside the SDE's finite range [0.01, "
                           f"{NOISE_LEVEL_MAX:g}]: its first step multiplies x by 1 − a²/2 = "
@@ -63,6 +84,8 @@ def check_sde(noise_level: float, shift: float, steps: int, *, own_shift: float 
                           "below, float32 rounding moves the schedule's first time away from 1; above, the "
                           "last steps' noise grows as shift/flow.steps until the times round to 1 (NaN). SD3 "
                           "uses 3")
+    if sde_type == "cps":
+        return
     used = shift or own_shift or 1.0
     r = float(step_ratios(timesteps(steps, shift=used)).max())
     if noise_level ** 2 * r > 4:
@@ -84,37 +107,58 @@ def timesteps(steps: int, *, shift: float = 1.0) -> torch.Tensor:
     return (shift * t / (1 + (shift - 1) * t)).float()
 
 
-def step_coefficients(t, s, noise_level: float) -> tuple[torch.Tensor, ...]:
+def step_coefficients(t, s, noise_level: float, sde_type: str = "sde") -> tuple[torch.Tensor, ...]:
     """The numbers of the steps from ``t`` to ``s`` < ``t`` (floats, or tensors of any one shape),
-    in float64: (σ_t²/(2t), 1 − t, dt = s − t, the std σ_t·√|dt|). σ_t = a·√(t / (1 − t)); at
-    t = 1, where it is infinite, 1 − t is replaced by 1 − s, the next timestep's, as Flow-GRPO's
-    reference does (its ``sigma_max``), at any shift of the schedule. A step from t = 0 has no
-    SDE term. A time within float32 rounding of 1 (``START``: SD3's scheduler gives 0.9999976 at
-    shift 0.1) is the start: 1/(1 − t) there would be 4·10⁵."""
+    in float64: those ``step_mean`` takes, then the step's std last. For the SDE: (σ_t²/(2t),
+    1 − t, dt = s − t, the std σ_t·√|dt|), σ_t = a·√(t / (1 − t)); at t = 1, where σ_t is
+    infinite, 1 − t is replaced by 1 − s, the next timestep's, as Flow-GRPO's reference does (its
+    ``sigma_max``), at any shift of the schedule. A step from t = 0 has no SDE term. A time within
+    float32 rounding of 1 (``START``: SD3's scheduler gives 0.9999976 at shift 0.1) is the start:
+    1/(1 − t) there would be 4·10⁵. For CPS: (1 − s, t, s·cos(a·π/2), 1 − t, the std
+    s·sin(a·π/2)). At a = 0 both are the ODE's Euler step; the ODE steps of a trajectory always
+    take the SDE's numbers (``step_mean_std``), so they do not depend on ``sde_type``."""
     t = torch.as_tensor(t, dtype=torch.float64)
-    dt = torch.as_tensor(s, dtype=torch.float64) - t
+    s = torch.as_tensor(s, dtype=torch.float64)
+    dt = s - t
+    if sde_type == "cps":
+        angle = noise_level * math.pi / 2
+        return 1 - s, t, s * math.cos(angle), 1 - t, s * math.sin(angle)
     sig = noise_level * torch.sqrt(t / torch.where(t >= START, dt.abs(), 1 - t))
     coef = torch.where(t > 0, sig * sig / (2 * t), torch.zeros_like(t))
     return coef, 1 - t, dt, sig * torch.sqrt(-dt)
 
 
 def gaussian_mean(x: torch.Tensor, v: torch.Tensor, coef, one_minus_t, dt) -> torch.Tensor:
-    """The mean of a step's Gaussian, x + [v + σ_t²/(2t)·(x + (1 − t)·v)]·dt, from
+    """The mean of an SDE step's Gaussian, x + [v + σ_t²/(2t)·(x + (1 − t)·v)]·dt, from
     ``step_coefficients`` (floats, or tensors that broadcast against x)."""
     return x + (v + coef * (x + one_minus_t * v)) * dt
 
 
+def cps_mean(x: torch.Tensor, v: torch.Tensor, one_minus_s, t, keep, one_minus_t) -> torch.Tensor:
+    """The mean of a CPS step's Gaussian, (1 − s)·x̂₀ + s·cos(a·π/2)·x̂₁ with x̂₀ = x − t·v and
+    x̂₁ = x + (1 − t)·v, from ``step_coefficients`` (``keep`` = s·cos(a·π/2))."""
+    return one_minus_s * (x - t * v) + keep * (x + one_minus_t * v)
+
+
+def step_mean(x: torch.Tensor, v: torch.Tensor, numbers, sde_type: str = "sde") -> torch.Tensor:
+    """A step's mean from ``step_coefficients``' numbers (all but its std)."""
+    return cps_mean(x, v, *numbers) if sde_type == "cps" else gaussian_mean(x, v, *numbers)
+
+
 def step_mean_std(x: torch.Tensor, v: torch.Tensor, t: float, s: float,
-                  noise_level: float) -> tuple[torch.Tensor, float]:
-    """The Gaussian of one step from ``t`` to ``s``: its mean (shaped like x) and its std."""
-    coef, one_minus_t, dt, std = (float(c) for c in step_coefficients(t, s, noise_level))
-    return gaussian_mean(x, v, coef, one_minus_t, dt), std
+                  noise_level: float, sde_type: str = "sde") -> tuple[torch.Tensor, float]:
+    """The Gaussian of one step from ``t`` to ``s``: its mean (shaped like x) and its std. With
+    ``noise_level`` 0 (an ODE step) the SDE's numbers, whatever ``sde_type``."""
+    kind = sde_type if noise_level > 0 else "sde"
+    *numbers, std = (float(c) for c in step_coefficients(t, s, noise_level, kind))
+    return step_mean(x, v, numbers, kind), std
 
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, t: float, s: float, noise_level: float, *,
-             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             generator: torch.Generator | None = None,
+             sde_type: str = "sde") -> tuple[torch.Tensor, torch.Tensor]:
     """Sample x_s; returns (x_s, its log-probability per sample: summed over all but dim 0)."""
-    mean, std = step_mean_std(x, v, t, s, noise_level)
+    mean, std = step_mean_std(x, v, t, s, noise_level, sde_type)
     if std == 0:
         return mean, torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
     noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
