@@ -240,6 +240,21 @@ def test_a_huge_observation_is_refused_cheaply_and_recorded_only_in_part(tiny_mo
     assert len(json.dumps(batch.sample_lines())) < 40_000
 
 
+@pytest.fixture
+def python_sigint():
+    """SIGINT handled by Python's own handler for the test, as in a terminal: a suite launched from
+    a shell's background job without job control starts with SIGINT ignored, and a Ctrl-C would then
+    never reach the play these tests stop with one."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("python_sigint")
 def test_an_environment_raising_a_base_exception_inline_fails_its_episode_but_a_ctrl_c_stops(tiny_model_dir):
     """env.workers=0 runs calls in the generating thread: SystemExit from the environment fails
     its episode; a KeyboardInterrupt there may be a real Ctrl-C (the main thread, Python's own
@@ -267,6 +282,7 @@ def test_an_environment_raising_a_base_exception_inline_fails_its_episode_but_a_
     assert batch.statuses == ["error"] * 4 and "KeyboardInterrupt: the tool quit" in _errors(sampler)[0]
 
 
+@pytest.mark.usefixtures("python_sigint")
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_real_ctrl_c_while_environments_step_stops_the_play(tiny_model_dir, workers):
     sampler = sampler_for(config(tiny_model_dir, "CtrlC", f"env.workers={workers}"))
