@@ -271,8 +271,7 @@ class FlowFamily(FamilyBase):
         return [f"  ODE ({cfg.flow.eval_steps} steps): pass@1 {metrics['eval/pass_at_1']:.1%}, mean reward "
                 f"{metrics['eval/reward_mean']:.3f}",
                 f"  {cfg.flow.sde_type.upper()} ({cfg.flow.steps} steps, noise {cfg.flow.noise_level:g}): "
-                f"pass@1 "
-                f"{metrics['eval/sampled_pass_at_1']:.1%}, mean reward "
+                f"pass@1 {metrics['eval/sampled_pass_at_1']:.1%}, mean reward "
                 f"{metrics['eval/sampled_reward_mean']:.3f}  ({samples} per prompt)"]
 
     def report(self, run_dir: Path, evals: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -319,5 +318,6 @@ def check_window(flow: FlowSection) -> None:
             f"is the ODE's step and no policy action, but {where}: keep the window off it with "
             f"flow.sde_window_range={last} (or less); every other step: flow.sde_window={last} "
             f"flow.sde_window_range={last}")
+
 
 FAMILY = FlowFamily()

@@ -24,8 +24,8 @@ estimates of the image, x̂₀ = x_t − t·v, and of the noise, x̂₁ = x_t + 
 
 so the noise in x_s keeps exactly the coefficient s the schedule gives it (cos² + sin² = 1), at
 every step and every a in [0, 1], where the SDE above adds more noise than the schedule's at
-coarse steps. At a = 0 it is again the Euler step; into s = 0 its noise is 0, so the last step of
-a trajectory is the ODE's under either.
+coarse steps. At a = 0 it is again the Euler step; into s = 0 its noise is 0, so its last step is
+the ODE's (the SDE's last step still draws noise).
 """
 
 from __future__ import annotations
