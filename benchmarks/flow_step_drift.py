@@ -58,8 +58,10 @@ def main(argv=None) -> int:
     cond = {"words": words}
     latents = sample(behavior, cond, sampling, generator=torch.Generator().manual_seed(0)).latents
     with torch.no_grad():
-        mu, _, stds = step_logprobs(behavior, latents, cond, sampling.times(), sampling.noise_level)
-        pi, _, _ = step_logprobs(trained, latents, cond, sampling.times(), sampling.noise_level)
+        mu, _, stds = step_logprobs(behavior, latents, cond, sampling.times(), sampling.noise_level,
+                                    sde_type=sampling.sde_type)
+        pi, _, _ = step_logprobs(trained, latents, cond, sampling.times(), sampling.noise_level,
+                                 sde_type=sampling.sde_type)
     log_ratio = pi - mu  # (N, T)
     ratio = log_ratio.exp()
     rows = [{"step": k, "std": float(stds[0, k]), "mean_log_ratio": float(log_ratio[:, k].mean()),
