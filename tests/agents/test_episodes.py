@@ -242,9 +242,9 @@ def test_a_huge_observation_is_refused_cheaply_and_recorded_only_in_part(tiny_mo
 
 @pytest.fixture
 def python_sigint():
-    """SIGINT handled by Python's own handler for the test, as in a terminal: a suite launched from
-    a shell's background job without job control starts with SIGINT ignored, and a Ctrl-C would then
-    never reach the play these tests stop with one."""
+    """SIGINT handled by Python's own handler for the test, as in a terminal: a suite launched
+    detached (``setsid nohup``) starts with SIGINT ignored, and a Ctrl-C would then never reach
+    the play these tests stop with one."""
     import signal
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)

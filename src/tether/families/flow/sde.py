@@ -39,8 +39,6 @@ from tether.errors import ConfigError
 START = 1 - 1e-5
 """Times at or above this are t = 1, the start of the trajectory (float32 rounds 1 to 1 − 2.4·10⁻⁶
 in a scheduler's shift arithmetic)."""
-SDE_TYPES = ("sde", "cps")
-"""``flow.sde_type``: Flow-GRPO's SDE, or Coefficients-Preserving Sampling."""
 NOISE_LEVEL_MAX = 2.0
 """The largest ``a``: a step multiplies x by 1 − a²·r/2, r = |dt|/(1 − t) (``step_ratios``), and
 the first step's r is 1 at any schedule; above 2 that factor leaves [−1, 1], the step expands the
@@ -69,8 +67,6 @@ def check_sde(noise_level: float, shift: float, steps: int, *, own_shift: float 
     uniform times). Under ``sde_type`` cps every step stays finite (a blend of the model's own
     estimates); its a is an angle, meaningful up to 1 (the whole of the step's noise fresh)."""
     lo, hi = SHIFT_RANGE
-    if sde_type not in SDE_TYPES:
-        raise ConfigError(f"flow.sde_type={sde_type!r} is not one of {', '.join(SDE_TYPES)}")
     if sde_type == "cps" and noise_level > 1:
         raise ConfigError(f"flow.noise_level={noise_level:g} with flow.sde_type=cps is outside [0.01, 1]: a "
                           "step's fresh noise is s·sin(a·π/2), the whole of the schedule's s at a = 1, and "
@@ -119,10 +115,10 @@ def step_coefficients(t, s, noise_level: float, sde_type: str = "sde") -> tuple[
     take the SDE's numbers (``step_mean_std``), so they do not depend on ``sde_type``."""
     t = torch.as_tensor(t, dtype=torch.float64)
     s = torch.as_tensor(s, dtype=torch.float64)
-    dt = s - t
     if sde_type == "cps":
         angle = noise_level * math.pi / 2
         return 1 - s, t, s * math.cos(angle), 1 - t, s * math.sin(angle)
+    dt = s - t
     sig = noise_level * torch.sqrt(t / torch.where(t >= START, dt.abs(), 1 - t))
     coef = torch.where(t > 0, sig * sig / (2 * t), torch.zeros_like(t))
     return coef, 1 - t, dt, sig * torch.sqrt(-dt)
