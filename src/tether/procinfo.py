@@ -37,8 +37,22 @@ def exit_when_closed(fd: int) -> None:
                 return True
 
     if select.select([fd], [], [], 0)[0] and closed():  # nothing is ever written: readable = EOF
-        os._exit(0)
-    threading.Thread(target=lambda: closed() and os._exit(0), name="tether-lifeline", daemon=True).start()
+        _exit_now()
+    threading.Thread(target=lambda: closed() and _exit_now(), name="tether-lifeline", daemon=True).start()
+
+
+def _exit_now() -> None:
+    """``os._exit(0)``, after unlinking the named semaphores this process made (a library's lock,
+    such as the one tqdm makes for diffusers' loading bars): their clean-up is an exit handler that
+    ``os._exit`` skips, and the resource tracker that unlinks them in its place warns the user of a
+    leak. Nothing else of the exit handlers runs: another one could wait on the busy main thread."""
+    with contextlib.suppress(Exception):  # a Python whose internals differ only gets the warning back
+        from multiprocessing import synchronize, util
+
+        for finalizer in list(util._finalizer_registry.values()):
+            if getattr(finalizer, "_callback", None) is synchronize.SemLock._cleanup:
+                finalizer()  # sem_unlink, then the tracker is told it is gone
+    os._exit(0)
 
 
 @contextlib.contextmanager

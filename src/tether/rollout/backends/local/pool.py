@@ -178,10 +178,10 @@ class ProcessPool(DispatchingPool):
 
         Idle workers are asked to stop and left to exit through their own exit handlers (a
         library's named semaphore, such as the lock tqdm makes for diffusers' loading bar, is
-        unlinked there; a worker ended by the lifeline leaves it to the resource tracker, which
-        warns of a leak). Closing the lifeline then ends any worker still generating at once (its
-        batch is abandoned), and one that could not be forked in time to be known here exits as
-        soon as it starts. Survivors after ``timeout`` are killed.
+        unlinked there; a worker ended by the lifeline unlinks its semaphores alone before it
+        exits, so the resource tracker has none to warn of). Closing the lifeline then ends any
+        worker still generating at once (its batch is abandoned), and one that could not be forked
+        in time to be known here exits as soon as it starts. Survivors after ``timeout`` are killed.
         """
         if self._closing and self._lifeline is None and not any(w.process.is_alive() for w in self._workers):
             return
