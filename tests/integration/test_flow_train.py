@@ -153,6 +153,30 @@ def test_a_flow_run_with_an_sde_window_trains_the_windows_steps(flow_model, tmp_
     assert all(0 <= e["eval/sampled_reward_mean"] <= 1 for e in evals)
 
 
+def test_flow_same_latent_reaches_the_rollout_worker(flow_model):
+    """flow.same_latent from the recipe to the worker's sampler: each prompt's group starts from
+    one initial noise (its first recorded latent, without a window), and the batches differ."""
+    import torch
+
+    from tether.families.flow.rollout import FlowSampler
+    from tether.families.flow.task import SHAPES
+    from tether.vocabulary import SamplingParams, WorkItem
+
+    examples = list(enumerate(SHAPES.examples("train", 2, seed=0)))
+    starts = {}
+    for same in (True, False):
+        cfg = recipe(flow_model, f"flow.same_latent={str(same).lower()}")
+        sampler = FlowSampler(cfg, str(flow_model), device=torch.device("cpu"))
+        item = WorkItem(batch_index=0, version=0, examples=examples, group_size=4,
+                        params=SamplingParams(max_new_tokens=1), seed=3)
+        starts[same] = torch.from_numpy(sampler.generate(item).latents[:, 0]).flatten(1)
+    shared, own = starts[True], starts[False]
+    assert torch.equal(shared[:4], shared[:1].expand(4, -1))
+    assert torch.equal(shared[4:], shared[4:5].expand(4, -1))
+    assert not torch.equal(shared[0], shared[4])
+    assert torch.cdist(own[:4], own[:4]).triu(1)[0, 1:].min() > 0.1
+
+
 @pytest.mark.parametrize(("override", "says"), [
     ("rollout.temperature=0.5", "rollout.temperature"),
     ("rollout.dynamic_sampling=true", "dynamic sampling, which model.family=flow does not have"),

@@ -1,6 +1,7 @@
 """The flow family's pieces without a run: the shapes task's pixel verifier, the policy's step
 log-probabilities (engine against learner), the closed-form KL, the model directory."""
 
+import dataclasses
 import math
 import random
 
@@ -295,6 +296,41 @@ def test_under_cps_engine_and_learner_agree_and_both_kl_units_are_the_exact_kl()
     assert torch.allclose(stds[0].double(), s * math.sin(0.4 * math.pi), rtol=1e-6)
     by_hand = (means - ref_means).flatten(2).pow(2).mean(-1) / (2 * stds ** 2)
     assert torch.allclose(kl["exact"], by_hand, rtol=1e-4)
+
+
+@pytest.mark.parametrize("first", [0, 2], ids=["window-at-the-start", "window-after-ode-steps"])
+def test_same_latent_starts_a_group_from_one_noise_and_its_sde_steps_still_differ(first):
+    """flow.same_latent (Flow-GRPO's sample.same_latent): each prompt's group of G trajectories
+    starts from one initial noise, new for every group; they part at the window's first SDE step,
+    and the learner's log-probs of the recorded steps are the engine's, as without it. Behind ODE
+    steps the group reaches the window at one point."""
+    torch.set_num_threads(1)
+    model = small_model()
+    sampling = FlowSampling(steps=6, noise_level=0.7, window=2, window_range=first + 2, same_latent=True)
+    seed = next(seed for seed in range(100) if sampling.window_steps(seed).start == first)
+    engine = FlowEngine(FlowModel(model.config), sampling)
+    engine.load_weights(dict(model.named_parameters()), version=0)
+    words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:3]])
+    cond = {"words": words.repeat_interleave(4, 0)}
+    out = engine.generate(cond, seed=seed, group=4)
+    start, after = out.latents[:, 0].flatten(1), out.latents[:, 1].flatten(1)
+    for g in range(3):
+        rows = slice(4 * g, 4 * g + 4)
+        assert torch.equal(start[rows], start[4 * g].expand(4, -1))  # one point for the group
+        assert torch.cdist(after[rows], after[rows]).triu(1)[0, 1:].min() > 0.1  # the SDE parts them
+    assert not torch.equal(start[0], start[4]) and not torch.equal(start[4], start[8])  # a noise a group
+    independent = FlowEngine(FlowModel(model.config), dataclasses.replace(sampling, same_latent=False))
+    independent.load_weights(dict(model.named_parameters()), version=0)
+    own = independent.generate(cond, seed=seed, group=4).latents[:, 0].flatten(1)
+    assert torch.cdist(own[:4], own[:4]).triu(1)[0, 1:].min() > 0.1  # without it, a noise an image
+    k = out.logprobs.shape[1]
+    batch = FlowBatch(positions=list(range(3)), prompts=["p"] * 3, cond={"words": words.numpy()},
+                      latents=out.latents.numpy(), logprobs=out.logprobs.numpy(),
+                      versions=[out.versions] * 12, rewards=[0.0] * 12,
+                      times=sampling.times()[first:first + k + 1].numpy(), noise_level=0.7, group_size=4,
+                      first_step=first)
+    tb = to_flow_batch(batch)
+    assert (FlowPolicy().forward(model, tb)[0].detach() - tb.behavior_logp).abs().mean() <= 1e-5
 
 
 def guided_batch(model, guidance=4.5, steps=4, seed=5):

@@ -67,6 +67,13 @@ class FlowSection:
         "flow.sde_window to flow.steps.",
         min=0,
     )
+    same_latent: bool = knob(
+        False,
+        "Every image of a prompt's group starts from the same initial noise (Flow-GRPO's "
+        "sample.same_latent, DanceGRPO's shared initialization noise): the group's images then differ "
+        "only by the SDE steps' noise, the steps the advantage credits, not by where they started. "
+        "The noise is still new for every group and batch. false = independent noise for every image.",
+    )
     kl_units: Literal["reference", "exact"] = knob(
         "reference",
         "Units of the closed-form KL that train.kl_coef weighs. reference = ‖μ_θ − μ_ref‖²/(2σ_t²), as "

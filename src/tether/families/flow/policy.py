@@ -49,6 +49,8 @@ class FlowSampling:
     """R: the window lies within steps 0 … R − 1 (its start drawn from 0 … R − K); 0 = T."""
     sde_type: str = "sde"
     """The SDE steps' rule: ``sde`` (Flow-GRPO's) or ``cps`` (Coefficients-Preserving Sampling)."""
+    same_latent: bool = False
+    """A group's trajectories start from one initial noise (``sample``'s ``group``)."""
 
     def times(self) -> torch.Tensor:
         if self.schedule:
@@ -104,17 +106,23 @@ class Trajectories:
 @torch.no_grad()
 def sample(model, cond: dict[str, torch.Tensor], settings: FlowSampling, *, generator: torch.Generator,
            negative: dict[str, torch.Tensor] | None = None, poll=None,
-           window: range | None = None) -> Trajectories:
+           window: range | None = None, group: int = 1) -> Trajectories:
     """One trajectory per row of ``cond`` (the prompts' conditioning; ``negative``: the
     unconditional prompt's, for guidance): SDE steps in ``window`` (default all T), each with its
     log-probability, the deterministic ODE step (no noise drawn) elsewhere. ``poll(j)`` is called
     before every step j and returns the version of the weights the model holds for it (an engine
-    that takes up weights between steps puts them in place there); the window's steps record it."""
+    that takes up weights between steps puts them in place there); the window's steps record it.
+    With ``settings.same_latent`` each run of ``group`` consecutive rows (a prompt's group) starts
+    from one initial noise."""
     n, times = num_rows(cond), settings.times()
     window = range(settings.steps) if window is None else window
     assert 0 <= window.start < window.stop <= settings.steps, window
     device = next(model.parameters()).device
-    x = _noise(model, n, generator, device)
+    if settings.same_latent and group > 1:
+        assert n % group == 0, (n, group)
+        x = _noise(model, n // group, generator, device).repeat_interleave(group, 0)
+    else:
+        x = _noise(model, n, generator, device)
     latents, logps, versions = [], [], [] if poll is not None else None
     for j in range(settings.steps):
         sde = j in window

@@ -69,17 +69,18 @@ class FlowEngine(ModelEngine):
                 raise _Restart(step)
         return self._version
 
-    def generate(self, cond: dict[str, torch.Tensor], *, seed: int) -> Trajectories:
+    def generate(self, cond: dict[str, torch.Tensor], *, seed: int, group: int = 1) -> Trajectories:
         """One trajectory per row of ``cond``, on the CPU: its window's latents (N, K + 1, C, H, W)
         and step log-probs (N, K), the version of each window step, and the final latents (K = T
         without a window; the window drawn by ``seed``). The same seed, weights and prompts give the
-        same trajectories (a trajectory started over draws on from the same generator)."""
+        same trajectories (a trajectory started over draws on from the same generator). ``group``:
+        the rows of one prompt's group, consecutive (one initial noise each with ``same_latent``)."""
         generator = torch.Generator().manual_seed(seed)
         cond = conditioning.to(cond, self.device)
         while True:
             try:
                 out = sample(self.model, cond, self.sampling, generator=generator, negative=self.negative,
-                             poll=self._before, window=self.sampling.window_steps(seed))
+                             poll=self._before, window=self.sampling.window_steps(seed), group=group)
             except _Restart as restart:
                 self.wasted_steps += restart.step * conditioning.num_rows(cond)
                 continue
@@ -176,7 +177,7 @@ class FlowSampler:
         model = self.engine.model
         cond = model.encode_prompts([ex.prompt for _, ex in item.examples])  # once per prompt
         per_sample = conditioning.rows(cond, torch.arange(len(item.examples)).repeat_interleave(g))
-        out = self.engine.generate(per_sample, seed=item.seed)
+        out = self.engine.generate(per_sample, seed=item.seed, group=g)
         check_finite(out, self.sampling)
         generate_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -246,4 +247,4 @@ def sampling_of(cfg, model=None) -> FlowSampling:
     schedule = () if model is None else tuple(float(t) for t in model.times(f.steps, f.shift))
     return FlowSampling(steps=f.steps, noise_level=f.noise_level, shift=f.shift,
                         guidance_scale=f.guidance_scale, schedule=schedule, window=f.sde_window,
-                        window_range=f.sde_window_range, sde_type=f.sde_type)
+                        window_range=f.sde_window_range, sde_type=f.sde_type, same_latent=f.same_latent)
