@@ -6,6 +6,7 @@ import contextlib
 import os
 import select
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -45,14 +46,23 @@ def _exit_now() -> None:
     """``os._exit(0)``, after unlinking the named semaphores this process made (a library's lock,
     such as the one tqdm makes for diffusers' loading bars): their clean-up is an exit handler that
     ``os._exit`` skips, and the resource tracker that unlinks them in its place warns the user of a
-    leak. Nothing else of the exit handlers runs: another one could wait on the busy main thread."""
-    with contextlib.suppress(Exception):  # a Python whose internals differ only gets the warning back
-        from multiprocessing import synchronize, util
+    leak. Nothing else of the exit handlers runs: another one could wait on the busy main thread.
+    The clean-up tells the tracker through a lock the main thread may hold, so a timer ends the
+    process after a second whatever it is doing: the lifeline's exit is never held up."""
+    deadline = threading.Timer(1.0, os._exit, (0,))
+    deadline.daemon = True
+    deadline.start()
+    try:
+        made = sys.modules.get("multiprocessing.synchronize")  # not imported: no semaphore made
+        if made is not None:
+            from multiprocessing import util
 
-        for finalizer in list(util._finalizer_registry.values()):
-            if getattr(finalizer, "_callback", None) is synchronize.SemLock._cleanup:
-                finalizer()  # sem_unlink, then the tracker is told it is gone
-    os._exit(0)
+            for finalizer in list(util._finalizer_registry.values()):
+                if getattr(finalizer, "_callback", None) is made.SemLock._cleanup:
+                    with contextlib.suppress(Exception):  # one gone already, or internals that differ
+                        finalizer()  # sem_unlink, then the tracker is told it is gone
+    finally:
+        os._exit(0)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,57 @@
+"""A process tied to another by a lifeline pipe (``procinfo.exit_when_closed``) exits the moment
+the pipe closes: it unlinks the named semaphores it made first, and nothing it is doing — not
+even holding the resource tracker's lock, which that clean-up needs — holds the exit up."""
+
+import multiprocessing
+import os
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _child(lifeline_r, lifeline_w, report, hold_tracker_lock):
+    from multiprocessing import resource_tracker
+
+    from tether.procinfo import exit_when_closed
+
+    lifeline_w.close()
+    lock = multiprocessing.get_context("forkserver").Lock()  # a named semaphore, registered
+    exit_when_closed(lifeline_r.fileno())
+    report.send(lock._semlock.name)
+    if hold_tracker_lock:
+        resource_tracker._resource_tracker._lock.acquire()
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["idle", "holding-the-tracker-lock"])
+def test_a_closed_lifeline_unlinks_the_semaphores_and_exits_at_once(hold):
+    ctx = multiprocessing.get_context("forkserver")
+    lifeline_r, lifeline_w = ctx.Pipe(duplex=False)
+    report_r, report_w = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(lifeline_r, lifeline_w, report_w, hold), daemon=True)
+    proc.start()
+    lifeline_r.close()
+    report_w.close()
+    assert report_r.poll(30), "the child did not start"
+    name = report_r.recv()
+    time.sleep(0.2)  # the child is asleep (holding the lock, when asked)
+    t0 = time.monotonic()
+    lifeline_w.close()
+    proc.join(10)
+    waited = time.monotonic() - t0
+    alive = proc.is_alive()
+    if alive:
+        proc.kill()
+    assert not alive and proc.exitcode == 0, (proc.exitcode, waited)
+    assert waited < 5, waited  # the guard is a second; this bounds a hang, not speed
+    left = os.path.exists(f"/dev/shm/sem.{name.lstrip('/')}")
+    if not hold:  # unlinked by the child itself: gone before any tracker could get to it
+        assert not left
+    elif left:  # the clean-up was cut short by the guard: ours to do, so the tracker has no warning
+        import _multiprocessing
+        from multiprocessing import resource_tracker
+
+        _multiprocessing.sem_unlink(name)
+        resource_tracker.unregister(name, "semaphore")
