@@ -303,7 +303,7 @@ def test_same_latent_starts_a_group_from_one_noise_and_its_sde_steps_still_diffe
     """flow.same_latent (Flow-GRPO's sample.same_latent): each prompt's group of G trajectories
     starts from one initial noise, new for every group; they part at the window's first SDE step,
     and the learner's log-probs of the recorded steps are the engine's, as without it. Behind ODE
-    steps the group reaches the window at one point."""
+    steps the group reaches the window at one point, computed once a group."""
     torch.set_num_threads(1)
     model = small_model()
     sampling = FlowSampling(steps=6, noise_level=0.7, window=2, window_range=first + 2, same_latent=True)
@@ -312,7 +312,10 @@ def test_same_latent_starts_a_group_from_one_noise_and_its_sde_steps_still_diffe
     engine.load_weights(dict(model.named_parameters()), version=0)
     words = torch.tensor([scenes.encode(s.prompt) for s in scenes.all_scenes()[:3]])
     cond = {"words": words.repeat_interleave(4, 0)}
+    forward, seen = engine.model.forward, []
+    engine.model.forward = lambda x, *rest: seen.append(len(x)) or forward(x, *rest)
     out = engine.generate(cond, seed=seed, group=4)
+    assert seen == [3] * first + [12] * (6 - first)  # the ODE steps before the window once a group
     start, after = out.latents[:, 0].flatten(1), out.latents[:, 1].flatten(1)
     for g in range(3):
         rows = slice(4 * g, 4 * g + 4)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tether.families.flow.conditioning import num_rows, velocity
+from tether.families.flow.conditioning import num_rows, rows, velocity
 from tether.families.flow.sde import step_coefficients, step_mean, step_mean_std, timesteps
 
 WINDOW_STREAM = 0x5DE
@@ -113,14 +113,17 @@ def sample(model, cond: dict[str, torch.Tensor], settings: FlowSampling, *, gene
     before every step j and returns the version of the weights the model holds for it (an engine
     that takes up weights between steps puts them in place there); the window's steps record it.
     With ``settings.same_latent`` each run of ``group`` consecutive rows (a prompt's group) starts
-    from one initial noise."""
+    from one initial noise; the ODE steps before the window, the same for the whole group, are
+    then computed once a group."""
     n, times = num_rows(cond), settings.times()
     window = range(settings.steps) if window is None else window
     assert 0 <= window.start < window.stop <= settings.steps, window
     device = next(model.parameters()).device
-    if settings.same_latent and group > 1:
+    together = settings.same_latent and group > 1  # one row a group until the window parts them
+    if together:
         assert n % group == 0, (n, group)
-        x = _noise(model, n // group, generator, device).repeat_interleave(group, 0)
+        x = _noise(model, n // group, generator, device)
+        group_cond = rows(cond, torch.arange(0, n, group))
     else:
         x = _noise(model, n, generator, device)
     latents, logps, versions = [], [], [] if poll is not None else None
@@ -130,9 +133,12 @@ def sample(model, cond: dict[str, torch.Tensor], settings: FlowSampling, *, gene
         if sde and versions is not None:
             versions.append(version)
         if j == window.start:
+            if together:
+                x, together = x.repeat_interleave(group, 0), False
             latents.append(x)
         t, s = float(times[j]), float(times[j + 1])
-        v = velocity(model, x, torch.full((n,), t, device=device), cond, negative, settings.guidance_scale)
+        v = velocity(model, x, torch.full((len(x),), t, device=device), group_cond if together else cond,
+                     negative, settings.guidance_scale)
         mean, std = step_mean_std(x, v, t, s, settings.noise_level if sde else 0.0, settings.sde_type)
         if not sde:  # the ODE's Euler step
             x = mean
