@@ -392,6 +392,15 @@ def test_with_an_sde_window_the_flow_grpo_preset_trains_the_whole_window():
     assert named.flow.train_steps == 1
 
 
+def test_same_latent_with_groups_of_one_is_noted_as_having_no_effect():
+    alone = load_config(None, [*FLOW, "flow.same_latent=true", "rollout.group_size=1",
+                               "train.advantage=reinforce_pp"])  # a batch-wide baseline
+    [note] = [n for n in alone.family().notes(alone) if n.code == "same_latent_alone"]
+    assert "rollout.group_size=1" in note.message
+    grouped = load_config(None, [*FLOW, "flow.same_latent=true", "rollout.group_size=4"])
+    assert "same_latent_alone" not in [n.code for n in grouped.family().notes(grouped)]
+
+
 def test_a_key_the_recipe_names_wins_over_the_flow_grpo_preset_even_at_its_default():
     mine = load_config(None, [*FLOW, "train.algorithm=flow_grpo", "train.anchor=proximal",
                               "correction.tis=token", "train.lr=1e-6", "train.lora_rank=0",

@@ -97,8 +97,9 @@ class FlowFamily(FamilyBase):
 
     def notes(self, cfg: Any) -> list[AdmissionNote]:
         """Guidance settings that run, but do not do what they seem to; recompute, which is keep
-        here; and, with ``train.algorithm: flow_grpo``, the recipe's own trained steps where they are
-        not the reference's (the recipe named them: ``resolve_flow`` fills them otherwise)."""
+        here; one initial noise a group for groups of one; and, with ``train.algorithm:
+        flow_grpo``, the recipe's own trained steps where they are not the reference's (the recipe
+        named them: ``resolve_flow`` fills them otherwise)."""
         from tether.families.flow.options import preset_train_steps
 
         f = cfg.flow
@@ -109,6 +110,11 @@ class FlowFamily(FamilyBase):
                 "not_the_reference_steps", f"flow.train_steps={f.train_steps}, flow.train_step_choice="
                 f"{f.train_step_choice} (the recipe's) stand instead of train.algorithm=flow_grpo's "
                 f"trained steps: flow.train_steps={reference}, flow.train_step_choice=first"))
+        if f.same_latent and cfg.rollout.group_size == 1:
+            own.append(AdmissionNote(
+                "same_latent_alone", "flow.same_latent=true has no effect at rollout.group_size=1: a "
+                "group of one image has no other to share its initial noise with; raise "
+                "rollout.group_size (Flow-GRPO: 24) or drop flow.same_latent"))
         from tether.control import inflight_mode
 
         if inflight_mode(cfg.async_.inflight_update).recomputes_prefix:
