@@ -58,7 +58,7 @@ def _exit_now() -> None:
             from multiprocessing import util
 
             for finalizer in list(util._finalizer_registry.values()):
-                if getattr(finalizer, "_callback", None) is made.SemLock._cleanup:
+                if finalizer._callback is made.SemLock._cleanup:  # an AttributeError still exits
                     with contextlib.suppress(Exception):  # one gone already, or internals that differ
                         finalizer()  # sem_unlink, then the tracker is told it is gone
     finally:
