@@ -215,10 +215,13 @@ def test_draining_at_turn_boundaries_publishes_between_turns_within_the_budget(r
     run = tmp_path / backend
     tether("train", recipe, "async.inflight_update=drain", "env.switch_at=turn",
            f"env.env_class={envs}:SlowEcho", "async.max_staleness=1", "async.max_inflight=2",
-           "train.num_batches=6", "eval.interval=0", "checkpoint.interval=0", *ray, "--run-dir", run,
+           "train.num_batches=12", "eval.interval=0", "checkpoint.interval=0", *ray, "--run-dir", run,
            "--plain", "--no-report")
+    # whether a publication lands mid-episode or just before a batch's first turn is timing: under
+    # the suite's load 6 batches on Ray once had every switch before a first turn (no episode
+    # spanned versions); alone 11 of 12 span them
     metrics = rows(run / "metrics.jsonl")
-    assert len(metrics) == 6 and all(m["staleness/updates"] <= 1 for m in metrics)
+    assert len(metrics) == 12 and all(m["staleness/updates"] <= 1 for m in metrics)
     assert all(m["rollout/weight_switches"] == m["rollout/turn_boundary_switches"] for m in metrics)
     assert sum(m["rollout/turn_boundary_switches"] for m in metrics) > 0
     assert any(m["staleness/multi_version_seq_frac"] > 0 for m in metrics)
