@@ -141,19 +141,19 @@ class FailsLateOnOddTasks:
 
 
 class SlowEcho(Echo):
-    """Echo whose every step takes ``STEP_S`` seconds (a tool that takes its time), rewarding
-    actions of odd length (so a group's returns differ and updates commit). ``stepped``: a file it
-    creates when a step starts (``env.kwargs``), for a test to wait on."""
+    """Echo whose every step takes ``step_s`` seconds (a tool that takes its time; ``STEP_S``
+    unless ``env.kwargs`` says), rewarding actions of odd length (so a group's returns differ and
+    updates commit). ``stepped``: a file it creates when a step starts, for a test to wait on."""
 
     STEP_S = 0.3
 
-    def __init__(self, stepped: str = "") -> None:
-        self.stepped = stepped
+    def __init__(self, stepped: str = "", step_s: float = STEP_S) -> None:
+        self.stepped, self.step_s = stepped, step_s
 
     def step(self, action):
         if self.stepped:
             Path(self.stepped).touch()
-        time.sleep(self.STEP_S)
+        time.sleep(self.step_s)
         step = super().step(action)
         return Step(step.observation, reward=float(len(action) % 2), done=step.done)
 
