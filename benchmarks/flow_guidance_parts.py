@@ -4,7 +4,9 @@ Guided sampling computes v = v_u + w·(v_c − v_u) from one network, the uncond
 v_u (the empty prompt's) and the conditional v_c. RL moves both, since they share every weight.
 This evaluates the guided ODE sampler with v_c from one model folder or checkpoint (``--cond``) and
 v_u from another (``--uncond``), on ODE images of the trained and the held-out prompts, scored by
-the shapes verifier as the run's evaluation scores them. ``--cond`` and ``--uncond`` the same
+the shapes verifier as the run's evaluation scores them, with the share of each split's images
+that pass each of the verifier's checks (which words a model misses, and whether it misses them
+more on the held-out prompts than on those it trained on). ``--cond`` and ``--uncond`` the same
 folder is the model's own guided reward.
 
     python benchmarks/flow_guidance_parts.py RECIPE --cond A --uncond B [--guidance 4.5] [--json] \
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     from tether.config import load_config
+    from tether.families.flow import scenes
     from tether.families.flow.evaluate import FlowEvaluator
     from tether.families.flow.rollout import sampling_of
     from tether.families.flow.task import SHAPES, flow_scorer
@@ -88,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                          "alone: tether eval RECIPE flow.guidance_scale=1 --model MODEL)")
     model = TwoBranches(load(args.cond, cfg), load(args.uncond, cfg)).eval()
     sampling = dataclasses.replace(sampling_of(cfg, model.cond), guidance_scale=w)
-    record = {"cond": args.cond, "uncond": args.uncond, "guidance": w, "eval_steps": cfg.flow.eval_steps}
+    record = {"cond": args.cond, "uncond": args.uncond, "guidance": w, "eval_steps": cfg.flow.eval_steps,
+              "checks": {}}
     score = flow_scorer(cfg)
     for split in ("train", "eval"):
         examples = SHAPES.examples(split, args.examples, seed=0)
@@ -97,13 +101,21 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():  # the ODE images of the run's evaluation: the same noises
             images = evaluator.images(evaluator.cond, evaluator.seed)
         rewards = [score(e, x) for e, x in zip(examples, images, strict=True)]
-        record["held_out" if split == "eval" else "trained"] = sum(rewards) / len(rewards)
+        name = "held_out" if split == "eval" else "trained"
+        record[name] = sum(rewards) / len(rewards)
+        passed = [scenes.checks(scenes.Scene.parse(e.prompt), x)
+                  for e, x in zip(examples, images, strict=True)]
+        record["checks"][name] = {check: sum(c[check] for c in passed) / len(passed)
+                                  for check in scenes.CHECKS}
     if args.json:
         print(json.dumps(record))
     else:
         print(f"v_c from {args.cond}, v_u from {args.uncond}, w = {w}, {args.examples} ODE images "
               f"({cfg.flow.eval_steps} steps) a split: trained prompts {record['trained']:.3f}, "
               f"held-out {record['held_out']:.3f}")
+        for name, shares in record["checks"].items():
+            print(f"  {name.replace('_', '-')} images passing each check: "
+                  + ", ".join(f"{check} {100 * share:.1f}%" for check, share in shares.items()))
     return 0
 
 

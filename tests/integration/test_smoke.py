@@ -132,3 +132,13 @@ def test_flow_guidance_benchmarks_measure_both_gradients_and_both_branches_on_a_
     assert out.returncode == 0, out.stderr
     parts = json.loads(out.stdout)
     assert parts["guidance"] == 4.5 and 0 <= parts["trained"] <= 1 and 0 <= parts["held_out"] <= 1
+    from tether.families.flow import scenes
+
+    for split in ("trained", "held_out"):  # each check's share of the split's 16 images
+        shares = parts["checks"][split]
+        assert list(shares) == list(scenes.CHECKS)
+        assert all(share * 16 == int(share * 16) for share in shares.values())
+        # an image's reward is the squared share of its words passed, gated by its background: at
+        # most that share, so the split's reward is at most the words' mean share and the background's
+        words = [shares[check] for check in scenes.WORDS_CHECKED]
+        assert parts[split] <= min(sum(words) / 4, shares["background"]) + 1e-9
