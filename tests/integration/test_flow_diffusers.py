@@ -69,6 +69,35 @@ def test_the_built_pipeline_does_not_depend_on_the_installed_libraries_initialis
     assert not torch.equal(one[token], load_file(next((other / "text_encoder").glob("*.safetensors")))[token])
 
 
+def test_a_word_tokenizer_holds_each_word_of_the_task_whole_and_other_text_in_characters(tmp_path):
+    """flow.init_tokens=words: BPE merges under which each of the shapes task's words is one token,
+    every prompt four tokens between CLIP's start and end; text of other words keeps its characters
+    and decodes back; words that share pieces ("le" in left and circles) all end whole."""
+    from transformers import CLIPTokenizer
+
+    from tether.families.flow import scenes
+    from tether.families.flow.tiny_sd3 import ALPHABET, _tokenizer, build_tiny_sd3
+
+    tok = _tokenizer(tmp_path / "words", 8, scenes.WORDS[1:])
+    for scene in scenes.all_scenes():
+        ids = tok(scene.prompt, padding="max_length", max_length=8).input_ids
+        assert tok.convert_ids_to_tokens(ids) == [
+            "<|startoftext|>", *(w + "</w>" for w in scene.prompt.split()), *["<|endoftext|>"] * 3]
+    ids = tok("squared circ lefty").input_ids
+    assert len(ids) > 5 and tok.decode(ids, skip_special_tokens=True) == "squared circ lefty"
+    shared = ["le", "left", "circle", "circles", "el", "ele", "elect", "lectern", "a", "aaaa", "abab", "ba"]
+    tok = _tokenizer(tmp_path / "shared", 8, shared)
+    for word in shared:
+        tokens = tok.convert_ids_to_tokens(tok(word).input_ids)
+        assert tokens == ["<|startoftext|>", word + "</w>", "<|endoftext|>"]
+    plain = build_tiny_sd3(tmp_path / "plain", image_size=16)
+    worded = build_tiny_sd3(tmp_path / "worded", image_size=16, max_prompt_tokens=8, words=scenes.WORDS[1:])
+    size = {p: json.loads((p / "text_encoder" / "config.json").read_text())["vocab_size"]
+            for p in (plain, worded)}
+    assert size[plain] == 2 + 2 * len(ALPHABET) < size[worded]
+    assert size[worded] == len(CLIPTokenizer.from_pretrained(worded / "tokenizer").get_vocab())
+
+
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
@@ -539,6 +568,8 @@ def test_an_sd3_pipeline_the_recipe_builds_has_a_trained_vae_and_trains_on_shape
     assert built_otherwise(other, model) == ["flow.init_vae_steps: built with 60, the recipe says 61"]
     other = load_config(None, [*keys, "flow.init_vae_reward=0.9"])
     assert built_otherwise(other, model) == ["flow.init_vae_reward: built with 1.0, the recipe says 0.9"]
+    other = load_config(None, [*keys, "flow.init_tokens=words"])
+    assert built_otherwise(other, model) == ["flow.init_tokens: built with characters, the recipe says words"]
 
 
 def test_the_vae_trains_until_its_reconstructions_reach_the_target(monkeypatch):

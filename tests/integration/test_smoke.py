@@ -142,3 +142,17 @@ def test_flow_guidance_benchmarks_measure_both_gradients_and_both_branches_on_a_
         # most that share, so the split's reward is at most the words' mean share and the background's
         words = [shares[check] for check in scenes.WORDS_CHECKED]
         assert parts[split] <= min(sum(words) / 4, shares["background"]) + 1e-9
+
+
+def test_the_sd3_tokenizer_benchmark_times_both_tokenizers_on_the_recipes_batch():
+    # two untrained tiny pipelines at a small width, one timed round each after the warm-up round
+    out = subprocess.run([sys.executable, "benchmarks/flow_sd3_tokens.py", "--repeats", "1", "--json",
+                          "flow.init_width=32", "flow.init_depth=1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out.stdout)
+    assert (record["width"], record["depth"], record["samples_per_batch"]) == (32, 1, 64)
+    rows = record["rows"]
+    assert [(r["tokens"], r["max_prompt_tokens"]) for r in rows] == [("characters", 32), ("words", 8)]
+    assert rows[0]["gen_speedup"] == rows[0]["learner_speedup"] == 1.0
+    assert all(r[k] > 0 for r in rows for k in ("gen_s", "gen_cpu_s", "learner_s", "learner_cpu_s"))

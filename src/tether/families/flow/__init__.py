@@ -228,7 +228,7 @@ class FlowFamily(FamilyBase):
         if is_pipeline(path):  # a user's pipeline (nothing to compare), or one flow.init_backbone=sd3 built
             keys = (("init_backbone", "backbone"), ("init_width", "init_width"), ("init_depth", "init_depth"),
                     ("init_vae_steps", "vae_steps"), ("init_vae_reward", "vae_reward_target"),
-                    ("init_cond_dropout", "cond_dropout"))
+                    ("init_cond_dropout", "cond_dropout"), ("init_tokens", "init_tokens"))
             return [f"flow.{key}: built with {built[field]}, the recipe says {getattr(cfg.flow, key)}"
                     for key, field in keys if field in built and built[field] != getattr(cfg.flow, key)]
         config = read_config(path)

@@ -148,6 +148,15 @@ class FlowSection:
         "transformer warm-started on its latents (docs/flow.md).",
         choices=("dit", "sd3"),
     )
+    init_tokens: Literal["characters", "words"] = knob(
+        "characters",
+        "With flow.init_backbone=sd3: the built pipeline's CLIP tokenizer. 'characters': one token a "
+        "character, so data.max_prompt_tokens must hold a prompt's letters; 'words': BPE merges that "
+        "hold each word of the shapes task whole, as a real CLIP vocabulary holds common words (any "
+        "other text keeps its characters), so a prompt is a token a word and a short "
+        "data.max_prompt_tokens (8) halves the transformer's text stream.",
+        choices=("characters", "words"),
+    )
     init_vae_steps: int = knob(
         3000, "With flow.init_backbone=sd3: the most optimizer steps of the VAE's training on drawn scenes "
         "(it stops earlier at flow.init_vae_reward; a warning if it never gets there).", min=1

@@ -174,7 +174,8 @@ def sd3_warmstart(out: str | Path, train: Sequence[Example], held_out: Sequence[
     torch.set_num_threads(cfg.train.threads)
     out = Path(out)
     build_tiny_sd3(out, seed=seed, image_size=scenes.SIZE, width=flow.init_width, depth=flow.init_depth,
-                   max_prompt_tokens=cfg.data.max_prompt_tokens, vae_width=VAE_WIDTH)
+                   max_prompt_tokens=cfg.data.max_prompt_tokens, vae_width=VAE_WIDTH,
+                   words=scenes.WORDS[1:] if flow.init_tokens == "words" else ())
     model = load_flow_model(out, cfg)
     sampling = sampling_of(cfg, model)
     vae = model.pipe.vae
@@ -216,6 +217,7 @@ def sd3_warmstart(out: str | Path, train: Sequence[Example], held_out: Sequence[
     write_record(out, result, {**asdict(settings),
                                "seed": seed, "cond_dropout": flow.init_cond_dropout, "backbone": "sd3",
                                "init_width": flow.init_width, "init_depth": flow.init_depth,
+                               "init_tokens": flow.init_tokens,
                                "vae_steps": flow.init_vae_steps, "vae_reward_target": flow.init_vae_reward,
                                "vae_steps_taken": vae_steps, "vae_reward": vae_reward,
                                "vae_abs_error": vae_error,

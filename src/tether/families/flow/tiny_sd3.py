@@ -10,26 +10,79 @@ build theirs. A real pipeline directory is used the same way (``model.path``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 ALPHABET = [chr(c) for c in range(33, 127)]
 
 
-def _tokenizer(folder: Path, max_length: int):
-    """A CLIP tokenizer over printable ASCII characters (no merges: one token a character, the
-    last of a word marked as CLIP's BPE marks it)."""
+def _symbols(word: str) -> list[str]:
+    """A word as CLIP's BPE starts it: one symbol a character, the last marked as a word's end."""
+    return [*word[:-1], word[-1] + "</w>"]
+
+
+def _bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+    """``word``'s tokens under the merges ``ranks``, merged as byte-pair encoding merges: the
+    adjacent pair of the lowest rank first, every occurrence of it left to right, until none is
+    left that a merge names."""
+    symbols = _symbols(word)
+    while len(symbols) > 1:
+        pairs = [(ranks[p], p) for p in itertools.pairwise(symbols) if p in ranks]
+        if not pairs:
+            break
+        pair = min(pairs)[1]
+        out, i = [], 0
+        while i < len(symbols):
+            if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == pair:
+                out.append(symbols[i] + symbols[i + 1])
+                i += 2
+            else:
+                out.append(symbols[i])
+                i += 1
+        symbols = out
+    return symbols
+
+
+def word_merges(words: Sequence[str]) -> list[tuple[str, str]]:
+    """BPE merges under which each of ``words`` is one token, as a real CLIP tokenizer holds the
+    common words of its captions whole: a word still in pieces gets a merge of its first two
+    pieces, ranked after every merge before it (so it cannot change how another word is
+    merged before that word needs it), until every word is whole."""
+    merges: list[tuple[str, str]] = []
+    ranks: dict[tuple[str, str], int] = {}
+    pending = sorted(set(words))
+    while pending:
+        left = []
+        for word in pending:
+            pieces = _bpe(word, ranks)
+            if len(pieces) > 1:
+                ranks[(pieces[0], pieces[1])] = len(merges)
+                merges.append((pieces[0], pieces[1]))
+                left.append(word)
+        pending = left
+    return merges
+
+
+def _tokenizer(folder: Path, max_length: int, words: Sequence[str] = ()):
+    """A CLIP tokenizer over printable ASCII characters, one token a character (the last of a word
+    marked as CLIP's BPE marks it), with merges that keep each of ``words`` whole: a prompt of
+    those words is a token a word, and any other text still has its characters."""
     from transformers import CLIPTokenizer
 
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for suffix in ("", "</w>"):
         for c in ALPHABET:
             vocab[c + suffix] = len(vocab)
+    merges = word_merges([w.lower() for w in words])
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.json").write_text(json.dumps(vocab))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
     return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=max_length,
                          pad_token="<|endoftext|>")
 
@@ -65,10 +118,12 @@ def init_text_encoder(encoder, seed: int) -> None:
 
 
 def build_tiny_sd3(out: str | Path, *, seed: int = 0, image_size: int = 32, width: int = 32, depth: int = 2,
-                   text_width: int = 32, max_prompt_tokens: int = 32, vae_width: int = 8) -> Path:
+                   text_width: int = 32, max_prompt_tokens: int = 32, vae_width: int = 8,
+                   words: Sequence[str] = ()) -> Path:
     """Write the pipeline to ``out`` (through a temporary folder and a rename: never half a
     pipeline at ``out``). ``image_size`` pixels (latents are half as wide, 4 channels);
-    ``vae_width`` the VAE's first level's channels (its second has twice as many)."""
+    ``vae_width`` the VAE's first level's channels (its second has twice as many); ``words`` held
+    whole by the tokenizer (``_tokenizer``; none: one token a character)."""
     import torch
     from diffusers import (
         AutoencoderKL,
@@ -93,11 +148,11 @@ def build_tiny_sd3(out: str | Path, *, seed: int = 0, image_size: int = 32, widt
                         down_block_types=("DownEncoderBlock2D",) * 2,
                         up_block_types=("UpDecoderBlock2D",) * 2,
                         sample_size=image_size, norm_num_groups=8, scaling_factor=1.5035, shift_factor=0.0609)
+    tokenizer = _tokenizer(staging / "_tokenizer", max_prompt_tokens, words)
     text = CLIPTextConfig(bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_size=text_width,
                           intermediate_size=2 * text_width, num_attention_heads=4, num_hidden_layers=2,
-                          vocab_size=2 + 2 * len(ALPHABET), projection_dim=text_width,
+                          vocab_size=len(tokenizer.get_vocab()), projection_dim=text_width,
                           max_position_embeddings=max_prompt_tokens, hidden_act="gelu")
-    tokenizer = _tokenizer(staging / "_tokenizer", max_prompt_tokens)
     encoders = [CLIPTextModelWithProjection(text) for _ in range(2)]
     for i, encoder in enumerate(encoders):
         init_text_encoder(encoder, seed=1000 * seed + 1 + i)
