@@ -572,6 +572,22 @@ def test_an_sd3_pipeline_the_recipe_builds_has_a_trained_vae_and_trains_on_shape
     assert built_otherwise(other, model) == ["flow.init_tokens: built with characters, the recipe says words"]
 
 
+@pytest.mark.parametrize(("tokens", "length", "need"), [("characters", 23, 24), ("words", 5, 6)])
+def test_a_prompt_length_that_would_cut_the_tasks_prompts_is_refused_before_anything_is_built(
+        tmp_path, tokens, length, need):
+    """The shapes task's longest prompt is 24 tokens a character and 6 a word (CLIP's start and end
+    included): a data.max_prompt_tokens below that would have the built text encoders read cut
+    prompts, so the build refuses it, naming the length to set, and writes no model."""
+    model = tmp_path / "sd3"
+    keys = [f"model.path={model}", "model.create_if_missing=true", "model.family=flow", "data.task=shapes",
+            "flow.init_backbone=sd3", f"flow.init_tokens={tokens}", f"data.max_prompt_tokens={length}",
+            "flow.init_width=32", "flow.init_depth=1", "flow.guidance_scale=4.5", "train.num_batches=1"]
+    with pytest.raises(ConfigError, match=f"data.max_prompt_tokens={length} .* at least {need}") as refused:
+        train(load_config(None, keys), tmp_path / "run", progress_plain=True)
+    assert ("(or flow.init_tokens=words" in str(refused.value)) == (tokens == "characters")
+    assert not model.exists() and not any(p.name.startswith(".sd3") for p in tmp_path.iterdir())
+
+
 def test_the_vae_trains_until_its_reconstructions_reach_the_target(monkeypatch):
     """The VAE's training stops at the first check that reaches flow.init_vae_reward, and runs to
     its most steps where none does (the check at the last step too)."""

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from tether.errors import ConfigError
 from tether.families.flow import scenes
 from tether.families.flow.warmstart import drawn_scenes
 from tether.train.supervised import WarmstartResult, warmstart_loop, write_record
@@ -168,14 +169,21 @@ def sd3_warmstart(out: str | Path, train: Sequence[Example], held_out: Sequence[
     from tether.families.flow.evaluate import FlowEvaluator
     from tether.families.flow.model import load_flow_model
     from tether.families.flow.rollout import sampling_of
-    from tether.families.flow.tiny_sd3 import build_tiny_sd3
+    from tether.families.flow.tiny_sd3 import build_tiny_sd3, prompt_tokens
 
     flow, settings, seed = cfg.flow, cfg.warmstart, cfg.run.seed
+    words = scenes.WORDS[1:] if flow.init_tokens == "words" else ()
+    need = prompt_tokens([s.prompt for s in scenes.all_scenes()], words)
+    if need > cfg.data.max_prompt_tokens:
+        raise ConfigError(
+            f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} is shorter than the shapes task's longest "
+            f"prompt under flow.init_tokens={flow.init_tokens}: {need} tokens with CLIP's start and end, so "
+            f"the built pipeline's text encoders would cut prompts short. Set data.max_prompt_tokens to at "
+            f"least {need}" + (" (or flow.init_tokens=words, a token a word)" if not words else ""))
     torch.set_num_threads(cfg.train.threads)
     out = Path(out)
     build_tiny_sd3(out, seed=seed, image_size=scenes.SIZE, width=flow.init_width, depth=flow.init_depth,
-                   max_prompt_tokens=cfg.data.max_prompt_tokens, vae_width=VAE_WIDTH,
-                   words=scenes.WORDS[1:] if flow.init_tokens == "words" else ())
+                   max_prompt_tokens=cfg.data.max_prompt_tokens, vae_width=VAE_WIDTH, words=words)
     model = load_flow_model(out, cfg)
     sampling = sampling_of(cfg, model)
     vae = model.pipe.vae

@@ -50,8 +50,8 @@ def _bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
 def word_merges(words: Sequence[str]) -> list[tuple[str, str]]:
     """BPE merges under which each of ``words`` is one token, as a real CLIP tokenizer holds the
     common words of its captions whole: a word still in pieces gets a merge of its first two
-    pieces, ranked after every merge before it (so it cannot change how another word is
-    merged before that word needs it), until every word is whole."""
+    pieces, ranked after every merge before it, so the merges already made apply first and each
+    pass leaves every unfinished word in fewer pieces, until every word is whole."""
     merges: list[tuple[str, str]] = []
     ranks: dict[tuple[str, str], int] = {}
     pending = sorted(set(words))
@@ -85,6 +85,16 @@ def _tokenizer(folder: Path, max_length: int, words: Sequence[str] = ()):
     (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
     return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=max_length,
                          pad_token="<|endoftext|>")
+
+
+def prompt_tokens(prompts: Sequence[str], words: Sequence[str] = ()) -> int:
+    """The most tokens any of ``prompts`` takes under the tokenizer ``build_tiny_sd3`` builds with
+    ``words``, CLIP's start and end included: the shortest prompt length that cuts none short."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = _tokenizer(Path(folder), 1 << 16, words)
+        return max(len(tokenizer(p).input_ids) for p in prompts)
 
 
 def init_text_encoder(encoder, seed: int) -> None:
