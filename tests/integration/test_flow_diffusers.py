@@ -278,6 +278,20 @@ def test_resolution_is_refused_for_the_built_in_model(tmp_path):
                            "flow.resolution=32"])
 
 
+@pytest.mark.parametrize("keys", [["flow.init_tokens=words"],
+                                  ["flow.init_vae_steps=20", "flow.init_vae_reward=0.5"]])
+def test_the_sd3_builds_keys_are_refused_for_the_built_in_model(tmp_path, keys):
+    """flow.init_tokens and the VAE's keys shape the tiny SD3 pipeline alone: with the built-in
+    DiT (flow.init_backbone=dit) they would do nothing, so the recipe is refused, naming each;
+    with flow.init_backbone=sd3 they are read."""
+    base = ["model.family=flow", "data.task=shapes", f"model.path={tmp_path / 'm'}"]
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [*base, *keys])
+    assert all(key in str(refused.value) for key in keys) and "flow.init_backbone=sd3" in str(refused.value)
+    cfg = load_config(None, [*base, *keys, "flow.init_backbone=sd3", "data.max_prompt_tokens=32"])
+    assert cfg.flow.init_backbone == "sd3"
+
+
 def test_a_bfloat16_engine_trains_a_float32_learner_with_the_mismatch_measured(pipeline, prompts, tmp_path):
     """flow.dtype=bfloat16: the engine's pipeline in bf16 (published float32 weights cast on the
     way in, never bound), its SDE step and log-probs in float32; the learner float32. The

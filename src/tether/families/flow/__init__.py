@@ -55,6 +55,7 @@ class FlowFamily(FamilyBase):
         return resolve_flow(cfg, explicit)
 
     def check(self, cfg: Any) -> None:
+        from tether.families.flow.options import FlowSection
         from tether.families.flow.pipeline import check_pipeline, check_resolution, is_pipeline, own_settings
         from tether.families.flow.sde import check_sde
 
@@ -75,6 +76,15 @@ class FlowFamily(FamilyBase):
         if cfg.flow.dtype != "float32" and not is_pipeline(cfg.model.path):
             raise ConfigError(f"flow.dtype={cfg.flow.dtype} is for a diffusers pipeline's engine; the "
                               "built-in model samples in float32: drop it")
+        defaults = FlowSection()
+        sd3_keys = ("init_tokens", "init_vae_steps", "init_vae_reward")
+        named = [f"flow.{key}={getattr(cfg.flow, key)}" for key in sd3_keys
+                 if getattr(cfg.flow, key) != getattr(defaults, key)]
+        if cfg.flow.init_backbone == "dit" and named:
+            verb, them = ("is", "it") if len(named) == 1 else ("are", "them")
+            raise ConfigError(f"{', '.join(named)} {verb} for the tiny SD3 pipeline flow.init_backbone=sd3 "
+                              "builds (its tokenizer and VAE); the built-in DiT (flow.init_backbone=dit) has "
+                              f"neither: set flow.init_backbone=sd3, or drop {them}")
         if cfg.flow.resolution and not is_pipeline(cfg.model.path):
             raise ConfigError(f"flow.resolution={cfg.flow.resolution} sizes a diffusers pipeline's images; "
                               f"model.path {cfg.model.path} is the built-in model, whose size is fixed: "

@@ -150,22 +150,23 @@ class FlowSection:
     )
     init_tokens: Literal["characters", "words"] = knob(
         "characters",
-        "With flow.init_backbone=sd3: the built pipeline's CLIP tokenizer. 'characters': one token a "
-        "character, so data.max_prompt_tokens must hold a prompt's letters; 'words': BPE merges that "
-        "hold each word of the shapes task whole, as a real CLIP vocabulary holds common words (any "
-        "other text keeps its characters), so a prompt is a token a word and a short "
-        "data.max_prompt_tokens (8) halves the transformer's text stream.",
+        "With flow.init_backbone=sd3 (refused with dit): the built pipeline's CLIP tokenizer. "
+        "'characters': one token a character, so data.max_prompt_tokens must hold a prompt's letters; "
+        "'words': BPE merges that hold each word of the shapes task whole, as a real CLIP vocabulary "
+        "holds common words (any other text keeps its characters), so a prompt is a token a word and a "
+        "short data.max_prompt_tokens (8) halves the transformer's text stream.",
         choices=("characters", "words"),
     )
     init_vae_steps: int = knob(
-        3000, "With flow.init_backbone=sd3: the most optimizer steps of the VAE's training on drawn scenes "
-        "(it stops earlier at flow.init_vae_reward; a warning if it never gets there).", min=1
+        3000, "With flow.init_backbone=sd3 (refused with dit): the most optimizer steps of the VAE's "
+        "training on drawn scenes (it stops earlier at flow.init_vae_reward; a warning if it never gets "
+        "there).", min=1
     )
     init_vae_reward: float = knob(
-        1.0, "With flow.init_backbone=sd3: the VAE trains until the shapes verifier's mean reward on its "
-        "reconstructions of drawn scenes (every scene, held-out ones too; checked every 250 steps) "
-        "reaches this: the most any image the pipeline decodes can score. 1 = every reconstruction "
-        "earns the full reward.", min=0, max=1
+        1.0, "With flow.init_backbone=sd3 (refused with dit): the VAE trains until the shapes verifier's "
+        "mean reward on its reconstructions of drawn scenes (every scene, held-out ones too; checked every "
+        "250 steps) reaches this: the most any image the pipeline decodes can score. 1 = every "
+        "reconstruction earns the full reward.", min=0, max=1
     )
     init_width: int = knob(96, "Width of a flow model built by model.create_if_missing.", min=8)
     init_depth: int = knob(3, "Transformer blocks of a flow model built by model.create_if_missing.", min=1)
