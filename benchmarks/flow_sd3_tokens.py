@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -31,13 +29,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {"characters": 32, "words": 8}
 """Each tokenizer with the prompt length the recipe gives it (data.max_prompt_tokens)."""
-
-
-def timed(fn) -> tuple[float, float]:
-    """(wall seconds, this process's CPU seconds) of ``fn()``."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def measure(repeats: int, threads: int, overrides: list[str]) -> dict:
@@ -48,7 +39,10 @@ def measure(repeats: int, threads: int, overrides: list[str]) -> dict:
     from tether.families.flow.task import SHAPES
     from tether.families.flow.tiny_sd3 import build_tiny_sd3
     from tether.train.learner import TorchLearner
-    from tether.vocabulary import RolloutBatch, SamplingParams, WorkItem
+    from tether.vocabulary import SamplingParams, WorkItem
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from flow_window import interleaved, median
 
     torch.set_num_threads(threads)
     folder = Path(tempfile.mkdtemp())
@@ -60,28 +54,11 @@ def measure(repeats: int, threads: int, overrides: list[str]) -> dict:
         path = build_tiny_sd3(folder / tokens, seed=cfg.run.seed, image_size=scenes.SIZE,
                               width=cfg.flow.init_width, depth=cfg.flow.init_depth, max_prompt_tokens=length,
                               vae_width=VAE_WIDTH, words=scenes.WORDS[1:] if tokens == "words" else ())
-        sampler = FlowSampler(cfg, str(path), device=torch.device("cpu"))
-        arms[tokens] = (cfg, sampler, TorchLearner(str(path), cfg))
-    cfg = next(iter(arms.values()))[0]
-    b, g = cfg.rollout.batch_size, cfg.rollout.group_size
+        arms[tokens] = (FlowSampler(cfg, str(path), device=torch.device("cpu")), TorchLearner(str(path), cfg))
+    b, g = cfg.rollout.batch_size, cfg.rollout.group_size  # the recipe's, the same for both arms
     item = WorkItem(batch_index=0, version=0, examples=list(enumerate(SHAPES.examples("train", b, seed=0))),
                     group_size=g, params=SamplingParams(max_new_tokens=1), seed=0)
-    gen: dict[str, list[tuple[float, float]]] = {t: [] for t in arms}
-    learn: dict[str, list[tuple[float, float]]] = {t: [] for t in arms}
-    for r in range(repeats + 1):  # the first round warms up
-        for tokens, (_, sampler, learner) in arms.items():
-            out = {}
-            generate = timed(lambda s=sampler, o=out: o.update(batch=s.generate(item)))
-            batch = out["batch"]
-            batch.rewards = [float((i * 7) % 5 == 0) for i in range(b * g)]  # variance in every group
-            rollout = RolloutBatch(index=0, behavior_version=0, num_groups=b, group_size=g, payload=batch)
-            update = timed(lambda lrn=learner, ro=rollout: lrn.train(ro, train_version=0))
-            if r:
-                gen[tokens].append(generate)
-                learn[tokens].append(update)
-
-    def median(runs: list[tuple[float, float]], which: int) -> float:
-        return statistics.median(x[which] for x in runs)
+    gen, learn = interleaved(arms, item, repeats)
 
     rows = [{"tokens": t, "max_prompt_tokens": ARMS[t], "gen_s": median(gen[t], 0),
              "gen_cpu_s": median(gen[t], 1), "learner_s": median(learn[t], 0),

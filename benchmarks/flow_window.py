@@ -45,6 +45,35 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+def median(runs: list[tuple[float, float]], which: int) -> float:
+    """The median of the wall (``which`` 0) or CPU (1) seconds of ``timed`` runs."""
+    return statistics.median(x[which] for x in runs)
+
+
+def interleaved(arms: dict, item, repeats: int) -> tuple[dict, dict]:
+    """({arm: [(wall, CPU) of each generation]}, {arm: [(wall, CPU) of each update]}): each arm's
+    ``(FlowSampler, TorchLearner)`` generates ``item`` and trains one update on it, the arms in
+    turn, ``repeats`` rounds after a first that warms up. The rewards are set so that every group
+    varies (an update's cost does not depend on them)."""
+    from tether.vocabulary import RolloutBatch
+
+    b, g = len(item.examples), item.group_size
+    gen: dict = {k: [] for k in arms}
+    learn: dict = {k: [] for k in arms}
+    for r in range(repeats + 1):
+        for k, (sampler, learner) in arms.items():
+            out = {}
+            generate = timed(lambda s=sampler, o=out: o.update(batch=s.generate(item)))
+            batch = out["batch"]
+            batch.rewards = [float((i * 7) % 5 == 0) for i in range(b * g)]  # variance in every group
+            rollout = RolloutBatch(index=0, behavior_version=0, num_groups=b, group_size=g, payload=batch)
+            update = timed(lambda lrn=learner, ro=rollout: lrn.train(ro, train_version=0))
+            if r:
+                gen[k].append(generate)
+                learn[k].append(update)
+    return gen, learn
+
+
 def measure(windows: list[int], span: int, repeats: int, threads: int) -> dict:
     """Generation samples/s and the learner's seconds a batch for each window, interleaved."""
     from tether.families.flow import scenes
@@ -52,7 +81,7 @@ def measure(windows: list[int], span: int, repeats: int, threads: int) -> dict:
     from tether.families.flow.rollout import FlowSampler
     from tether.families.flow.task import SHAPES
     from tether.train.learner import TorchLearner
-    from tether.vocabulary import RolloutBatch, SamplingParams, WorkItem
+    from tether.vocabulary import SamplingParams, WorkItem
 
     torch.set_num_threads(threads)
     base = demo()
@@ -70,23 +99,7 @@ def measure(windows: list[int], span: int, repeats: int, threads: int) -> dict:
         cfg = demo(f"model.path={path}", f"flow.sde_window={k}", f"flow.sde_window_range={span if k else 0}",
                    f"train.threads={threads}")
         arms[k] = (FlowSampler(cfg, str(path), device=torch.device("cpu")), TorchLearner(str(path), cfg))
-    gen: dict[int, list[tuple[float, float]]] = {k: [] for k in windows}
-    learn: dict[int, list[tuple[float, float]]] = {k: [] for k in windows}
-    for r in range(repeats + 1):  # the first round warms up
-        for k, (sampler, learner) in arms.items():
-            out = {}
-            generate = timed(lambda s=sampler, o=out: o.update(batch=s.generate(item)))
-            batch = out["batch"]
-            batch.rewards = [float((i * 7) % 5 == 0) for i in range(b * g)]  # variance in every group
-            rollout = RolloutBatch(index=0, behavior_version=0, num_groups=b, group_size=g, payload=batch)
-            update = timed(lambda lrn=learner, ro=rollout: lrn.train(ro, train_version=0))
-            if r:
-                gen[k].append(generate)
-                learn[k].append(update)
-
-    def median(runs: list[tuple[float, float]], which: int) -> float:
-        return statistics.median(x[which] for x in runs)
-
+    gen, learn = interleaved(arms, item, repeats)
     steps, first = base.flow.steps, windows[0]
     rows = []
     for k in windows:
