@@ -211,21 +211,26 @@ def test_draining_at_turn_boundaries_publishes_between_turns_within_the_budget(r
     episodes still going (episodes span versions, each turn on one), wait only for the turns in
     flight, and every batch stays within the budget; on Ray actors too."""
     envs = Path(__file__).with_name("envs.py")
+    slow = Path(__file__).with_name("slow_learner.py")
     ray = ["rollout.backend=ray", "ray.local_cpus=2"] if backend == "ray" else []
     run = tmp_path / backend
-    # batches run one after another, so the update of batch k is published while batch k + 1 is
-    # being played, mid-episode, unless training and publishing it outlast that whole batch (then the
-    # budget holds batch k + 2 until it lands, before a first turn): with 0.3 s steps, a batch of
-    # about 1 s, that happened once on Ray under the suite's load; with 1 s steps a batch takes 3 s
-    # and an update of this model about 0.05 s
+    # batches run one after another on the one worker, so the update of batch k is published while
+    # batch k + 1 is played: mid-episode only if it lands after that batch's first turn is sampled
+    # and before its last. An update of this model takes about 0.05 s, less than a loaded machine
+    # may take to start the next batch on a Ray actor (then every switch came before a first turn),
+    # so the learner takes 0.6 s (slow_grpo), as a real one takes its time, and a tool's 1 s steps
+    # leave the publication about 1.4 s more before the batch's last turn
     tether("train", recipe, "async.inflight_update=drain", "env.switch_at=turn",
            f"env.env_class={envs}:SlowEcho", "env.kwargs={step_s: 1.0}", "async.max_staleness=1",
            "async.max_inflight=2", "train.num_batches=8", "eval.interval=0", "checkpoint.interval=0",
+           f"run.plugins=[{slow}]", "train.advantage=slow_grpo",
            *ray, "--run-dir", run, "--plain", "--no-report")
     metrics = rows(run / "metrics.jsonl")
     assert len(metrics) == 8 and all(m["staleness/updates"] <= 1 for m in metrics)
     assert all(m["rollout/weight_switches"] == m["rollout/turn_boundary_switches"] for m in metrics)
     assert sum(m["rollout/turn_boundary_switches"] for m in metrics) > 0
-    assert any(m["staleness/multi_version_seq_frac"] > 0 for m in metrics)
+    timeline = [{k: round(m[k], 3) for k in ("time/generate", "time/train", "rollout/turn_boundary_switches",
+                                             "staleness/multi_version_seq_frac") if k in m} for m in metrics]
+    assert any(m["staleness/multi_version_seq_frac"] > 0 for m in metrics), timeline
     waits = [m["sync/turn_wait_s"] for m in metrics if "sync/turn_wait_s" in m]
     assert waits and max(waits) < 0.9  # a turn and a poll, never a tool's 1 s step or a 3 s episode
