@@ -18,6 +18,7 @@ machines, half the smallest failure.
 """
 
 import os
+import shutil
 import signal
 
 import pytest
@@ -183,15 +184,14 @@ def test_a_run_with_two_ranks_follows_the_plan_and_resumes_at_any_world_size(tin
     metrics, _plan = assert_follows_plan(whole, tmp_path / "whole", summary)
     assert [e["step"] for e in rows(tmp_path / "whole" / "eval.jsonl")] == [0, 3, 6]
     # stopped after 3 batches, resumed at two ranks: row for row the same run
-    parts = tmp_path / "parts"
+    parts, single = tmp_path / "parts", tmp_path / "single"
     train(load_config(None, recipe(tiny_model_dir, *two, "train.num_batches=3")), parts, progress_plain=True)
+    shutil.copytree(parts, single)  # the same stopped run, for one process to continue below
     train(load_config(parts / "config.yaml", ["train.num_batches=6"]), parts, resume=True,
           progress_plain=True)
     assert [{k: m[k] for k in keys} for m in rows(parts / "metrics.jsonl")] == [
         {k: m[k] for k in keys} for m in metrics]
     # one process continues from a two-rank checkpoint (the format is the same at any world size)
-    single = tmp_path / "single"
-    train(load_config(None, recipe(tiny_model_dir, *two, "train.num_batches=3")), single, progress_plain=True)
     done = train(load_config(single / "config.yaml", ["train.num_batches=6", "train.world_size=1"]), single,
                  resume=True, progress_plain=True)
     assert done["trained_batches"] == 6
@@ -228,15 +228,14 @@ def test_sharded_checkpoints_resume_exactly_continue_at_one_process_and_evaluate
     shards = sorted(p.name for p in (ckpt / "sharded").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own
     assert not (ckpt / "model" / "model.safetensors").exists()  # no process held the whole state
-    parts = tmp_path / "parts"
+    parts, single = tmp_path / "parts", tmp_path / "single"
     train(load_config(None, recipe(tiny_model_dir, *two, "train.num_batches=3")), parts, progress_plain=True)
+    shutil.copytree(parts, single)  # the same stopped run, for one process to continue below
     train(load_config(parts / "config.yaml", ["train.num_batches=6"]), parts, resume=True,
           progress_plain=True)
     keys = ("batch_index", "staleness/updates", "reward/mean", "loss/policy")
     assert [{k: m[k] for k in keys} for m in rows(parts / "metrics.jsonl")] == [
         {k: m[k] for k in keys} for m in rows(whole / "metrics.jsonl")]
-    single = tmp_path / "single"
-    train(load_config(None, recipe(tiny_model_dir, *two, "train.num_batches=3")), single, progress_plain=True)
     done = train(load_config(single / "config.yaml", ["train.num_batches=6", "train.world_size=1",
                                                       "checkpoint.sharded=false"]),
                  single, resume=True, progress_plain=True)
