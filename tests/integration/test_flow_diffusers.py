@@ -292,6 +292,31 @@ def test_the_sd3_builds_keys_are_refused_for_the_built_in_model(tmp_path, keys):
     assert cfg.flow.init_backbone == "sd3"
 
 
+def test_build_keys_set_for_a_pipeline_tether_did_not_build_are_named_in_a_warning(pipeline, prompts,
+                                                                                 tmp_path, caplog):
+    """The flow.init_* keys shape a pipeline Tether builds. A user's own pipeline (no warmstart.json)
+    is used as it is, so each of them a recipe sets away from its default is named in a warning
+    when the run prepares its model; a pipeline Tether built is compared with its build instead."""
+    import logging
+
+    from tether.data.prepare import ensure_model
+
+    caplog.set_level(logging.WARNING, logger="tether")
+    keys = ["flow.init_backbone=sd3", "flow.init_width=128", "flow.init_cond_dropout=0.2"]
+    assert ensure_model(recipe(pipeline, prompts, *keys)) == pipeline
+    (said,) = [r.getMessage() for r in caplog.records if "did not build" in r.getMessage()]
+    assert f"model.path {pipeline} is a model Tether did not build" in said
+    assert ", ".join(keys) in said and "drop them" in said
+    caplog.clear()
+    ensure_model(recipe(pipeline, prompts, "flow.init_width=96"))  # the default: nothing set, nothing said
+    assert not [r for r in caplog.records if "did not build" in r.getMessage()]
+    built = tmp_path / "built"
+    shutil.copytree(pipeline, built)
+    (built / "warmstart.json").write_text(json.dumps({"settings": {"backbone": "sd3", "init_width": 128}}))
+    ensure_model(recipe(built, prompts, *keys))
+    assert not [r for r in caplog.records if "did not build" in r.getMessage()]
+
+
 def test_a_bfloat16_engine_trains_a_float32_learner_with_the_mismatch_measured(pipeline, prompts, tmp_path):
     """flow.dtype=bfloat16: the engine's pipeline in bf16 (published float32 weights cast on the
     way in, never bound), its SDE step and log-probs in float32; the learner float32. The

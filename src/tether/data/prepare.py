@@ -51,6 +51,13 @@ def built_otherwise(cfg: Config, path: Path) -> list[str]:
     return out + (cfg.family().build_differences(cfg, path) if built else [])
 
 
+def unbuilt_keys(cfg: Config, path: Path) -> list[str]:
+    """For a model Tether did not build (no ``warmstart.json``): the family's build keys the recipe
+    sets away from their defaults (such as a flow pipeline's ``flow.init_width``). The model is used
+    as it is, so these keys do nothing: the caller says so."""
+    return [] if built_settings(path) else cfg.family().build_differences(cfg, path)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)  # no signal: only asks whether the process exists
@@ -77,6 +84,11 @@ def ensure_model(cfg: Config, on_progress: Progress | None = None) -> Path:
                 log.warning("model.path %s already exists and is used as it is: %s (delete it to build "
                             "it anew with the recipe's settings, or point model.path elsewhere)", path,
                             difference)
+        unused = unbuilt_keys(cfg, path)
+        if unused:
+            log.warning("model.path %s is a model Tether did not build (it has no warmstart.json), used as "
+                        "it is: %s shape only a model Tether builds and do nothing here; drop them", path,
+                        ", ".join(unused))
         return path
     if path.exists() and any(path.iterdir()):
         raise ConfigError(f"model.path {path} exists but holds neither config.json nor model_index.json "

@@ -188,7 +188,9 @@ class Family(Protocol):
         ...
 
     def build_differences(self, cfg: Any, path: Path) -> list[str]:
-        """The recipe's build keys that differ from what built the model at ``path``."""
+        """The recipe's build keys that differ from what built the model at ``path``; for a model
+        Tether did not build (no ``warmstart.json``), those the recipe sets away from their defaults,
+        which do nothing since the model is used as it is (``tether.data.prepare.unbuilt_keys``)."""
         ...
 
     def scorer(self, cfg: Any) -> Any:

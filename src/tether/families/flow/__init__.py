@@ -235,7 +235,13 @@ class FlowFamily(FamilyBase):
         from tether.families.flow.pipeline import is_pipeline
 
         built = built_settings(path)
-        if is_pipeline(path):  # a user's pipeline (nothing to compare), or one flow.init_backbone=sd3 built
+        if not built:  # a user's pipeline is used as it is: the build keys the recipe sets do nothing
+            defaults = FlowSection()
+            keys = ("init_backbone", "init_width", "init_depth", "init_cond_dropout", "init_tokens",
+                    "init_vae_steps", "init_vae_reward")
+            return [f"flow.{key}={getattr(cfg.flow, key)}" for key in keys
+                    if getattr(cfg.flow, key) != getattr(defaults, key)]
+        if is_pipeline(path):  # one flow.init_backbone=sd3 built
             keys = (("init_backbone", "backbone"), ("init_width", "init_width"), ("init_depth", "init_depth"),
                     ("init_vae_steps", "vae_steps"), ("init_vae_reward", "vae_reward_target"),
                     ("init_cond_dropout", "cond_dropout"), ("init_tokens", "init_tokens"))

@@ -168,7 +168,8 @@ class FlowSection:
         "250 steps) reaches this: the most any image the pipeline decodes can score. 1 = every "
         "reconstruction earns the full reward.", min=0, max=1
     )
-    init_width: int = knob(96, "Width of a flow model built by model.create_if_missing.", min=8)
+    init_width: int = knob(96, "Width of a flow model built by model.create_if_missing (every flow.init_* "
+                           "key set with a model Tether did not build is named in a warning).", min=8)
     init_depth: int = knob(3, "Transformer blocks of a flow model built by model.create_if_missing.", min=1)
     init_cond_dropout: float = knob(
         0.1,
