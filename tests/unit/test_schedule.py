@@ -109,3 +109,18 @@ def test_a_model_built_before_the_warm_start_schedule_reads_as_constant(tmp_path
         "warmstart.lr_schedule: built with constant, the recipe says cosine",
         "warmstart.min_lr_ratio: built with 0.0, the recipe says 0.1"]
     assert built_otherwise(cfg, tmp_path / "elsewhere") == []  # not a model Tether built: nothing to compare
+
+
+def test_build_keys_set_for_a_model_tether_did_not_build_are_named(tmp_path):
+    # a model without warmstart.json is used as it is: the recipe's build keys do nothing
+    import json
+
+    from tether.data.prepare import unbuilt_keys
+
+    cfg = load_config(None, ["warmstart.target_pass_rate=0.2", "warmstart.eval_every=5",
+                             "model.init_size=tiny"])
+    assert unbuilt_keys(cfg, tmp_path) == ["warmstart.target_pass_rate=0.2", "warmstart.eval_every=5",
+                                           "model.init_size=tiny"]
+    assert unbuilt_keys(load_config(None, []), tmp_path) == []  # the defaults: nothing set
+    (tmp_path / "warmstart.json").write_text(json.dumps({"settings": {"seed": 0}}))
+    assert unbuilt_keys(cfg, tmp_path) == []  # a model Tether built: built_otherwise compares it

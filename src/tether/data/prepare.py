@@ -52,10 +52,18 @@ def built_otherwise(cfg: Config, path: Path) -> list[str]:
 
 
 def unbuilt_keys(cfg: Config, path: Path) -> list[str]:
-    """For a model Tether did not build (no ``warmstart.json``): the family's build keys the recipe
-    sets away from their defaults (such as a flow pipeline's ``flow.init_width``). The model is used
-    as it is, so these keys do nothing: the caller says so."""
-    return [] if built_settings(path) else cfg.family().build_differences(cfg, path)
+    """For a model Tether did not build (no ``warmstart.json``): the build keys the recipe sets away
+    from their defaults (the warm start's, ``model.init_arch`` and ``model.init_size``, and the
+    family's own, such as a flow pipeline's ``flow.init_width``). The model is used as it is, so
+    these keys do nothing: the caller says so."""
+    if built_settings(path):
+        return []
+    warm, model = type(cfg.warmstart)(), type(cfg.model)()
+    out = [f"warmstart.{key}={value}" for key, value in asdict(cfg.warmstart).items()
+           if value != getattr(warm, key)]
+    out += [f"model.{key}={getattr(cfg.model, key)}" for key in ("init_arch", "init_size")
+            if getattr(cfg.model, key) != getattr(model, key)]
+    return out + cfg.family().build_differences(cfg, path)
 
 
 def _alive(pid: int) -> bool:
