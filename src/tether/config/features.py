@@ -32,15 +32,20 @@ class Feature:
     """The ``key=value`` of the recipe that asks for it, or None."""
 
 
-def _changed(cfg: Any, keys: Iterable[str]) -> str | None:
-    """``key=value`` of the first of ``keys`` (``section.key``) set away from its default."""
+def changed_keys(cfg: Any, keys: Iterable[str]) -> list[str]:
+    """``key=value`` of each of ``keys`` (``section.key``) set away from its default, in order."""
+    out = []
     for key in keys:
         section, name = key.split(".")
         value = getattr(cfg.section(section), name)
-        default = getattr(type(cfg.section(section))(), name)
-        if value != default:
-            return f"{key}={_yaml(value)}"
-    return None
+        if value != getattr(type(cfg.section(section))(), name):
+            out.append(f"{key}={_yaml(value)}")
+    return out
+
+
+def _changed(cfg: Any, keys: Iterable[str]) -> str | None:
+    """``key=value`` of the first of ``keys`` (``section.key``) set away from its default."""
+    return next(iter(changed_keys(cfg, keys)), None)
 
 
 def _yaml(value: Any) -> str:

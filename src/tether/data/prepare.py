@@ -56,14 +56,12 @@ def unbuilt_keys(cfg: Config, path: Path) -> list[str]:
     from their defaults (the warm start's, ``model.init_arch`` and ``model.init_size``, and the
     family's own, such as a flow pipeline's ``flow.init_width``). The model is used as it is, so
     these keys do nothing: the caller says so."""
+    from tether.config.features import changed_keys
+
     if built_settings(path):
         return []
-    warm, model = type(cfg.warmstart)(), type(cfg.model)()
-    out = [f"warmstart.{key}={value}" for key, value in asdict(cfg.warmstart).items()
-           if value != getattr(warm, key)]
-    out += [f"model.{key}={getattr(cfg.model, key)}" for key in ("init_arch", "init_size")
-            if getattr(cfg.model, key) != getattr(model, key)]
-    return out + cfg.family().build_differences(cfg, path)
+    keys = [*(f"warmstart.{key}" for key in asdict(cfg.warmstart)), "model.init_arch", "model.init_size"]
+    return changed_keys(cfg, keys) + cfg.family().build_differences(cfg, path)
 
 
 def _alive(pid: int) -> bool:

@@ -29,6 +29,10 @@ from tether.families.flow.options import FlowSection
 from tether.vocabulary import Capabilities, DataBundle, Progress
 
 NOT_YET = "not supported by the flow family yet"
+BUILD_KEYS = {"init_backbone": "backbone", "init_width": "init_width", "init_depth": "init_depth",
+              "init_vae_steps": "vae_steps", "init_vae_reward": "vae_reward_target",
+              "init_cond_dropout": "cond_dropout", "init_tokens": "init_tokens"}
+"""The flow section's keys that shape a model Tether builds, and their names in its build record."""
 
 
 class FlowFamily(FamilyBase):
@@ -230,23 +234,18 @@ class FlowFamily(FamilyBase):
                 f"{warm.steps} steps, {warm.seconds:.0f}s")
 
     def build_differences(self, cfg: Any, path: Path) -> list[str]:
+        from tether.config.features import changed_keys
         from tether.data.prepare import built_settings
         from tether.families.flow.model import read_config
         from tether.families.flow.pipeline import is_pipeline
 
         built = built_settings(path)
         if not built:  # a user's pipeline is used as it is: the build keys the recipe sets do nothing
-            defaults = FlowSection()
-            keys = ("init_backbone", "init_width", "init_depth", "init_cond_dropout", "init_tokens",
-                    "init_vae_steps", "init_vae_reward")
-            return [f"flow.{key}={getattr(cfg.flow, key)}" for key in keys
-                    if getattr(cfg.flow, key) != getattr(defaults, key)]
+            return changed_keys(cfg, (f"flow.{key}" for key in BUILD_KEYS))
         if is_pipeline(path):  # one flow.init_backbone=sd3 built
-            keys = (("init_backbone", "backbone"), ("init_width", "init_width"), ("init_depth", "init_depth"),
-                    ("init_vae_steps", "vae_steps"), ("init_vae_reward", "vae_reward_target"),
-                    ("init_cond_dropout", "cond_dropout"), ("init_tokens", "init_tokens"))
             return [f"flow.{key}: built with {built[field]}, the recipe says {getattr(cfg.flow, key)}"
-                    for key, field in keys if field in built and built[field] != getattr(cfg.flow, key)]
+                    for key, field in BUILD_KEYS.items()
+                    if field in built and built[field] != getattr(cfg.flow, key)]
         config = read_config(path)
         return [f"flow.{key}: built with {have}, the recipe says {getattr(cfg.flow, key)}"
                 for key, have in (("init_backbone", "dit"), ("init_width", config.width),
