@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -142,6 +143,17 @@ def test_a_ray_run_stops_on_a_signal_and_its_ray_instance_goes_with_it(tiny_mode
     assert run.proc.returncode == code, err[-3000:]
     assert run.left() == ""  # after a SIGKILL too: the reaper kills the instance at once
     assert shm_left(run.shm) == []
+    # the instance ran under /tmp (the run directory's path is too long for Ray's sockets); its
+    # logs come home to the run's `ray` folder, after a SIGKILL too (the reaper moves them)
+    from tether.rollout.backends.ray.cluster import ray_temp_dir
+
+    temp_dir, link = ray_temp_dir(run_dir)
+    assert link is not None, "the test's run directory should be too long for Ray's sockets"
+    deadline = time.monotonic() + 30
+    while Path(temp_dir).exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(temp_dir).exists()
+    assert not (run_dir / "ray").is_symlink() and list((run_dir / "ray").glob("session_*/logs/raylet.out"))
     if signum == signal.SIGKILL:
         return
     assert f"stopped by {signal.Signals(signum).name}" in err and "SIGTERM received" not in err, err[-3000:]

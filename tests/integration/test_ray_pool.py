@@ -162,6 +162,12 @@ def test_a_killed_actor_names_itself_and_its_batch_and_nothing_is_left_running(t
         pool.close()
     assert wait_gone([pid]) == []
     assert wait_gone(ray_processes(temp_dir), timeout=20) == []
+    # the run directory's path is too long for Ray's sockets: the instance ran under /tmp, and its
+    # logs are now in the run's own `ray` folder, with nothing left under /tmp
+    assert temp_dir.startswith("/tmp/tether-ray-") and not os.path.exists(temp_dir)
+    home = run_dir / "ray"
+    assert home.is_dir() and not home.is_symlink()
+    assert list(home.glob("session_*/logs/raylet.out")), sorted(p.name for p in home.rglob("*"))
 
 
 def test_publish_to_a_dead_actor_and_missing_resources_are_clear_errors(tiny_model_dir, tmp_path):

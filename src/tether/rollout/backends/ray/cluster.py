@@ -104,7 +104,8 @@ def require_ray():
 def ray_temp_dir(run_dir: Path) -> tuple[str, Path | None]:
     """A temp dir for a local Ray instance: ``run_dir/ray`` when its path is short enough for
     Ray's sockets, else a short directory under /tmp named after the run, linked from
-    ``run_dir/ray``. Returns (directory, the link to create or None)."""
+    ``run_dir/ray`` while the instance runs (its reaper then moves its logs into ``run_dir/ray``
+    and removes it). Returns (directory, the link to create or None)."""
     inside = (run_dir / "ray").resolve()
     if len(str(inside)) <= _MAX_TEMP_DIR:
         return str(inside), None
@@ -219,16 +220,19 @@ class RaySession:
             self.connected = True
             log.info("ray: connected to %s", options.address)
             return
-        temp_dir = options.temp_dir or None
+        temp_dir, link = options.temp_dir or None, None
         if temp_dir is None and run_dir is not None:
             temp_dir, link = ray_temp_dir(run_dir)
-            if link is not None and not link.exists():
-                link.parent.mkdir(parents=True, exist_ok=True)
+            if link is not None:
                 Path(temp_dir).mkdir(parents=True, exist_ok=True)
-                link.symlink_to(temp_dir)
+                if not link.exists() and not link.is_symlink():  # else an earlier attempt's logs
+                    link.parent.mkdir(parents=True, exist_ok=True)
+                    link.symlink_to(temp_dir)
         from tether.rollout.backends.ray.reaper import Reaper
 
-        self.reaper = Reaper()  # the instance's processes die with this run, even a killed one
+        # the instance's processes die with this run, even a killed one; a temp dir under /tmp
+        # comes home to the run's `ray` folder once they have
+        self.reaper = Reaper(home=(temp_dir, link) if link is not None else None)
         try:
             with self.reaper.marking():
                 self.ray.init(num_cpus=options.local_cpus or None, _temp_dir=temp_dir, **common)

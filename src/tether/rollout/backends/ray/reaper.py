@@ -11,7 +11,12 @@ shows as their environment, so the mark cannot be read from them; while the run 
 therefore also remembers every descendant of a marked process (with its start time, so a reused
 pid is never mistaken for one) and kills those too.
 
-Run as ``python -m tether.rollout.backends.ray.reaper FD MARK``.
+When the instance's temp dir sits under /tmp because the run directory's path is too long for
+Ray's sockets (``cluster.ray_temp_dir``), the reaper then moves what the instance left there (its
+logs) into the run's ``ray`` folder, which linked to it until then, and removes the /tmp folder:
+after a run that was killed as after one that ended.
+
+Run as ``python -m tether.rollout.backends.ray.reaper FD MARK [TEMP_DIR HOME]``.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 ENV = "TETHER_RAY_INSTANCE"
 REMEMBER_EVERY_S = 0.5  # how often the living instance's process tree is read
@@ -70,19 +77,58 @@ def instance(mark: str, known: dict[int, int]) -> list[int]:
     return sorted(found)
 
 
+def _not_copied(folder: str, names: list[str]) -> list[str]:
+    """Sockets, links and anything else that is neither a plain file nor a folder."""
+    paths = ((n, os.path.join(folder, n)) for n in names)
+    return [n for n, p in paths if os.path.islink(p) or not (os.path.isfile(p) or os.path.isdir(p))]
+
+
+def bring_home(temp_dir: str | Path, home: str | Path) -> bool:
+    """Move what an ended instance left in ``temp_dir`` (its session folders: logs, events) into
+    ``home``, the run's ``ray`` folder, replacing the link from ``home`` to ``temp_dir``; then
+    remove ``temp_dir``. Sockets and links stay out; sessions an earlier attempt of the run brought
+    home stay. On an error (a full disk) nothing is removed and the link still leads to the logs.
+    Returns whether ``temp_dir`` is gone."""
+    src, dst = Path(temp_dir), Path(home)
+    if not src.is_dir():
+        return True
+    try:
+        if dst.is_symlink() or not dst.exists():
+            staging = dst.with_name(dst.name + ".partial")
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.copytree(src, staging, ignore=_not_copied)
+            if dst.is_symlink():
+                dst.unlink()
+            staging.rename(dst)
+        else:
+            shutil.copytree(src, dst, ignore=_not_copied, dirs_exist_ok=True)
+    except OSError:
+        shutil.rmtree(dst.with_name(dst.name + ".partial"), ignore_errors=True)
+        return False
+    shutil.rmtree(src, ignore_errors=True)
+    return not src.exists()
+
+
 class Reaper:
     """Use as: ``reaper = Reaper(); with reaper.marking(): ray.init(...)``; ``reaper.close()``
-    once the instance is shut down (it then kills only what shutdown left behind)."""
+    once the instance is shut down (it then kills only what shutdown left behind, brings the
+    instance's logs home when ``home`` = (temp dir, the run's ``ray`` link) is given, and returns
+    once it has)."""
 
-    def __init__(self) -> None:
+    WAIT_S = 60.0  # close() waits this long at most for the sweep and the move
+
+    def __init__(self, home: tuple[str, Path] | None = None) -> None:
         self.mark = uuid.uuid4().hex
         self._write: int | None = None
+        self._proc: subprocess.Popen | None = None
         if not os.path.isdir("/proc"):
             return  # no way to find the processes; Ray's own fate sharing applies
         read, self._write = os.pipe()  # not inherited by anything the run starts
-        subprocess.Popen([sys.executable, "-m", "tether.rollout.backends.ray.reaper", str(read), self.mark],
-                         pass_fds=(read,), start_new_session=True, stdin=subprocess.DEVNULL,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        extra = [str(home[0]), str(home[1])] if home is not None else []
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tether.rollout.backends.ray.reaper", str(read), self.mark, *extra],
+            pass_fds=(read,), start_new_session=True, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.close(read)
 
     def marking(self):
@@ -102,10 +148,15 @@ class Reaper:
         if self._write is not None:
             os.close(self._write)
             self._write = None
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=self.WAIT_S)  # past it, the reaper finishes on its own
+            self._proc = None
 
 
 def main(argv: list[str]) -> int:
     read, mark = int(argv[0]), argv[1]
+    home = argv[2:4] if len(argv) >= 4 else None
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     known: dict[int, int] = {}
@@ -123,6 +174,8 @@ def main(argv: list[str]) -> int:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
+    if home is not None:
+        bring_home(*home)
     return 0
 
 
