@@ -125,6 +125,20 @@ def test_the_flow_demo_recipe_runs_shortened_with_pictures(flow_model, tmp_path,
     assert again["eval/reward_mean"] == evals[-1]["eval/reward_mean"]  # the same images, from fixed noise
 
 
+def test_eval_seed_measures_runs_of_different_seeds_on_one_held_out_set(flow_model):
+    """The same weights, evaluated as runs of run.seed 0 and 1 would: different prompts' noises
+    unless eval.seed fixes them, then the same figures to the last digit."""
+    from tether.cli.eval_cmd import evaluate_model
+
+    def measured(*overrides):
+        return evaluate_model(recipe(flow_model, "data.num_eval=16", *overrides), flow_model, samples=2)[0]
+
+    first, second, fixed = measured(), measured("run.seed=1"), measured("run.seed=1", "eval.seed=0")
+    assert fixed == first
+    assert (second["eval/reward_mean"], second["eval/sampled_reward_mean"]) != (
+        first["eval/reward_mean"], first["eval/sampled_reward_mean"])
+
+
 @pytest.mark.parametrize("rule", [[], ["flow.sde_type=cps", "flow.noise_level=0.8"]], ids=["sde", "cps"])
 def test_a_flow_run_with_an_sde_window_trains_the_windows_steps(flow_model, tmp_path, rule):
     """flow.sde_window=2 of 4 steps, within the first 3: each batch's window drawn by its seed (a

@@ -38,6 +38,19 @@ def test_task_data(tok):
     assert all(len(e.fields["word"]) == 5 for e in bundle.train)
 
 
+def test_eval_seed_draws_the_held_out_examples_and_run_seed_the_training_ones(tok):
+    def prompts(*overrides):
+        cfg = load_config(None, ["data.task=reverse", "data.num_train=50", "data.num_eval=10", *overrides])
+        bundle = resolve_data(cfg.data, tok, seed=cfg.run.seed, eval_seed=cfg.eval_seed)
+        return [e.prompt for e in bundle.train], [e.prompt for e in bundle.eval]
+
+    (train0, eval0), (train1, eval1) = prompts(), prompts("run.seed=1")
+    assert train1 != train0 and eval1 != eval0  # unset, eval.seed is run.seed
+    fixed_train, fixed_eval = prompts("run.seed=1", "eval.seed=0")
+    assert fixed_eval == eval0 and fixed_train == train1
+    assert not set(fixed_train) & set(fixed_eval)  # the splits never share a prompt
+
+
 def test_dataset_holds_out_num_eval_rows_deterministically(tmp_path, tok):
     cfg = data_cfg("data.task=", f"data.dataset={dataset(tmp_path, 30)}", "data.prompt_column=q",
                    "data.answer_column=a", "data.num_eval=5", "reward.function=exact_match")

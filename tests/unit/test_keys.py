@@ -117,6 +117,7 @@ _SINCE = {"rollout.lora_apply": Resume.ACCEPTED, "rollout.dtype": Resume.ACCEPTE
           "train.max_tokens_per_micro_batch": Resume.ACCEPTED, "train.micro_batch_size": Resume.ACCEPTED,
           "train.cpu_offload": Resume.ACCEPTED, "rollout.on_worker_loss": Resume.ACCEPTED,
           "rollout.max_worker_restarts": Resume.ACCEPTED}
+_SINCE["eval.seed"] = Resume.HELD_OUT  # it draws what the evaluations measure, unlike eval.*'s others
 _SINCE.update(dict.fromkeys(  # how weights travel, not what they are
     ("rollout.weight_sync", "rollout.weight_sync_timeout_s", "rollout.weight_sync_port"), Resume.ACCEPTED))
 

@@ -107,6 +107,11 @@ class Config:
                 return classes[name]()
         raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
 
+    @property
+    def eval_seed(self) -> int:
+        """The seed of the held-out evaluation: ``eval.seed``, or ``run.seed`` when it is unset."""
+        return self.run.seed if self.eval.seed is None else self.eval.seed
+
     def section(self, name: str) -> Any:
         """The section called ``name`` in recipe form (``async``, ``flow``): the chosen family's
         own section at its defaults when the recipe does not set it."""

@@ -28,6 +28,15 @@ class EvalSection:
         "right and, above 1, eval/pass_at_k the share of prompts with at least one fully right.",
         min=1,
     )
+    seed: int | None = knob(
+        None,
+        "Seed of what the held-out evaluation measures: a built-in task's held-out examples (its "
+        "train examples stay drawn by run.seed; the two splits never share a prompt), the flow "
+        "family's evaluation noises and the sampled completions (eval.num_samples). Set it to "
+        "compare runs of different run.seed on one held-out set; null = run.seed. A data.dataset's "
+        "held-out rows are drawn by run.seed, or named by data.eval_dataset.",
+        min=0, resume=Resume.HELD_OUT,
+    )
 
 
 @dataclass(frozen=True)

@@ -20,16 +20,18 @@ def dataset_description(d: DataSection) -> str:
     return f"dataset {d.dataset}" + (f" (held out: {d.eval_dataset})" if d.eval_dataset else "")
 
 
-def resolve_data(d: DataSection, tokenizer, *, seed: int = 0, room: int | None = None,
-                 room_why: str = "") -> DataBundle:
+def resolve_data(d: DataSection, tokenizer, *, seed: int = 0, eval_seed: int | None = None,
+                 room: int | None = None, room_why: str = "") -> DataBundle:
     """Build examples from a built-in task or local datasets, then apply template and length limit:
     ``data.max_prompt_tokens``, or ``room`` (the tokens the model's context leaves a prompt, said by
-    ``room_why``) when that is less."""
+    ``room_why``) when that is less. A built-in task's held-out examples are drawn by ``eval_seed``
+    (``eval.seed``; None: ``seed``)."""
     if d.task:
         task = get_task(d.task)
         difficulty = d.difficulty or task.default_difficulty
         train = task.examples("train", d.num_train, seed=seed, difficulty=difficulty)
-        held_out = task.examples("eval", d.num_eval, seed=seed, difficulty=difficulty)
+        held_out = task.examples("eval", d.num_eval, seed=seed if eval_seed is None else eval_seed,
+                                 difficulty=difficulty)
         stop_text = task.stop
         description = f"task {task.name} (difficulty {difficulty})"
     else:

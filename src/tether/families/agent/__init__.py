@@ -191,7 +191,7 @@ class AgentFamily(TextFamily):
 
         k = cfg.eval.num_samples if num_samples is None else num_samples
         return AgentEvaluator(
-            model, tokenizer, data.eval, cfg, seed=cfg.run.seed, num_samples=k, decoder=cfg.rollout.decoder
+            model, tokenizer, data.eval, cfg, seed=cfg.eval_seed, num_samples=k, decoder=cfg.rollout.decoder
         )
 
     def eval_summary(self, cfg: Any, metrics: Mapping[str, float], samples: int) -> list[str]:

@@ -284,7 +284,7 @@ class FlowFamily(FamilyBase):
         k = cfg.eval.num_samples if num_samples is None else num_samples
         model.attach_pipeline()  # the learner's pipeline model is its transformer alone
         return FlowEvaluator(model, data.eval, score, eval_steps=cfg.flow.eval_steps,
-                             sampling=sampling_of(cfg, model), seed=cfg.run.seed, num_samples=k,
+                             sampling=sampling_of(cfg, model), seed=cfg.eval_seed, num_samples=k,
                              images_to=None if run_dir is None else run_dir / "samples",
                              negative_prompt=cfg.flow.negative_prompt)
 

@@ -76,7 +76,7 @@ def flow_data(cfg) -> DataBundle:
                           description=dataset_description(d))
     task = registry.tasks.get(d.task)
     return DataBundle(train=task.examples("train", d.num_train, seed=cfg.run.seed),
-                      eval=task.examples("eval", d.num_eval, seed=cfg.run.seed), stop_text="",
+                      eval=task.examples("eval", d.num_eval, seed=cfg.eval_seed), stop_text="",
                       skipped_long_prompts=0, description=f"task {task.name}")
 
 

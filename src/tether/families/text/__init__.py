@@ -83,13 +83,14 @@ class TextFamily(FamilyBase):
         tokenizer = load_tokenizer(model_path)
         context, new = context_length(model_config(model_path)), cfg.rollout.max_new_tokens
         if context is None:
-            return resolve_data(cfg.data, tokenizer, seed=cfg.run.seed)
+            return resolve_data(cfg.data, tokenizer, seed=cfg.run.seed, eval_seed=cfg.eval_seed)
         if new >= context:
             raise ConfigError(f"rollout.max_new_tokens={new} leaves no room for a prompt in the model's "
                               f"context of {context} positions ({model_path}); lower rollout.max_new_tokens")
         why = (f"the {context - new} tokens the model's context of {context} positions leaves after "
                f"rollout.max_new_tokens={new}")
-        return resolve_data(cfg.data, tokenizer, seed=cfg.run.seed, room=context - new, room_why=why)
+        return resolve_data(cfg.data, tokenizer, seed=cfg.run.seed, eval_seed=cfg.eval_seed,
+                            room=context - new, room_why=why)
 
     def sampler(self, cfg: Any, model_path: str, stop_text: str, *, device: Any, threads: int, seed: int):
         from tether.families.text.sampler import TextSampler
@@ -107,7 +108,7 @@ class TextFamily(FamilyBase):
 
         k = cfg.eval.num_samples if num_samples is None else num_samples
         return Evaluator(model, tokenizer, data.eval, score, stop_text=data.stop_text, params=cfg.sampling(),
-                         seed=cfg.run.seed, num_samples=k, decoder=cfg.rollout.decoder)
+                         seed=cfg.eval_seed, num_samples=k, decoder=cfg.rollout.decoder)
 
     def eval_summary(self, cfg: Any, metrics: Mapping[str, float], samples: int) -> list[str]:
         lines = [f"  greedy:  pass@1 {metrics['eval/pass_at_1']:.1%}, mean reward "
