@@ -23,11 +23,16 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def exit_when_closed(fd: int) -> None:
+def exit_when_closed(fd: int, *, orphaned: str | None = None) -> None:
     """End this process (``os._exit``) the moment ``fd`` — the read end of a pipe whose only write
     end another process holds — reaches end of file: that process closed it, exited or was
     killed. Checked at once first, so a process started after the other one already left does
-    nothing more; then a daemon thread waits for it, even while the main thread is busy."""
+    nothing more; then a daemon thread waits for it, even while the main thread is busy.
+    ``orphaned``: a folder the other process made for this one and would have removed; it is
+    removed on the way out."""
+    import functools
+
+    exit_now = functools.partial(_exit_now, orphaned)
 
     def closed() -> bool:
         while True:
@@ -38,11 +43,11 @@ def exit_when_closed(fd: int) -> None:
                 return True
 
     if select.select([fd], [], [], 0)[0] and closed():  # nothing is ever written: readable = EOF
-        _exit_now()
-    threading.Thread(target=lambda: closed() and _exit_now(), name="tether-lifeline", daemon=True).start()
+        exit_now()
+    threading.Thread(target=lambda: closed() and exit_now(), name="tether-lifeline", daemon=True).start()
 
 
-def _exit_now() -> None:
+def _exit_now(orphaned: str | None = None) -> None:
     """``os._exit(0)``, after unlinking the named semaphores this process made (a library's lock,
     such as the one tqdm makes for diffusers' loading bars): their clean-up is an exit handler that
     ``os._exit`` skips, and the resource tracker that unlinks them in its place warns the user of a
@@ -53,6 +58,10 @@ def _exit_now() -> None:
     deadline.daemon = True
     deadline.start()
     try:
+        if orphaned:
+            import shutil
+
+            shutil.rmtree(orphaned, ignore_errors=True)
         made = sys.modules.get("multiprocessing.synchronize")  # not imported: no semaphore made
         if made is not None:
             from multiprocessing import util

@@ -55,6 +55,22 @@ def test_sigterm_stops_like_ctrl_c_and_a_second_process_is_refused_the_run_direc
     assert len(starts) == 1 and starts[0]["resumed_from"] is None  # the refused resume recorded nothing
 
 
+def phase_marks(pids: list[int]) -> str | None:
+    """The folder of phase marks named in the environment of one of ``pids`` (the supervised
+    child's)."""
+    from tether.procinfo import MARKS_ENV
+
+    for pid in pids:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for entry in environ:
+            if entry.startswith(f"{MARKS_ENV}=".encode()):
+                return entry.split(b"=", 1)[1].decode()
+    return None
+
+
 def test_a_killed_driver_takes_its_workers_with_it_and_the_run_resumes(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     run = Run(["--run-dir", str(run_dir), *recipe(tiny_model_dir, "checkpoint.interval=2")], run_dir=run_dir)
@@ -138,11 +154,14 @@ def test_a_ray_run_stops_on_a_signal_and_its_ray_instance_goes_with_it(tiny_mode
     run.wait_for_rows(3, timeout=180)
     # the driver, Ray's GCS and raylet, its agents (whose environment /proc cannot show), the actor
     assert "ray::DashboardAgent" in describe(run.look())
+    marks = phase_marks(run.look())  # the folder the supervisor made for its child's phase marks
+    assert marks is not None and os.path.isdir(marks)
     run.proc.send_signal(signum)
     _out, err = run.finish(timeout=90)
     assert run.proc.returncode == code, err[-3000:]
     assert run.left() == ""  # after a SIGKILL too: the reaper kills the instance at once
     assert shm_left(run.shm) == []
+    assert not os.path.exists(marks)  # after a SIGKILL of the supervisor too: its child removes it
     # the instance ran under /tmp (the run directory's path is too long for Ray's sockets); its
     # logs come home to the run's `ray` folder, after a SIGKILL too (the reaper moves them)
     from tether.rollout.backends.ray.cluster import ray_temp_dir

@@ -33,10 +33,11 @@ def supervised() -> bool:
 
 def die_with_supervisor() -> None:
     """In the child: exit when the supervisor's pipe closes (it exited or was killed); the
-    child's own workers and Ray instance then go the same way."""
-    from tether.procinfo import exit_when_closed
+    child's own workers and Ray instance then go the same way, and so does the folder of phase
+    marks the supervisor made for it."""
+    from tether.procinfo import MARKS_ENV, exit_when_closed
 
-    exit_when_closed(int(os.environ.pop(CHILD_ENV)))
+    exit_when_closed(int(os.environ.pop(CHILD_ENV)), orphaned=os.environ.get(MARKS_ENV))
 
 
 def supervise(argv: list[str], run_dir: Path) -> int:
