@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import select
+import shutil
 import signal
 import sys
 import threading
@@ -30,8 +32,6 @@ def exit_when_closed(fd: int, *, orphaned: str | None = None) -> None:
     nothing more; then a daemon thread waits for it, even while the main thread is busy.
     ``orphaned``: a folder the other process made for this one and would have removed; it is
     removed on the way out."""
-    import functools
-
     exit_now = functools.partial(_exit_now, orphaned)
 
     def closed() -> bool:
@@ -59,8 +59,6 @@ def _exit_now(orphaned: str | None = None) -> None:
     deadline.start()
     try:
         if orphaned:
-            import shutil
-
             shutil.rmtree(orphaned, ignore_errors=True)
         made = sys.modules.get("multiprocessing.synchronize")  # not imported: no semaphore made
         if made is not None:
