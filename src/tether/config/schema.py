@@ -27,7 +27,8 @@ class RunSection:
     """The run as a whole."""
 
     seed: int = knob(
-        0, "Seed for every random choice Tether makes (data order, sampling, init).", min=0,
+        0, "Seed for every random choice Tether makes (data order, sampling, init; the held-out "
+        "evaluation's too unless eval.seed is set).", min=0,
         resume=Resume.PROMPTS,
     )
     plugins: list[str] = knob(
