@@ -95,6 +95,25 @@ def _process_table() -> dict[int, tuple[int, int]]:
     return table
 
 
+def environ(pid: int) -> list[bytes]:
+    """The ``NAME=value`` entries /proc shows as ``pid``'s environment (none once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
+
+
+def environ_value(pids, name: str) -> str | None:
+    """The value of ``name`` in the environment of the first of ``pids`` that has it."""
+    prefix = f"{name}=".encode()
+    for pid in pids:
+        for entry in environ(pid):
+            if entry.startswith(prefix):
+                return entry[len(prefix):].decode()
+    return None
+
+
 def marked(mark: str, seen: dict[int, int] | None = None) -> list[int]:
     """Pids of a run: those whose environment carries ``TETHER_TEST_RUN=<mark>`` (every process a
     run started inherits it, so this finds them even after a parent died and they were
@@ -109,12 +128,8 @@ def marked(mark: str, seen: dict[int, int] | None = None) -> list[int]:
         if seen is not None and seen.get(pid) == started:
             found.add(pid)
             continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.add(pid)
-        except OSError:
-            continue
+        if needle in environ(pid):
+            found.add(pid)
     below = {}
     for pid, (parent, _) in table.items():
         below.setdefault(parent, []).append(pid)

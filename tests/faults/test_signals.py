@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 from runs import HANG, Run, leftovers, newest_state, recipe, rows
 
-from procs import describe, shm_left
+from procs import describe, environ_value, shm_left
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -53,22 +53,6 @@ def test_sigterm_stops_like_ctrl_c_and_a_second_process_is_refused_the_run_direc
     assert any(e["kind"] == "save" and e.get("final") for e in rows(run_dir / "events.jsonl"))
     starts = rows(run_dir / "starts.jsonl")
     assert len(starts) == 1 and starts[0]["resumed_from"] is None  # the refused resume recorded nothing
-
-
-def phase_marks(pids: list[int]) -> str | None:
-    """The folder of phase marks named in the environment of one of ``pids`` (the supervised
-    child's)."""
-    from tether.procinfo import MARKS_ENV
-
-    for pid in pids:
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        for entry in environ:
-            if entry.startswith(f"{MARKS_ENV}=".encode()):
-                return entry.split(b"=", 1)[1].decode()
-    return None
 
 
 def test_a_killed_driver_takes_its_workers_with_it_and_the_run_resumes(tiny_model_dir, tmp_path):
@@ -154,7 +138,9 @@ def test_a_ray_run_stops_on_a_signal_and_its_ray_instance_goes_with_it(tiny_mode
     run.wait_for_rows(3, timeout=180)
     # the driver, Ray's GCS and raylet, its agents (whose environment /proc cannot show), the actor
     assert "ray::DashboardAgent" in describe(run.look())
-    marks = phase_marks(run.look())  # the folder the supervisor made for its child's phase marks
+    from tether.procinfo import MARKS_ENV
+
+    marks = environ_value(run.look(), MARKS_ENV)  # the folder the supervisor made for its child
     assert marks is not None and os.path.isdir(marks)
     run.proc.send_signal(signum)
     _out, err = run.finish(timeout=90)

@@ -92,9 +92,9 @@ def bring_home(temp_dir: str | Path, home: str | Path) -> bool:
     src, dst = Path(temp_dir), Path(home)
     if not src.is_dir():
         return True
+    staging = dst.with_name(dst.name + ".partial")
     try:
         if dst.is_symlink() or not dst.exists():
-            staging = dst.with_name(dst.name + ".partial")
             shutil.rmtree(staging, ignore_errors=True)
             shutil.copytree(src, staging, ignore=_not_copied)
             if dst.is_symlink():
@@ -103,7 +103,7 @@ def bring_home(temp_dir: str | Path, home: str | Path) -> bool:
         else:
             shutil.copytree(src, dst, ignore=_not_copied, dirs_exist_ok=True)
     except OSError:
-        shutil.rmtree(dst.with_name(dst.name + ".partial"), ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         return False
     shutil.rmtree(src, ignore_errors=True)
     return not src.exists()
