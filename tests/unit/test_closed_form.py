@@ -60,16 +60,45 @@ def test_applied_computes_five_parameters_and_forms_by_hand():
     assert slow["mean_staleness_batches"] == min(slow["uncapped_batches"], 4)
 
 
-@pytest.mark.parametrize("rule", ["async.sync_when_idle=true", "async.inflight_update=keep"])
-@pytest.mark.parametrize("train_time", [0.1, 3.0])
+@pytest.mark.parametrize("rule, train_time", [
+    ("async.sync_when_idle=true", 3.0),
+    ("async.sync_when_idle=true async.max_inflight=1", 0.1),  # an idle sync at every completion
+    ("async.sync_when_idle=true async.max_inflight=1", 3.0),  # a launch a step: the queue never fills
+    ("async.inflight_update=keep", 0.1),
+    ("async.inflight_update=keep", 3.0),
+    ("async.inflight_update=keep async.max_inflight=1", 3.0),
+])
 def test_idle_and_eager_forms_hold_away_from_balance(rule, train_time):
     cfg = load_config(None, ["async.max_staleness=4", "rollout.num_workers=2", "async.max_inflight=4",
                              "plan.gen_time=1", f"plan.train_time={train_time}", "train.num_batches=120",
-                             rule])
+                             *rule.split()])
     form = closed_forms(cfg, gen_time=1, train_time=train_time, sync_time=0)
-    assert not form["exact"]
+    assert not form["exact"] and form["withheld"]["tether"] is None
     assert form["mean_staleness_batches"] == pytest.approx(planned(cfg)["summary"]["mean_staleness_batches"],
                                                            abs=0.3)
+
+
+def test_rollout_bound_idle_syncs_publish_as_each_batch_completes():
+    """Generation the slower side: the engines are busy at every step's end, so an idle sync fires
+    when the batch the trainer waits for completes. With one generation at a time every batch
+    after the first trains one batch stale and the step is the generation's time, not the
+    generation's plus a training step every other batch as under the lazy rule."""
+    base = ["async.max_staleness=1", "async.max_inflight=1", "plan.gen_time=1", "plan.train_time=0.6",
+            "train.num_batches=40"]
+    idle = planned(load_config(None, [*base, "async.sync_when_idle=true"]))
+    lazy = planned(load_config(None, base))
+    assert [b["staleness_updates"] for b in idle["batches"]] == [0] + [1] * 39
+    assert [b["staleness_updates"] for b in lazy["batches"]] == [0, 1] * 20
+    per_batch = idle["summary"]["mean_step_time_s"]
+    assert per_batch == pytest.approx(1.0, abs=0.05)
+    assert lazy["summary"]["mean_step_time_s"] == pytest.approx((2 * 1 + 0.6) / 2, abs=0.05)
+    # with several generations in flight the engines fall idle together only by the timings' leave
+    several = load_config(None, ["async.max_staleness=4", "async.max_inflight=4", "rollout.num_workers=2",
+                                 "plan.gen_time=1", "plan.train_time=0.1", "train.num_batches=120",
+                                 "async.sync_when_idle=true"])
+    form = closed_forms(several, gen_time=1, train_time=0.1, sync_time=0)
+    assert "async.max_inflight = 4" in form["withheld"]["tether"]
+    assert planned(several)["summary"]["mean_staleness_batches"] > form["mean_staleness_batches"] + 0.3
 
 
 def test_plan_prints_the_closed_forms_beside_the_simulation(capsys):
@@ -97,8 +126,12 @@ def test_plan_prints_the_closed_forms_beside_the_simulation(capsys):
      "rho = 0.90 is near balance"),
     # train-bound, Tether's form is S; the queueing form does not know the budget
     (["async.inflight_update=keep", "plan.train_time=2"], None, "async.max_staleness = 3"),
-    # rollout-bound idle syncs never fire: the lazy rule's place in the period, not a queue
-    (["async.sync_when_idle=true", "plan.train_time=0.1"], None, "async.sync_when_idle never fires"),
+    # rollout-bound idle syncs fire when every generation in flight has finished: with several,
+    # by the timings' leave; with one at a time, at every completion (neither queueing form)
+    (["async.sync_when_idle=true", "plan.train_time=0.1"], "async.max_inflight = 4",
+     "async.max_inflight = 4"),
+    (["async.sync_when_idle=true", "async.max_inflight=1", "plan.train_time=0.1"], None,
+     "one generation at a time"),
     # the lazy rule's form needs no timings; the others do
     (["plan.gen_time=0"], None, "plan.gen_time"),
     (["async.inflight_update=keep", "plan.gen_time=0"], "plan.gen_time", "plan.gen_time"),

@@ -79,10 +79,12 @@ class AsyncSection:
     )
     sync_when_idle: bool = knob(
         False,
-        "Also publish weights after any step at which no generation is in flight and the trainer "
-        "has new weights (sync reason 'idle'), not only when the budget or an eval/save forces it. "
-        "It never waits for generation and lowers staleness; at S >= 1 with training the slower "
-        "side it keeps the generator busy (see docs/concepts.md). Costs one publication per such step.",
+        "Also publish weights whenever no generation is in flight and the trainer has new weights "
+        "(sync reason 'idle'): after a step, or when the batch the trainer waits for completes; not "
+        "only when the budget or an eval/save forces it. It never waits for generation and lowers "
+        "staleness; at S >= 1 it keeps the generator busy, with training the slower side, and with "
+        "generation the slower side at async.max_inflight=1 (see docs/concepts.md). Costs one "
+        "publication per such moment.",
         resume=Resume.SCHEDULE,
     )
     inflight_update: Literal["drain", "keep", "recompute", "abort"] = knob(

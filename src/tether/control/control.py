@@ -198,6 +198,13 @@ class AsyncControl:
 
     # -- sync rule ----------------------------------------------------------------------------
 
+    def idle_sync_due(self, step: int, *, engines_idle: bool) -> bool:
+        """With ``sync_when_idle``, after ``step`` trained batches: no generation is in flight and
+        the trainer has weights the engines lack. Asked at a step's end and again whenever the
+        loop is about to launch (a rollout-bound run's engine finishing while the trainer waits)."""
+        s = self.settings
+        return s.sync_when_idle and engines_idle and self.publish_lag > 0 and step < s.total_batches
+
     def sync_decision(self, step: int, *, engines_idle: bool = False) -> SyncDecision:
         """After ``step`` trained batches: publish for an eval, a save, or an exhausted budget;
         with ``sync_when_idle``, also whenever the engines are idle and the trainer is ahead
@@ -215,8 +222,7 @@ class AsyncControl:
             reasons.append("save")
         if step < s.total_batches and self.publish_lag > s.staleness_budget:
             reasons.append("budget")
-        if (not reasons and s.sync_when_idle and engines_idle and self.publish_lag > 0
-                and step < s.total_batches):
+        if not reasons and self.idle_sync_due(step, engines_idle=engines_idle):
             reasons.append("idle")
         if not reasons and not s.drains and self.publish_lag > 0 and step < s.total_batches:
             reasons.append("eager")  # publishing waits for nothing: keep the engines current

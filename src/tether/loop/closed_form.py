@@ -129,12 +129,17 @@ def closed_forms(cfg: Any, *, gen_time: float, train_time: float, sync_time: flo
     Tether's form, by rule:
 
     - ``lazy`` (drain, no idle syncs): ``lazy_mean_staleness_batches``, exact;
-    - ``idle`` (drain with ``async.sync_when_idle``): rollout-bound, the engines are busy at every
-      step's end, so no idle sync fires and the lazy form holds; train-bound, the ready queue stays
-      full to the budget, so S;
+    - ``idle`` (drain with ``async.sync_when_idle``): with one generation at a time
+      (``async.max_inflight`` 1, or S ≤ 1), min(1, S) in either regime: rollout-bound, the
+      engines are idle each time the batch the trainer waits for completes, and an idle sync
+      fires then; train-bound, the loop launches one batch a step, so the queue never fills.
+      Otherwise, train-bound, the ready queue stays full to the budget, so S; rollout-bound,
+      the engines are idle only when every generation in flight has finished, which depends on
+      the timings, and the form (the lazy one) is withheld;
     - ``eager`` (an in-flight mode other than drain: a publication after every step):
       rollout-bound, Applied Compute's rollout-bound form (engines current, a batch as old as the
-      batches trained while it generated, plus ρ), capped at S; train-bound, S.
+      batches trained while it generated, plus ρ), capped at S; train-bound, S, or min(1, S)
+      with one generation at a time.
     """
     s = cfg.budget()
     if num_batches is not None:
@@ -146,13 +151,25 @@ def closed_forms(cfg: Any, *, gen_time: float, train_time: float, sync_time: flo
     if s.drains and not s.sync_when_idle:
         rule, value = "lazy", lazy
     elif s.drains:
-        rule, value = "idle", lazy if model.rho < 1 else float(s.max_staleness)
+        rule = "idle"
+        if one_at_a_time(s):
+            value = float(min(1, s.max_staleness))
+        else:
+            value = float(s.max_staleness) if model.rho >= 1 else lazy
     else:
         rule = "eager"
-        value = min(float(s.max_staleness), model.concurrency * model.tail / model.batch + model.rho) \
-            if model.rho < 1 else float(s.max_staleness)
+        if model.rho >= 1:
+            value = float(min(1, s.max_staleness)) if one_at_a_time(s) else float(s.max_staleness)
+        else:
+            value = min(float(s.max_staleness), model.concurrency * model.tail / model.batch + model.rho)
     return {"rule": rule, "mean_staleness_batches": value, "exact": rule == "lazy",
-            "applied_compute": model.as_dict(), "withheld": withheld(model, rule)}
+            "applied_compute": model.as_dict(), "withheld": withheld(model, rule, s)}
+
+
+def one_at_a_time(s: BudgetSettings) -> bool:
+    """At most one generation outstanding beside the batch the trainer waits for, so a
+    rollout-bound run's engines are idle each time a batch completes (idle syncs fire then)."""
+    return s.max_inflight == 1 or s.max_staleness <= 1
 
 
 BALANCE = (0.8, 1.5)
@@ -160,11 +177,12 @@ BALANCE = (0.8, 1.5)
 Compute's (errors up to 5 batches on simulated recipes, benchmarks/closed_form.py)."""
 
 
-def withheld(model: QueueModel, rule: str) -> dict[str, str | None]:
+def withheld(model: QueueModel, rule: str, settings: BudgetSettings) -> dict[str, str | None]:
     """Why each form's number would be wrong for this recipe, naming what puts it outside the form's
     assumptions; None where the form holds. The numbers stay in the document (the benchmark
     measures their errors); ``tether plan`` and ``tether report`` print the reason instead."""
     rho = model.rho
+    idle_lazy = rule == "idle" and rho < 1 and not one_at_a_time(settings)
     timings = None
     if not 0 < rho < float("inf"):
         timings = (f"rho = {rho:g}: the forms need a positive, finite generation time and training time "
@@ -172,16 +190,28 @@ def withheld(model: QueueModel, rule: str) -> dict[str, str | None]:
     near = (f"rho = {rho:.2f} is near balance ({BALANCE[0]} <= rho < {BALANCE[1]}), where how the ready "
             "queue fills is not in the form (errors up to 5 batches); the simulation holds")
     balanced = BALANCE[0] <= rho < BALANCE[1]
-    tether = None if rule == "lazy" else timings or (near if balanced else None)
+    several = (f"rollout-bound with async.max_inflight = {settings.max_inflight} and async.max_staleness = "
+               f"{settings.max_staleness}: an idle sync fires only when every generation in flight has "
+               "finished, which depends on the timings; the simulation holds (async.max_inflight=1 "
+               "publishes at every batch's completion)")
+    tether = None if rule == "lazy" else (timings or (near if balanced else None)
+                                          or (several if idle_lazy else None))
     if timings:
         ac = timings
     elif balanced and rule != "lazy":
         ac = near
-    elif rule == "lazy" or (rule == "idle" and rho < 1):
+    elif idle_lazy:
+        ac = several
+    elif rule == "lazy":
         ac = ("the forms model engines that take up every update; this recipe publishes lazily (async."
-              "inflight_update: drain" + (", and with the engines busy at every step's end "
-              "async.sync_when_idle never fires" if rule == "idle" else " without async.sync_when_idle")
-              + "), so a batch's staleness is its place in the sync period, which Tether's form gives")
+              "inflight_update: drain without async.sync_when_idle), so a batch's staleness is its place "
+              "in the sync period, which Tether's form gives")
+    elif rule == "idle" and rho < 1:
+        ac = ("one generation at a time, idle syncs publish as each batch completes, so every batch "
+              "trains one batch stale; the forms add rho for engines that take up updates while generating")
+    elif rho >= BALANCE[1] and one_at_a_time(settings):
+        ac = (f"train-bound (rho = {rho:.2f}) with one generation at a time: the loop launches a batch a "
+              "step, so each trains one batch stale, which the form does not know")
     elif rho >= BALANCE[1]:
         ac = (f"train-bound (rho = {rho:.2f}): Tether's admission keeps the ready queue full to the budget "
               f"(async.max_staleness = {model.budget}), so batches train at about S, which the form "

@@ -181,6 +181,7 @@ class Driver:
         """Reap, launch, and take the head of the ready FIFO (waiting for a completion if empty)."""
         while True:
             self._reap(self.pool.reap())
+            self._sync_if_idle(times)
             self._launch()
             if not self.ready:
                 if self.pool.inflight == 0:
@@ -236,9 +237,23 @@ class Driver:
             self._reap(self.pool.reap())  # a finished generation still counts as in flight until reaped
         decision = self.control.sync_decision(step, engines_idle=self.pool.inflight == 0)
         if decision.due:
-            times.sync, times.sync_metrics = self._publish(decision.reasons)
+            self._timed_publish(decision.reasons, times)
         if self.settings.eval_due(step):
             times.eval = self._evaluate(step)
+
+    def _sync_if_idle(self, times: StepTimes) -> None:
+        """An idle sync before launching (``sync_when_idle``): when generation is the slower side,
+        the engines are busy at every step's end, and the one moment they are idle is when the
+        batch the trainer waits for completes. Publishing then lets the next generation start at
+        once under the newest weights, overlapping the training of the batch just taken, instead
+        of waiting a training step for the budget's publication."""
+        if self.control.idle_sync_due(self.trained, engines_idle=self.pool.inflight == 0):
+            self._critical(self._timed_publish, ("idle",), times)
+
+    def _timed_publish(self, reasons: tuple[str, ...], times: StepTimes) -> None:
+        seconds, metrics = self._publish(reasons)
+        times.sync += seconds
+        times.sync_metrics = metrics or times.sync_metrics
 
     def _save(self) -> None:
         """Checkpoint after the step's row is written; its duration is the ``save`` event's."""
