@@ -7,7 +7,7 @@ import pytest
 from tether.control import AsyncControl, BudgetSettings
 from tether.errors import ControlError, RolloutError, StaleBatchError
 from tether.loop import Driver, LoopState, TraceRecorder
-from tether.loop.fakes import FakeLearner, RecordingHooks
+from tether.loop.fakes import FakeLearner, FakePool, RecordingHooks
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -335,3 +335,46 @@ def test_a_batch_lost_with_its_worker_is_launched_again_and_trained_once(make_po
     assert max(measured) <= s and [r.staleness_updates for r in trace.records] == measured
     restarts = [r.metrics["rollout/worker_restarts"] for r in trace.records]
     assert restarts == sorted(restarts) and restarts[-1] == len(lose)
+
+
+def test_generation_slower_than_training_publishes_idle_as_each_batch_completes(make_pool):
+    """With one generation at a time the engine is idle when the batch the trainer waits for
+    completes: the idle sync then hands it the weights the trainer has, and the next batch
+    starts at once, one batch stale, instead of after the next training step."""
+    state, pool, learner, _h, trace = run(make_pool, pool_kw={"gen_time": 0.03}, max_staleness=1,
+                                          max_inflight=1, sync_when_idle=True, total_batches=8)
+    assert learner.measured_staleness() == [0] + [1] * 7
+    syncs = trace.of_kind("sync")
+    assert [s.detail["reasons"] for s in syncs] == [("idle",)] * 7
+    # after 1 … 7 trained batches, each as batch k completes, before the step that trains it
+    assert [s.detail["step"] for s in syncs] == list(range(1, 8))
+    events = trace.events
+    for sync in syncs:
+        at = events.index(sync)
+        ready = [e for e in events[:at] if e.kind == "ready"][-1]
+        trained = next(e for e in events[at:] if e.kind == "train")
+        assert ready.batch == trained.batch == sync.detail["step"]
+    assert pool.published == list(range(1, 8)) and state.rollout_version == 7
+    lazy = run(make_pool, pool_kw={"gen_time": 0.03}, max_staleness=1, max_inflight=1, total_batches=8)[2]
+    assert lazy.measured_staleness() == [0, 1] * 4
+
+
+def test_a_stop_during_an_idle_publication_trains_nothing_more(make_pool):
+    class StopWhilePublishing(FakePool):
+        def publish(self, weights, version):
+            metrics = super().publish(weights, version)
+            if version == 3:
+                assert driver.request_stop() is False  # inside the publication: not safe to raise
+            return metrics
+
+    pool = StopWhilePublishing(gen_time=0.02)
+    learner = FakeLearner()
+    driver = Driver(AsyncControl(BudgetSettings(max_staleness=1, max_inflight=1, sync_when_idle=True,
+                                                total_batches=10)), pool, learner, wait_timeout_s=10)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            driver.run()
+    finally:
+        pool.close()
+    assert len(learner.trained) == 3  # version 3 was published before the fourth step: none ran
+    assert driver.state().trained_batches == 3

@@ -249,6 +249,8 @@ class Driver:
         of waiting a training step for the budget's publication."""
         if self.control.idle_sync_due(self.trained, engines_idle=self.pool.inflight == 0):
             self._critical(self._timed_publish, ("idle",), times)
+            if self.stop_requested:  # a stop that arrived during the publication: nothing is half done
+                raise StopRequested(self.stop_requested)
 
     def _timed_publish(self, reasons: tuple[str, ...], times: StepTimes) -> None:
         seconds, metrics = self._publish(reasons)
