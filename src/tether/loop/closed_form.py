@@ -167,8 +167,10 @@ def closed_forms(cfg: Any, *, gen_time: float, train_time: float, sync_time: flo
 
 
 def one_at_a_time(s: BudgetSettings) -> bool:
-    """At most one generation outstanding beside the batch the trainer waits for, so a
-    rollout-bound run's engines are idle each time a batch completes (idle syncs fire then)."""
+    """One generation in flight at a time (``async.max_inflight`` 1), or a budget of one batch or
+    none, which admits no second beside the batch the trainer waits for: a rollout-bound run's
+    engines are then idle each time a batch completes (idle syncs fire there), and a train-bound
+    run launches a batch a step."""
     return s.max_inflight == 1 or s.max_staleness <= 1
 
 
