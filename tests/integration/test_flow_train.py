@@ -139,12 +139,14 @@ def test_eval_seed_measures_runs_of_different_seeds_on_one_held_out_set(flow_mod
         first["eval/reward_mean"], first["eval/sampled_reward_mean"])
 
 
-@pytest.mark.parametrize("rule", [[], ["flow.sde_type=cps", "flow.noise_level=0.8"]], ids=["sde", "cps"])
+@pytest.mark.parametrize("rule", [[], ["flow.sde_type=cps", "flow.noise_level=0.8"],
+                                  ["flow.sde_window_slide=1"]], ids=["sde", "cps", "slide"])
 def test_a_flow_run_with_an_sde_window_trains_the_windows_steps(flow_model, tmp_path, rule):
     """flow.sde_window=2 of 4 steps, within the first 3: each batch's window drawn by its seed (a
-    resume and every rank draw the same), the learner's log-probs of the window's steps equal the
-    engine's where the trained weights sampled them, and the weights move; under Flow-GRPO's SDE
-    and under CPS (flow.sde_type), whose rule the batches carry to the learner."""
+    resume and every rank draw the same), or sliding one step a batch (flow.sde_window_slide), the
+    learner's log-probs of the window's steps equal the engine's where the trained weights sampled
+    them, and the weights move; under Flow-GRPO's SDE and under CPS (flow.sde_type), whose rule the
+    batches carry to the learner."""
     from tether.families.flow.policy import FlowSampling
 
     cfg = recipe(flow_model, "train.num_batches=4", "async.max_staleness=1", "flow.sde_window=2",
@@ -155,6 +157,9 @@ def test_a_flow_run_with_an_sde_window_trains_the_windows_steps(flow_model, tmp_
     metrics = rows(tmp_path / "run" / "metrics.jsonl")
     sampling = FlowSampling(steps=4, window=2, window_range=3)
     drawn = [sampling.window_steps(cfg.run.seed * 1_000_003 + m["batch_index"]).start for m in metrics]
+    if cfg.flow.sde_window_slide:  # batches 0, 1, 2, 3 at starts 0, 1, then back to 0
+        drawn = [m["batch_index"] % 2 for m in metrics]
+        assert sorted(drawn) == [0, 0, 1, 1]
     assert [m["flow/window_start"] for m in metrics] == drawn and set(drawn) <= {0, 1}
     fresh = [m for m in metrics if m["staleness/updates"] == 0]
     assert fresh and all(m["mismatch/numeric_logprob_abs_diff_max"] < 1e-4 for m in fresh)

@@ -39,6 +39,20 @@ def test_the_window_is_drawn_from_the_batch_seed_within_its_range():
     assert FlowSampling(steps=8, window=8).window_steps(3) == range(8)
 
 
+def test_a_sliding_window_starts_at_the_first_step_and_moves_one_step_every_n_batches():
+    """MixGRPO's progressive schedule: batch b starts at (b // N) mod (R − K + 1), whatever the
+    seed, returning to the first step after the last start; without a batch index it is drawn."""
+    sliding = FlowSampling(steps=8, window=2, window_range=5, window_slide=3)
+    starts = [sliding.window_steps(seed=1000 + b, batch=b).start for b in range(15)]
+    assert starts == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 0, 0, 0]  # starts 0 … 3 inside steps 0 … 4
+    assert all(len(sliding.window_steps(seed=7, batch=b)) == 2 for b in range(40))
+    whole = FlowSampling(steps=6, window=2, window_slide=1)  # R = 0: the whole trajectory
+    assert [whole.window_steps(0, b).start for b in range(7)] == [0, 1, 2, 3, 4, 0, 1]
+    drawn = FlowSampling(steps=8, window=2, window_range=5)
+    assert [sliding.window_steps(s) for s in range(50)] == [drawn.window_steps(s) for s in range(50)]
+    assert [drawn.window_steps(s, batch=0) for s in range(50)] == [drawn.window_steps(s) for s in range(50)]
+
+
 def ode_from(model, x, cond, times, steps):
     """The deterministic ODE's steps ``steps`` from x (the evaluation sampler's Euler step)."""
     for j in steps:
@@ -104,6 +118,8 @@ def test_a_window_over_every_step_is_full_sde_sampling():
     (["flow.sde_window=3", "flow.sde_window_range=9"], "set it from 3 to 8"),
     (["flow.sde_window=2", "flow.train_steps=3"],
      "flow.train_steps=3 exceeds the flow.sde_window=2 SDE steps"),
+    (["flow.sde_window_slide=25"], "flow.sde_window=0 of flow.steps=8 leaves nothing to slide"),
+    (["flow.sde_window=8", "flow.sde_window_slide=25"], "set flow.sde_window below flow.steps"),
 ])
 def test_a_window_that_does_not_fit_the_trajectory_is_refused_at_load(overrides, message):
     with pytest.raises(ConfigError) as err:

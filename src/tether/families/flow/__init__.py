@@ -322,6 +322,10 @@ def check_window(flow: FlowSection) -> None:
         raise ConfigError(f"flow.sde_window_range={flow.sde_window_range} must hold the flow.sde_window="
                           f"{flow.sde_window} steps and lie within the flow.steps={flow.steps} of a "
                           f"trajectory: set it from {flow.sde_window} to {flow.steps} (0 = anywhere)")
+    if flow.sde_window_slide and not 0 < flow.sde_window < flow.steps:
+        raise ConfigError(f"flow.sde_window_slide={flow.sde_window_slide} slides an SDE window, but "
+                          f"flow.sde_window={flow.sde_window} of flow.steps={flow.steps} leaves nothing to "
+                          "slide: set flow.sde_window below flow.steps, or drop flow.sde_window_slide")
     if flow.sde_window and flow.train_steps > flow.sde_window:
         raise ConfigError(f"flow.train_steps={flow.train_steps} exceeds the flow.sde_window="
                           f"{flow.sde_window} SDE steps of a trajectory (the only steps that are actions, "

@@ -67,7 +67,8 @@ class FlowEvaluator:
             k = self.num_samples
             repeated = conditioning.rows(self.cond, torch.arange(len(self.examples)).repeat_interleave(k))
             seed = self.seed * 7919 + step
-            generator, window = torch.Generator().manual_seed(seed), self.sampling.window_steps(seed)
+            # the window training's batch ``step`` had (drawn, or its place in the slide)
+            generator, window = torch.Generator().manual_seed(seed), self.sampling.window_steps(seed, step)
             finals = (sample(self.model, chunk, self.sampling, generator=generator, negative=self.negative,
                              window=window).final for chunk in self._chunks(repeated))
             sampled_images = [image for final in finals for image in self.model.decode(final)]

@@ -67,6 +67,16 @@ class FlowSection:
         "flow.sde_window to flow.steps.",
         min=0,
     )
+    sde_window_slide: int = knob(
+        0,
+        "N > 0: the SDE window slides instead of being drawn (MixGRPO's progressive schedule): rollout "
+        "batch b's window starts at step (b // N) mod (R − K + 1), so it starts at the first, "
+        "highest-noise step, moves one step later every N batches, and returns to the first after "
+        "the last start within flow.sde_window_range (MixGRPO's roll-back; its FLUX recipe: 25 "
+        "iterations a step). The same batch index gives the same window on a resume and on every "
+        "rank. 0 = drawn by the batch's seed. Needs flow.sde_window below flow.steps.",
+        min=0,
+    )
     same_latent: bool = knob(
         False,
         "Every image of a prompt's group starts from the same initial noise (Flow-GRPO's "

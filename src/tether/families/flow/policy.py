@@ -47,6 +47,8 @@ class FlowSampling:
     """K: the SDE steps of a trajectory, consecutive; the others are the ODE's. 0 = all T."""
     window_range: int = 0
     """R: the window lies within steps 0 … R − 1 (its start drawn from 0 … R − K); 0 = T."""
+    window_slide: int = 0
+    """N > 0: batch b's window starts at (b // N) mod (R − K + 1) instead of a drawn start."""
     sde_type: str = "sde"
     """The SDE steps' rule: ``sde`` (Flow-GRPO's) or ``cps`` (Coefficients-Preserving Sampling)."""
     same_latent: bool = False
@@ -57,15 +59,20 @@ class FlowSampling:
             return torch.tensor(self.schedule, dtype=torch.float32)
         return timesteps(self.steps, shift=self.shift or 1.0)
 
-    def window_steps(self, seed: int) -> range:
-        """The SDE steps of a batch sampled with ``seed``: all T without a window; else K
-        consecutive ones, the start drawn uniformly from 0 … R − K by ``seed`` (a stream of its own,
-        apart from the noise's), so a resumed run samples the same window for the same batch."""
+    def window_steps(self, seed: int, batch: int | None = None) -> range:
+        """The SDE steps of rollout batch ``batch`` sampled with ``seed``: all T without a window;
+        else K consecutive ones, the start drawn uniformly from 0 … R − K by ``seed`` (a stream of
+        its own, apart from the noise's), or with ``window_slide`` N the batch's place in the slide,
+        (batch // N) mod (R − K + 1); either way a resumed run samples the same window for the same
+        batch. Without ``batch`` (none is known) the start is drawn."""
         k = self.window
         if k <= 0 or k >= self.steps:
             return range(self.steps)
-        span = self.window_range or self.steps
-        start = int(np.random.default_rng((seed % 2 ** 63, WINDOW_STREAM)).integers(0, span - k + 1))
+        starts = (self.window_range or self.steps) - k + 1
+        if self.window_slide > 0 and batch is not None:
+            start = (batch // self.window_slide) % starts
+        else:
+            start = int(np.random.default_rng((seed % 2 ** 63, WINDOW_STREAM)).integers(0, starts))
         return range(start, start + k)
 
     @property

@@ -69,18 +69,20 @@ class FlowEngine(ModelEngine):
                 raise _Restart(step)
         return self._version
 
-    def generate(self, cond: dict[str, torch.Tensor], *, seed: int, group: int = 1) -> Trajectories:
+    def generate(self, cond: dict[str, torch.Tensor], *, seed: int, group: int = 1,
+                 batch: int | None = None) -> Trajectories:
         """One trajectory per row of ``cond``, on the CPU: its window's latents (N, K + 1, C, H, W)
         and step log-probs (N, K), the version of each window step, and the final latents (K = T
-        without a window; the window drawn by ``seed``). The same seed, weights and prompts give the
-        same trajectories (a trajectory started over draws on from the same generator). ``group``:
-        the rows of one prompt's group, consecutive (one initial noise each with ``same_latent``)."""
+        without a window; the window drawn by ``seed``, or placed by the rollout batch index
+        ``batch`` when it slides). The same seed, batch, weights and prompts give the same
+        trajectories (a trajectory started over draws on from the same generator). ``group``: the
+        rows of one prompt's group, consecutive (one initial noise each with ``same_latent``)."""
         generator = torch.Generator().manual_seed(seed)
         cond = conditioning.to(cond, self.device)
         while True:
             try:
                 out = sample(self.model, cond, self.sampling, generator=generator, negative=self.negative,
-                             poll=self._before, window=self.sampling.window_steps(seed), group=group)
+                             poll=self._before, window=self.sampling.window_steps(seed, batch), group=group)
             except _Restart as restart:
                 self.wasted_steps += restart.step * conditioning.num_rows(cond)
                 continue
@@ -177,7 +179,7 @@ class FlowSampler:
         model = self.engine.model
         cond = model.encode_prompts([ex.prompt for _, ex in item.examples])  # once per prompt
         per_sample = conditioning.rows(cond, torch.arange(len(item.examples)).repeat_interleave(g))
-        out = self.engine.generate(per_sample, seed=item.seed, group=g)
+        out = self.engine.generate(per_sample, seed=item.seed, group=g, batch=item.batch_index)
         check_finite(out, self.sampling)
         generate_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -247,4 +249,5 @@ def sampling_of(cfg, model=None) -> FlowSampling:
     schedule = () if model is None else tuple(float(t) for t in model.times(f.steps, f.shift))
     return FlowSampling(steps=f.steps, noise_level=f.noise_level, shift=f.shift,
                         guidance_scale=f.guidance_scale, schedule=schedule, window=f.sde_window,
-                        window_range=f.sde_window_range, sde_type=f.sde_type, same_latent=f.same_latent)
+                        window_range=f.sde_window_range, window_slide=f.sde_window_slide,
+                        sde_type=f.sde_type, same_latent=f.same_latent)
