@@ -173,7 +173,7 @@ def test_a_killed_actor_names_itself_and_its_batch_and_nothing_is_left_running(t
 def test_publish_to_a_dead_actor_and_missing_resources_are_clear_errors(tiny_model_dir, tmp_path):
     model, _ = load_causal_lm(tiny_model_dir)
     settings = pool_settings(tiny_model_dir, "rollout.group_size=2", "rollout.max_new_tokens=6",
-                             "rollout.on_worker_loss=stop", startup_timeout_s=8)
+                             "rollout.on_worker_loss=stop", startup_timeout_s=120)
     with pytest.raises(ConfigError, match="do not fit the Ray cluster's nodes"):
         RayPool(settings, STREAM.batch, unique_parameters(model),
                 options=RayOptions(local_cpus=2, cpus_per_worker=4), run_dir=tmp_path / "a")
