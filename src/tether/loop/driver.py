@@ -247,7 +247,8 @@ class Driver:
         batch the trainer waits for completes. Publishing then lets the next generation start at
         once under the newest weights, overlapping the training of the batch just taken, instead
         of waiting a training step for the budget's publication."""
-        if self.control.idle_sync_due(self.trained, engines_idle=self.pool.inflight == 0):
+        if self.settings.sync_when_idle and self.control.idle_sync_due(
+                self.trained, engines_idle=self.pool.inflight == 0):
             self._critical(self._timed_publish, ("idle",), times)
             if self.stop_requested:  # a stop that arrived during the publication: nothing is half done
                 raise StopRequested(self.stop_requested)
