@@ -77,6 +77,9 @@ def _quiet_transformers() -> None:
 
 def _init_model(ns: argparse.Namespace) -> int:
     _quiet_transformers()
+    from tether.paths import check_folder_to_write
+
+    check_folder_to_write(ns.out, "the model folder")  # before a build that may take minutes
     if ns.from_gguf:
         return _import_gguf(ns)
     from tether.data.tiny_model import init_model
@@ -106,6 +109,7 @@ def _warmstart(ns: argparse.Namespace) -> int:
 
     from tether.cli.plan import split_recipe_args
     from tether.config import load_config
+    from tether.paths import check_folder_to_write
     from tether.runtime.progress import Progress
 
     recipe, overrides = split_recipe_args(ns.args)
@@ -114,6 +118,7 @@ def _warmstart(ns: argparse.Namespace) -> int:
     if not (model / "config.json").is_file():
         raise ConfigError(f"{model} is not a model directory (no config.json); run `tether init-model` first")
     out = Path(ns.out)
+    check_folder_to_write(out, "--out")
     if out.exists() and any(out.iterdir()) and not ns.overwrite and out.resolve() != model.resolve():
         raise ConfigError(f"--out {out} exists and is not empty; choose another path or pass --overwrite")
     cfg = replace(cfg, model=replace(cfg.model, path=str(model)))

@@ -159,7 +159,32 @@ def optimize(ns: argparse.Namespace) -> int:
     return 0
 
 
+OPTIMIZE_ONLY = {"cores": None, "staleness_cap": 8, "vary_batch": False, "vary_group": False,
+                 "min_samples_per_s": None, "tie": None, "top": 5}
+"""The options that shape ``--optimize``'s search, with their defaults: given without it, refused."""
+
+MIN_WIDTH = 10
+
+
+def check_options(ns: argparse.Namespace) -> None:
+    """Refuse what ``tether plan`` would otherwise ignore or fail on: a search option without
+    ``--optimize``, and counts below what they can mean."""
+    if not ns.optimize:
+        given = [name for name, default in OPTIMIZE_ONLY.items() if vars(ns)[name] != default]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise ConfigError(f"{flags} only appl{'ies' if len(given) == 1 else 'y'} with --optimize: add "
+                              "--optimize, or drop it")
+    if ns.width < MIN_WIDTH:
+        raise ConfigError(f"--width must be {MIN_WIDTH} or more (characters of the timeline), got {ns.width}")
+    for name, least in (("cores", 1), ("staleness_cap", 0), ("top", 1)):
+        value = vars(ns)[name]
+        if value is not None and value < least:
+            raise ConfigError(f"--{name.replace('_', '-')} must be {least} or more, got {value}")
+
+
 def run(ns: argparse.Namespace) -> int:
+    check_options(ns)
     if ns.optimize:
         return optimize(ns)
     cfg = config_from_args(ns)

@@ -27,6 +27,7 @@ def run(ns: argparse.Namespace) -> int:
     from tether.cli.plan import split_recipe_args
     from tether.config import load_config
     from tether.errors import ConfigError
+    from tether.paths import check_folder_to_write
     from tether.runtime.sweep import parse_grid, run_sweep
 
     if ns.seeds < 1:
@@ -34,7 +35,9 @@ def run(ns: argparse.Namespace) -> int:
     recipe, overrides = split_recipe_args(ns.args)
     grid = parse_grid(ns.sets)
     base = load_config(recipe, overrides).run.seed
-    out = Path(ns.out) if ns.out else Path("runs") / f"sweep-{Path(recipe).stem if recipe else 'train'}"
+    stem = Path(recipe).stem if recipe else "train"
+    check_folder_to_write(ns.out if ns.out is not None else Path("runs") / f"sweep-{stem}", "--out")
+    out = Path(ns.out) if ns.out is not None else Path("runs") / f"sweep-{stem}"
     rows = run_sweep(recipe, overrides, grid, [base + i for i in range(ns.seeds)], out)
     done = [r for r in rows if r["held_out"] is not None]
     for r in done:

@@ -64,6 +64,9 @@ def resolve(ns: argparse.Namespace):
         for key in dropped:
             logging.getLogger("tether").info("resume drops %s", key)
         return cfg, run_dir, overrides
+    if ns.run_dir is not None and not ns.run_dir.strip():
+        raise ConfigError("--run-dir is empty; give a folder for the run, or leave --run-dir out for "
+                          "runs/<recipe>-<time>")
     recipe, overrides = split_recipe_args(ns.args)
     cfg = load_config(recipe, overrides)
     stem = Path(recipe).stem if recipe else "train"
@@ -178,19 +181,26 @@ def report(ns: argparse.Namespace) -> int:
     return 0
 
 
+FIGURE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+"""What ``tether compare --out`` may end in: formats matplotlib writes without extra packages."""
+
+
 def add_compare_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="several runs side by side: a table and compare.png",
                        description="Compare runs (e.g. synchronous against asynchronous): held-out "
                        "pass@1 against wall time and batches, training reward and samples trained "
                        "against wall time, in one PNG; and a table of throughput, staleness and accuracy.")
     p.add_argument("runs", nargs="+", metavar="RUN", help="two or more run directories")
-    p.add_argument("--out", default="compare.png", help="where to write the figure (default: compare.png)")
+    p.add_argument("--out", default="compare.png",
+                   help="where to write the figure: .png, .pdf, .svg or .jpg (default: compare.png)")
     p.set_defaults(func=compare)
 
 
 def compare(ns: argparse.Namespace) -> int:
+    from tether.paths import check_file_to_write
     from tether.runtime.compare import format_table, write_comparison
 
+    check_file_to_write(ns.out, "--out", FIGURE_SUFFIXES)
     path, rows, notes = write_comparison([Path(r) for r in ns.runs], Path(ns.out))
     for note in notes:
         print(f"tether compare: {note}", file=sys.stderr)

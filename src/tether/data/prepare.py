@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tether.config import Config
 from tether.errors import ConfigError
+from tether.paths import check_folder_to_write
 from tether.vocabulary import Progress
 
 log = logging.getLogger("tether.data")
@@ -96,6 +97,9 @@ def ensure_model(cfg: Config, on_progress: Progress | None = None) -> Path:
                         "it is: %s shape only a model Tether builds and do nothing here; drop them", path,
                         ", ".join(unused))
         return path
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"model.path {path} is a file, not a model directory; point model.path at a model "
+                          "directory or a new folder")
     if path.exists() and any(path.iterdir()):
         raise ConfigError(f"model.path {path} exists but holds neither config.json nor model_index.json "
                           "(a diffusers pipeline's): it is not a model directory, and a model is never built "
@@ -103,6 +107,7 @@ def ensure_model(cfg: Config, on_progress: Progress | None = None) -> Path:
     if not cfg.model.create_if_missing:
         raise ConfigError(f"model.path {path} does not exist; point it at a local model directory, "
                           "run `tether init-model`, or set model.create_if_missing=true")
+    check_folder_to_write(path, "model.path")  # before a build and warm start that may take minutes
     _clean_stale_builds(path)
     staging = path.parent / f".{path.name}.building-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)

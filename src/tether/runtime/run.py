@@ -27,8 +27,10 @@ log = logging.getLogger("tether.run")
 def _refuse_nonempty(run_dir: Path, *, locked: bool = False) -> None:
     """A new run needs an empty directory, or one whose earlier start never trained a batch (a
     start that failed or was stopped before its first batch: it is reused, ``rundir.never_trained``)."""
+    from tether.paths import check_folder_to_write
     from tether.runtime.rundir import LOCK_NAME, RunLock, never_trained
 
+    check_folder_to_write(run_dir, "--run-dir")
     used = run_dir.exists() and any(p.name != LOCK_NAME for p in run_dir.iterdir())
     if used and not never_trained(run_dir):
         raise ConfigError(f"run directory {run_dir} already exists and is not empty; pass --resume {run_dir} "

@@ -5,7 +5,8 @@ Each grid point is a ``tether train`` of its own (a child process: a Ray recipe 
 a run), in ``OUT/<key>=<value>,…/seed<k>``. A point whose run directory holds ``summary.json`` is
 done and is not run again; one that stopped with a checkpoint is resumed (``--resume``); one that
 stopped before its first checkpoint is started afresh. Every point's recipe is loaded before any
-run starts, so a bad key or value is refused before anything trains. ``OUT/sweep.json`` holds a
+run starts, so a bad key or value is refused before anything trains, and so is a kept run whose
+recipe differs from the one the sweep now gives its point (the keys named). ``OUT/sweep.json`` holds a
 row a run (its values, seed, held-out figure, samples/s, mean and max staleness) and ``sweep.png``
 plots the held-out figure and samples/s against the values, the mean over seeds with the spread.
 """
@@ -57,6 +58,10 @@ def parse_grid(sets: Sequence[str]) -> list[tuple[str, list[str]]]:
             raise ConfigError(f"--set {item!r} must look like section.key=V1,V2,... (no empty value)")
         if key in (k for k, _ in grid):
             raise ConfigError(f"--set gives {key} twice; list all its values in one --set")
+        repeated = sorted({v for v in parts if parts.count(v) > 1})
+        if repeated:
+            raise ConfigError(f"--set {key} lists {', '.join(repeated)} more than once; give each value once "
+                              "(more runs of a point: --seeds)")
         if key == "run.seed":
             raise ConfigError("--set run.seed: seeds come from --seeds (run.seed + 0 … N − 1)")
         grid.append((key, parts))
@@ -71,15 +76,30 @@ def points(grid: list[tuple[str, list[str]]], seeds: Sequence[int]) -> list[Poin
             for combo in itertools.product(*(vals for _, vals in grid)) for seed in seeds]
 
 
-def check(recipe: str | None, overrides: Sequence[str], grid_points: Sequence[Point]) -> None:
-    """Load every point's recipe (refusing a bad key or value, naming the point) before any run."""
+def check(recipe: str | None, overrides: Sequence[str], grid_points: Sequence[Point],
+          out: Path | None = None) -> None:
+    """Load every point's recipe (refusing a bad key or value, naming the point) before any run;
+    with ``out``, refuse a point whose kept run (finished, or to resume) was trained with another
+    recipe than the one the sweep now gives it: it would be reported, or continued, as if it were
+    this point's."""
     from tether.config import load_config
+    from tether.runtime.rundir import resume_changes
 
     for p in grid_points:
         try:
-            load_config(recipe, [*overrides, *p.overrides()])
+            cfg = load_config(recipe, [*overrides, *p.overrides()])
         except ConfigError as exc:
             raise ConfigError(f"sweep point {p.name} (seed {p.seed}): {exc}") from exc
+        run_dir = out / p.name / f"seed{p.seed}" if out is not None else None
+        if run_dir is None or state(run_dir) == "fresh" or not (run_dir / "config.yaml").is_file():
+            continue
+        changes = resume_changes(load_config(run_dir / "config.yaml").to_dict(), cfg.to_dict())
+        differ = [*changes.safe, *(change for change, _ in changes.refused)]
+        if differ:
+            raise ConfigError(
+                f"sweep point {p.name} (seed {p.seed}): its run {run_dir} was trained with another recipe "
+                "than the sweep now gives it (kept → now):\n  - " + "\n  - ".join(differ)
+                + "\nChoose another --out for the new recipe, or delete that run to train it again")
 
 
 def state(run_dir: Path) -> str:
@@ -116,7 +136,7 @@ def run_sweep(recipe: str | None, overrides: Sequence[str], grid: list[tuple[str
     """Run every point not yet done, in order; returns the rows of ``sweep.json`` (written, with
     ``sweep.png``, also when some runs failed: ``SweepError`` then names them)."""
     grid_points = points(grid, seeds)
-    check(recipe, overrides, grid_points)
+    check(recipe, overrides, grid_points, out)
     out.mkdir(parents=True, exist_ok=True)
     failed = []
     for i, p in enumerate(grid_points, 1):

@@ -62,14 +62,19 @@ class FlowFamily(FamilyBase):
         from tether.families.flow.options import FlowSection
         from tether.families.flow.pipeline import check_pipeline, check_resolution, is_pipeline, own_settings
         from tether.families.flow.sde import check_sde
+        from tether.families.flow.tiny_sd3 import SD3_VAE_FACTOR
 
         own_shift = 0.0
         if (Path(cfg.model.path) / "model_index.json").is_file():  # before any process loads it
             check_pipeline(cfg.model.path)
         own = own_settings(cfg.model.path) if is_pipeline(cfg.model.path) else None
+        # a pipeline model.create_if_missing is to build (flow.init_backbone=sd3) is one already
+        to_build = not is_pipeline(cfg.model.path) and sd3_to_build(cfg)
         if own is not None:
             own_shift, factor = own
             check_resolution(cfg.flow.resolution, factor, cfg.model.path)
+        elif to_build:
+            check_resolution(cfg.flow.resolution, SD3_VAE_FACTOR, cfg.model.path)
         check_sde(cfg.flow.noise_level, cfg.flow.shift, cfg.flow.steps, own_shift=own_shift,
                   sde_type=cfg.flow.sde_type)
         check_window(cfg.flow)
@@ -77,7 +82,7 @@ class FlowFamily(FamilyBase):
             raise ConfigError("plan.mean_length and plan.prefill_cost model text completions; a flow "
                               f"trajectory takes flow.steps={cfg.flow.steps} steps, which tether plan reads "
                               "instead (and a switch recomputes nothing): drop them")
-        if cfg.flow.dtype != "float32" and not is_pipeline(cfg.model.path):
+        if cfg.flow.dtype != "float32" and not (is_pipeline(cfg.model.path) or to_build):
             raise ConfigError(f"flow.dtype={cfg.flow.dtype} is for a diffusers pipeline's engine; the "
                               "built-in model samples in float32: drop it")
         defaults = FlowSection()
@@ -89,7 +94,7 @@ class FlowFamily(FamilyBase):
             raise ConfigError(f"{', '.join(named)} {verb} for the tiny SD3 pipeline flow.init_backbone=sd3 "
                               "builds (its tokenizer and VAE); the built-in DiT (flow.init_backbone=dit) has "
                               f"neither: set flow.init_backbone=sd3, or drop {them}")
-        if cfg.flow.resolution and not is_pipeline(cfg.model.path):
+        if cfg.flow.resolution and not (is_pipeline(cfg.model.path) or to_build):
             raise ConfigError(f"flow.resolution={cfg.flow.resolution} sizes a diffusers pipeline's images; "
                               f"model.path {cfg.model.path} is the built-in model, whose size is fixed: "
                               "drop it")
@@ -301,6 +306,14 @@ class FlowFamily(FamilyBase):
 
         pictures = sorted((run_dir / "samples").glob("step_*.png"))
         return [report_samples(pictures, evals, out / "samples.png")] if pictures else []
+
+
+def sd3_to_build(cfg: Any) -> bool:
+    """Whether ``model.create_if_missing`` will build the tiny SD3 pipeline at ``model.path``
+    (``flow.init_backbone: sd3``, nothing there yet): the settings of a pipeline apply to it."""
+    path = Path(cfg.model.path)
+    empty = not path.exists() or (path.is_dir() and not any(path.iterdir()))
+    return bool(cfg.model.create_if_missing) and cfg.flow.init_backbone == "sd3" and empty
 
 
 def trained_steps(flow: FlowSection) -> int:

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 ALPHABET = [chr(c) for c in range(33, 127)]
+SD3_VAE_FACTOR = 2
+"""How many times the built VAE shrinks an image on a side (two levels: latents half as wide)."""
 
 
 def _symbols(word: str) -> list[str]:
