@@ -147,3 +147,19 @@ def test_sweep_refuses_a_kept_run_whose_recipe_is_no_longer_its_points(tmp_path)
         run_sweep(None, [*common, "train.lr=1e-3"], grid, [0], tmp_path / "out", runner=runner)
     assert f"its run {run} was trained with another recipe" in str(info.value)
     assert "train.lr: 0.0002 → 0.001" in str(info.value) and "Choose another --out" in str(info.value)
+
+
+def test_recipes_and_runs_that_cannot_be_what_they_claim_are_named_as_such(capsys, tmp_path):
+    """A folder given as a recipe, a key given twice in a recipe file, a run whose config.yaml is
+    empty, and a run that has trained no batch yet, each told for what it is."""
+    refused(capsys, ["config", "show", str(tmp_path)], "is a folder; give a YAML recipe file")
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("train:\n  lr: 0.001\n  num_batches: 4\n  lr: 0.002\n")
+    refused(capsys, ["config", "show", str(twice)], "'lr' is given twice in one mapping (lines 2 and 4)")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("")
+    refused(capsys, ["train", "--resume", str(run), "train.num_batches=4"], "config.yaml is empty")
+    (run / "config.yaml").write_text(load_config(None, []).to_yaml())
+    (run / "metrics.jsonl").write_text("")
+    refused(capsys, ["report", str(run)], "has trained no batch yet")

@@ -473,6 +473,10 @@ def load_resumed(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Confi
     vLLM to the built-in engine, the vllm section), as each key declares (``knob(dropped=...)``,
     an engine's or backend's keys: ``tether.config.keys``). Keys the overrides set are never dropped."""
     recorded = read_recipe(path)
+    if not recorded:
+        raise ConfigError(f"{path} is empty: it should hold the config the run was trained with (tether "
+                          "train writes it at every start); restore it from a copy, or start a new run from "
+                          "a checkpoint's model (model.path=RUN/checkpoints/step-N/learner/model)")
     data = apply_overrides(recorded, overrides)
     given = {".".join(parse_override(text)[0]) for text in overrides}
     dropped = []

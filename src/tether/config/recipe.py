@@ -12,6 +12,26 @@ import yaml
 from tether.errors import ConfigError
 
 
+class _OneKeyOnceLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that gives a key twice (PyYAML would keep the last)."""
+
+
+def _mapping_of_keys_once(loader: _OneKeyOnceLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{key!r} is given twice in one mapping (lines {seen[key]} and {line}); keep one",
+                key_node.start_mark)
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_OneKeyOnceLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_of_keys_once)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``'async.max_staleness=3'`` → ``(['async', 'max_staleness'], 3)`` (value parsed as YAML)."""
     if "=" not in text:
@@ -44,10 +64,13 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
 def read_recipe(path: str | Path) -> dict[str, Any]:
     """Read a YAML recipe into a plain mapping, with errors that name the file."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"recipe {str(p)!r} is a folder; give a YAML recipe file (a run's is "
+                          f"{str(p / 'config.yaml')!r})")
     if not p.is_file():
         raise ConfigError(f"recipe {str(p)!r} does not exist (give a path to a YAML file)")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(), Loader=_OneKeyOnceLoader)  # SafeLoader, keys once
     except yaml.YAMLError as exc:
         raise ConfigError(f"recipe {str(p)!r} is not valid YAML: {exc}") from exc
     if data is None:

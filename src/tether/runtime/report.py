@@ -59,7 +59,11 @@ def write_report(run_dir: Path, *, study_low: float | None = None,
     run_dir = Path(run_dir)
     metrics = _read_jsonl(run_dir / "metrics.jsonl")
     if not metrics:
-        raise ConfigError(f"{run_dir} has no metrics.jsonl rows to plot; is it a run directory?")
+        if (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"{run_dir} has trained no batch yet (metrics.jsonl has no rows): there is "
+                              "nothing to plot; run `tether report` once a batch has trained")
+        raise ConfigError(f"{run_dir} has no metrics.jsonl rows to plot, and no config.yaml: it is not a run "
+                          "directory")
     evals = _read_jsonl(run_dir / "eval.jsonl")
     events = _read_jsonl(run_dir / "events.jsonl")
     out = run_dir / "plots"

@@ -202,7 +202,7 @@ def read_config(folder: str | Path) -> FlowModelConfig:
                           "model.create_if_missing=true to build one there")
     data = json.loads(path.read_text())
     if data.pop(FAMILY_KEY, None) != "flow":
-        raise ConfigError(f"{folder} holds a language model, not a flow model; set model.family=lm or "
+        raise ConfigError(f"{folder} holds a language model, not a flow model; set model.family=text or "
                           "point model.path at a flow model directory")
     data["vocab"] = tuple(data["vocab"])
     return FlowModelConfig(**data)

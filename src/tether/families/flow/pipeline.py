@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,27 @@ def _diffusers():
     except ImportError as exc:
         raise ConfigError("model.path is a diffusers pipeline, which needs the `diffusers` package: "
                           "pip install -e '.[diffusers]'") from exc
+    from transformers.utils import logging as hf_logging
+
+    # a bar per part per process at every load (the text encoders' are transformers'), as
+    # tether.modeling does for a language model: Tether reports its own progress
+    diffusers.utils.logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()
     return diffusers
+
+
+@contextlib.contextmanager
+def saving_quietly() -> Iterator[None]:
+    """Save a pipeline without diffusers' warning for each part it leaves out on purpose (SD3's
+    third text encoder and tokenizer: ``self.text_encoder_3=None ... cannot be saved``)."""
+    from diffusers.utils import logging as diffusers_logging
+
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        diffusers_logging.set_verbosity(level)
 
 
 def check_pipeline(base: str | Path) -> dict[str, Any]:

@@ -33,6 +33,7 @@ import torch
 
 from tether.errors import ConfigError
 from tether.families.flow import scenes
+from tether.families.flow.pipeline import saving_quietly
 from tether.families.flow.warmstart import drawn_scenes
 from tether.train.supervised import WarmstartResult, warmstart_loop, write_record
 from tether.vocabulary import Example, Progress
@@ -221,7 +222,8 @@ def sd3_warmstart(out: str | Path, train: Sequence[Example], held_out: Sequence[
     result = warmstart_loop(transformer, optimizer, lambda step: batch_loss(), evaluate, settings,
                             data="task shapes (drawn images, VAE latents)", on_progress=on_progress)
     transformer.requires_grad_(False)
-    model.pipe.save_pretrained(out)
+    with saving_quietly():
+        model.pipe.save_pretrained(out)
     write_record(out, result, {**asdict(settings),
                                "seed": seed, "cond_dropout": flow.init_cond_dropout, "backbone": "sd3",
                                "init_width": flow.init_width, "init_depth": flow.init_depth,

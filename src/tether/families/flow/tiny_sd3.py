@@ -172,8 +172,11 @@ def build_tiny_sd3(out: str | Path, *, seed: int = 0, image_size: int = 32, widt
         transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         text_encoder=encoders[0], tokenizer=tokenizer, text_encoder_2=encoders[1], tokenizer_2=tokenizer,
         text_encoder_3=None, tokenizer_3=None)
+    from tether.families.flow.pipeline import saving_quietly
+
     try:
-        pipe.save_pretrained(staging / "pipeline")
+        with saving_quietly():
+            pipe.save_pretrained(staging / "pipeline")
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             shutil.rmtree(out)
