@@ -18,7 +18,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("init-model", help="build a character-level tokenizer and a model with random "
                        "weights, or import a GGUF file (--from-gguf) as a model folder")
-    p.add_argument("out", help="directory to write (must not exist or be empty)")
+    p.add_argument("out", metavar="OUT", help="directory to write (must not exist or be empty)")
     p.add_argument("--from-gguf", metavar="FILE", help="write the model and tokenizer of this GGUF file "
                    "(llama.cpp's format), dequantized to --dtype, instead of building a model")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -79,7 +79,7 @@ def _init_model(ns: argparse.Namespace) -> int:
     _quiet_transformers()
     from tether.paths import check_folder_to_write
 
-    check_folder_to_write(ns.out, "the model folder")  # before a build that may take minutes
+    check_folder_to_write(ns.out, "OUT")  # before a build that may take minutes
     if ns.from_gguf:
         return _import_gguf(ns)
     from tether.data.tiny_model import init_model

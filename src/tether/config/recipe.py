@@ -21,6 +21,10 @@ def _mapping_of_keys_once(loader: _OneKeyOnceLoader, node: yaml.MappingNode, dee
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=True)
         line = key_node.start_mark.line + 1
+        try:
+            hash(key)
+        except TypeError:
+            continue  # construct_mapping refuses an unhashable key itself, naming it
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 None, None, f"{key!r} is given twice in one mapping (lines {seen[key]} and {line}); keep one",
