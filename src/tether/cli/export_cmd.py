@@ -63,18 +63,15 @@ def _writable(out: Path) -> list[Path]:
     """Refuse an ``--out`` that is not a folder to create (or an empty one), before anything is
     read; returns the folders above it that are made for it, outermost first (removed again if
     the export fails)."""
-    if out.exists() or out.is_symlink():
-        if not out.is_dir():
-            raise ConfigError(f"--out {out} exists and is not a folder; choose a new folder")
-        if any(out.iterdir()):
-            raise ConfigError(f"{out} exists and is not empty; choose another --out")
+    from tether.paths import check_folder_to_write
+
+    check_folder_to_write(out, "--out")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty; choose another --out")
     made, above = [], out.parent
     while not above.exists():
         made.insert(0, above)
         above = above.parent
-    if not above.is_dir():
-        raise ConfigError(f"--out {out} is under {above}, which is a file, not a folder; choose another "
-                          "--out")
     try:
         for folder in made:
             folder.mkdir()

@@ -12,6 +12,11 @@ from tether.errors import ConfigError
 from tether.loop.virtual import Simulation, plan_document, simulate, timings_of
 
 # flag → recipe key; a flag wins over the recipe and over key=value overrides.
+STALENESS_CAP = 8
+"""--optimize's largest S by default."""
+TOP = 5
+"""--optimize's alternatives printed by default."""
+
 FLAG_KEYS = {
     "max_staleness": "async.max_staleness",
     "updates_per_batch": "train.updates_per_batch",
@@ -84,7 +89,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "plan.gen_time / train_time / sync_time, and print the best few")
     p.add_argument("--cores", type=int, help="--optimize: cores for the learner's threads and the "
                    "engines (default: this machine's)")
-    p.add_argument("--staleness-cap", type=int, default=8, help="--optimize: the largest S to consider")
+    p.add_argument("--staleness-cap", type=int, default=STALENESS_CAP,
+                   help="--optimize: the largest S to consider")
     p.add_argument("--vary-batch", action="store_true",
                    help="--optimize: also half and double rollout.batch_size")
     p.add_argument("--vary-group", action="store_true",
@@ -94,7 +100,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tie", type=float, default=None,
                    help="--optimize: throughputs within this fraction of the fastest count as equal, and the "
                         "least stale of them is chosen (default 0.03)")
-    p.add_argument("--top", type=int, default=5, help="--optimize: alternatives to print")
+    p.add_argument("--top", type=int, default=TOP, help="--optimize: alternatives to print")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     p.add_argument("--width", type=int, default=72, help="timeline width in characters")
     p.add_argument("--all", action="store_true", dest="show_all",
@@ -159,8 +165,8 @@ def optimize(ns: argparse.Namespace) -> int:
     return 0
 
 
-OPTIMIZE_ONLY = {"cores": None, "staleness_cap": 8, "vary_batch": False, "vary_group": False,
-                 "min_samples_per_s": None, "tie": None, "top": 5}
+OPTIMIZE_ONLY = {"cores": None, "staleness_cap": STALENESS_CAP, "vary_batch": False, "vary_group": False,
+                 "min_samples_per_s": None, "tie": None, "top": TOP}
 """The options that shape ``--optimize``'s search, with their defaults: given without it, refused."""
 
 MIN_WIDTH = 10

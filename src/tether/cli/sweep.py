@@ -35,9 +35,9 @@ def run(ns: argparse.Namespace) -> int:
     recipe, overrides = split_recipe_args(ns.args)
     grid = parse_grid(ns.sets)
     base = load_config(recipe, overrides).run.seed
-    stem = Path(recipe).stem if recipe else "train"
-    check_folder_to_write(ns.out if ns.out is not None else Path("runs") / f"sweep-{stem}", "--out")
-    out = Path(ns.out) if ns.out is not None else Path("runs") / f"sweep-{stem}"
+    out = ns.out if ns.out is not None else Path("runs") / f"sweep-{Path(recipe).stem if recipe else 'train'}"
+    check_folder_to_write(out, "--out")
+    out = Path(out)
     rows = run_sweep(recipe, overrides, grid, [base + i for i in range(ns.seeds)], out)
     done = [r for r in rows if r["held_out"] is not None]
     for r in done:

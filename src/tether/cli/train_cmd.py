@@ -47,6 +47,7 @@ def resolve(ns: argparse.Namespace):
     """(config, run directory, overrides) from the command line."""
     from tether.cli.plan import split_recipe_args
     from tether.config import load_config, load_resumed
+    from tether.paths import check_folder_to_write
 
     if ns.force and not ns.resume:
         raise ConfigError("--force only applies with --resume RUN")
@@ -64,9 +65,8 @@ def resolve(ns: argparse.Namespace):
         for key in dropped:
             logging.getLogger("tether").info("resume drops %s", key)
         return cfg, run_dir, overrides
-    if ns.run_dir is not None and not ns.run_dir.strip():
-        raise ConfigError("--run-dir is empty; give a folder for the run, or leave --run-dir out for "
-                          "runs/<recipe>-<time>")
+    if ns.run_dir is not None:  # before the recipe loads: "" would otherwise mean the default
+        check_folder_to_write(ns.run_dir, "--run-dir")
     recipe, overrides = split_recipe_args(ns.args)
     cfg = load_config(recipe, overrides)
     stem = Path(recipe).stem if recipe else "train"

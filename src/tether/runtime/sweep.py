@@ -43,6 +43,9 @@ class Point:
     def name(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.values) or "recipe"
 
+    def run_dir(self, out: Path) -> Path:
+        return out / self.name / f"seed{self.seed}"
+
     def overrides(self) -> list[str]:
         return [f"{k}={v}" for k, v in self.values] + [f"run.seed={self.seed}"]
 
@@ -90,7 +93,7 @@ def check(recipe: str | None, overrides: Sequence[str], grid_points: Sequence[Po
             cfg = load_config(recipe, [*overrides, *p.overrides()])
         except ConfigError as exc:
             raise ConfigError(f"sweep point {p.name} (seed {p.seed}): {exc}") from exc
-        run_dir = out / p.name / f"seed{p.seed}" if out is not None else None
+        run_dir = p.run_dir(out) if out is not None else None
         if run_dir is None or state(run_dir) == "fresh" or not (run_dir / "config.yaml").is_file():
             continue
         changes = resume_changes(load_config(run_dir / "config.yaml").to_dict(), cfg.to_dict())
@@ -140,8 +143,8 @@ def run_sweep(recipe: str | None, overrides: Sequence[str], grid: list[tuple[str
     out.mkdir(parents=True, exist_ok=True)
     failed = []
     for i, p in enumerate(grid_points, 1):
-        run_dir = out / p.name / f"seed{p.seed}"
-        log = out / p.name / f"seed{p.seed}.log"
+        run_dir = p.run_dir(out)
+        log = run_dir.with_suffix(".log")
         status = state(run_dir)
         head = f"[{i}/{len(grid_points)}] {p.name} seed {p.seed}"
         if status == "done":
@@ -185,7 +188,7 @@ def held_out(evals: list[dict[str, Any]]) -> tuple[str, float] | None:
 def collect(out: Path, grid_points: Sequence[Point]) -> list[dict[str, Any]]:
     rows = []
     for p in grid_points:
-        run_dir = out / p.name / f"seed{p.seed}"
+        run_dir = p.run_dir(out)
         row: dict[str, Any] = {"values": dict(p.values), "seed": p.seed, "run": str(run_dir),
                                "done": state(run_dir) == "done", "held_out": None, "held_out_key": None,
                                "samples_per_s": None, "staleness_mean": None, "staleness_max": None}

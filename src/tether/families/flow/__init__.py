@@ -67,9 +67,10 @@ class FlowFamily(FamilyBase):
         own_shift = 0.0
         if (Path(cfg.model.path) / "model_index.json").is_file():  # before any process loads it
             check_pipeline(cfg.model.path)
-        own = own_settings(cfg.model.path) if is_pipeline(cfg.model.path) else None
+        built = is_pipeline(cfg.model.path)
+        own = own_settings(cfg.model.path) if built else None
         # a pipeline model.create_if_missing is to build (flow.init_backbone=sd3) is one already
-        to_build = not is_pipeline(cfg.model.path) and sd3_to_build(cfg)
+        to_build = sd3_to_build(cfg)
         if own is not None:
             own_shift, factor = own
             check_resolution(cfg.flow.resolution, factor, cfg.model.path)
@@ -82,7 +83,7 @@ class FlowFamily(FamilyBase):
             raise ConfigError("plan.mean_length and plan.prefill_cost model text completions; a flow "
                               f"trajectory takes flow.steps={cfg.flow.steps} steps, which tether plan reads "
                               "instead (and a switch recomputes nothing): drop them")
-        if cfg.flow.dtype != "float32" and not (is_pipeline(cfg.model.path) or to_build):
+        if cfg.flow.dtype != "float32" and not (built or to_build):
             raise ConfigError(f"flow.dtype={cfg.flow.dtype} is for a diffusers pipeline's engine; the "
                               "built-in model samples in float32: drop it")
         defaults = FlowSection()
@@ -94,7 +95,7 @@ class FlowFamily(FamilyBase):
             raise ConfigError(f"{', '.join(named)} {verb} for the tiny SD3 pipeline flow.init_backbone=sd3 "
                               "builds (its tokenizer and VAE); the built-in DiT (flow.init_backbone=dit) has "
                               f"neither: set flow.init_backbone=sd3, or drop {them}")
-        if cfg.flow.resolution and not (is_pipeline(cfg.model.path) or to_build):
+        if cfg.flow.resolution and not (built or to_build):
             raise ConfigError(f"flow.resolution={cfg.flow.resolution} sizes a diffusers pipeline's images; "
                               f"model.path {cfg.model.path} is the built-in model, whose size is fixed: "
                               "drop it")
