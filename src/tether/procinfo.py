@@ -47,6 +47,19 @@ def exit_when_closed(fd: int, *, orphaned: str | None = None) -> None:
     threading.Thread(target=lambda: closed() and exit_now(), name="tether-lifeline", daemon=True).start()
 
 
+def remove_marks(folder: str) -> None:
+    """Remove a folder of phase marks that a thread of this process may still be writing to: it is
+    renamed first (atomic), so a mark written after that finds no folder and is dropped, where
+    removing it in place could lose the race (a file written between the listing and the ``rmdir``
+    leaves the folder behind)."""
+    gone = f"{folder}.gone"
+    try:
+        os.rename(folder, gone)
+    except OSError:
+        return  # already removed
+    shutil.rmtree(gone, ignore_errors=True)
+
+
 def _exit_now(orphaned: str | None = None) -> None:
     """``os._exit(0)``, after unlinking the named semaphores this process made (a library's lock,
     such as the one tqdm makes for diffusers' loading bars): their clean-up is an exit handler that
@@ -59,7 +72,7 @@ def _exit_now(orphaned: str | None = None) -> None:
     deadline.start()
     try:
         if orphaned:
-            shutil.rmtree(orphaned, ignore_errors=True)
+            remove_marks(orphaned)
         made = sys.modules.get("multiprocessing.synchronize")  # not imported: no semaphore made
         if made is not None:
             from multiprocessing import util

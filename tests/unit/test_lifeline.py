@@ -52,3 +52,25 @@ def test_a_closed_lifeline_unlinks_the_semaphores_and_exits_at_once(hold):
 
         _multiprocessing.sem_unlink(name)
         resource_tracker.unregister(name, "semaphore")
+
+
+def test_a_folder_of_marks_is_removed_while_a_thread_still_writes_marks_into_it(tmp_path):
+    """The lifeline removes the phase marks' folder while the main thread may be marking a phase
+    (``tether.train.memory._mark``); a mark written in between must not leave the folder behind."""
+    import threading
+
+    from tether.procinfo import remove_marks
+    from tether.train.memory import _mark
+
+    for attempt in range(40):
+        folder = tmp_path / f"marks-{attempt}"
+        folder.mkdir()
+        for i in range(50):
+            (folder / str(i)).write_text("phase")
+        stop = threading.Event()
+        writer = threading.Thread(target=lambda: [_mark(str(folder)) for _ in iter(stop.is_set, True)])
+        writer.start()
+        remove_marks(str(folder))
+        stop.set()
+        writer.join(10)
+        assert not folder.exists() and not (tmp_path / f"marks-{attempt}.gone").exists(), attempt
