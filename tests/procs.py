@@ -2,6 +2,7 @@
 
 import os
 import time
+from pathlib import Path
 
 
 def running(pid: int) -> bool:
@@ -144,14 +145,22 @@ def marked(mark: str, seen: dict[int, int] | None = None) -> list[int]:
     return sorted(found)
 
 
+def kernel_name(pid: int) -> str:
+    """The kernel's name for a process (``/proc/PID/comm``: what ``ps -o comm`` shows), "" once gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def describe(pids) -> str:
-    """``pid: command line`` for each of ``pids``, for an assertion's message."""
+    """``pid [kernel name]: command line`` for each of ``pids``, for an assertion's message."""
     lines = []
     for pid in pids:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 command = f.read().replace(b"\0", b" ").decode(errors="replace")
-            lines.append(f"{pid}: {command[:200].rstrip()}")
+            lines.append(f"{pid} [{kernel_name(pid)}]: {command[:200].rstrip()}")
         except OSError:
             lines.append(f"{pid}: (gone)")
     return "\n".join(lines)

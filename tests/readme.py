@@ -10,7 +10,9 @@ workspace's), with three kinds of change, each spelled out here:
 - placeholders become real paths (``PLACEHOLDERS``: ``runs/demo-<time>`` is the demo run the
   first line trained; ``my.yaml`` and ``my_family.py`` are a recipe for the contextual-bandit
   family the test suite defines as a plug-in);
-- the Makefile targets the README names run their recipe lines (``$(VENV)`` being this one).
+- the Makefile targets the README names run their recipe lines (``$(VENV)`` being this one); a
+  target whose one line is a README line word for word (``make demo``) is checked on that line's
+  run rather than training the same thing twice.
 
 A README line this module cannot classify is an error, so a new command cannot go untested.
 """

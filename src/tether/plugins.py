@@ -148,6 +148,10 @@ class BackendPlugin:
         """The device type its workers sample on (``DEVICES``)."""
         return "cpu"
 
+    def warm_up(self, cfg: Any) -> None:
+        """Start, ahead of ``pool``, what starting its workers will wait for; called as the learner
+        builds, so that the two overlap. Nothing by default."""
+
     def check(self, cfg: Any) -> None:
         """Rules of its own keys (config time)."""
 

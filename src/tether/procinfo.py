@@ -1,4 +1,5 @@
-"""Facts about the running process, and how it ends with the process that started it."""
+"""Facts about the running process, how its children start, and how each ends with the process
+that started it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,71 @@ MARKS_ENV = "TETHER_PHASE_MARKS"
 """A folder where each learner process keeps a file named by its pid saying which phase it is in
 (``tether.train.memory.phase``), so that whoever outlives it can say where a process the kernel
 killed was (``killed``)."""
+
+
+CHILD_PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "tether.rollout.worker",
+                 "tether.rollout.engines.torch.engine", "tether.data.rewards", "tether.train.ranks")
+"""What the fork server imports once for every rollout worker and learner rank it forks (each then
+imports only its model's own module): importing torch and transformers' modeling costs a process
+about 5 s of CPU on two cores, paid once per run (once per process that starts runs) instead of
+once per child."""
+
+
+def child_context():
+    """The multiprocessing context rollout workers and learner ranks start from: a fork server that
+    has imported ``CHILD_PRELOAD`` and runs no torch op (so no thread pool exists to be forked),
+    shared by every child this process starts; spawn where there is no fork server. A child gets
+    this process's working directory and ``sys.path`` at its start from multiprocessing, and its
+    environment from ``start_child``."""
+    import multiprocessing as mp
+
+    try:
+        ctx = mp.get_context("forkserver")
+    except ValueError:
+        return mp.get_context("spawn")
+    ctx.set_forkserver_preload(list(CHILD_PRELOAD))
+    return ctx
+
+
+def start_child_server() -> None:
+    """Start ``child_context``'s fork server now, without waiting for it: it imports
+    ``CHILD_PRELOAD`` on another core while this process builds the learner, instead of after."""
+    ctx = child_context()
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
+def start_child(ctx, target, args: tuple, *, name: str):
+    """Start ``target(*args)`` as a daemon process of ``ctx`` (``child_context``) named ``name``
+    (its first 15 characters are also the kernel's name for it: what ``ps -o comm`` and ``top``
+    show), with this process's environment as it is now: a forked child would otherwise have the
+    fork server's, as it was when the server started (a variable set since, such as a user's
+    ``NCCL_*`` or a test's, would be missing)."""
+    proc = ctx.Process(target=_as_child, args=(dict(os.environ), target, *args), daemon=True, name=name)
+    proc.start()
+    return proc
+
+
+def _as_child(environ: dict[str, str], target, *args) -> None:
+    if environ != os.environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    import multiprocessing
+
+    _name_process(multiprocessing.current_process().name)
+    target(*args)
+
+
+def _name_process(name: str) -> None:
+    """Set the kernel's name for this process (Linux's ``prctl(PR_SET_NAME)``); elsewhere, nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)  # 15 = PR_SET_NAME
 
 
 def peak_rss_mb() -> float:

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 from runs import HANG, Run, leftovers, newest_state, recipe, rows
 
-from procs import describe, environ_value, shm_left
+from procs import describe, environ_value, kernel_name, shm_left
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -210,7 +210,8 @@ def test_learner_ranks_stop_with_the_run_and_a_killed_rank_is_named(tiny_model_d
     args = recipe(tiny_model_dir, "train.world_size=2", "checkpoint.interval=2")
     run = Run(["--run-dir", str(run_dir), *args], run_dir=run_dir)
     run.wait_for_rows(3, timeout=180)
-    ranks = [line.split(":", 1)[0] for line in describe(run.look()).splitlines() if "spawn_main" in line]
+    ranks = [str(pid) for name in ("tether-rank-0", "tether-rank-1") for pid in run.look()
+             if kernel_name(pid) == name]
     assert len(ranks) == 2, describe(run.look())
     if signum is None:
         os.kill(int(ranks[1]), signal.SIGKILL)
@@ -239,7 +240,7 @@ def test_a_killed_rank_actor_fails_the_run_naming_its_rank_and_the_run_resumes(t
                   "ray.learner=actor", "checkpoint.interval=2")
     run = Run(["--run-dir", str(run_dir), *args], run_dir=run_dir)
     run.wait_for_rows(3, timeout=240)
-    ranks = [int(line.split(":", 1)[0]) for line in describe(run.look()).splitlines()
+    ranks = [int(line.split(" ", 1)[0]) for line in describe(run.look()).splitlines()
              if "ray::_LearnerActor" in line]
     assert len(ranks) == 2, describe(run.look())
     os.kill(ranks[-1], signal.SIGKILL)

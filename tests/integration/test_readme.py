@@ -5,6 +5,7 @@ and a line that breaks (``train.advantage=rloo`` once crashed its rollout worker
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from readme import Command, Workspace, readme_commands
+from readme import Command, Workspace, make_lines, readme_commands
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 COMMANDS = readme_commands()
@@ -110,10 +111,27 @@ def check_output(ws: Workspace, cmd: Command, argv: list[str], text: str) -> Non
                              "does not know what it should produce; add a check")
 
 
+def readme_twin(target: str) -> Command | None:
+    """The README's own ``tether`` line that a Makefile target runs word for word, if there is one
+    (``make demo`` is ``tether train recipes/demo.yaml``): that line's run is the target's."""
+    lines = make_lines(target)
+    words = shlex.split(lines[0]) if len(lines) == 1 else []
+    if words[:1] != ["$(VENV)/bin/tether"]:
+        return None
+    return next((c for c in COMMANDS if c.venv == ".venv" and c.words == tuple(words[1:])), None)
+
+
 def run_make_target(ws: Workspace, cmd: Command) -> None:
     (target,) = cmd.words
     if target == "test":
         pytest.skip("`make test` is this suite (.ci/run calls it)")
+    twin = readme_twin(target)
+    if twin is not None:  # one run for both lines
+        argv = ws.argv(twin)
+        if not (ws.root / argv[argv.index("--run-dir") + 1] / "summary.json").exists():
+            ws.run(argv)
+        check_train(ws, argv, 2)
+        return
     for line in ws.run_make(target):
         assert line.returncode == 0
     if (ws.root / "runs" / f"make-{target}").exists():

@@ -68,7 +68,8 @@ def test_a_folder_of_marks_is_removed_while_a_thread_still_writes_marks_into_it(
         for i in range(50):
             (folder / str(i)).write_text("phase")
         stop = threading.Event()
-        writer = threading.Thread(target=lambda: [_mark(str(folder)) for _ in iter(stop.is_set, True)])
+        marks = str(folder)
+        writer = threading.Thread(target=lambda f=marks, s=stop: [_mark(f) for _ in iter(s.is_set, True)])
         writer.start()
         remove_marks(str(folder))
         stop.set()

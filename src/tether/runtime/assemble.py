@@ -114,6 +114,15 @@ class Parts:
         """What the backend holds open for the run (a Ray session, or nothing)."""
         return self.backend.session(self.cfg, run_dir)
 
+    def start_early(self) -> None:
+        """Start what the learner's ranks and the backend's workers will wait for (the fork server
+        they start from: ``tether.procinfo.child_context``), so that it overlaps the learner's build."""
+        if self.layout == "ranks":
+            from tether.procinfo import start_child_server
+
+            start_child_server()
+        self.backend.warm_up(self.cfg)
+
     def learner(self, prepared: Prepared, session: Any, stack: contextlib.ExitStack,
                 run_dir: Path | None = None) -> tuple[Any, Evaluate]:
         """(learner, held-out evaluator) in the recipe's layout; whatever it starts is closed by

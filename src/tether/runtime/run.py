@@ -143,6 +143,7 @@ def _train(cfg: Config, run_dir: Path, stop, *, resume: bool, force: bool, overr
         stack.callback(lock.release)
         session = stack.enter_context(parts.session(run_dir))
         stop.reinstall()  # a Ray session installs handlers of its own
+        parts.start_early()
         learner, evaluate = parts.learner(prepared, session, stack, run_dir)
         state, engine_weights, engine_version = _restore(found, learner, run_dir)
         begin()

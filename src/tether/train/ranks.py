@@ -30,7 +30,15 @@ from typing import Any, Protocol
 
 from tether.config import Config
 from tether.errors import LearnerError, LearnerLostError
-from tether.procinfo import MARKS_ENV, Sealed, failure_traceback, killed, oom_kills
+from tether.procinfo import (
+    MARKS_ENV,
+    Sealed,
+    child_context,
+    failure_traceback,
+    killed,
+    oom_kills,
+    start_child,
+)
 from tether.vocabulary import DataBundle, RolloutBatch, TrainResult
 
 START_TIMEOUT_S = 600.0
@@ -347,8 +355,8 @@ def rank_main(sealed: Sealed, conn: Connection, lifeline: Connection) -> None:
 
 
 class ProcessRanks:
-    """N rank processes (spawned; gloo on CPU, NCCL on GPUs) meeting through a file; each watches a
-    lifeline pipe whose only write end the driver holds."""
+    """N rank processes (forked from ``procinfo.child_context``'s server; gloo on CPU, NCCL on GPUs)
+    meeting through a file; each watches a lifeline pipe whose only write end the driver holds."""
 
     _lifeline: Any = None
     """The lifeline's write end; None before ``__init__`` opens it (``close`` after a failed start)
@@ -356,11 +364,9 @@ class ProcessRanks:
 
     def __init__(self, cfg: Config, model_path: str | Path, eval_data: DataBundle | None, *,
                  run_dir: str | Path | None = None) -> None:
-        import torch.multiprocessing as mp
-
         self.world = cfg.train.world_size
         self.pids: list[int | None] = [None] * self.world
-        ctx = mp.get_context("spawn")
+        ctx = child_context()
         self._dir: tempfile.TemporaryDirectory | None = tempfile.TemporaryDirectory(prefix="tether-ranks-")
         init_file = os.path.join(self._dir.name, "init")
         self._marks = os.path.join(self._dir.name, "phases")
@@ -376,9 +382,8 @@ class ProcessRanks:
                 ours, theirs = ctx.Pipe()
                 spec = RankSpec(rank, self.world, init_file, cfg, str(model_path), eval_data,
                                 None if run_dir is None else str(run_dir), self._marks)
-                proc = ctx.Process(target=rank_main, args=(Sealed(spec), theirs, lifeline_r), daemon=True,
-                                   name=f"tether-learner-{rank}")
-                proc.start()
+                proc = start_child(ctx, rank_main, (Sealed(spec), theirs, lifeline_r),
+                                   name=f"tether-rank-{rank}")
                 self._owing.add(rank)
                 theirs.close()
                 self._procs.append(proc)

@@ -9,6 +9,11 @@ from tether.plugins import BackendPlugin
 
 
 class _Local(BackendPlugin):
+    def warm_up(self, cfg):
+        from tether.procinfo import start_child_server
+
+        start_child_server()  # the workers' fork server imports torch while the learner builds
+
     def pool(self, settings, batches, weights, session, *, initial_version, extras):
         from tether.rollout.backends.local.pool import ProcessPool
 

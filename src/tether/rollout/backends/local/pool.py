@@ -33,7 +33,7 @@ import torch
 
 from tether.control import BatchQueue
 from tether.errors import QueueTimeoutError, RolloutError
-from tether.procinfo import Sealed, stop_signals_deferred
+from tether.procinfo import Sealed, child_context, start_child, stop_signals_deferred
 from tether.rollout.channel import Layout, WeightChannel
 from tether.rollout.collective import CollectivePublisher
 from tether.rollout.dispatch import DispatchingPool, WorkerSlot
@@ -44,22 +44,6 @@ from tether.vocabulary import Example, WorkItem
 __all__ = ["PoolSettings", "ProcessPool"]
 
 log = logging.getLogger("tether.rollout")
-
-
-_PRELOAD = ["torch", "transformers", "tether.rollout.worker", "tether.rollout.engines.torch.engine",
-            "tether.data.rewards"]
-
-
-def _worker_context() -> mp.context.BaseContext:
-    """A forkserver that has imported torch and transformers once, so each worker starts by
-    forking it (fast) instead of importing them afresh. The server runs no torch ops, so no
-    thread pool exists to be forked. Falls back to spawn where forkserver is unavailable."""
-    try:
-        ctx = mp.get_context("forkserver")
-    except ValueError:
-        return mp.get_context("spawn")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
 
 
 def _describe_exit(code: int | None) -> str:
@@ -122,7 +106,7 @@ class ProcessPool(DispatchingPool):
     # -- lifecycle ----------------------------------------------------------------------------
 
     def _start_workers(self) -> None:
-        self._ctx = _worker_context()
+        self._ctx = child_context()
         self._lifeline_r, self._lifeline = self._ctx.Pipe(duplex=False)
         self._workers = [self._spawn(i, self.version) for i in range(self.settings.num_workers)]
         deadline = time.monotonic() + self.settings.startup_timeout_s
@@ -143,9 +127,8 @@ class ProcessPool(DispatchingPool):
         else:
             spec = self.settings.worker_spec(i, version, channel_name=self.channel.name,
                                              channel_layout=self.channel.layout)
-        proc = ctx.Process(target=worker_main, args=(Sealed(spec), req_recv, res_send, self._lifeline_r),
-                           daemon=True, name=f"tether-rollout-{i}")
-        proc.start()
+        proc = start_child(ctx, worker_main, (Sealed(spec), req_recv, res_send, self._lifeline_r),
+                           name=f"tether-worker-{i}")
         req_recv.close()
         res_send.close()
         return _Handle(i, proc, req_send, res_recv)
