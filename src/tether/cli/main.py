@@ -61,7 +61,7 @@ def console() -> None:
     that matters runs first: other threads are waited for, the exit handlers run (logging's flush,
     multiprocessing's and tempfile's clean-up), and the standard streams are flushed. An exception
     other than a Tether error takes the normal way out, with its traceback."""
-    code = main()
+    code = main() or 0  # a command that returns nothing succeeded, as sys.exit(None) says
     import atexit
     import os
     import threading
