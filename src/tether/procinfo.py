@@ -19,10 +19,12 @@ MARKS_ENV = "TETHER_PHASE_MARKS"
 killed was (``killed``)."""
 
 
-CHILD_PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "tether.rollout.worker",
-                 "tether.rollout.engines.torch.engine", "tether.data.rewards", "tether.train.ranks")
+CHILD_PRELOAD = ("tether.fork_server", "torch", "transformers", "transformers.modeling_utils",
+                 "tether.rollout.worker", "tether.rollout.engines.torch.engine", "tether.data.rewards",
+                 "tether.train.ranks")
 """What the fork server imports once for every rollout worker and learner rank it forks (each then
-imports only its model's own module): importing torch and transformers' modeling costs a process
+imports only its model's own module; ``tether.fork_server`` first, which makes the server outlive
+a SIGTERM or SIGHUP to the run's process group): importing torch and transformers' modeling costs a process
 about 5 s of CPU on two cores, paid once per run (once per process that starts runs) instead of
 once per child."""
 
@@ -65,6 +67,8 @@ def start_child(ctx, target, args: tuple, *, name: str):
 
 
 def _as_child(environ: dict[str, str], target, *args) -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # the server ignores them (tether.fork_server)
+        signal.signal(sig, signal.SIG_DFL)
     if environ != os.environ:
         os.environ.clear()
         os.environ.update(environ)

@@ -40,3 +40,49 @@ def test_a_child_has_the_parents_environment_at_its_start_and_its_name(tmp_path,
     late, comm, _ = ours.recv()
     proc.join(30)
     assert late is None and comm == "tether-worker-1"
+
+
+def _signals(conn) -> None:
+    import signal
+
+    conn.send([signal.getsignal(s) == signal.SIG_DFL for s in (signal.SIGTERM, signal.SIGHUP)])
+    conn.close()
+
+
+def test_the_fork_server_outlives_a_sigterm_to_the_process_group_and_children_keep_theirs():
+    """A SIGTERM or SIGHUP to a run's whole process group must not end the server: multiprocessing
+    would then report every child it forked as exited (status 255) while they still ran. Its
+    children start with both signals at their defaults."""
+    import signal
+    import time
+    from multiprocessing import forkserver
+
+    from tether.procinfo import child_context, start_child, start_child_server
+
+    start_child_server()
+    ctx = child_context()
+    ours, theirs = ctx.Pipe(duplex=False)
+    proc = start_child(ctx, _signals, (theirs,), name="tether-test")  # the server is up once it forks
+    theirs.close()
+    assert ours.poll(60) and ours.recv() == [True, True]
+    proc.join(30)
+    server = forkserver._forkserver._forkserver_pid
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        os.kill(server, sig)
+    time.sleep(0.5)
+    assert Path(f"/proc/{server}").exists() and "Z" not in Path(f"/proc/{server}/stat").read_text().split()[2]
+    ours, theirs = ctx.Pipe(duplex=False)
+    proc = start_child(ctx, _signals, (theirs,), name="tether-test")
+    theirs.close()
+    assert ours.poll(60) and ours.recv() == [True, True]
+    proc.join(30)
+    assert proc.exitcode == 0
+
+
+def test_importing_the_servers_module_elsewhere_changes_no_signal():
+    import signal
+
+    import tether.fork_server  # noqa: F401
+
+    assert signal.getsignal(signal.SIGTERM) != signal.SIG_IGN
+    assert signal.getsignal(signal.SIGHUP) != signal.SIG_IGN

@@ -58,17 +58,16 @@ def console() -> None:
     """The ``tether`` console script: ``main``, then out of the process without the interpreter's
     teardown, which frees every module's objects one by one (about 2 s of CPU once torch and
     transformers' modeling are imported, after a run has long finished). What a normal exit does
-    that matters runs first: other threads are waited for, the exit handlers run (logging's flush,
-    multiprocessing's and tempfile's clean-up), and the standard streams are flushed. An exception
-    other than a Tether error takes the normal way out, with its traceback."""
+    that matters runs first, in its order: other threads are waited for (``threading._shutdown``,
+    as the interpreter's exit does, waking idle thread-pool workers first), the exit handlers run
+    (logging's flush, multiprocessing's and tempfile's clean-up), and the standard streams are
+    flushed. An exception other than a Tether error takes the normal way out, with its traceback."""
     code = main() or 0  # a command that returns nothing succeeded, as sys.exit(None) says
     import atexit
     import os
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream: nothing can reach it
