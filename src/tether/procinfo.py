@@ -22,11 +22,11 @@ killed was (``killed``)."""
 CHILD_PRELOAD = ("tether.fork_server", "torch", "transformers", "transformers.modeling_utils",
                  "tether.rollout.worker", "tether.rollout.engines.torch.engine", "tether.data.rewards",
                  "tether.train.ranks")
-"""What the fork server imports once for every rollout worker and learner rank it forks (each then
-imports only its model's own module; ``tether.fork_server`` first, which makes the server outlive
-a SIGTERM or SIGHUP to the run's process group): importing torch and transformers' modeling costs a process
-about 5 s of CPU on two cores, paid once per run (once per process that starts runs) instead of
-once per child."""
+"""What the fork server imports once for every rollout worker and learner rank it forks; each child
+then imports only its model's own module. Importing torch and transformers' modeling takes a
+process seconds of CPU (``benchmarks/startup.py``), paid once per process that starts runs instead
+of once per child. ``tether.fork_server`` comes first: it makes the server outlive a SIGTERM or
+SIGHUP to the run's process group."""
 
 
 def child_context():

@@ -35,9 +35,10 @@ def run(ns: argparse.Namespace) -> int:
     recipe, overrides = split_recipe_args(ns.args)
     grid = parse_grid(ns.sets)
     base = load_config(recipe, overrides).run.seed
-    out = ns.out if ns.out is not None else Path("runs") / f"sweep-{Path(recipe).stem if recipe else 'train'}"
-    check_folder_to_write(out, "--out")
-    out = Path(out)
+    stem = Path(recipe).stem if recipe else "train"
+    given = ns.out if ns.out is not None else Path("runs") / f"sweep-{stem}"
+    check_folder_to_write(given, "--out")  # as given: an empty --out is refused, not read as "."
+    out = Path(given)
     rows = run_sweep(recipe, overrides, grid, [base + i for i in range(ns.seeds)], out)
     done = [r for r in rows if r["held_out"] is not None]
     for r in done:
