@@ -55,20 +55,28 @@ def start_child_server() -> None:
         forkserver.ensure_running()
 
 
+_SERVER_IGNORES = (signal.SIGTERM, signal.SIGHUP)
+"""The signals ``tether.fork_server`` makes the server ignore, which a child must not inherit from it."""
+
+
 def start_child(ctx, target, args: tuple, *, name: str):
     """Start ``target(*args)`` as a daemon process of ``ctx`` (``child_context``) named ``name``
     (its first 15 characters are also the kernel's name for it: what ``ps -o comm`` and ``top``
     show), with this process's environment as it is now: a forked child would otherwise have the
     fork server's, as it was when the server started (a variable set since, such as a user's
-    ``NCCL_*`` or a test's, would be missing)."""
-    proc = ctx.Process(target=_as_child, args=(dict(os.environ), target, *args), daemon=True, name=name)
+    ``NCCL_*`` or a test's, would be missing). SIGTERM and SIGHUP start as a program this process
+    started would have them: ignored where this process ignores them (a run under ``nohup``), else
+    at their defaults (the server ignores both: ``tether.fork_server``)."""
+    ignored = tuple(s for s in _SERVER_IGNORES if signal.getsignal(s) == signal.SIG_IGN)
+    proc = ctx.Process(target=_as_child, args=(dict(os.environ), ignored, target, *args), daemon=True,
+                       name=name)
     proc.start()
     return proc
 
 
-def _as_child(environ: dict[str, str], target, *args) -> None:
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # the server ignores them (tether.fork_server)
-        signal.signal(sig, signal.SIG_DFL)
+def _as_child(environ: dict[str, str], ignored: tuple[int, ...], target, *args) -> None:
+    for sig in _SERVER_IGNORES:
+        signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
     if environ != os.environ:
         os.environ.clear()
         os.environ.update(environ)

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from configs import pool_settings  # noqa: E402
-from procs import children, running, wait_gone  # noqa: E402
+from procs import children, describe, running, wait_gone  # noqa: E402
 from tether.data.stream import PromptStream  # noqa: E402
 from tether.data.tasks import get_task  # noqa: E402
 from tether.errors import RolloutError  # noqa: E402
@@ -207,7 +207,8 @@ def test_workers_exit_when_the_driver_process_is_killed(tiny_model_dir, tmp_path
         pids = sorted(set(pids) | set(children(driver.pid)))  # the forkserver too
         driver.kill()
         driver.wait(10)
-        assert wait_gone(pids, timeout=5) == []  # at once, through the lifeline, not after a batch
+        left = wait_gone(pids, timeout=5)  # at once, through the lifeline, not after a batch
+        assert left == [], describe(left)
     finally:
         if driver.poll() is None:
             driver.kill()

@@ -45,44 +45,73 @@ def test_a_child_has_the_parents_environment_at_its_start_and_its_name(tmp_path,
 def _signals(conn) -> None:
     import signal
 
-    conn.send([signal.getsignal(s) == signal.SIG_DFL for s in (signal.SIGTERM, signal.SIGHUP)])
+    conn.send([signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)])
     conn.close()
 
 
-def test_the_fork_server_outlives_a_sigterm_to_the_process_group_and_children_keep_theirs():
+def _child_signals(ctx) -> list:
+    from tether.procinfo import start_child
+
+    ours, theirs = ctx.Pipe(duplex=False)
+    proc = start_child(ctx, _signals, (theirs,), name="tether-test")
+    theirs.close()
+    assert ours.poll(60), "the child did not report"
+    got = ours.recv()
+    proc.join(30)
+    assert proc.exitcode == 0
+    return got
+
+
+@pytest.fixture
+def signals_restored():
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def test_the_fork_server_outlives_a_sigterm_to_the_process_group_and_children_keep_theirs(signals_restored):
     """A SIGTERM or SIGHUP to a run's whole process group must not end the server: multiprocessing
     would then report every child it forked as exited (status 255) while they still ran. Its
-    children start with both signals at their defaults."""
+    children start with both signals as a program the parent started would: at their defaults
+    where the parent has them at their defaults or handles them, ignored where it ignores them
+    (a run under nohup keeps its workers through a closed terminal)."""
     import signal
     import time
     from multiprocessing import forkserver
 
-    from tether.procinfo import child_context, start_child, start_child_server
+    from tether.procinfo import child_context, start_child_server
 
+    dfl, ign = signal.SIG_DFL, signal.SIG_IGN
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # as pytest may have been started (nohup ignores SIGHUP)
+        signal.signal(sig, dfl)
     start_child_server()
     ctx = child_context()
-    ours, theirs = ctx.Pipe(duplex=False)
-    proc = start_child(ctx, _signals, (theirs,), name="tether-test")  # the server is up once it forks
-    theirs.close()
-    assert ours.poll(60) and ours.recv() == [True, True]
-    proc.join(30)
+    assert _child_signals(ctx) == [dfl, dfl]  # the server is up once it forks
     server = forkserver._forkserver._forkserver_pid
     for sig in (signal.SIGTERM, signal.SIGHUP):
         os.kill(server, sig)
     time.sleep(0.5)
     assert Path(f"/proc/{server}").exists() and "Z" not in Path(f"/proc/{server}/stat").read_text().split()[2]
-    ours, theirs = ctx.Pipe(duplex=False)
-    proc = start_child(ctx, _signals, (theirs,), name="tether-test")
-    theirs.close()
-    assert ours.poll(60) and ours.recv() == [True, True]
-    proc.join(30)
-    assert proc.exitcode == 0
+    assert _child_signals(ctx) == [dfl, dfl]
+    signal.signal(signal.SIGHUP, ign)  # under nohup
+    signal.signal(signal.SIGTERM, lambda *_: None)  # a handler does not carry to a child
+    assert _child_signals(ctx) == [dfl, ign]
+    signal.signal(signal.SIGTERM, ign)
+    signal.signal(signal.SIGHUP, dfl)
+    assert _child_signals(ctx) == [ign, dfl]
 
 
-def test_importing_the_servers_module_elsewhere_changes_no_signal():
+def test_importing_the_servers_module_elsewhere_changes_no_signal(signals_restored):
+    import importlib
     import signal
 
-    import tether.fork_server  # noqa: F401
+    import tether.fork_server
 
-    assert signal.getsignal(signal.SIGTERM) != signal.SIG_IGN
-    assert signal.getsignal(signal.SIGHUP) != signal.SIG_IGN
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    importlib.reload(tether.fork_server)  # its import runs again, outside the server
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
