@@ -5,6 +5,8 @@ prompts from a file, with and without classifier-free guidance."""
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,17 @@ def test_the_built_pipeline_does_not_depend_on_the_installed_libraries_initialis
     assert abs(one[token].std().item() - 0.02) < 0.002  # CLIP's N(0, 0.02²), not the library's stand-in
     other = build_tiny_sd3(tmp_path / "seed1", seed=1)
     assert not torch.equal(one[token], load_file(next((other / "text_encoder").glob("*.safetensors")))[token])
+
+
+def test_loading_a_pipeline_prints_no_note_about_its_image_processors(pipeline):
+    """transformers notes, once a process, that an SD3 pipeline's image processors fall back to
+    PIL where torchvision is not installed; the flow family calls no image processor, so neither a
+    run's workers nor its driver print it (where torchvision is installed there is no note)."""
+    code = ("from tether.families.flow.pipeline import DiffusersFlow\n"
+            f"DiffusersFlow.from_pretrained({str(pipeline)!r})\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "torchvision" not in done.stderr + done.stdout
 
 
 def test_a_word_tokenizer_holds_each_word_of_the_task_whole_and_other_text_in_characters(tmp_path):

@@ -81,6 +81,21 @@ def _diffusers():
 
 
 @contextlib.contextmanager
+def importing_quietly() -> Iterator[None]:
+    """Import a pipeline's classes without transformers' note, once a process, that their image
+    processors fall back from torchvision to PIL where torchvision is not installed: the flow
+    family never calls an image processor (no image goes to a text encoder)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+@contextlib.contextmanager
 def saving_quietly() -> Iterator[None]:
     """Save a pipeline without diffusers' warning for each part it leaves out on purpose (SD3's
     third text encoder and tokenizer: ``self.text_encoder_3=None ... cannot be saved``)."""
@@ -410,7 +425,8 @@ def _pipeline(base: Path, transformer: nn.Module) -> Any:
     diffusers = _diffusers()
     index = json.loads((base / "model_index.json").read_text())
     absent = {k: None for k, v in index.items() if isinstance(v, list) and v[0] is None}
-    pipeline_cls = getattr(diffusers, index["_class_name"])
+    with importing_quietly():
+        pipeline_cls = getattr(diffusers, index["_class_name"])
     if not hasattr(pipeline_cls, "encode_prompt"):
         raise ConfigError(f"{base}: {index['_class_name']} has no encode_prompt; the flow family serves "
                           "SD3-class pipelines")

@@ -137,13 +137,17 @@ def build_tiny_sd3(out: str | Path, *, seed: int = 0, image_size: int = 32, widt
     ``vae_width`` the VAE's first level's channels (its second has twice as many); ``words`` held
     whole by the tokenizer (``_tokenizer``; none: one token a character)."""
     import torch
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from tether.families.flow.pipeline import importing_quietly
+
+    with importing_quietly():
+        from diffusers import (
+            AutoencoderKL,
+            FlowMatchEulerDiscreteScheduler,
+            SD3Transformer2DModel,
+            StableDiffusion3Pipeline,
+        )
 
     out = Path(out)
     staging = out.parent / f".{out.name}.building-{os.getpid()}"
