@@ -12,34 +12,63 @@ have them: ignored where the driver ignores them (a run under ``nohup``), else a
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
+import socket
 import sys
 
 
-def _in_fork_server() -> bool:
-    """Whether this import runs inside ``multiprocessing.forkserver.main`` (its preload)."""
+def _server_frame():
+    """``multiprocessing.forkserver.main``'s frame where this import runs inside it (its preload),
+    else None."""
     from multiprocessing import forkserver
 
     frame = sys._getframe()
     while frame is not None:
         if frame.f_code is forkserver.main.__code__:
-            return True
+            return frame
         frame = frame.f_back
-    return False
+    return None
+
+
+def _socket_path(fd: int | None) -> str | None:
+    """The file of the listening socket ``fd`` (the server's, in its driver's multiprocessing
+    temporary folder ``pymp-*``), or None."""
+    if fd is None:
+        return None
+    try:
+        with socket.socket(fileno=os.dup(fd)) as listener:
+            name = listener.getsockname()
+    except OSError:
+        return None
+    return name if isinstance(name, str) and name else None
+
+
+_SOCKET: str | None = None
 
 
 def _exit_at_once() -> None:
-    """The server's last exit handler (registered first, so run last): end the process before the
-    interpreter's teardown, which with torch and transformers imported takes seconds of CPU
-    (``benchmarks/startup.py``) while the run that ended waits on the server to go. A forked child
-    never runs it: multiprocessing ends each with ``os._exit``."""
+    """The server's exit handler, registered before torch's and transformers' own and so run after
+    them: end the process before the interpreter's teardown, which with both imported takes seconds
+    of CPU (``benchmarks/startup.py``) while the run that ended waits on the server to go. The
+    server ends when its driver has gone, which removes its temporary folder as it exits, unless it
+    was killed (SIGKILL, the OOM killer): then the server removes its socket there, and the folder
+    if nothing else is left in it. A forked child never runs this: multiprocessing ends each with
+    ``os._exit``."""
+    if _SOCKET:
+        with contextlib.suppress(OSError):
+            os.unlink(_SOCKET)
+            os.rmdir(os.path.dirname(_SOCKET))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
-if _in_fork_server():
+_frame = _server_frame()
+if _frame is not None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    _SOCKET = _socket_path(_frame.f_locals.get("listener_fd"))
     atexit.register(_exit_at_once)
+del _frame

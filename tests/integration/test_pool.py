@@ -196,19 +196,25 @@ def test_workers_exit_when_the_driver_process_is_killed(tiny_model_dir, tmp_path
         sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
         from test_pool import make_pool
         if __name__ == "__main__":
+            from multiprocessing import forkserver
             pool, _ = make_pool({str(tiny_model_dir)!r}, "rollout.num_workers=2")
             print(" ".join(map(str, pool.pids)), flush=True)
+            print(forkserver._forkserver._forkserver_address, flush=True)
             time.sleep(120)
     """))
     driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in driver.stdout.readline().split()]
+        server_socket = Path(driver.stdout.readline().strip())
         assert len(pids) == 2 and all(running(p) for p in pids)
+        assert server_socket.parent.name.startswith("pymp-") and server_socket.exists()
         pids = sorted(set(pids) | set(children(driver.pid)))  # the forkserver too
         driver.kill()
         driver.wait(10)
         left = wait_gone(pids, timeout=5)  # at once, through the lifeline, not after a batch
         assert left == [], describe(left)
+        # the killed driver could not remove its multiprocessing folder; the server did
+        assert not server_socket.parent.exists()
     finally:
         if driver.poll() is None:
             driver.kill()
