@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 
 def _server_frame():
@@ -46,6 +47,19 @@ def _socket_path(fd: int | None) -> str | None:
 
 
 _SOCKET: str | None = None
+_DRIVER = os.getppid()
+
+
+def _driver_gone(wait: float = 1.0) -> bool:
+    """Whether the driver (the process that started the server) has ended: the server then has
+    another parent. The server sees its pipe close while the driver's exit is still under way, so
+    this waits up to ``wait`` seconds for the change."""
+    deadline = time.monotonic() + wait
+    while os.getppid() == _DRIVER:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _exit_at_once() -> None:
@@ -54,9 +68,10 @@ def _exit_at_once() -> None:
     of CPU (``benchmarks/startup.py``) while the run that ended waits on the server to go. The
     server ends when its driver has gone, which removes its temporary folder as it exits, unless it
     was killed (SIGKILL, the OOM killer): then the server removes its socket there, and the folder
-    if nothing else is left in it. A forked child never runs this: multiprocessing ends each with
+    if nothing else is left in it (never while the driver runs: it would start its next server
+    there). A forked child never runs this: multiprocessing ends each with
     ``os._exit``."""
-    if _SOCKET:
+    if _SOCKET and os.path.exists(_SOCKET) and _driver_gone():  # not an error's exit under a live driver
         with contextlib.suppress(OSError):
             os.unlink(_SOCKET)
             os.rmdir(os.path.dirname(_SOCKET))

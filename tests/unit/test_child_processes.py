@@ -115,3 +115,26 @@ def test_importing_the_servers_module_elsewhere_changes_no_signal(signals_restor
     importlib.reload(tether.fork_server)  # its import runs again, outside the server
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+
+
+def test_a_server_that_ends_under_a_running_driver_leaves_its_socket_to_the_driver():
+    """The server removes its socket and the driver's multiprocessing folder only when the driver
+    has gone (a killed driver: tests/integration/test_pool.py). A server that ends while its
+    driver runs (here stopped by the driver, as multiprocessing's own tests stop it) leaves both:
+    the driver removes the socket itself, and starts its next server in the same folder."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os\n"
+        "from multiprocessing import forkserver\n"
+        "from tether.procinfo import child_context, start_child, start_child_server\n"
+        "start_child_server()\n"
+        "folder = os.path.dirname(forkserver._forkserver._forkserver_address)\n"
+        "forkserver._forkserver._stop()\n"  # waits for the server, then unlinks the socket itself
+        "assert os.path.isdir(folder)\n"
+        "start_child_server()\n"
+        "assert os.path.dirname(forkserver._forkserver._forkserver_address) == folder\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
