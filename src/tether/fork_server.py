@@ -69,8 +69,7 @@ def _exit_at_once() -> None:
     server ends when its driver has gone, which removes its temporary folder as it exits, unless it
     was killed (SIGKILL, the OOM killer): then the server removes its socket there, and the folder
     if nothing else is left in it (never while the driver runs: it would start its next server
-    there). A forked child never runs this: multiprocessing ends each with
-    ``os._exit``."""
+    there). A forked child never runs this: multiprocessing ends each with ``os._exit``."""
     if _SOCKET and os.path.exists(_SOCKET) and _driver_gone():  # not an error's exit under a live driver
         with contextlib.suppress(OSError):
             os.unlink(_SOCKET)
