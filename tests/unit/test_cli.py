@@ -120,24 +120,6 @@ def test_bad_input_exits_2_with_the_fix(capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["config", "show", "train.lr=1e-4", "train.lr=2e-4"],
-     "train.lr is given twice on the command line ('train.lr=1e-4' and 'train.lr=2e-4'); keep one"),
-    (["plan", "async.max_staleness=3", "async.max_staleness=2"], "async.max_staleness is given twice"),
-    (["train", "--resume", "no-such-run", "train.lr=1e-4", "train.lr=1e-4"], "train.lr is given twice"),
-    (["sweep", "async.max_staleness=2", "--set", "async.max_staleness=0,1"],
-     "async.max_staleness is given both as a key=value and in --set"),
-])
-def test_a_key_given_twice_on_the_command_line_is_refused(capsys, tmp_path, monkeypatch, argv, says):
-    """Applied in order, the first value would be dropped without a word, as YAML would drop the
-    first of a key a recipe gives twice (refused too)."""
-    monkeypatch.chdir(tmp_path)
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert says in err and "Traceback" not in err
-    assert list(tmp_path.iterdir()) == []  # nothing ran, nothing written
-
-
 def test_config_show_and_reference(capsys):
     assert main(["config", "show", "async.max_staleness=3"]) == 0
     assert "max_staleness: 3" in capsys.readouterr().out

@@ -7,7 +7,6 @@ import json
 from collections.abc import Sequence
 
 from tether.config import Config, load_config
-from tether.config.recipe import refuse_repeated_keys
 from tether.control import MODES, inflight_mode
 from tether.errors import ConfigError
 from tether.loop.virtual import Simulation, plan_document, simulate, timings_of
@@ -111,14 +110,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def split_recipe_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
-    """The first positional is a recipe unless it is a key=value override; a key given twice is
-    refused."""
-    recipe, overrides = (args[0], list(args[1:])) if args and "=" not in args[0] else (None, list(args))
-    for a in overrides:
+    """The first positional is a recipe unless it is a key=value override."""
+    if args and "=" not in args[0]:
+        return args[0], list(args[1:])
+    for a in args:
         if "=" not in a:
             raise ConfigError(f"{a!r} is not a key=value override; only the first argument may be a recipe")
-    refuse_repeated_keys(overrides)
-    return recipe, overrides
+    return None, list(args)
 
 
 def recipe_and_overrides(ns: argparse.Namespace) -> tuple[str | None, list[str]]:

@@ -34,11 +34,6 @@ def run(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--seeds must be 1 or more, got {ns.seeds}")
     recipe, overrides = split_recipe_args(ns.args)
     grid = parse_grid(ns.sets)
-    fixed = {text.partition("=")[0].strip() for text in overrides}
-    both = [key for key, _ in grid if key in fixed]
-    if both:
-        raise ConfigError(f"{', '.join(both)} is given both as a key=value and in --set; the --set values "
-                          "would replace it at every point: keep one")
     base = load_config(recipe, overrides).run.seed
     stem = Path(recipe).stem if recipe else "train"
     given = ns.out if ns.out is not None else Path("runs") / f"sweep-{stem}"

@@ -47,7 +47,6 @@ def resolve(ns: argparse.Namespace):
     """(config, run directory, overrides) from the command line."""
     from tether.cli.plan import split_recipe_args
     from tether.config import load_config, load_resumed
-    from tether.config.recipe import refuse_repeated_keys
     from tether.paths import check_folder_to_write
 
     if ns.force and not ns.resume:
@@ -60,7 +59,6 @@ def resolve(ns: argparse.Namespace):
         if overrides and "=" not in overrides[0]:
             raise ConfigError(f"with --resume the recipe is {run_dir / 'config.yaml'}; give only "
                               f"key=value overrides, not {overrides[0]!r}")
-        refuse_repeated_keys(overrides)
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
         cfg, dropped = load_resumed(run_dir / "config.yaml", overrides)

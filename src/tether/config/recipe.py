@@ -53,19 +53,6 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-def refuse_repeated_keys(overrides: Sequence[str]) -> None:
-    """Refuse a command line that gives one ``section.key`` twice: applied in order, the first
-    value would be dropped without a word (a recipe file refuses a key given twice likewise)."""
-    first: dict[str, str] = {}
-    for text in overrides:
-        section, key = parse_override(text)[0]
-        name = f"{section}.{key}"
-        if name in first:
-            raise ConfigError(f"{name} is given twice on the command line ({first[name]!r} and {text!r}); "
-                              "keep one")
-        first[name] = text
-
-
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Set each ``section.key=value`` into a copy of ``data``."""
     out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
@@ -97,4 +84,4 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
     return data
 
 
-__all__ = ["apply_overrides", "parse_override", "read_recipe", "refuse_repeated_keys"]
+__all__ = ["apply_overrides", "parse_override", "read_recipe"]
