@@ -48,6 +48,7 @@ def _socket_path(fd: int | None) -> str | None:
 
 _SOCKET: str | None = None
 _DRIVER = os.getppid()
+_SERVER = os.getpid()
 
 
 def _driver_gone(wait: float = 1.0) -> bool:
@@ -69,7 +70,10 @@ def _exit_at_once() -> None:
     server ends when its driver has gone, which removes its temporary folder as it exits, unless it
     was killed (SIGKILL, the OOM killer): then the server removes its socket there, and the folder
     if nothing else is left in it (never while the driver runs: it would start its next server
-    there). A forked child never runs this: multiprocessing ends each with ``os._exit``."""
+    there). A forked child never runs this: multiprocessing ends each with ``os._exit``; nor does
+    a process such a child forks in turn (it inherits the handler, and returns at once)."""
+    if os.getpid() != _SERVER:
+        return
     if _SOCKET and os.path.exists(_SOCKET) and _driver_gone():  # not an error's exit under a live driver
         with contextlib.suppress(OSError):
             os.unlink(_SOCKET)
