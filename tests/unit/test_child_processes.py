@@ -128,7 +128,7 @@ def test_a_server_that_ends_under_a_running_driver_leaves_its_socket_to_the_driv
     code = (
         "import os\n"
         "from multiprocessing import forkserver\n"
-        "from tether.procinfo import child_context, start_child, start_child_server\n"
+        "from tether.procinfo import start_child_server\n"
         "start_child_server()\n"
         "folder = os.path.dirname(forkserver._forkserver._forkserver_address)\n"
         "forkserver._forkserver._stop()\n"  # waits for the server, then unlinks the socket itself
